@@ -1,0 +1,93 @@
+"""Rotary position embeddings (HF Llama convention: rotate halves, not pairs).
+
+Inverse frequencies are computed once in NumPy float32 from the model config,
+exactly as `transformers.modeling_rope_utils` does, so that logits match the
+PyTorch models to float32 round-off. Positions are arrays, so the same code
+rotates keys at their absolute positions or at their rank in a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Hashable RoPE parameters (a static part of the model config)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r}; kvjax supports {SUPPORTED_ROPE_TYPES}"
+            )
+
+    @classmethod
+    def from_hf(cls, params: dict | None, default_theta: float = 10000.0) -> "RopeConfig":
+        """Reads transformers' `rope_parameters` (v5) or `rope_scaling` (v4) dict."""
+        params = dict(params or {})
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        kw = dict(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type)
+        if rope_type in ("linear", "llama3"):
+            kw["factor"] = float(params["factor"])
+        if rope_type == "llama3":
+            kw["low_freq_factor"] = float(params["low_freq_factor"])
+            kw["high_freq_factor"] = float(params["high_freq_factor"])
+            kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        out = {"rope_type": self.rope_type, "rope_theta": self.theta}
+        if self.rope_type in ("linear", "llama3"):
+            out["factor"] = self.factor
+        if self.rope_type == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return out
+
+
+def inv_freq(cfg: RopeConfig, head_dim: int) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, after any scaling."""
+    freq = 1.0 / (cfg.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    freq = freq.astype(np.float32)
+    if cfg.rope_type == "linear":
+        freq = freq / np.float32(cfg.factor)
+    elif cfg.rope_type == "llama3":
+        old = cfg.original_max_position_embeddings
+        low_wavelen = old / cfg.low_freq_factor
+        high_wavelen = old / cfg.high_freq_factor
+        wavelen = 2 * math.pi / freq
+        scaled = np.where(wavelen > low_wavelen, freq / cfg.factor, freq)
+        smooth = (old / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return freq
+
+
+def apply_rope(
+    x: Float[Array, "*batch t d"], positions: Int[Array, "*batch t"], freq: np.ndarray
+) -> Float[Array, "*batch t d"]:
+    """Rotates `x` by `positions` (any integer array broadcastable to x[..., 0])."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freq)  # [..., t, d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

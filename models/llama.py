@@ -1,0 +1,290 @@
+"""Llama in Flax NNX: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU, tied or untied head.
+
+Three entry points share one set of layers:
+
+* `model(tokens)`: full causal forward, logits for every position (training, parity).
+* `model.prefill(tokens, positions, policy, max_len)`: full attention over a
+  left-padded prompt (`positions` = -1 on padding), each layer's cache built by
+  the policy; returns the last position's logits and the cache.
+* `model.decode(tokens, positions, cache, policy)`: one token per row through
+  the cache.
+
+The policy is a static, hashable object, so these trace to fixed shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kvjax import attention
+from kvjax import cache as kvcache
+from kvjax.cache import Cache, LayerCache
+from kvjax.policies.base import Policy
+from kvjax.rope import RopeConfig, apply_rope, inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf) -> "LlamaConfig":
+        """From a `transformers` config object (v4 `rope_scaling` or v5 `rope_parameters`)."""
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r}: kvjax's Llama supports only 'silu'")
+        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+        eos = hf.eos_token_id
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        heads = hf.num_attention_heads
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            max_position_embeddings=hf.max_position_embeddings,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=eos,
+            pad_token_id=hf.pad_token_id,
+        )
+
+    def to_hf(self):
+        """The equivalent `transformers.LlamaConfig` (for saving a checkpoint)."""
+        from transformers import LlamaConfig as HFLlamaConfig
+
+        return HFLlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=self.rope.to_hf(),
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            pad_token_id=self.pad_token_id,
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    return inv_freq(rope, head_dim)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def _linear(i, o, bias, dtype, rngs):
+    init = nnx.initializers.normal(0.02)
+    return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.attention_bias, dtype, rngs)
+        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs)
+        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs)
+        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.attention_bias, dtype, rngs)
+        self.cfg = cfg
+        self.layer = layer
+
+    def _qkv(self, x: Float[Array, "b t D"]):
+        b, t, _ = x.shape
+        c = self.cfg
+        split = lambda y, n: y.reshape(b, t, n, c.head_dim).transpose(0, 2, 1, 3)
+        return split(self.q_proj(x), c.num_heads), split(self.k_proj(x), c.num_kv_heads), split(
+            self.v_proj(x), c.num_kv_heads
+        )
+
+    def _out(self, o: Float[Array, "b h t d"]) -> Float[Array, "b t D"]:
+        b, h, t, d = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, h * d))
+
+    def prefill(
+        self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], policy: Policy | None, cache: LayerCache | None
+    ):
+        freq = _freq(self.cfg.rope, self.cfg.head_dim)
+        q, k, v = self._qkv(x)
+        q_rot = apply_rope(q, pos[:, None, :], freq)
+        k_rot = apply_rope(k, pos[:, None, :], freq)
+        o = attention.prefill_attention(q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5)
+        if policy is not None:
+            k_store = k if policy.positions == "rolling" else k_rot
+            cache = policy.prefill(self.layer, cache, k_store, v, pos, {})
+        return self._out(o), cache
+
+    def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: LayerCache):
+        c = self.cfg
+        freq = _freq(c.rope, c.head_dim)
+        q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
+        b = q.shape[0]
+        rolling = policy.positions == "rolling"
+        k_store = k if rolling else apply_rope(k, pos[:, None, None], freq)
+        cache = policy.step(self.layer, cache, k_store[:, :, 0], v[:, :, 0], pos)
+        if rolling:
+            # StreamingLLM: positions are ranks inside the cache, the query being the newest.
+            rank = kvcache.ranks(cache.pos)
+            keys = apply_rope(cache.k, rank, freq)
+            q_rank = jnp.max(rank, axis=-1)  # [b, kvh]
+            qg = q.reshape(b, c.num_kv_heads, -1, c.head_dim)
+            q = apply_rope(qg, q_rank[:, :, None], freq).reshape(b, c.num_heads, c.head_dim)
+        else:
+            keys = cache.k
+            q = apply_rope(q, pos[:, None, None], freq)[:, :, 0]
+        o, stats = attention.decode_attention(
+            q,
+            keys,
+            cache.v,
+            cache.pos,
+            cache.log_w,
+            scale=c.head_dim**-0.5,
+            stats=policy.stats_needed(self.layer),
+        )
+        cache = policy.observe(self.layer, cache, stats)
+        return self._out(o[:, :, None, :]), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs)
+        self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs)
+        self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def _finish(self, x, a):
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def prefill(self, x, pos, policy, cache):
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache)
+        return self._finish(x, a), cache
+
+    def decode(self, x, pos, policy, cache):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache)
+        return self._finish(x, a), cache
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def _logits(self, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
+        h = self.norm(h)
+        out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None):
+        """Full causal forward: logits `[b, t, vocab]`."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x, _ = layer.prefill(x, positions, None, None)
+        return self._logits(x)
+
+    def init_cache(self, policy: Policy, batch: int, max_len: int) -> Cache:
+        c = self.cfg
+        return tuple(
+            kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len), c.head_dim, self.dtype)
+            for i in range(c.num_layers)
+        )
+
+    def prefill(
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
+    ) -> tuple[Float[Array, "b V"], Cache]:
+        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens)."""
+        caches = self.init_cache(policy, tokens.shape[0], max_len)
+        x = self.embed_tokens(tokens)
+        out = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer.prefill(x, positions, policy, cache)
+            out.append(cache)
+        return self._logits(x[:, -1]), tuple(out)
+
+    def decode(
+        self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy
+    ) -> tuple[Float[Array, "b V"], Cache]:
+        """One token per row at `positions` through the cache."""
+        x = self.embed_tokens(tokens[:, None])
+        out = []
+        for layer, c in zip(self.layers, cache):
+            x, c = layer.decode(x, positions, policy, c)
+            out.append(c)
+        return self._logits(x[:, 0]), tuple(out)
