@@ -1,0 +1,102 @@
+"""Reference attention in plain jnp: the specification the Pallas kernels must match.
+
+Layouts: queries `[b, h, t, d]`, keys/values `[b, kvh, s, d]` with `h = kvh * g`
+(GQA: query head `i` reads KV head `i // g`, as in transformers). Softmax runs in
+float32 whatever the input dtype. Masks come from positions: a key is visible if
+its position is >= 0 and not after the query's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# Finite, so a row with no visible key (a padding query) gives a uniform, finite
+# softmax instead of NaN; such rows are never read.
+_MASKED = -1e30
+# Queries per block in prefill: bounds the score buffer to [block, T] per head.
+PREFILL_BLOCK = 512
+
+
+def _group(q: Float[Array, "b h t d"], kv_heads: int) -> Float[Array, "b kvh g t d"]:
+    b, h, t, d = q.shape
+    if h % kv_heads:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv_heads})")
+    return q.reshape(b, kv_heads, h // kv_heads, t, d)
+
+
+def _prefill_block(q, k, v, q_pos, k_pos, scale):
+    # q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk]
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [b, tq, tk]
+    s = jnp.where(visible[:, None, None], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def prefill_attention(
+    q: Float[Array, "b h t d"],
+    k: Float[Array, "b kvh s d"],
+    v: Float[Array, "b kvh s d"],
+    q_pos: Int[Array, "b t"],
+    k_pos: Int[Array, "b s"],
+    *,
+    scale: float,
+    block: int = PREFILL_BLOCK,
+) -> Float[Array, "b h t d"]:
+    """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    qg = _group(q, kvh)
+    if t <= block:
+        out = _prefill_block(qg, k, v, q_pos, k_pos, scale)
+    else:
+        n = -(-t // block)
+        pad = n * block - t
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+        qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+        qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
+        qp = qp.reshape(b, n, block).transpose(1, 0, 2)
+        out = jax.lax.map(lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale), (qg, qp))
+        out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
+    return out.reshape(b, h, t, d).astype(q.dtype)
+
+
+def decode_attention(
+    q: Float[Array, "b h d"],
+    k: Float[Array, "b kvh c d"],
+    v: Float[Array, "b kvh c d"],
+    slot_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"],
+    *,
+    scale: float,
+    stats: frozenset[str] = frozenset(),
+) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
+    """One query per row against `C` cache slots (the query's own token already inserted).
+
+    Validity comes from `slot_pos >= 0`; `log_w` is added to each slot's logit
+    (RazorAttention's `log N_d` compensation weight). Optional statistics:
+
+    * "probs": `[b, kvh, c]` attention probabilities summed over the group's query heads;
+    * "first_logit": `[b, kvh, g]` scaled logit to the slot holding position 0 (-inf-like if evicted).
+    """
+    b, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    s = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=jnp.float32) * scale
+    s = s + log_w[:, :, None, :]
+    valid = slot_pos >= 0
+    s = jnp.where(valid[:, :, None, :], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out_stats = {}
+    if "probs" in stats:
+        out_stats["probs"] = p.sum(axis=2)
+    if "first_logit" in stats:
+        first = slot_pos == 0
+        out_stats["first_logit"] = jnp.max(jnp.where(first[:, :, None, :], s, _MASKED), axis=-1)
+    unknown = stats - {"probs", "first_logit"}
+    if unknown:
+        raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")
+    return out.reshape(b, h, d).astype(q.dtype), out_stats

@@ -1,0 +1,151 @@
+"""The KV cache: a static-capacity pytree per layer.
+
+Every array has a fixed slot count `C`, chosen by the policy from its budget, so
+prefill and decode compile once per shape. Slots are identified by the absolute
+position of the token they hold (`pos`, -1 when empty); masks are built from
+`pos`, never from slot indices, which is what lets a ring buffer wrap, a policy
+evict anywhere, and ALiBi / rolling RoPE stay right after eviction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+EMPTY = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's cache.
+
+    k, v:  [batch, kv_heads, C, head_dim]  keys (rotated or not, see the policy's
+           `positions` mode) and values.
+    pos:   [batch, kv_heads, C] int32  absolute position of each slot's token, -1 empty.
+    score: [batch, kv_heads, C] f32    the policy's per-slot statistic (H2O mass, MAT logit, ...).
+    log_w: [batch, kv_heads, C] f32    additive logit bias (log N_d for a compensation slot).
+    """
+
+    k: Float[Array, "b kvh c d"]
+    v: Float[Array, "b kvh c d"]
+    pos: Int[Array, "b kvh c"]
+    score: Float[Array, "b kvh c"]
+    log_w: Float[Array, "b kvh c"]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+Cache = tuple[LayerCache, ...]
+
+
+def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:
+    shape = (batch, kv_heads, capacity)
+    return LayerCache(
+        k=jnp.zeros((*shape, head_dim), dtype),
+        v=jnp.zeros((*shape, head_dim), dtype),
+        pos=jnp.full(shape, EMPTY, jnp.int32),
+        score=jnp.zeros(shape, jnp.float32),
+        log_w=jnp.zeros(shape, jnp.float32),
+    )
+
+
+def gather_prompt(
+    cache: LayerCache,
+    k: Float[Array, "b kvh t d"],
+    v: Float[Array, "b kvh t d"],
+    pos: Int[Array, "b t"],
+    src: Int[Array, "b kvh c"],
+) -> LayerCache:
+    """Fills every slot from prompt index `src` (a time index into k/v), or empties it (src < 0).
+
+    The one gather every prefill compression shares: a policy only decides `src`.
+    """
+    take = jnp.maximum(src, 0)
+    keep = src >= 0
+    k_new = jnp.take_along_axis(k, take[..., None], axis=2)
+    v_new = jnp.take_along_axis(v, take[..., None], axis=2)
+    pos_b = jnp.broadcast_to(pos[:, None, :], src.shape[:2] + pos.shape[1:])
+    p_new = jnp.take_along_axis(pos_b, take, axis=2)
+    return dataclasses.replace(
+        cache,
+        k=jnp.where(keep[..., None], k_new, 0).astype(cache.k.dtype),
+        v=jnp.where(keep[..., None], v_new, 0).astype(cache.v.dtype),
+        pos=jnp.where(keep, p_new, EMPTY).astype(jnp.int32),
+    )
+
+
+def write(
+    cache: LayerCache,
+    slot: Int[Array, "b kvh"],
+    k: Float[Array, "b kvh d"],
+    v: Float[Array, "b kvh d"],
+    pos: Int[Array, "b"],
+    score: Float[Array, "b kvh"] | float = 0.0,
+) -> LayerCache:
+    """Writes one token per (row, KV head) into `slot`; rows with pos < 0 are left unchanged.
+
+    A scatter (O(head_dim) per head), so a donated cache is updated in place.
+    """
+    b, h = slot.shape
+    slot = jnp.where(pos[:, None] >= 0, slot, cache.capacity)  # out of range -> dropped
+    idx = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)
+    score = jnp.broadcast_to(jnp.asarray(score, jnp.float32), (b, h))
+    return LayerCache(
+        k=cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
+        pos=cache.pos.at[idx].set(jnp.broadcast_to(pos[:, None], (b, h)), mode="drop"),
+        score=cache.score.at[idx].set(score, mode="drop"),
+        log_w=cache.log_w.at[idx].set(0.0, mode="drop"),
+    )
+
+
+def ranks(pos: Int[Array, "... c"]) -> Int[Array, "... c"]:
+    """Rank of each valid slot among the valid slots of its row, by position; -1 if empty.
+
+    Rolling mode rotates keys by this rank (StreamingLLM's "positions within the
+    cache"), so a cache of C slots never sees a position >= C.
+    """
+    valid = pos >= 0
+    key = jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=-1)
+    rank = jnp.argsort(order, axis=-1).astype(jnp.int32)
+    return jnp.where(valid, rank, EMPTY)
+
+
+def kept_positions(cache: Cache) -> list[np.ndarray]:
+    """The inspection API: per layer, `[batch, kv_heads, C]` positions held, sorted, -1 last.
+
+    Sorting makes the result independent of slot layout, so it can be compared
+    with a plain-Python reference of any policy.
+    """
+    out = []
+    for layer in cache:
+        p = np.asarray(layer.pos)
+        out.append(np.sort(np.where(p < 0, np.iinfo(np.int32).max, p), axis=-1))
+        out[-1] = np.where(out[-1] == np.iinfo(np.int32).max, EMPTY, out[-1])
+    return out
+
+
+def kept_sets(cache: Cache, row: int = 0) -> list[list[list[int]]]:
+    """Per layer, per KV head, the sorted list of positions kept for batch row `row`."""
+    return [[[int(p) for p in head if p >= 0] for head in layer[row]] for layer in kept_positions(cache)]
+
+
+def nbytes(cache: Cache) -> int:
+    return sum(layer.nbytes for layer in cache)
+
+
+def num_slots(cache: Cache) -> int:
+    """Slots per sequence, summed over layers and KV heads."""
+    return sum(layer.k.shape[1] * layer.capacity for layer in cache)
