@@ -1,0 +1,231 @@
+"""Generation: a jitted prefill and a decode loop in one `lax.while_loop`.
+
+The model is split with `nnx.split` outside and merged inside `jax.jit`, so the
+compiled functions are pure in `(graphdef, state)`. Prompts are left padded to
+a bucket length (positions -1 on padding): every prompt length in a bucket
+reuses one compilation of prefill and one of the decode loop. The cache is
+donated to the decode loop, so the loop updates it in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from kvjax import cache as kvcache
+from kvjax.cache import Cache
+from kvjax.policies.base import Policy
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy when `temperature == 0`, else temperature + nucleus (top-p) sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+def sample(logits: Float[Array, "b V"], key: PRNGKeyArray, sampling: Sampling) -> Int[Array, "b"]:
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+        drop_sorted = (jnp.cumsum(probs, axis=-1) - probs) >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def bucket_length(n: int, min_bucket: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= n (and >= min_bucket)."""
+    return max(min_bucket, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def truncate_middle(ids: Sequence[int], max_len: int) -> list[int]:
+    """LongBench's middle truncation: keep the first and last `max_len // 2` tokens."""
+    ids = list(ids)
+    if len(ids) <= max_len:
+        return ids
+    half = max_len // 2
+    return ids[:half] + ids[len(ids) - (max_len - half) :]
+
+
+def pad_left(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens `[b, length]` left padded with `pad_id`, positions `[b, length]` (-1 on padding)."""
+    b = len(prompts)
+    tokens = np.full((b, length), pad_id, np.int32)
+    positions = np.full((b, length), -1, np.int32)
+    for i, p in enumerate(prompts):
+        n = len(p)
+        tokens[i, length - n :] = p
+        positions[i, length - n :] = np.arange(n)
+    return tokens, positions
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    step: Int[Array, ""]  # index of the next token to write into `tokens`
+    tokens: Int[Array, "b n"]
+    pos: Int[Array, "b"]  # position of tokens[:, step - 1], the token decoded next
+    done: Array  # [b] bool: EOS emitted
+    key: PRNGKeyArray
+    cache: Cache
+
+
+def _prefill(graphdef, state, tokens, positions, key, *, policy, max_len, sampling):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens, positions, policy, max_len)
+    return sample(logits, key, sampling), cache
+
+
+def _decode(graphdef, state, cache, first, pos, key, *, policy, sampling, eos, max_new, pad_id):
+    model = nnx.merge(graphdef, state)
+    b = first.shape[0]
+    eos_ids = jnp.asarray(eos, jnp.int32)
+
+    def cond(s: DecodeState):
+        return (s.step < max_new) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        last = s.tokens[:, s.step - 1]
+        logits, c = model.decode(last, s.pos, s.cache, policy)
+        key, sub = jax.random.split(s.key)
+        tok = jnp.where(s.done, pad_id, sample(logits, sub, sampling))
+        return DecodeState(
+            step=s.step + 1,
+            tokens=s.tokens.at[:, s.step].set(tok),
+            pos=s.pos + 1,
+            done=s.done | jnp.isin(tok, eos_ids),
+            key=key,
+            cache=c,
+        )
+
+    init = DecodeState(
+        step=jnp.int32(1),
+        tokens=jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(first),
+        pos=pos,
+        done=jnp.isin(first, eos_ids),
+        key=key,
+        cache=cache,
+    )
+    out = jax.lax.while_loop(cond, body, init)
+    return out.tokens, out.step, out.cache
+
+
+prefill_fn = jax.jit(_prefill, static_argnames=("policy", "max_len", "sampling"))
+decode_fn = jax.jit(
+    _decode, static_argnames=("policy", "sampling", "eos", "max_new", "pad_id"), donate_argnames=("cache",)
+)
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: np.ndarray  # [b, max_new_tokens], pad after EOS
+    lengths: np.ndarray  # [b] tokens generated per row, EOS included
+    cache: Cache  # the final cache (inspect with kvjax.cache.kept_positions)
+    prompt_bucket: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int  # loop iterations run (tokens after the first)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens.shape[0] * self.decode_steps / max(self.decode_s, 1e-9)
+
+    def sequences(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    policy: Policy,
+    *,
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    key: PRNGKeyArray | None = None,
+    eos_ids: Sequence[int] | None = None,
+    pad_id: int | None = None,
+    truncate: bool = False,
+    min_bucket: int = MIN_BUCKET,
+) -> Generation:
+    """Generates up to `max_new_tokens` per prompt (a batch of token-id lists) under `policy`.
+
+    With `truncate=True`, prompts too long for the model are middle-truncated
+    (LongBench's rule); otherwise they are an error.
+    """
+    cfg = model.cfg
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    prompts = [list(map(int, p)) for p in prompts]
+    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    # Absolute positions grow through generation; rolling ones stay below the cache size,
+    # but the prompt itself is attended at its true positions.
+    limit = cfg.max_position_embeddings - (max_new_tokens if policy.positions == "absolute" else 0)
+    longest = max(map(len, prompts))
+    if longest > limit:
+        if not truncate or limit < 2:
+            raise ValueError(
+                f"prompt of {longest} tokens{' + max_new_tokens=' + str(max_new_tokens) if policy.positions == 'absolute' else ''} "
+                f"exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; pass "
+                "truncate=True (middle truncation), shorten the prompt, or use rolling positions"
+            )
+        prompts = [truncate_middle(p, limit) for p in prompts]
+        longest = limit
+    eos = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
+    pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    bucket = bucket_length(longest, min_bucket)
+    tokens, positions = pad_left(prompts, bucket, pad)
+    key = jax.random.key(0) if key is None else key
+    k_prefill, k_decode = jax.random.split(key)
+    graphdef, state = nnx.split(model)
+
+    t0 = time.perf_counter()
+    first, cache = prefill_fn(
+        graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + max_new_tokens, sampling=sampling
+    )
+    first.block_until_ready()
+    t1 = time.perf_counter()
+    next_pos = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    out, steps, cache = decode_fn(
+        graphdef, state, cache, first, next_pos, k_decode,
+        policy=policy, sampling=sampling, eos=eos, max_new=max_new_tokens, pad_id=pad,
+    )
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    is_eos = np.isin(out, eos)
+    lengths = np.where(is_eos.any(1), is_eos.argmax(1) + 1, max_new_tokens)
+    return Generation(
+        tokens=out,
+        lengths=lengths,
+        cache=cache,
+        prompt_bucket=bucket,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        decode_steps=int(steps) - 1,
+    )
