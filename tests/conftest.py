@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.tiny import make_random_checkpoint, tiny_config
+
+# Parity tolerances (1e-4 / 1e-5 in float32) assume true float32 matmuls; GPUs default to
+# TF32 for float32 dots, so the suite asks for full precision on every backend.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def hf_llama(path, *, seed=0, init_range=0.1, **overrides):
+    """A random `transformers` LlamaForCausalLM saved to `path`; returns (torch model, path)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=init_range,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():  # RMSNorm weights start at 1: perturb them so they are really tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A kvjax-made random checkpoint (no torch needed): 2 layers, 4 heads, 2 KV heads."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    from models import load
+
+    return load(tiny_dir)
+
+
+def stepper(model, policy, max_len):
+    """Jitted prefill / decode of `model` under `policy`, for teacher-forced tests."""
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=())
+    def prefill(tokens, positions):
+        return nnx.merge(graphdef, state).prefill(tokens, positions, policy, max_len)
+
+    @jax.jit
+    def decode(tokens, positions, cache):
+        return nnx.merge(graphdef, state).decode(tokens, positions, cache, policy)
+
+    return prefill, decode
+
+
+def random_ids(n, vocab, seed=0, low=4):
+    return np.random.RandomState(seed).randint(low, vocab, size=n).tolist()

@@ -1,0 +1,35 @@
+"""The command-line main job."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from experiments import common
+from experiments import generate as gen_cli
+
+
+def test_generate_cli_on_a_local_model(tiny_dir, capsys):
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--budget", "32",
+                         "--max-new-tokens", "12", "hello there", "second prompt"]) == 0
+    out = capsys.readouterr().out
+    assert "RANDOM WEIGHTS" not in out  # an explicit --model is not labelled
+    assert "StreamingLLM(positions='absolute', budget=32, sinks=4)" in out
+    assert out.count(">>> ") == 2
+    # 2 layers x 2 KV heads x 32 slots; the full cache would hold the 16-token bucket + 12 new
+    assert re.search(r"cache\s+28 slots per KV head and layer; 112 slots", out), out
+    assert re.search(r"decode [\d.]+ tokens/s", out)
+
+
+def test_generate_cli_default_model_is_labelled_random(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(common, "RANDOM_DEFAULT_DIR", tmp_path / "random")
+    assert gen_cli.main(["--max-new-tokens", "4", "--policy", "full"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("NOTE: RANDOM WEIGHTS")
+    assert (tmp_path / "random" / "model.safetensors").is_file()
+
+
+def test_generate_cli_rejects_bad_budget(tiny_dir):
+    with pytest.raises(ValueError, match=r"budget=3 is smaller than sinks \+ 1 = 5"):
+        gen_cli.main(["--model", str(tiny_dir), "--budget", "3"])

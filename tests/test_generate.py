@@ -1,0 +1,117 @@
+"""Generation: greedy correctness, batching, EOS, sampling, compile count, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import FullCache, Sampling, StreamingLLM, generate
+from kvjax.generate import bucket_length, decode_fn, prefill_fn, truncate_middle
+from tests.conftest import random_ids
+
+
+def greedy_reference(model, ids, n):
+    """Greedy continuation by re-running the full forward pass for every token."""
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(np.argmax(np.asarray(model(jnp.asarray([ids])))[0, -1])))
+    return ids[-n:]
+
+
+def test_greedy_full_cache_matches_full_forward(tiny):
+    ids = random_ids(23, 260, seed=10)
+    g = generate(tiny.model, [ids], FullCache(), max_new_tokens=12, eos_ids=())
+    assert g.tokens[0].tolist() == greedy_reference(tiny.model, ids, 12)
+    assert g.lengths.tolist() == [12] and g.decode_steps == 11
+
+
+@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(budget=12, sinks=2)])
+def test_batch_with_left_padding_equals_one_by_one(tiny, policy):
+    prompts = [random_ids(n, 260, seed=s) for n, s in [(30, 11), (9, 12), (17, 13)]]
+    batch = generate(tiny.model, prompts, policy, max_new_tokens=15, eos_ids=())
+    for row, p in zip(batch.tokens, prompts):
+        alone = generate(tiny.model, [p], policy, max_new_tokens=15, eos_ids=())
+        assert row.tolist() == alone.tokens[0].tolist()
+
+
+def test_eos_stops_rows_and_the_loop(tiny):
+    ids = random_ids(20, 260, seed=14)
+    free = generate(tiny.model, [ids], FullCache(), max_new_tokens=20, eos_ids=()).tokens[0]
+    eos = int(free[3])
+    first = int(np.argmax(free == eos))  # the first occurrence may come before index 3
+    g = generate(tiny.model, [ids], FullCache(), max_new_tokens=20, eos_ids=(eos,), pad_id=0)
+    assert g.lengths.tolist() == [first + 1]
+    assert g.tokens[0, : first + 1].tolist() == free[: first + 1].tolist()
+    assert (g.tokens[0, first + 1 :] == 0).all()
+    assert g.decode_steps == first  # the while_loop stopped when every row was done
+
+
+def test_sampling(tiny):
+    ids = random_ids(20, 260, seed=15)
+    hot = Sampling(temperature=1.0)
+    a = generate(tiny.model, [ids], FullCache(), max_new_tokens=10, sampling=hot, key=jax.random.key(1), eos_ids=())
+    b = generate(tiny.model, [ids], FullCache(), max_new_tokens=10, sampling=hot, key=jax.random.key(1), eos_ids=())
+    c = generate(tiny.model, [ids], FullCache(), max_new_tokens=10, sampling=hot, key=jax.random.key(2), eos_ids=())
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.tokens.tolist() != c.tokens.tolist()  # a random model is near uniform over 260 tokens
+    greedy = generate(tiny.model, [ids], FullCache(), max_new_tokens=10, eos_ids=())
+    nucleus = generate(
+        tiny.model, [ids], FullCache(), max_new_tokens=10, sampling=Sampling(1.0, top_p=1e-6), key=jax.random.key(3), eos_ids=()
+    )
+    assert nucleus.tokens.tolist() == greedy.tokens.tolist()  # top_p -> 0 keeps only the argmax
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    from kvjax.generate import sample
+
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    draws = jax.vmap(lambda k: sample(logits, k, Sampling(1.0, top_p=0.75)))(jax.random.split(jax.random.key(0), 2000))
+    assert set(np.unique(np.asarray(draws)).tolist()) == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+
+
+def test_decode_compiles_once_per_bucket(tiny):
+    """Two prompt lengths in one bucket, >= 20 decode steps each: one compilation of each function."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    policy = StreamingLLM(budget=16, sinks=4)
+    assert bucket_length(40) == bucket_length(57) == 64
+    before = (prefill_fn._cache_size(), decode_fn._cache_size())
+    g1 = generate(tiny.model, [random_ids(40, 260, seed=16)], policy, max_new_tokens=24, eos_ids=())
+    n_first = len(compiles)
+    g2 = generate(tiny.model, [random_ids(57, 260, seed=17)], policy, max_new_tokens=24, eos_ids=())
+    assert g1.decode_steps == g2.decode_steps == 23
+    assert (prefill_fn._cache_size(), decode_fn._cache_size()) == (before[0] + 1, before[1] + 1)
+    assert n_first >= 2 and len(compiles) == n_first  # the second length compiled nothing
+
+
+def test_prompt_too_long_is_an_error_unless_truncated(tiny):
+    limit = tiny.config.max_position_embeddings  # 4096
+    ids = random_ids(limit - 10, 260, seed=18)
+    with pytest.raises(ValueError, match=rf"prompt of {limit - 10} tokens \+ max_new_tokens=20 exceeds .*max_position_embeddings={limit}"):
+        generate(tiny.model, [ids], StreamingLLM(budget=32), max_new_tokens=20)
+    g = generate(tiny.model, [ids], StreamingLLM(budget=32), max_new_tokens=20, truncate=True, eos_ids=())
+    assert g.prompt_bucket == 4096 and g.lengths.tolist() == [20]
+    # Rolling positions never exceed the cache size while decoding: only the prompt must fit.
+    g = generate(tiny.model, [ids], StreamingLLM(budget=32, positions="rolling"), max_new_tokens=20, eos_ids=())
+    assert g.lengths.tolist() == [20]
+
+
+def test_truncate_middle():
+    assert truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
+    assert truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]
+    assert truncate_middle([1, 2], 5) == [1, 2]
+
+
+def test_bad_inputs(tiny):
+    with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
+        generate(tiny.model, [[5, 999]], FullCache())
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(tiny.model, [[]], FullCache())
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        generate(tiny.model, [[5]], FullCache(), max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        Sampling(temperature=-1)

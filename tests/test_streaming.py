@@ -1,0 +1,130 @@
+"""FullCache / LocalWindow / StreamingLLM against plain-Python references."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import FullCache, LocalWindow, StreamingLLM, make_policy
+from kvjax.cache import kept_sets
+from kvjax.policies.ring import ring_holder, ring_slot
+from tests.conftest import random_ids, stepper
+from tests.reference import RefLlama, streaming_keep
+
+
+def test_ring_holder_is_the_closed_form_of_writing_token_by_token():
+    for sinks, cap in [(0, 1), (0, 5), (2, 3), (4, 8), (3, 10)]:
+        lengths = np.arange(0, 40)
+        got = np.asarray(ring_holder(jnp.asarray(lengths), sinks, cap))
+        for n in lengths:
+            slots = [-1] * cap
+            for p in range(n):
+                slots[int(ring_slot(jnp.asarray(p), sinks, cap))] = p
+            assert got[n].tolist() == slots, (sinks, cap, n)
+
+
+def _prompt(ids, bucket):
+    toks = np.zeros((1, bucket), np.int32)
+    pos = np.full((1, bucket), -1, np.int32)
+    toks[0, bucket - len(ids) :] = ids
+    pos[0, bucket - len(ids) :] = np.arange(len(ids))
+    return jnp.asarray(toks), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 12, 30], ids=["short", "at-budget", "long"])
+@pytest.mark.parametrize(
+    "policy,keep",
+    [
+        (StreamingLLM(budget=12, sinks=4), streaming_keep(4, 12)),
+        (StreamingLLM(budget=12, sinks=0), streaming_keep(0, 12)),
+        (LocalWindow(window=7), streaming_keep(0, 7)),
+        (FullCache(), lambda ps: ps),
+    ],
+    ids=["streaming", "streaming-nosink", "local", "full"],
+)
+def test_kept_positions_after_every_step(tiny, policy, keep, prompt_len):
+    ids = random_ids(60, 260, seed=7)
+    bucket = 32
+    prefill, decode = stepper(tiny.model, policy, max_len=bucket + 40)
+    _, cache = prefill(*_prompt(ids[:prompt_len], bucket))
+    seen = list(range(prompt_len))
+    for t in range(prompt_len, prompt_len + 30):
+        expected = sorted(keep(seen))
+        for layer in kept_sets(cache):
+            for head in layer:  # every layer and KV head keeps the same positions
+                assert head == expected, (t, head, expected)
+        _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        seen.append(t)
+
+
+@pytest.mark.parametrize("positions", ["rolling", "absolute"])
+@pytest.mark.parametrize("prompt_len", [6, 20], ids=["short", "long"])
+def test_streaming_logits_match_reference(tiny, tiny_dir, positions, prompt_len):
+    """Logits at every decode step equal a NumPy model that evicts by the plain rule and,
+    in rolling mode, recomputes attention with positions reassigned by rank."""
+    sinks, budget = 2, 10
+    ref = RefLlama(tiny_dir)
+    keep = streaming_keep(sinks, budget)
+    ids = random_ids(50, 260, seed=8)
+    caches = [[] for _ in range(ref.L)]
+    ref_logits = [ref.prefill(ids[:prompt_len], caches, keep)]
+    for t in range(prompt_len, 45):
+        ref_logits.append(ref.step(ids[t], t, caches, keep, rolling=positions == "rolling"))
+
+    bucket = 32
+    prefill, decode = stepper(tiny.model, StreamingLLM(budget=budget, sinks=sinks, positions=positions), bucket + 45)
+    logits, cache = prefill(*_prompt(ids[:prompt_len], bucket))
+    ours = [np.asarray(logits[0])]
+    for t in range(prompt_len, 45):
+        logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        ours.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(ours), np.stack(ref_logits), atol=1e-4, rtol=0)
+
+
+def test_rolling_differs_from_absolute_after_eviction(tiny):
+    """Guards the test above: once tokens are evicted the two modes must disagree."""
+    ids = random_ids(40, 260, seed=9)
+    outs = {}
+    for mode in ("absolute", "rolling"):
+        prefill, decode = stepper(tiny.model, StreamingLLM(budget=8, sinks=2, positions=mode), 64)
+        logits, cache = prefill(*_prompt(ids[:6], 16))
+        for t in range(6, 30):
+            logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        outs[mode] = np.asarray(logits)
+    assert np.abs(outs["absolute"] - outs["rolling"]).max() > 1e-3
+
+
+def test_capacity_is_the_budget_not_the_context():
+    p = StreamingLLM(budget=256, sinks=4)
+    assert p.capacity(0, 16_384) == 256
+    assert p.capacity(0, 100) == 100  # never more slots than tokens
+    assert LocalWindow(window=64).capacity(3, 10_000) == 64
+    assert FullCache().capacity(0, 1234) == 1234
+
+
+@pytest.mark.parametrize("budget,sinks", [(4, 4), (0, 0), (3, 5)])
+def test_budget_smaller_than_sinks_plus_one_is_an_error(budget, sinks):
+    with pytest.raises(ValueError, match=rf"budget={budget} is smaller than sinks \+ 1 = {sinks + 1}"):
+        StreamingLLM(budget=budget, sinks=sinks)
+
+
+def test_policy_errors():
+    with pytest.raises(ValueError, match="window=0"):
+        LocalWindow(window=0)
+    with pytest.raises(ValueError, match="positions='relative'"):
+        StreamingLLM(positions="relative")
+    with pytest.raises(ValueError, match="unknown policy 'h2o'"):
+        make_policy("h2o", 128)
+    with pytest.raises(ValueError, match="needs a budget"):
+        make_policy("streaming")
+
+
+def test_policies_are_hashable_static_arguments():
+    a, b = StreamingLLM(budget=64, sinks=4), StreamingLLM(budget=64, sinks=4)
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, StreamingLLM(budget=64, sinks=2), FullCache(), LocalWindow(window=64)}) == 4
+    for x, y in itertools.combinations([FullCache(), LocalWindow(window=8), StreamingLLM(budget=8, sinks=0)], 2):
+        assert x != y
