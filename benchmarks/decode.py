@@ -1,0 +1,146 @@
+"""Decode speed and cache bytes: FullCache vs StreamingLLM at growing prompt lengths.
+
+    python -m benchmarks.decode [--lengths 1024,4096,16384] [--new 128] [--out benchmarks/results]
+
+Writes decode_<platform>.json / .md / .png. Also times transformers' PyTorch
+`generate` on the same weights and prompt when torch is installed. Numbers are
+for reading, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from kvjax import FullCache, Sampling, StreamingLLM
+from kvjax.cache import nbytes
+from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
+from models import load
+from models.tiny import make_random_checkpoint, tiny_config
+
+BENCH_CONFIG = dict(
+    vocab_size=260, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=2,
+    head_dim=32, max_position_embeddings=32768,
+)
+
+
+def time_kvjax(model, ids, policy, new, repeats=3):
+    """Prefill once (timed after compiling), then time the decode loop on fresh copies of the cache."""
+    graphdef, state = nnx.split(model)
+    n = len(ids)
+    bucket = bucket_length(n)
+    tokens, positions = pad_left([ids], bucket, 0)
+    key = jax.random.key(0)
+    pre = functools.partial(prefill_fn, graphdef, state, tokens, positions, key, policy=policy,
+                            max_len=bucket + new, sampling=Sampling())
+    jax.block_until_ready(pre())  # compile
+    t = time.perf_counter()
+    first, cache = jax.block_until_ready(pre())
+    prefill_s = time.perf_counter() - t
+    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), eos=(), max_new=new, pad_id=0)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run compiles
+        c = jax.tree.map(jnp.copy, cache)
+        jax.block_until_ready(c)
+        t = time.perf_counter()
+        out, steps, c = dec(c, first, jnp.asarray([n], jnp.int32), key)
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t)
+    return dict(tok_s=(int(steps) - 1) / best, prefill_s=prefill_s, cache_bytes=nbytes(c))
+
+
+def time_torch(path, ids, new):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() and jax.devices()[0].platform == "gpu" else "cpu"
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    x = torch.tensor([ids], device=device)
+
+    def run(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(2)
+    # Decode time = (n new tokens) - (1 new token): removes the prefill from the figure.
+    decode = min(run(new) for _ in range(2)) - min(run(1) for _ in range(2))
+    return dict(tok_s=(new - 1) / decode)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    plat = jax.devices()[0].platform
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tmp = Path(tempfile.mkdtemp())
+    make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG), seed=0)
+    model = load(tmp).model
+    try:
+        import torch  # noqa: F401
+
+        with_torch = not args.no_torch
+    except ImportError:
+        with_torch = False
+
+    policies = {"full": FullCache(), f"streaming{args.budget}": StreamingLLM(budget=args.budget, sinks=4)}
+    rows = []
+    for n in tqdm(lengths, desc="prompt lengths"):
+        ids = np.random.RandomState(n).randint(4, 260, n).tolist()
+        for name, policy in policies.items():
+            rows.append(dict(impl="kvjax", policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new)))
+        if with_torch:
+            rows.append(dict(impl="torch", policy="full", prompt=n, **time_torch(tmp, ids, args.new)))
+
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+                config=BENCH_CONFIG, new_tokens=args.new, jax=jax.__version__)
+    (out / f"decode_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    lines = [f"# Decode benchmark ({meta['device']}, jax {jax.__version__})", "",
+             f"Tiny Llama {BENCH_CONFIG}, batch 1, {args.new} new tokens, float32, greedy.", "",
+             "| impl | policy | prompt | decode tok/s | prefill s | cache MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
+        pre = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
+        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['tok_s']:.1f} | {pre} | {mib} |")
+    (out / f"decode_{plat}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (impl, pol) in sorted({(r["impl"], r["policy"]) for r in rows}):
+        pts = [(r["prompt"], r["tok_s"]) for r in rows if (r["impl"], r["policy"]) == (impl, pol)]
+        ax.plot(*zip(*pts), marker="o", label=f"{impl} {pol}")
+    ax.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s", title=f"decode speed ({plat})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"decode_{plat}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
