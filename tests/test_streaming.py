@@ -19,10 +19,14 @@ def test_ring_holder_is_the_closed_form_of_writing_token_by_token():
     for sinks, cap in [(0, 1), (0, 5), (2, 3), (4, 8), (3, 10)]:
         lengths = np.arange(0, 40)
         got = np.asarray(ring_holder(jnp.asarray(lengths), sinks, cap))
+        slot_of = np.asarray(ring_slot(jnp.arange(40), sinks, cap))
         for n in lengths:
             slots = [-1] * cap
             for p in range(n):
-                slots[int(ring_slot(jnp.asarray(p), sinks, cap))] = p
+                # the layout's definition, written out: sinks first, then a ring of cap - sinks
+                expected = p if p < sinks else sinks + (p - sinks) % (cap - sinks)
+                assert slot_of[p] == expected
+                slots[expected] = p
             assert got[n].tolist() == slots, (sinks, cap, n)
 
 
