@@ -1,8 +1,8 @@
 """Reference attention in plain jnp: the specification the Pallas kernels must match.
 
 Layouts: queries `[b, h, t, d]`, keys/values `[b, kvh, s, d]` with `h = kvh * g`
-(GQA: query head `i` reads KV head `i // g`, as in transformers). Softmax runs in
-float32 whatever the input dtype. Masks come from positions: a key is visible if
+(GQA: query head `i` reads KV head `i // g`, as in transformers). Scores and
+softmax run in float32 for half-precision inputs (float64 for float64 ones). Masks come from positions: a key is visible if
 its position is >= 0 and not after the query's.
 """
 
@@ -26,13 +26,18 @@ def _group(q: Float[Array, "b h t d"], kv_heads: int) -> Float[Array, "b kvh g t
     return q.reshape(b, kv_heads, h // kv_heads, t, d)
 
 
+def _acc(dtype):
+    """Accumulation/softmax dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _prefill_block(q, k, v, q_pos, k_pos, scale):
     # q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk]
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale
     visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [b, tq, tk]
     s = jnp.where(visible[:, None, None], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
 
 
 def prefill_attention(
@@ -43,9 +48,18 @@ def prefill_attention(
     k_pos: Int[Array, "b s"],
     *,
     scale: float,
+    stats: frozenset[str] = frozenset(),
     block: int = PREFILL_BLOCK,
-) -> Float[Array, "b h t d"]:
-    """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once."""
+) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
+    """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
+
+    Optional statistics:
+
+    * "first_logit": `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
+    """
+    unknown = stats - {"first_logit"}
+    if unknown:
+        raise ValueError(f"prefill_attention cannot compute statistics {sorted(unknown)}")
     b, h, t, d = q.shape
     kvh = k.shape[1]
     qg = _group(q, kvh)
@@ -60,7 +74,14 @@ def prefill_attention(
         qp = qp.reshape(b, n, block).transpose(1, 0, 2)
         out = jax.lax.map(lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale), (qg, qp))
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
-    return out.reshape(b, h, t, d).astype(q.dtype)
+    out_stats = {}
+    if "first_logit" in stats:
+        first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
+        k0 = jnp.take_along_axis(k, first[:, None, None, None], axis=2)[:, :, 0]  # [b, kvh, d]
+        out_stats["first_logit"] = (
+            jnp.einsum("bkgqd,bkd->bkgq", _group(q, kvh), k0, preferred_element_type=_acc(q.dtype)) * scale
+        )
+    return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
 
 def decode_attention(
@@ -84,12 +105,12 @@ def decode_attention(
     b, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, d)
-    s = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
     s = s + log_w[:, :, None, :]
     valid = slot_pos >= 0
     s = jnp.where(valid[:, :, None, :], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     out_stats = {}
     if "probs" in stats:
         out_stats["probs"] = p.sum(axis=2)

@@ -29,6 +29,7 @@ class LayerCache:
     pos:   [batch, kv_heads, C] int32  absolute position of each slot's token, -1 empty.
     score: [batch, kv_heads, C] f32    the policy's per-slot statistic (H2O mass, MAT logit, ...).
     log_w: [batch, kv_heads, C] f32    additive logit bias (log N_d for a compensation slot).
+    (score and log_w are float64 in a float64 model.)
     """
 
     k: Float[Array, "b kvh c d"]
@@ -51,12 +52,13 @@ Cache = tuple[LayerCache, ...]
 
 def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:
     shape = (batch, kv_heads, capacity)
+    stat = jnp.promote_types(dtype, jnp.float32)  # float32, or float64 for float64 models
     return LayerCache(
         k=jnp.zeros((*shape, head_dim), dtype),
         v=jnp.zeros((*shape, head_dim), dtype),
         pos=jnp.full(shape, EMPTY, jnp.int32),
-        score=jnp.zeros(shape, jnp.float32),
-        log_w=jnp.zeros(shape, jnp.float32),
+        score=jnp.zeros(shape, stat),
+        log_w=jnp.zeros(shape, stat),
     )
 
 
@@ -66,10 +68,12 @@ def gather_prompt(
     v: Float[Array, "b kvh t d"],
     pos: Int[Array, "b t"],
     src: Int[Array, "b kvh c"],
+    score: Float[Array, "b kvh t"] | None = None,
 ) -> LayerCache:
     """Fills every slot from prompt index `src` (a time index into k/v), or empties it (src < 0).
 
-    The one gather every prefill compression shares: a policy only decides `src`.
+    The one gather every prefill compression shares: a policy only decides `src`
+    (and, optionally, the per-token `score` its slots start with).
     """
     take = jnp.maximum(src, 0)
     keep = src >= 0
@@ -77,12 +81,23 @@ def gather_prompt(
     v_new = jnp.take_along_axis(v, take[..., None], axis=2)
     pos_b = jnp.broadcast_to(pos[:, None, :], src.shape[:2] + pos.shape[1:])
     p_new = jnp.take_along_axis(pos_b, take, axis=2)
+    s_new = cache.score if score is None else jnp.take_along_axis(score.astype(cache.score.dtype), take, axis=2)
     return dataclasses.replace(
         cache,
         k=jnp.where(keep[..., None], k_new, 0).astype(cache.k.dtype),
         v=jnp.where(keep[..., None], v_new, 0).astype(cache.v.dtype),
         pos=jnp.where(keep, p_new, EMPTY).astype(jnp.int32),
+        score=jnp.where(keep, s_new, 0.0),
     )
+
+
+def compact(keep: Array, capacity: int) -> Int[Array, "b kvh c"]:
+    """Time indices of the kept tokens (`keep`: bool `[b, kvh, t]`), in time order, padded with -1.
+
+    Turns any keep-mask with at most `capacity` True per row into `gather_prompt`'s `src`.
+    """
+    order = jnp.argsort(~keep, axis=-1, stable=True)[..., :capacity]
+    return jnp.where(jnp.take_along_axis(keep, order, axis=-1), order, -1).astype(jnp.int32)
 
 
 def write(
@@ -100,11 +115,11 @@ def write(
     b, h = slot.shape
     slot = jnp.where(pos[:, None] >= 0, slot, cache.capacity)  # out of range -> dropped
     idx = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)
-    score = jnp.broadcast_to(jnp.asarray(score, jnp.float32), (b, h))
+    score = jnp.broadcast_to(jnp.asarray(score, cache.score.dtype), (b, h))
     return LayerCache(
         k=cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
         v=cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
-        pos=cache.pos.at[idx].set(jnp.broadcast_to(pos[:, None], (b, h)), mode="drop"),
+        pos=cache.pos.at[idx].set(jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32), mode="drop"),
         score=cache.score.at[idx].set(score, mode="drop"),
         log_w=cache.log_w.at[idx].set(0.0, mode="drop"),
     )

@@ -62,10 +62,12 @@ class RopeConfig:
         return out
 
 
-def inv_freq(cfg: RopeConfig, head_dim: int) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, after any scaling."""
-    freq = 1.0 / (cfg.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-    freq = freq.astype(np.float32)
+def inv_freq(cfg: RopeConfig, head_dim: int, dtype=np.float32) -> np.ndarray:
+    """[head_dim // 2] inverse frequencies after any scaling: float32 as transformers computes
+    them, or float64 for float64 models."""
+    dtype = np.dtype(dtype)
+    freq = 1.0 / (cfg.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(dtype) / head_dim))
+    freq = freq.astype(dtype)
     if cfg.rope_type == "linear":
         freq = freq / np.float32(cfg.factor)
     elif cfg.rope_type == "llama3":
@@ -77,7 +79,7 @@ def inv_freq(cfg: RopeConfig, head_dim: int) -> np.ndarray:
         smooth = (old / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
         smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        freq = np.where(medium, smoothed, scaled).astype(np.float32)
+        freq = np.where(medium, smoothed, scaled).astype(dtype)
     return freq
 
 
@@ -85,9 +87,10 @@ def apply_rope(
     x: Float[Array, "*batch t d"], positions: Int[Array, "*batch t"], freq: np.ndarray
 ) -> Float[Array, "*batch t d"]:
     """Rotates `x` by `positions` (any integer array broadcastable to x[..., 0])."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freq)  # [..., t, d/2]
+    dt = jnp.promote_types(x.dtype, jnp.float32)
+    angles = positions[..., None].astype(dt) * jnp.asarray(freq, dt)  # [..., t, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(dt)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -110,8 +110,13 @@ class LlamaConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    return inv_freq(rope, head_dim)
+def _freq(rope: RopeConfig, head_dim: int, float64: bool = False) -> np.ndarray:
+    return inv_freq(rope, head_dim, np.float64 if float64 else np.float32)
+
+
+def _acc(dtype):
+    """Norms, RoPE and logits run in float32 for half-precision weights, float64 for float64."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -120,23 +125,23 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(_acc(x.dtype))
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * y.astype(x.dtype)
 
 
-def _linear(i, o, bias, dtype, rngs):
-    init = nnx.initializers.normal(0.02)
+def _linear(i, o, bias, dtype, rngs, std=0.02):
+    init = nnx.initializers.normal(std)
     return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.attention_bias, dtype, rngs)
-        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs)
-        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs)
-        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.attention_bias, dtype, rngs)
+        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.attention_bias, dtype, rngs, std)
+        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs, std)
+        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs, std)
+        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.attention_bias, dtype, rngs, std)
         self.cfg = cfg
         self.layer = layer
 
@@ -155,22 +160,23 @@ class Attention(nnx.Module):
     def prefill(
         self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], policy: Policy | None, cache: LayerCache | None
     ):
-        freq = _freq(self.cfg.rope, self.cfg.head_dim)
+        freq = _freq(self.cfg.rope, self.cfg.head_dim, x.dtype == jnp.float64)
         q, k, v = self._qkv(x)
         q_rot = apply_rope(q, pos[:, None, :], freq)
         k_rot = apply_rope(k, pos[:, None, :], freq)
-        o = attention.prefill_attention(q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5)
+        wanted = frozenset() if policy is None else policy.stats_needed(self.layer)
+        o, stats = attention.prefill_attention(q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted)
         if policy is not None:
-            k_store = k if policy.positions == "rolling" else k_rot
-            cache = policy.prefill(self.layer, cache, k_store, v, pos, {})
+            k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
+            cache = policy.prefill(self.layer, cache, k_store, v, pos, stats)
         return self._out(o), cache
 
     def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: LayerCache):
         c = self.cfg
-        freq = _freq(c.rope, c.head_dim)
+        freq = _freq(c.rope, c.head_dim, x.dtype == jnp.float64)
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
         b = q.shape[0]
-        rolling = policy.positions == "rolling"
+        rolling = policy.position_mode(self.layer) == "rolling"
         k_store = k if rolling else apply_rope(k, pos[:, None, None], freq)
         cache = policy.step(self.layer, cache, k_store[:, :, 0], v[:, :, 0], pos)
         if rolling:
@@ -192,27 +198,27 @@ class Attention(nnx.Module):
             scale=c.head_dim**-0.5,
             stats=policy.stats_needed(self.layer),
         )
-        cache = policy.observe(self.layer, cache, stats)
+        cache = policy.observe(self.layer, cache, pos, stats)
         return self._out(o[:, :, None, :]), cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs)
-        self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs)
-        self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs)
+        self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
+        self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
+        self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs, std)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs, std=std)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, std=std)
 
     def _finish(self, x, a):
         x = x + a
@@ -228,7 +234,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, init_std: float = 0.02):
+        """`init_std`: normal init of every matrix (HF's initializer_range); weights are loaded over it."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = nnx.Embed(
@@ -236,19 +243,21 @@ class Llama(nnx.Module):
             cfg.hidden_size,
             dtype=dtype,
             param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02),
+            embedding_init=nnx.initializers.normal(init_std),
             rngs=rngs,
         )
         self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, std=init_std) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
+        )
 
     def _logits(self, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
         h = self.norm(h)
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return out.astype(jnp.float32)
+        return out.astype(_acc(out.dtype))
 
     def __call__(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None):
         """Full causal forward: logits `[b, t, vocab]`."""
@@ -261,6 +270,7 @@ class Llama(nnx.Module):
 
     def init_cache(self, policy: Policy, batch: int, max_len: int) -> Cache:
         c = self.cfg
+        policy.check(c.num_layers)
         return tuple(
             kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len), c.head_dim, self.dtype)
             for i in range(c.num_layers)
@@ -269,14 +279,48 @@ class Llama(nnx.Module):
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
     ) -> tuple[Float[Array, "b V"], Cache]:
-        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens)."""
+        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens).
+
+        `policy.prefill_mode == "stream"` runs the prompt token by token through the
+        cache instead of attending it whole.
+        """
         caches = self.init_cache(policy, tokens.shape[0], max_len)
+        if policy.prefill_mode == "stream":
+            logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
+            return logits, caches
         x = self.embed_tokens(tokens)
         out = []
         for layer, cache in zip(self.layers, caches):
             x, cache = layer.prefill(x, positions, policy, cache)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
+
+    def stream(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"],
+        cache: Cache,
+        policy: Policy,
+        *,
+        all_logits: bool = True,
+    ) -> tuple[Float[Array, "b t V"] | Float[Array, "b V"], Cache]:
+        """Feeds `t` tokens one at a time through `decode` in a `lax.scan` (padding: pos -1, a no-op).
+
+        Exact for every policy and position mode: the reference semantics of
+        "compress after every token" (StreamingLLM's perplexity protocol). Returns
+        all logits `[b, t, V]`, or only the last step's with `all_logits=False`.
+        """
+        b = tokens.shape[0]
+
+        def body(carry, xs):
+            cache, last = carry
+            tok, pos = xs
+            logits, cache = self.decode(tok, pos, cache, policy)
+            return (cache, logits), (logits if all_logits else None)
+
+        init = (cache, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
+        (cache, last), seq = jax.lax.scan(body, init, (tokens.T, positions.T))
+        return (seq.transpose(1, 0, 2) if all_logits else last), cache
 
     def decode(
         self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy

@@ -16,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -171,9 +172,15 @@ def hf_parameters(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
 
 def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True) -> LoadedModel:
     """Loads a model (and its tokenizer, if the directory has one) from a local HF directory."""
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
-        raise ValueError(f"dtype {dtype!r} not supported; use one of {list(DTYPES)}")
+    if isinstance(dtype, str):
+        if dtype == "float64":  # for exactness tests against float64 references
+            if not jax.config.jax_enable_x64:
+                raise ValueError("dtype='float64' needs jax_enable_x64 (e.g. `with jax.enable_x64(True):`)")
+            dtype = jnp.float64
+        elif dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported; use one of {list(DTYPES)}")
+        else:
+            dtype = DTYPES[dtype]
     path = resolve(path_or_id)
     cfg, model_cls = read_config(path)
     model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

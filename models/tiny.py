@@ -58,10 +58,16 @@ def tiny_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**base)
 
 
-def make_random_checkpoint(path: str | Path, cfg: LlamaConfig | None = None, *, seed: int = 0, dtype=jnp.float32) -> Path:
-    """Saves a randomly initialised Llama + byte tokenizer as a HF directory, marked as random."""
+def make_random_checkpoint(
+    path: str | Path, cfg: LlamaConfig | None = None, *, seed: int = 0, dtype=jnp.float32, init_std: float = 0.02
+) -> Path:
+    """Saves a randomly initialised Llama + byte tokenizer as a HF directory, marked as random.
+
+    A larger `init_std` (e.g. 0.3) gives peaked attention, so tests of eviction rules
+    see scores that differ between tokens.
+    """
     cfg = cfg or tiny_config()
-    model = Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    model = Llama(cfg, dtype=dtype, rngs=nnx.Rngs(seed), init_std=init_std)
     path = save_pretrained(model, path, tokenizer=byte_tokenizer())
     cfg_file = path / "config.json"
     data = json.loads(cfg_file.read_text())

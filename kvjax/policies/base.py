@@ -7,15 +7,18 @@ per-layer budgets) and still trace to static shapes.
 
 The model calls, per layer:
 
-* prefill: full attention over the prompt, then
+* prefill (`prefill_mode == "full"`): full causal attention over the prompt, then
   `cache = policy.prefill(layer, empty_cache, k, v, pos, stats)`;
 * decode: `cache = policy.step(layer, cache, k, v, pos)` inserts the new token
   (evicting if needed), attention runs over the cache (the new token included),
-  then `cache = policy.observe(layer, cache, stats)` lets the policy update its
-  per-slot statistics from what attention returned (nothing is recomputed).
+  then `cache = policy.observe(layer, cache, pos, stats)` lets the policy update
+  its per-slot statistics from what attention returned (nothing is recomputed);
+* prefill (`prefill_mode == "stream"`): the prompt goes token by token through
+  the decode path, so every prompt token only sees what the policy kept, as in
+  StreamingLLM's perplexity protocol and MAT's evaluation.
 
-`stats_needed(layer)` names the statistics attention must return; the base
-policy needs none, so attention computes none.
+`stats_needed(layer)` names the statistics attention must return (see
+`kvjax.attention`); the default is none, so attention computes none.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from jaxtyping import Array, Float, Int
 from kvjax.cache import LayerCache
 
 PositionMode = Literal["absolute", "rolling"]
+PrefillMode = Literal["full", "stream"]
 POSITION_MODES = ("absolute", "rolling")
+PREFILL_MODES = ("full", "stream")
 
 
-@dataclasses.dataclass(frozen=True)
 class Policy(abc.ABC):
-    """Base class: subclasses are frozen dataclasses with a `positions` field."""
+    """What the model needs from a cache policy."""
 
-    positions: PositionMode = "absolute"
+    prefill_mode: PrefillMode
 
-    def __post_init__(self):
-        if self.positions not in POSITION_MODES:
-            raise ValueError(f"positions={self.positions!r}; expected one of {POSITION_MODES}")
+    @abc.abstractmethod
+    def position_mode(self, layer: int) -> PositionMode:
+        """'absolute': keys cached rotated at their positions; 'rolling': unrotated, rotated by rank."""
 
     @abc.abstractmethod
     def capacity(self, layer: int, max_len: int) -> int:
@@ -69,17 +73,36 @@ class Policy(abc.ABC):
     ) -> LayerCache:
         """Inserts one token per row, evicting if full. Rows with pos < 0 are unchanged."""
 
-    def observe(self, layer: int, cache: LayerCache, stats: dict[str, Array]) -> LayerCache:
-        """Updates per-slot statistics after the decode attention (default: nothing)."""
-        del layer, stats
+    def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: dict[str, Array]) -> LayerCache:
+        """Updates per-slot statistics after the decode attention of the token at `pos`."""
+        del layer, pos, stats
         return cache
 
     def stats_needed(self, layer: int) -> frozenset[str]:
         del layer
         return frozenset()
 
+    def check(self, num_layers: int) -> None:
+        """Raises ValueError if the policy cannot run on a model of `num_layers` layers."""
+
     def describe(self) -> str:
-        fields = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr
-        )
-        return f"{type(self).__name__}({fields})"
+        """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
+        fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode"))
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerPolicy(Policy):
+    """A policy applying one rule to every layer, with its position and prefill modes."""
+
+    positions: PositionMode = "absolute"
+    prefill_mode: PrefillMode = "full"
+
+    def __post_init__(self):
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions={self.positions!r}; expected one of {POSITION_MODES}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode={self.prefill_mode!r}; expected one of {PREFILL_MODES}")
+
+    def position_mode(self, layer: int) -> PositionMode:
+        return self.positions

@@ -16,7 +16,7 @@ from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
-from kvjax.policies.base import Policy
+from kvjax.policies.base import LayerPolicy
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -41,7 +41,7 @@ def ring_holder(length: Int[Array, "b"], sinks: int, capacity: int) -> Int[Array
     return jnp.where(j < sinks, sink_pos, win_pos).astype(jnp.int32)
 
 
-class RingPolicy(Policy):
+class RingPolicy(LayerPolicy):
     """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`."""
 
     def _layout(self, max_len: int) -> tuple[int, int]:
@@ -74,7 +74,7 @@ class RingPolicy(Policy):
         return 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FullCache(RingPolicy):
     """Keeps every token: capacity = the longest sequence, slot = position."""
 
@@ -82,7 +82,7 @@ class FullCache(RingPolicy):
         return 0, max_len
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalWindow(RingPolicy):
     """Keeps the `window` most recent tokens (the current one included)."""
 
@@ -97,7 +97,7 @@ class LocalWindow(RingPolicy):
         return 0, min(self.window, max_len)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamingLLM(RingPolicy):
     """StreamingLLM (Xiao et al. 2024): `sinks` initial tokens + the `budget - sinks` most recent.
 
