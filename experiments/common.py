@@ -10,17 +10,29 @@ from kvjax.policies import REGISTRY, Policy, make_policy
 RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 
+# Policy options on the command line; each is passed to the policies that take it (REGISTRY).
+POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode")
+
+
 def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> None:
-    p.add_argument("--policy", default=default, choices=sorted(REGISTRY), help="cache policy")
-    p.add_argument("--budget", type=int, default=256, help="cache slots per layer and KV head")
-    p.add_argument("--sinks", type=int, default=4, help="attention sinks (streaming)")
-    p.add_argument("--positions", default="absolute", choices=["absolute", "rolling"])
+    g = p.add_argument_group("cache policy")
+    g.add_argument("--policy", default=default, choices=sorted(REGISTRY), help="cache policy")
+    g.add_argument("--budget", type=int, default=256, help="cache slots per layer and KV head (MAT's c)")
+    g.add_argument("--sinks", type=int, help="attention sinks (streaming, MAT's shallow layers: s); default 4")
+    g.add_argument("--anchors", type=int, help="MAT's anchor cache size beta; default budget // 4")
+    g.add_argument("--shallow-layers", type=int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
+    g.add_argument("--group-agg", choices=["mean", "max"], help="MAT: pi of a KV head from its query heads")
+    g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
+    g.add_argument("--prefill-mode", choices=["full", "stream"],
+                   help="attend the prompt whole then compress, or token by token (default: the policy's)")
 
 
 def policy_from_args(args: argparse.Namespace) -> Policy:
-    options = {"positions": args.positions}
-    if args.policy == "streaming":
-        options["sinks"] = args.sinks
+    """The policy named by --policy, with the options given on the command line.
+
+    An option the policy does not take is an error (e.g. --anchors with --policy streaming).
+    """
+    options = {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
     return make_policy(args.policy, None if args.policy == "full" else args.budget, **options)
 
 

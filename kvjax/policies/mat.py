@@ -1,0 +1,166 @@
+"""MAT: Managing Anchor Tokens (`papers/mat-anchor-tokens.md`, Section 4.2, Algorithm 1).
+
+Deep layers keep an *anchor cache* of β slots plus a window of the `c - β` most
+recent tokens; shallow layers keep StreamingLLM's `s` sinks + window (eq. 5).
+`mat(...)` builds the paper's policy as `ByLayer(StreamingLLM, AnchorCache)`.
+
+Our reading of Algorithm 1 and Figure 3 (the text leaves the order of events open):
+
+* Every token's π = q·k_0/√d (its attention logit to the first token, from its own
+  query when it is processed) is stored with it: the attention logit cache A (eq. 3).
+  With GQA a KV head's π aggregates its query heads' logits: mean by default
+  (every query head reads the slot equally), max as the option.
+* While the cache has a free slot, the new token is simply appended.
+* When it is full, the new token enters the window and pushes out the window's
+  oldest token, which joins the anchor candidates at once; the candidate with the
+  highest π (ties: the oldest) is evicted (eq. 4). The first token is an anchor
+  that is never a candidate. So after `n > c` tokens the anchors are exactly
+  position 0 plus the `β - 1` lowest-π tokens among those that have left the
+  window: Figure 3's "tokens with Bottom-β attention logits ... and a sliding
+  window [of] the last c − β", and what `AnchorCache.prefill` computes in closed form.
+* Layers are 0-indexed: layers `0 .. L_s - 1` are shallow (the paper's Figure 1
+  and Section 3.2 call layers 0 and 1 shallow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy, Policy, PrefillMode
+from kvjax.policies.compose import EVERY_LAYER, ByLayer
+from kvjax.policies.ring import StreamingLLM
+
+GROUP_AGGREGATIONS = ("mean", "max")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnchorCache(LayerPolicy):
+    """Eq. 4 in every layer ("MAT (w. anchor)"): β anchors (position 0 + the lowest π) + a window.
+
+    `prefill_mode="stream"` (default) compresses as the prompt is read, token by
+    token, as the paper's evaluations do; `"full"` attends the whole prompt and
+    keeps the closed form of Algorithm 1 over the prompt's π.
+    """
+
+    budget: int
+    anchors: int
+    group_agg: str = "mean"
+    prefill_mode: PrefillMode = "stream"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.anchors < 1:
+            raise ValueError(f"MAT: anchors (beta)={self.anchors} must be >= 1 (the first token is an anchor)")
+        if self.anchors >= self.budget:
+            raise ValueError(
+                f"MAT: anchors (beta)={self.anchors} must be smaller than budget (c)={self.budget}, "
+                "leaving at least one window slot for the current token"
+            )
+        if self.group_agg not in GROUP_AGGREGATIONS:
+            raise ValueError(f"MAT: group_agg={self.group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+
+    @property
+    def window(self) -> int:
+        return self.budget - self.anchors
+
+    def capacity(self, layer, max_len):
+        return min(self.budget, max_len)  # a sequence shorter than the budget never evicts
+
+    def stats_needed(self, layer):
+        return frozenset({"first_logit"})
+
+    def _pi(self, first_logit):
+        # first_logit: [b, kvh, g, ...] per query head -> [b, kvh, ...]
+        return first_logit.mean(axis=2) if self.group_agg == "mean" else first_logit.max(axis=2)
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        pi = self._pi(stats["first_logit"])  # [b, kvh, t]
+        length = (jnp.max(pos, axis=1) + 1)[:, None, None]
+        p = pos[:, None, :]
+        real = p >= 0
+        left_window = real & (p >= 1) & (p < length - self.window)
+        # Rank candidates by (pi ascending, position descending): reverse time, then a stable sort.
+        key = jnp.where(left_window, pi, jnp.inf)[..., ::-1]
+        rank = jnp.argsort(jnp.argsort(key, axis=-1, stable=True), axis=-1)[..., ::-1]
+        keep = real & (
+            (length <= self.budget) | (p == 0) | (p >= length - self.window) | (left_window & (rank < self.anchors - 1))
+        )
+        keep = jnp.broadcast_to(keep, pi.shape)
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        empty = cache.pos < 0
+        leaving = (pos - self.window)[:, None, None]  # the window's oldest token after this insert
+        candidate = (cache.pos >= 1) & (cache.pos <= leaving)
+        key = jnp.where(candidate, cache.score, -jnp.inf)
+        worst = candidate & (key == jnp.max(key, axis=-1, keepdims=True))
+        evict = jnp.argmin(jnp.where(worst, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)  # oldest of ties
+        slot = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), evict)
+        return kvcache.write(cache, slot, k, v, pos)
+
+    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+        pi = self._pi(stats["first_logit"])  # [b, kvh]
+        mine = (cache.pos == pos[:, None, None]) & (pos[:, None, None] >= 0)
+        return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))
+
+
+def mat(
+    budget: int,
+    anchors: int,
+    shallow_layers: int = 2,
+    sinks: int = 4,
+    *,
+    group_agg: str = "mean",
+    positions: str = "absolute",
+    prefill_mode: PrefillMode = "stream",
+) -> ByLayer:
+    """MAT with cache size `c = budget`, `β = anchors`, `L_s = shallow_layers`, `s = sinks`.
+
+    `shallow_layers=EVERY_LAYER` is "MAT (w. sink)" (= StreamingLLM); `0` is "MAT (w. anchor)".
+    """
+    if not 0 <= shallow_layers:
+        raise ValueError(f"MAT: shallow_layers (L_s)={shallow_layers} must be >= 0")
+    if sinks >= budget:
+        raise ValueError(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
+    shallow = StreamingLLM(budget=budget, sinks=sinks, positions=positions, prefill_mode=prefill_mode)
+    deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, positions=positions, prefill_mode=prefill_mode)
+    return ByLayer(split=shallow_layers, shallow=shallow, deep=deep)
+
+
+def mat_with_sink(budget: int, sinks: int = 4, **kw) -> ByLayer:
+    """The ablation "MAT (w. sink)": eq. 5 in every layer, i.e. StreamingLLM."""
+    return mat(budget, anchors=1, shallow_layers=EVERY_LAYER, sinks=sinks, **kw)
+
+
+def mat_with_anchor(budget: int, anchors: int, **kw) -> ByLayer:
+    """The ablation "MAT (w. anchor)": eq. 4 in every layer."""
+    return mat(budget, anchors, shallow_layers=0, **kw)
+
+
+def default_anchor_grid(budget: int) -> list[int]:
+    """β values tried by `grid_search_anchors`: 1 and budget/8 .. budget/2 (Fig. 5 spans 8..128 at c=256)."""
+    return sorted({b for b in (1, budget // 8, budget // 4, 3 * budget // 8, budget // 2) if 1 <= b < budget})
+
+
+def grid_search_anchors(
+    budget: int,
+    evaluate: Callable[[Policy], float],
+    anchors: Sequence[int] | None = None,
+    *,
+    minimize: bool = True,
+    **mat_kwargs,
+) -> tuple[int, dict[int, float]]:
+    """The paper's tuning of β for a budget: evaluate `mat(budget, β, ...)` for each β, keep the best.
+
+    `evaluate` maps a policy to a number (e.g. `kvjax.scoring.perplexity` on held-out
+    text, lower is better; or an accuracy with `minimize=False`).
+    Returns (best β, {β: value}).
+    """
+    results = {b: float(evaluate(mat(budget, b, **mat_kwargs))) for b in (anchors or default_anchor_grid(budget))}
+    pick = min if minimize else max
+    return pick(results, key=results.get), results
