@@ -52,6 +52,19 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sharp_dir(tmp_path_factory):
+    """A random checkpoint with large weights (std 0.3): peaked attention, O(1) logits, so
+    eviction rules see scores that differ and logit comparisons are not between near-zeros."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("sharp"), tiny_config(), seed=1, init_std=0.3)
+
+
+@pytest.fixture(scope="session")
+def sharp_mha_dir(tmp_path_factory):
+    """As `sharp_dir`, with multi-head attention (4 KV heads)."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("sharp_mha"), tiny_config(num_kv_heads=4), seed=2, init_std=0.3)
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     from models import load
 
@@ -75,3 +88,14 @@ def stepper(model, policy, max_len):
 
 def random_ids(n, vocab, seed=0, low=4):
     return np.random.RandomState(seed).randint(low, vocab, size=n).tolist()
+
+
+def left_pad(ids, bucket):
+    """One prompt as the model takes it: tokens and positions `[1, bucket]`, -1 on padding."""
+    import jax.numpy as jnp
+
+    toks = np.zeros((1, bucket), np.int32)
+    pos = np.full((1, bucket), -1, np.int32)
+    toks[0, bucket - len(ids) :] = ids
+    pos[0, bucket - len(ids) :] = np.arange(len(ids))
+    return jnp.asarray(toks), jnp.asarray(pos)

@@ -15,7 +15,7 @@ def test_generate_cli_on_a_local_model(tiny_dir, capsys):
                          "--max-new-tokens", "12", "hello there", "second prompt"]) == 0
     out = capsys.readouterr().out
     assert "RANDOM WEIGHTS" not in out  # an explicit --model is not labelled
-    assert "StreamingLLM(positions='absolute', budget=32, sinks=4)" in out
+    assert "StreamingLLM(budget=32, sinks=4, positions='absolute', prefill_mode='full')" in out
     assert out.count(">>> ") == 2
     # 2 layers x 2 KV heads x 32 slots; the full cache would hold the 16-token bucket + 12 new
     assert re.search(r"cache\s+28 slots per KV head and layer; 112 slots", out), out
@@ -33,3 +33,17 @@ def test_generate_cli_default_model_is_labelled_random(tmp_path, monkeypatch, ca
 def test_generate_cli_rejects_bad_budget(tiny_dir):
     with pytest.raises(ValueError, match=r"budget=3 is smaller than sinks \+ 1 = 5"):
         gen_cli.main(["--model", str(tiny_dir), "--budget", "3"])
+
+
+def test_generate_cli_mat(tiny_dir, capsys):
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "mat", "--budget", "16", "--anchors", "5",
+                         "--shallow-layers", "1", "--sinks", "2", "--max-new-tokens", "30",
+                         "a prompt longer than sixteen tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "split=1, shallow=StreamingLLM(budget=16, sinks=2" in out and "AnchorCache(budget=16, anchors=5" in out
+    assert re.search(r"cache\s+16 slots per KV head and layer; 64 slots", out), out
+
+
+def test_generate_cli_rejects_options_a_policy_does_not_take(tiny_dir):
+    with pytest.raises(ValueError, match=r"policy 'streaming' does not take \['anchors'\]"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchors", "4"])
