@@ -186,12 +186,13 @@ def generate(
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     # Absolute positions grow through generation; rolling ones stay below the cache size,
     # but the prompt itself is attended at its true positions.
-    limit = cfg.max_position_embeddings - (max_new_tokens if policy.positions == "absolute" else 0)
+    absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
+    limit = cfg.max_position_embeddings - (max_new_tokens if absolute else 0)
     longest = max(map(len, prompts))
     if longest > limit:
         if not truncate or limit < 2:
             raise ValueError(
-                f"prompt of {longest} tokens{' + max_new_tokens=' + str(max_new_tokens) if policy.positions == 'absolute' else ''} "
+                f"prompt of {longest} tokens{' + max_new_tokens=' + str(max_new_tokens) if absolute else ''} "
                 f"exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; pass "
                 "truncate=True (middle truncation), shorten the prompt, or use rolling positions"
             )
