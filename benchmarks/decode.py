@@ -26,6 +26,7 @@ from tqdm import tqdm
 from kvjax import FullCache, Sampling, StreamingLLM
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
+from kvjax.policies import mat
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -105,7 +106,13 @@ def main(argv=None):
     except ImportError:
         with_torch = False
 
-    policies = {"full": FullCache(), f"streaming{args.budget}": StreamingLLM(budget=args.budget, sinks=4)}
+    # MAT decodes with its own eviction rule; its prompt is attended whole here (prefill_mode="full")
+    # so that the 16K prefill is not 16K sequential steps: this row measures decode cost.
+    policies = {
+        "full": FullCache(),
+        f"streaming{args.budget}": StreamingLLM(budget=args.budget, sinks=4),
+        f"mat{args.budget}": mat(args.budget, args.budget // 4, shallow_layers=2, sinks=4, prefill_mode="full"),
+    }
     rows = []
     for n in tqdm(lengths, desc="prompt lengths"):
         ids = np.random.RandomState(n).randint(4, 260, n).tolist()
