@@ -86,7 +86,8 @@ def time_torch(path, ids, new):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="1024,4096,16384")
-    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
@@ -117,7 +118,7 @@ def main(argv=None):
     for n in tqdm(lengths, desc="prompt lengths"):
         ids = np.random.RandomState(n).randint(4, 260, n).tolist()
         for name, policy in policies.items():
-            rows.append(dict(impl="kvjax", policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new)))
+            rows.append(dict(impl="kvjax", policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new, args.repeats)))
         if with_torch:
             rows.append(dict(impl="torch", policy="full", prompt=n, **time_torch(tmp, ids, args.new)))
 
