@@ -8,8 +8,11 @@ its position is >= 0 and not after the query's.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite
@@ -31,11 +34,38 @@ def _acc(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale):
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes (Press et al. 2022): geometric from 2^(-8/n) for a power of two n; otherwise
+    those of the closest lower power of two followed by every other slope of the next one."""
+
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return np.asarray(power_of_2(num_heads), np.float32)
+    low = 2 ** math.floor(math.log2(num_heads))
+    rest = alibi_slopes(2 * low)[0::2][: num_heads - low]
+    return np.concatenate([power_of_2(low), rest]).astype(np.float32)
+
+
+def _bias_and_mask(s, q_pos, k_pos, alibi, window):
+    """Adds ALiBi (slope * (k - q)) and masks invisible keys. s: [b, kvh, g, tq, tk];
+    q_pos: [b, kvh | 1, tq]; k_pos: [b, kvh | 1, tk] (positions, or ranks in rolling mode)."""
+    rel = (k_pos[:, :, None, None, :] - q_pos[:, :, None, :, None]).astype(s.dtype)  # [b, kvh|1, 1, tq, tk]
+    if alibi is not None:
+        kvh, g = s.shape[1], s.shape[2]
+        s = s + jnp.asarray(alibi, s.dtype).reshape(1, kvh, g, 1, 1) * rel
+    visible = (k_pos[:, :, None, None, :] >= 0) & (rel <= 0)
+    if window is not None:
+        visible &= rel > -window  # the key is one of the query's `window` latest tokens
+    return jnp.where(visible, s, _MASKED)
+
+
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window):
     # q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk]
     s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale
-    visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [b, tq, tk]
-    s = jnp.where(visible[:, None, None], s, _MASKED)
+    s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
 
@@ -49,9 +79,14 @@ def prefill_attention(
     *,
     scale: float,
     stats: frozenset[str] = frozenset(),
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
     block: int = PREFILL_BLOCK,
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
+
+    `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
+    only its `window` latest keys (Mistral's sliding window).
 
     Optional statistics:
 
@@ -64,7 +99,7 @@ def prefill_attention(
     kvh = k.shape[1]
     qg = _group(q, kvh)
     if t <= block:
-        out = _prefill_block(qg, k, v, q_pos, k_pos, scale)
+        out = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -72,7 +107,7 @@ def prefill_attention(
         qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
         qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
         qp = qp.reshape(b, n, block).transpose(1, 0, 2)
-        out = jax.lax.map(lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale), (qg, qp))
+        out = jax.lax.map(lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window), (qg, qp))
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
     out_stats = {}
     if "first_logit" in stats:
@@ -93,11 +128,17 @@ def decode_attention(
     *,
     scale: float,
     stats: frozenset[str] = frozenset(),
+    q_coord: Int[Array, "b kvh"] | None = None,
+    k_coord: Int[Array, "b kvh c"] | None = None,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
 ) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
     """One query per row against `C` cache slots (the query's own token already inserted).
 
     Validity comes from `slot_pos >= 0`; `log_w` is added to each slot's logit
-    (RazorAttention's `log N_d` compensation weight). Optional statistics:
+    (RazorAttention's `log N_d` compensation weight). ALiBi and the sliding window use
+    `k_coord - q_coord`: absolute positions, or ranks in the cache in rolling mode.
+    Optional statistics:
 
     * "probs": `[b, kvh, c]` attention probabilities summed over the group's query heads;
     * "first_logit": `[b, kvh, g]` scaled logit to the slot holding position 0 (-inf-like if evicted).
@@ -107,8 +148,9 @@ def decode_attention(
     qg = q.reshape(b, kvh, h // kvh, d)
     s = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
     s = s + log_w[:, :, None, :]
-    valid = slot_pos >= 0
-    s = jnp.where(valid[:, :, None, :], s, _MASKED)
+    if alibi is not None or window is not None:
+        s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1), alibi, window)[:, :, :, 0]
+    s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     out_stats = {}

@@ -43,13 +43,21 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False  # Qwen2: True
+    o_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     pad_token_id: int | None = None
+    sliding_window: int | None = None  # Mistral: a query sees its `sliding_window` latest keys
+    position_embedding: str = "rope"  # or "alibi" (Baichuan-13B)
+    model_type: str = "llama"
 
     def __post_init__(self):
+        if self.position_embedding not in ("rope", "alibi"):
+            raise ValueError(f"position_embedding={self.position_embedding!r}; expected 'rope' or 'alibi'")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -78,7 +86,8 @@ class LlamaConfig:
             rms_norm_eps=hf.rms_norm_eps,
             rope=RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            qkv_bias=bool(getattr(hf, "attention_bias", False)),
+            o_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos,
@@ -88,6 +97,9 @@ class LlamaConfig:
     def to_hf(self):
         """The equivalent `transformers.LlamaConfig` (for saving a checkpoint)."""
         from transformers import LlamaConfig as HFLlamaConfig
+
+        if self.model_type != "llama" or self.qkv_bias != self.o_bias:
+            raise NotImplementedError(f"saving a {self.model_type!r} model is not supported (only llama)")
 
         return HFLlamaConfig(
             vocab_size=self.vocab_size,
@@ -101,7 +113,7 @@ class LlamaConfig:
             rms_norm_eps=self.rms_norm_eps,
             rope_parameters=self.rope.to_hf(),
             tie_word_embeddings=self.tie_word_embeddings,
-            attention_bias=self.attention_bias,
+            attention_bias=self.qkv_bias,
             mlp_bias=self.mlp_bias,
             bos_token_id=self.bos_token_id,
             eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
@@ -138,10 +150,10 @@ def _linear(i, o, bias, dtype, rngs, std=0.02):
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.attention_bias, dtype, rngs, std)
-        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs, std)
-        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.attention_bias, dtype, rngs, std)
-        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.attention_bias, dtype, rngs, std)
+        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
         self.cfg = cfg
         self.layer = layer
 
@@ -160,35 +172,45 @@ class Attention(nnx.Module):
     def prefill(
         self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], policy: Policy | None, cache: LayerCache | None
     ):
-        freq = _freq(self.cfg.rope, self.cfg.head_dim, x.dtype == jnp.float64)
         q, k, v = self._qkv(x)
-        q_rot = apply_rope(q, pos[:, None, :], freq)
-        k_rot = apply_rope(k, pos[:, None, :], freq)
+        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         wanted = frozenset() if policy is None else policy.stats_needed(self.layer)
-        o, stats = attention.prefill_attention(q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted)
+        o, stats = attention.prefill_attention(
+            q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted,
+            alibi=self._alibi(), window=self.cfg.sliding_window,
+        )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
             cache = policy.prefill(self.layer, cache, k_store, v, pos, stats)
         return self._out(o), cache
 
+    def _rotate(self, x, positions):
+        """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
+        if self.cfg.position_embedding != "rope":
+            return x
+        return apply_rope(x, positions, _freq(self.cfg.rope, self.cfg.head_dim, x.dtype == jnp.float64))
+
+    def _alibi(self):
+        return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
+
     def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: LayerCache):
         c = self.cfg
-        freq = _freq(c.rope, c.head_dim, x.dtype == jnp.float64)
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
         b = q.shape[0]
         rolling = policy.position_mode(self.layer) == "rolling"
-        k_store = k if rolling else apply_rope(k, pos[:, None, None], freq)
+        k_store = k if rolling else self._rotate(k, pos[:, None, None])
         cache = policy.step(self.layer, cache, k_store[:, :, 0], v[:, :, 0], pos)
         if rolling:
             # StreamingLLM: positions are ranks inside the cache, the query being the newest.
-            rank = kvcache.ranks(cache.pos)
-            keys = apply_rope(cache.k, rank, freq)
-            q_rank = jnp.max(rank, axis=-1)  # [b, kvh]
+            k_coord = kvcache.ranks(cache.pos)
+            q_coord = jnp.max(k_coord, axis=-1)  # [b, kvh]
+            keys = self._rotate(cache.k, k_coord)
             qg = q.reshape(b, c.num_kv_heads, -1, c.head_dim)
-            q = apply_rope(qg, q_rank[:, :, None], freq).reshape(b, c.num_heads, c.head_dim)
+            q = self._rotate(qg, q_coord[:, :, None]).reshape(b, c.num_heads, c.head_dim)
         else:
+            k_coord, q_coord = cache.pos, jnp.broadcast_to(pos[:, None], (b, c.num_kv_heads))
             keys = cache.k
-            q = apply_rope(q, pos[:, None, None], freq)[:, :, 0]
+            q = self._rotate(q, pos[:, None, None])[:, :, 0]
         o, stats = attention.decode_attention(
             q,
             keys,
@@ -197,6 +219,10 @@ class Attention(nnx.Module):
             cache.log_w,
             scale=c.head_dim**-0.5,
             stats=policy.stats_needed(self.layer),
+            q_coord=q_coord,
+            k_coord=k_coord,
+            alibi=self._alibi(),
+            window=c.sliding_window,
         )
         cache = policy.observe(self.layer, cache, pos, stats)
         return self._out(o[:, :, None, :]), cache
@@ -268,8 +294,13 @@ class Llama(nnx.Module):
             x, _ = layer.prefill(x, positions, None, None)
         return self._logits(x)
 
+    def native_policy(self, policy: Policy) -> Policy:
+        """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring."""
+        return policy if self.cfg.sliding_window is None else policy.with_window(self.cfg.sliding_window)
+
     def init_cache(self, policy: Policy, batch: int, max_len: int) -> Cache:
         c = self.cfg
+        policy = self.native_policy(policy)
         policy.check(c.num_layers)
         return tuple(
             kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len), c.head_dim, self.dtype)
@@ -284,6 +315,7 @@ class Llama(nnx.Module):
         `policy.prefill_mode == "stream"` runs the prompt token by token through the
         cache instead of attending it whole.
         """
+        policy = self.native_policy(policy)
         caches = self.init_cache(policy, tokens.shape[0], max_len)
         if policy.prefill_mode == "stream":
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
@@ -311,6 +343,7 @@ class Llama(nnx.Module):
         all logits `[b, t, V]`, or only the last step's with `all_logits=False`.
         """
         b = tokens.shape[0]
+        policy = self.native_policy(policy)
 
         def body(carry, xs):
             cache, last = carry
@@ -326,6 +359,7 @@ class Llama(nnx.Module):
         self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy
     ) -> tuple[Float[Array, "b V"], Cache]:
         """One token per row at `positions` through the cache."""
+        policy = self.native_policy(policy)
         x = self.embed_tokens(tokens[:, None])
         out = []
         for layer, c in zip(self.layers, cache):

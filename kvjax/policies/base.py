@@ -85,6 +85,15 @@ class Policy(abc.ABC):
     def check(self, num_layers: int) -> None:
         """Raises ValueError if the policy cannot run on a model of `num_layers` layers."""
 
+    def with_window(self, window: int) -> "Policy":
+        """This policy on a model whose attention never looks back more than `window` tokens.
+
+        Only policies that would otherwise keep tokens the model can no longer see
+        (FullCache) change; the attention mask hides older tokens for the rest.
+        """
+        del window
+        return self
+
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
         fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode"))

@@ -44,6 +44,9 @@ class ByLayer(Policy):
     def prefill_mode(self):
         return self.shallow.prefill_mode
 
+    def with_window(self, window):
+        return dataclasses.replace(self, shallow=self.shallow.with_window(window), deep=self.deep.with_window(window))
+
     def _at(self, layer: int) -> Policy:
         return self.shallow if layer < self.split else self.deep
 

@@ -81,6 +81,10 @@ class FullCache(RingPolicy):
     def _layout(self, max_len):
         return 0, max_len
 
+    def with_window(self, window):
+        # Everything a sliding-window model can still attend to: a `window`-slot ring buffer.
+        return LocalWindow(window=window, positions=self.positions, prefill_mode=self.prefill_mode)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalWindow(RingPolicy):
