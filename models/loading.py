@@ -21,12 +21,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import baichuan, mistral, qwen2
 from models.llama import Llama, LlamaConfig
 
 log = logging.getLogger(__name__)
 
-# model_type in config.json -> (config class, model class)
-ARCHITECTURES: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama)}
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How to read one `model_type`: its config (from transformers' AutoConfig, or from the raw
+    config.json for models transformers does not know) and, if needed, a tensor-name adapter."""
+
+    model: type
+    from_hf: object = None  # transformers config -> kvjax config
+    from_json: object = None  # config.json dict -> kvjax config (no AutoConfig, no remote code)
+    tensors: object = None  # (tensors, config, config.json dict) -> adapted tensors
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(Llama, from_hf=LlamaConfig.from_hf),
+    "mistral": Architecture(Llama, from_hf=mistral.config_from_hf),
+    "qwen2": Architecture(Llama, from_hf=qwen2.config_from_hf),
+    "baichuan": Architecture(
+        Llama,
+        from_json=baichuan.config_from_json,
+        tensors=lambda t, cfg, d: baichuan.BaichuanTensors(t, cfg, baichuan.norm_head(d)),
+    ),
+}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Buffers some checkpoints carry that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,20 +85,23 @@ def resolve(path_or_id: str | Path) -> Path:
 
 
 def read_config(path: Path):
-    """(kvjax config, model class) from `config.json`, via transformers' AutoConfig."""
+    """(kvjax config, architecture, config.json dict); transformers' AutoConfig where it knows the type."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    model_type = json.loads(cfg_file.read_text()).get("model_type")
+    raw = json.loads(cfg_file.read_text())
+    model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"unknown model_type {model_type!r} in {cfg_file}; kvjax supports {sorted(ARCHITECTURES)}"
         )
+    arch = ARCHITECTURES[model_type]
+    if arch.from_json is not None:
+        return arch.from_json(raw), arch, raw
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    config_cls, model_cls = ARCHITECTURES[model_type]
-    return config_cls.from_hf(hf), model_cls
+    return arch.from_hf(hf), arch, raw
 
 
 class _Tensors:
@@ -122,6 +146,9 @@ class _Tensors:
 
     def names(self) -> set[str]:
         return set(self._where)
+
+    def source(self, name: str) -> str:
+        return name
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape[name]
@@ -182,14 +209,17 @@ def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True) -> 
         else:
             dtype = DTYPES[dtype]
     path = resolve(path_or_id)
-    cfg, model_cls = read_config(path)
-    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    cfg, arch, raw = read_config(path)
+    model = nnx.eval_shape(lambda: arch.model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     tensors = _Tensors(path)
+    if arch.tensors is not None:
+        tensors = arch.tensors(tensors, cfg, raw)
     params = hf_parameters(model)
+    available = tensors.names()
     for name, (var, transpose) in params.items():
-        if name not in tensors.names():
+        if name not in available:
             raise KeyError(
-                f"weight {name!r} is missing from the checkpoint in {path} "
+                f"weight {tensors.source(name)!r} is missing from the checkpoint in {path} "
                 f"(files: {[f.name for f in tensors.files]})"
             )
         want = tuple(var.get_value().shape[::-1] if transpose else var.get_value().shape)
@@ -201,7 +231,7 @@ def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True) -> 
             )
         arr = tensors.get(name)
         var.set_value(jnp.asarray(arr.T if transpose else arr, dtype=dtype))
-    extra = sorted(n for n in tensors.names() - params.keys() if not n.endswith(_IGNORED_SUFFIXES))
+    extra = sorted(n for n in available - params.keys() if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         log.warning("ignoring %d tensors the model does not use: %s", len(extra), extra[:5])
     tok = None

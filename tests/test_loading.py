@@ -36,7 +36,7 @@ def test_unknown_model_type(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*supports \['llama'\]"):
+    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*supports \['baichuan', 'llama', 'mistral', 'qwen2'\]"):
         load(ckpt)
 
 
