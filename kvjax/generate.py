@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from kvjax import cache as kvcache
+from kvjax import sharding
 from kvjax.cache import Cache
 from kvjax.policies.base import Policy
 
@@ -205,6 +206,8 @@ def generate(
     key = jax.random.key(0) if key is None else key
     k_prefill, k_decode = jax.random.split(key)
     graphdef, state = nnx.split(model)
+    mesh = sharding.mesh_of(state)  # parameters placed by kvjax.sharding.shard_model
+    tokens, positions = sharding.shard_batch(tokens, mesh), sharding.shard_batch(positions, mesh)
 
     t0 = time.perf_counter()
     first, cache = prefill_fn(
@@ -212,7 +215,7 @@ def generate(
     )
     first.block_until_ready()
     t1 = time.perf_counter()
-    next_pos = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    next_pos = sharding.shard_batch(jnp.asarray([len(p) for p in prompts], jnp.int32), mesh)
     out, steps, cache = decode_fn(
         graphdef, state, cache, first, next_pos, k_decode,
         policy=policy, sampling=sampling, eos=eos, max_new=max_new_tokens, pad_id=pad,
