@@ -62,12 +62,18 @@ def _bias_and_mask(s, q_pos, k_pos, alibi, window):
     return jnp.where(visible, s, _MASKED)
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window):
-    # q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk]
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum):
+    """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
+
+    With `colsum`, also returns each key's probability mass summed over the block's real
+    queries, from the same probabilities (H2O's score costs no second pass)."""
     s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale
     s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
+    out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
+    if not colsum:
+        return out, None
+    return out, jnp.sum(jnp.where((q_pos >= 0)[:, None, None, :, None], p, 0.0), axis=3)
 
 
 def prefill_attention(
@@ -91,15 +97,21 @@ def prefill_attention(
     Optional statistics:
 
     * "first_logit": `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
+    * "window_probs:W": `[b, kvh, g, W, s]` the attention probabilities of the last W queries
+      (SnapKV's observation window; also TOVA with W = 1). Only `W x s`, never `s x s`.
+    * "colsum": `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
+      accumulated attention), accumulated block by block.
     """
-    unknown = stats - {"first_logit"}
+    windows = {int(x.split(":")[1]) for x in stats if x.startswith("window_probs:")}
+    unknown = stats - {"first_logit", "colsum"} - {f"window_probs:{w}" for w in windows}
     if unknown:
         raise ValueError(f"prefill_attention cannot compute statistics {sorted(unknown)}")
     b, h, t, d = q.shape
     kvh = k.shape[1]
     qg = _group(q, kvh)
+    want_colsum = "colsum" in stats
     if t <= block:
-        out = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window)
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -107,9 +119,21 @@ def prefill_attention(
         qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
         qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
         qp = qp.reshape(b, n, block).transpose(1, 0, 2)
-        out = jax.lax.map(lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window), (qg, qp))
+        out, colsum = jax.lax.map(
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum), (qg, qp)
+        )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
+        colsum = None if colsum is None else colsum.sum(axis=0)
     out_stats = {}
+    for w in windows:
+        start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
+        qw = _group(q[:, :, start:], kvh)
+        sw = jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale
+        sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
+        real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
+        out_stats[f"window_probs:{w}"] = jnp.where(real, jax.nn.softmax(sw, axis=-1), 0.0)
+    if want_colsum:
+        out_stats["colsum"] = colsum
     if "first_logit" in stats:
         first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
         k0 = jnp.take_along_axis(k, first[:, None, None, None], axis=2)[:, :, 0]  # [b, kvh, d]

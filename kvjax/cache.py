@@ -91,13 +91,22 @@ def gather_prompt(
     )
 
 
+def concat_slots(a: LayerCache, b: LayerCache) -> LayerCache:
+    """`a`'s slots followed by `b`'s (same batch, heads and head_dim)."""
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), a, b)
+
+
 def compact(keep: Array, capacity: int) -> Int[Array, "b kvh c"]:
     """Time indices of the kept tokens (`keep`: bool `[b, kvh, t]`), in time order, padded with -1.
 
     Turns any keep-mask with at most `capacity` True per row into `gather_prompt`'s `src`.
     """
+    t = keep.shape[-1]
     order = jnp.argsort(~keep, axis=-1, stable=True)[..., :capacity]
-    return jnp.where(jnp.take_along_axis(keep, order, axis=-1), order, -1).astype(jnp.int32)
+    src = jnp.where(jnp.take_along_axis(keep, order, axis=-1), order, -1).astype(jnp.int32)
+    if capacity > t:  # room for decoded tokens beyond the prompt: empty slots
+        src = jnp.pad(src, [(0, 0)] * (src.ndim - 1) + [(0, capacity - t)], constant_values=-1)
+    return src
 
 
 def write(

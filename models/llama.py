@@ -174,7 +174,7 @@ class Attention(nnx.Module):
     ):
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
-        wanted = frozenset() if policy is None else policy.stats_needed(self.layer)
+        wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted,
             alibi=self._alibi(), window=self.cfg.sliding_window,
@@ -218,7 +218,7 @@ class Attention(nnx.Module):
             cache.pos,
             cache.log_w,
             scale=c.head_dim**-0.5,
-            stats=policy.stats_needed(self.layer),
+            stats=policy.decode_stats(self.layer),
             q_coord=q_coord,
             k_coord=k_coord,
             alibi=self._alibi(),
@@ -298,12 +298,12 @@ class Llama(nnx.Module):
         """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring."""
         return policy if self.cfg.sliding_window is None else policy.with_window(self.cfg.sliding_window)
 
-    def init_cache(self, policy: Policy, batch: int, max_len: int) -> Cache:
+    def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
         c = self.cfg
         policy = self.native_policy(policy)
         policy.check(c.num_layers)
         return tuple(
-            kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len), c.head_dim, self.dtype)
+            kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
             for i in range(c.num_layers)
         )
 
@@ -316,7 +316,7 @@ class Llama(nnx.Module):
         cache instead of attending it whole.
         """
         policy = self.native_policy(policy)
-        caches = self.init_cache(policy, tokens.shape[0], max_len)
+        caches = self.init_cache(policy, tokens.shape[0], max_len, tokens.shape[1])
         if policy.prefill_mode == "stream":
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches

@@ -2,8 +2,10 @@
 
 from kvjax.policies.base import LayerPolicy, Policy
 from kvjax.policies.compose import EVERY_LAYER, ByLayer, by_layer
+from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
+from kvjax.policies.scored import KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, TOVA
 
 
 def _mat_anchors(budget, anchors):
@@ -36,6 +38,30 @@ REGISTRY = {
 }
 
 
+def _scored(cls, budget, ratio=None, **kw):
+    # --ratio replaces the token budget (kvpress's compression_ratio)
+    return cls(budget=None if ratio is not None else budget, ratio=ratio, **kw)
+
+
+REGISTRY.update({
+    "snapkv": lambda budget, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", positions="absolute":
+        _scored(SnapKV, budget, ratio, window=window, kernel=kernel, pool=pool, group_agg=group_agg, positions=positions),
+    "pyramidkv": lambda budget, num_layers, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", beta=20,
+        positions="absolute": _scored(PyramidKV, budget, ratio, window=window, kernel=kernel, pool=pool,
+                                      group_agg=group_agg, beta=beta, num_layers=num_layers, positions=positions),
+    "slimkv": lambda budget, ratio=None, window=32, kernel=7, pool="avg", combine="product", positions="absolute":
+        _scored(SlimKV, budget, ratio, window=window, kernel=kernel, pool=pool, combine=combine, positions=positions),
+    "h2o-prefill": lambda budget, ratio=None, window=0, group_agg="mean", positions="absolute":
+        _scored(ObservedAttention, budget, ratio, window=window, group_agg=group_agg, positions=positions),
+    "tova": lambda budget, ratio=None, positions="absolute": _scored(TOVA, budget, ratio, positions=positions),
+    "knorm": lambda budget, ratio=None, window=0, positions="absolute":
+        _scored(KNorm, budget, ratio, window=window, positions=positions),
+    "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full": H2O(
+        budget=budget, recent=recent if recent is not None else max(1, budget // 2), positions=positions,
+        prefill_mode=prefill_mode),
+})
+
+
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:
     """Builds a registered policy by name; `budget` is the cache size in tokens per KV head.
 
@@ -55,7 +81,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByLayer", "EVERY_LAYER", "FullCache", "LayerPolicy", "LocalWindow", "Policy",
-    "REGISTRY", "StreamingLLM", "by_layer", "grid_search_anchors", "make_policy", "mat",
-    "mat_with_anchor", "mat_with_sink",
+    "AnchorCache", "ByLayer", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
+    "ObservedAttention", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
+    "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
 ]

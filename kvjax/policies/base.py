@@ -17,8 +17,8 @@ The model calls, per layer:
   the decode path, so every prompt token only sees what the policy kept, as in
   StreamingLLM's perplexity protocol and MAT's evaluation.
 
-`stats_needed(layer)` names the statistics attention must return (see
-`kvjax.attention`); the default is none, so attention computes none.
+`prefill_stats(layer)` / `decode_stats(layer)` name the statistics attention must
+return (see `kvjax.attention`); the default is none, so attention computes none.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class Policy(abc.ABC):
         """'absolute': keys cached rotated at their positions; 'rolling': unrotated, rotated by rank."""
 
     @abc.abstractmethod
-    def capacity(self, layer: int, max_len: int) -> int:
-        """Static slot count of `layer` for sequences of at most `max_len` tokens."""
+    def capacity(self, layer: int, max_len: int, prompt_len: int) -> int:
+        """Static slot count of `layer` for sequences of at most `max_len` tokens whose prompt
+        (padded) is `prompt_len` long."""
 
     @abc.abstractmethod
     def prefill(
@@ -78,7 +79,13 @@ class Policy(abc.ABC):
         del layer, pos, stats
         return cache
 
-    def stats_needed(self, layer: int) -> frozenset[str]:
+    def prefill_stats(self, layer: int) -> frozenset[str]:
+        """Statistics the prompt's attention must return to `prefill` (see `kvjax.attention`)."""
+        del layer
+        return frozenset()
+
+    def decode_stats(self, layer: int) -> frozenset[str]:
+        """Statistics each decode attention must return to `observe`."""
         del layer
         return frozenset()
 

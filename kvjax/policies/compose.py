@@ -53,8 +53,8 @@ class ByLayer(Policy):
     def position_mode(self, layer):
         return self._at(layer).position_mode(layer)
 
-    def capacity(self, layer, max_len):
-        return self._at(layer).capacity(layer, max_len)
+    def capacity(self, layer, max_len, prompt_len=0):
+        return self._at(layer).capacity(layer, max_len, prompt_len)
 
     def prefill(self, layer, cache, k, v, pos, stats):
         return self._at(layer).prefill(layer, cache, k, v, pos, stats)
@@ -65,8 +65,11 @@ class ByLayer(Policy):
     def observe(self, layer, cache, pos, stats):
         return self._at(layer).observe(layer, cache, pos, stats)
 
-    def stats_needed(self, layer):
-        return self._at(layer).stats_needed(layer)
+    def prefill_stats(self, layer):
+        return self._at(layer).prefill_stats(layer)
+
+    def decode_stats(self, layer):
+        return self._at(layer).decode_stats(layer)
 
     def describe(self):
         return f"ByLayer(split={self.split}, shallow={self.shallow.describe()}, deep={self.deep.describe()})"

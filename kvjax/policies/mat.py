@@ -68,10 +68,13 @@ class AnchorCache(LayerPolicy):
     def window(self) -> int:
         return self.budget - self.anchors
 
-    def capacity(self, layer, max_len):
+    def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len)  # a sequence shorter than the budget never evicts
 
-    def stats_needed(self, layer):
+    def prefill_stats(self, layer):
+        return frozenset({"first_logit"})
+
+    def decode_stats(self, layer):
         return frozenset({"first_logit"})
 
     def _pi(self, first_logit):

@@ -48,7 +48,7 @@ class RingPolicy(LayerPolicy):
         """(sinks, capacity) for sequences of at most `max_len` tokens."""
         raise NotImplementedError
 
-    def capacity(self, layer: int, max_len: int) -> int:
+    def capacity(self, layer: int, max_len: int, prompt_len: int = 0) -> int:
         return self._layout(max_len)[1]
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:

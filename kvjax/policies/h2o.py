@@ -1,0 +1,69 @@
+"""H2O (Zhang et al. 2023): heavy hitters + a recent window, evicted while decoding.
+
+Every cached token accumulates the attention it receives, from the statistics each decode
+attention returns (`probs`, summed over the query heads of the KV group: nothing recomputes
+attention). When a new token arrives and the cache is full, the token with the lowest
+accumulated attention outside the `recent` most recent tokens is evicted (ties: the oldest).
+
+The prompt: `prefill_mode="stream"` applies the same rule token by token from the first token
+(H2O's own setting); `"full"` (default) scores the prompt once by the attention each token got
+from all prompt queries (the observed attention) and keeps the `budget - recent` best plus the
+recent window, with those sums as the starting scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2O(LayerPolicy):
+    budget: int
+    recent: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.recent < 1:
+            raise ValueError(f"H2O: recent={self.recent} must be >= 1 (the current token)")
+        if self.budget <= self.recent:
+            raise ValueError(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return min(self.budget, max_len)
+
+    def prefill_stats(self, layer):
+        return frozenset({"colsum"})
+
+    def decode_stats(self, layer):
+        return frozenset({"probs"})
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        acc = stats["colsum"].sum(axis=2)  # [b, kvh, t]: over the group's query heads
+        length = (jnp.max(pos, axis=1) + 1)[:, None, None]
+        p = pos[:, None, :]
+        real = p >= 0
+        recent = real & (p >= length - self.recent)
+        s = jnp.where(recent, jnp.inf, jnp.where(real, acc, -jnp.inf))
+        rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
+        keep = real & (rank < jnp.minimum(length, self.budget))
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        empty = cache.pos < 0
+        candidate = (cache.pos >= 0) & (cache.pos <= (pos - self.recent)[:, None, None])
+        key = jnp.where(candidate, cache.score, jnp.inf)
+        lightest = candidate & (key == jnp.min(key, axis=-1, keepdims=True))
+        evict = jnp.argmin(jnp.where(lightest, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        slot = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), evict)
+        return kvcache.write(cache, slot, k, v, pos)  # the new token starts at 0
+
+    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+        live = (pos >= 0)[:, None, None]  # padding steps add nothing
+        add = jnp.where(live & (cache.pos >= 0), stats["probs"], 0.0)
+        return dataclasses.replace(cache, score=(cache.score + add).astype(cache.score.dtype))

@@ -1,0 +1,262 @@
+"""Score-based prefill compression: SnapKV, PyramidKV, SlimKV, H2O (observed attention), KNorm, TOVA.
+
+Each method is one score function returning `[batch, kv_heads, T]` over the prompt; one shared
+selection keeps, per KV head, the top-scored prefix tokens plus the observation window (the last
+`window` prompt tokens, always kept), in a cache sized to what is kept plus the decode tokens,
+so the memory really shrinks. Decoding then appends (these methods compress at prefill only;
+H2O's decode-time eviction is `H2O`). Scores are computed per KV group from all query heads of
+the group (`group_agg`): the cache holds KV heads, never repeated query heads.
+
+Budgets: `budget` tokens per KV head (the window included), or `ratio`, the fraction of the
+prompt removed (kvpress's `compression_ratio`: keep `max(1, int(L * (1 - ratio)))`). A prompt
+no longer than the budget is kept whole.
+
+Conventions (defaults are the papers'; kvpress's are options where they differ):
+* SnapKV: the last `window` queries' attention (softmax over all keys, causal inside the window),
+  averaged over those queries, pooled over positions, aggregated over the group. Paper LongBench
+  runs: window 32, kernel 7, max-pool; kvpress: window 64, kernel 5, avg-pool, mean over the group.
+* SlimKV: S1 (eq. 3) = window attention summed over window queries and the group's heads,
+  S2 (eq. 4) = max |v| over the head dimension; S = S1 * S2 (eq. 5, default) or S1 + S2 (Listing 1).
+* H2O at prefill: every key's attention summed over all queries (the paper's accumulated score);
+  `normalize=True` divides by the number of queries that can see the key (kvpress's ObservedAttention).
+* TOVA: the last query's attention averaged over all heads of the layer (one ranking shared by
+  the KV heads, as TOVA and kvpress do); the last token is always kept.
+* KNorm: keep the keys with the smallest L2 norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy
+
+POOLS = ("max", "avg", "none")
+GROUP_AGGREGATIONS = ("mean", "max", "sum")
+
+
+def pool1d(x: jax.Array, kernel: int, kind: str) -> jax.Array:
+    """Stride-1 pooling over the last axis with `kernel // 2` padding on each side (zeros
+    counted for avg, as `F.avg_pool1d`; ignored for max), so the length is unchanged."""
+    if kind == "none" or kernel <= 1:
+        return x
+    pad = kernel // 2
+    dims, strides = (1,) * (x.ndim - 1) + (kernel,), (1,) * x.ndim
+    padding = ((0, 0),) * (x.ndim - 1) + ((pad, pad),)
+    if kind == "avg":
+        return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, strides, padding) / kernel
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, padding)
+
+
+def aggregate(x: jax.Array, how: str, axis: int = 2) -> jax.Array:
+    return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](x, axis=axis)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoredPolicy(LayerPolicy):
+    """Shared budget, selection and decode-append for the prefill compressors."""
+
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError(f"{name}: give exactly one of budget (tokens) or ratio (fraction removed)")
+        if self.ratio is not None and not 0 <= self.ratio < 1:
+            raise ValueError(f"{name}: ratio={self.ratio} must be in [0, 1)")
+        if self.window < 0:
+            raise ValueError(f"{name}: window={self.window} must be >= 0")
+        if self.budget is not None and self.budget < max(self.window, 1):
+            raise ValueError(f"{name}: budget={self.budget} is smaller than the observation window={self.window}")
+        if self.prefill_mode != "full":
+            raise ValueError(f"{name} compresses a whole prompt: prefill_mode must be 'full'")
+
+    # -- per-method parts -------------------------------------------------------------
+    def score(self, layer, k, v, pos, stats) -> jax.Array:
+        """[b, kvh, t]: higher is kept first. Only prefix positions (before the window) are used."""
+        raise NotImplementedError
+
+    def keep_count(self, layer: int, length):
+        """Tokens kept out of a `length`-token prompt (numpy or jnp arrays of lengths)."""
+        xp = jnp if isinstance(length, jax.Array) else np
+        if self.budget is not None:
+            return xp.minimum(length, self.budget)
+        return xp.maximum(1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
+
+    # -- shared -----------------------------------------------------------------------
+    def capacity(self, layer, max_len, prompt_len=0):
+        # The most any prompt of this bucket keeps, plus a slot for every decoded token.
+        kept = int(np.max(self.keep_count(layer, np.arange(1, prompt_len + 1)))) if prompt_len else 0
+        return kept + (max_len - prompt_len)
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        length = jnp.max(pos, axis=1) + 1  # [b]
+        n_keep = self.keep_count(layer, length)[:, None, None]
+        p = pos[:, None, :]
+        real = p >= 0
+        in_window = real & (p >= (length - self.window)[:, None, None])
+        s = self.score(layer, k, v, pos, stats)
+        s = jnp.where(in_window, jnp.inf, jnp.where(real, s, -jnp.inf))  # window first, padding never
+        rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
+        keep = real & (rank < n_keep)
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        # Decoding appends into the first free slot; capacity() reserved one per new token.
+        slot = jnp.argmax(cache.pos < 0, axis=-1)
+        return kvcache.write(cache, slot, k, v, pos)
+
+    def _prefix_only(self, s, pos):
+        """Zeroes scores of padding and of the window before pooling (kvpress scores the prefix only)."""
+        length = jnp.max(pos, axis=1) + 1
+        prefix = (pos >= 0) & (pos < (length - self.window)[:, None])
+        return jnp.where(prefix[:, None, :] if s.ndim == 3 else prefix[:, None, None, :], s, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapKV(ScoredPolicy):
+    kernel: int = 7
+    pool: str = "max"
+    group_agg: str = "mean"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self, pool=self.pool, group_agg=self.group_agg)
+        if self.window < 1:
+            raise ValueError(f"{type(self).__name__}: window={self.window} must be >= 1 (the observation window)")
+
+    def prefill_stats(self, layer):
+        return frozenset({f"window_probs:{self.window}"})
+
+    def score(self, layer, k, v, pos, stats):
+        probs = stats[f"window_probs:{self.window}"]  # [b, kvh, g, w, t]
+        n = jnp.maximum(jnp.sum(jnp.any(probs > 0, axis=-1), axis=3), 1)  # real window queries
+        s = self._prefix_only(probs.sum(axis=3) / n[..., None], pos)
+        return aggregate(pool1d(s, self.kernel, self.pool), self.group_agg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PyramidKV(SnapKV):
+    """SnapKV scoring with per-layer budgets decreasing linearly with depth (PyramidKV's formula,
+    as kvpress computes it): the average budget M = window + L·(1 - ratio) (or `budget`), the top
+    layer keeps (M - window)/beta, the bottom 2(M - window) - top, capped at L - window; falls back
+    to SnapKV's budget when the pyramid does not fit."""
+
+    beta: int = 20
+    num_layers: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"PyramidKV: beta={self.beta} must be >= 1")
+        if self.num_layers < 2:
+            raise ValueError(f"PyramidKV: num_layers={self.num_layers} must be >= 2")
+
+    def check(self, num_layers):
+        if num_layers != self.num_layers:
+            raise ValueError(f"PyramidKV: num_layers={self.num_layers} but the model has {num_layers} layers")
+
+    def keep_count(self, layer, length):
+        xp = jnp if isinstance(length, jax.Array) else np
+        q = length.astype(xp.float32) if xp is jnp else np.asarray(length, np.float64)
+        w = self.window
+        m = self.budget if self.budget is not None else w + q * (1 - self.ratio)
+        m = xp.minimum(m, q + w) if self.budget is not None else m
+        min_num = (m - w) / self.beta
+        max_num = (m - w) * 2 - min_num
+        capped = max_num >= q - w
+        max_num = xp.where(capped, q - w, max_num)
+        min_num = xp.where(capped, (m - w) * 2 - max_num, min_num)
+        fits = (q >= max_num) & (max_num >= min_num) & (min_num >= w)
+        steps = (max_num - min_num) / (self.num_layers - 1)
+        pyramid = xp.round(max_num - layer * steps)
+        fallback = xp.round(q * (1 - self.ratio)) if self.budget is None else xp.minimum(q, self.budget)
+        out = xp.where(fits, pyramid, fallback)
+        return xp.clip(out, 1, q).astype(xp.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlimKV(ScoredPolicy):
+    kernel: int = 7
+    pool: str = "avg"
+    combine: str = "product"  # eq. 5; "sum" is Listing 1's S1 + S2
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self, pool=self.pool)
+        if self.combine not in ("product", "sum"):
+            raise ValueError(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5) or 'sum' (Listing 1)")
+        if self.window < 1:
+            raise ValueError(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
+
+    def prefill_stats(self, layer):
+        return frozenset({f"window_probs:{self.window}"})
+
+    def score(self, layer, k, v, pos, stats):
+        s1 = stats[f"window_probs:{self.window}"].sum(axis=(2, 3))  # eq. 3: window queries x group heads
+        s2 = jnp.max(jnp.abs(v.astype(s1.dtype)), axis=-1)  # eq. 4
+        s = s1 * s2 if self.combine == "product" else s1 + s2
+        return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObservedAttention(ScoredPolicy):
+    """H2O's score at prefill: attention each key received, summed over all prompt queries."""
+
+    window: int = 0
+    normalize: bool = False
+    group_agg: str = "mean"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self, group_agg=self.group_agg)
+
+    def prefill_stats(self, layer):
+        return frozenset({"colsum"})
+
+    def score(self, layer, k, v, pos, stats):
+        s = stats["colsum"]  # [b, kvh, g, t]
+        if self.normalize:
+            length = (jnp.max(pos, axis=1) + 1)[:, None, None, None]
+            s = s / jnp.maximum(length - pos[:, None, None, :], 1)  # queries at or after the key
+        return aggregate(s, self.group_agg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TOVA(ScoredPolicy):
+    window: int = 1
+
+    def prefill_stats(self, layer):
+        return frozenset({"window_probs:1"})
+
+    def score(self, layer, k, v, pos, stats):
+        probs = stats["window_probs:1"][:, :, :, 0]  # [b, kvh, g, t]: the last query
+        layer_mean = probs.mean(axis=(1, 2), keepdims=True)[:, :, 0]  # over all heads of the layer
+        return jnp.broadcast_to(layer_mean, probs.shape[:2] + probs.shape[3:])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KNorm(ScoredPolicy):
+    window: int = 0
+
+    def score(self, layer, k, v, pos, stats):
+        return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
+
+
+def _check(policy, pool=None, group_agg=None):
+    name = type(policy).__name__
+    if pool is not None and pool not in POOLS:
+        raise ValueError(f"{name}: pool={pool!r}; expected one of {POOLS}")
+    if group_agg is not None and group_agg not in GROUP_AGGREGATIONS:
+        raise ValueError(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+
+
+__all__ = ["KNorm", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
