@@ -78,8 +78,11 @@ class RefLlama:
             qr = self.rope(qh, q_pos)
             s = ks @ qr / np.sqrt(self.d)
             pr = np.exp(s - s.max())
-            outs.append((pr / pr.sum()) @ vs)
+            pr = pr / pr.sum()
+            outs.append(pr @ vs)
             logit0.append(s[first] if first is not None else np.nan)
+            for e, w in zip(entries, pr):  # accumulated attention (H2O's score), over the group
+                e["acc"] = e.get("acc", 0.0) + w
         return np.stack(outs), self.agg(np.array(logit0))
 
     def step(self, token, pos, caches, update, rolling):
@@ -167,5 +170,19 @@ def mat_update(budget: int, anchors: int, shallow_layers: int, sinks: int):
         cands = [e for e in entries if e["pos"] != 0 and e["pos"] < window_start]
         worst = max(cands, key=lambda e: (e["pi"], -e["pos"]))  # highest pi; ties: the oldest
         return [e for e in entries if e is not worst] + [new]
+
+    return update
+
+
+def h2o_update(budget: int, recent: int):
+    """H2O while decoding: when full, evict the lowest accumulated attention outside the recent window."""
+
+    def update(layer, entries, new):
+        new["acc"] = 0.0
+        if len(entries) < budget:
+            return entries + [new]
+        cands = [e for e in entries if e["pos"] <= new["pos"] - recent]
+        lightest = min(cands, key=lambda e: (e["acc"], e["pos"]))  # ties: the oldest
+        return [e for e in entries if e is not lightest] + [new]
 
     return update

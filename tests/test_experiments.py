@@ -47,3 +47,20 @@ def test_generate_cli_mat(tiny_dir, capsys):
 def test_generate_cli_rejects_options_a_policy_does_not_take(tiny_dir):
     with pytest.raises(ValueError, match=r"policy 'streaming' does not take \['anchors'\]"):
         gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchors", "4"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--policy", "snapkv", "--budget", "40", "--window", "8", "--kernel", "5", "--pool", "avg"],
+    ["--policy", "pyramidkv", "--ratio", "0.5", "--window", "8"],
+    ["--policy", "slimkv", "--budget", "40", "--window", "8", "--combine", "sum"],
+    ["--policy", "h2o", "--budget", "40", "--recent", "10"],
+    ["--policy", "tova", "--ratio", "0.5"],
+    ["--policy", "knorm", "--budget", "40"],
+    ["--policy", "h2o-prefill", "--budget", "40"],
+])
+def test_generate_cli_score_policies(tiny_dir, capsys, argv):
+    prompt = "a prompt long enough that a forty token budget has something to remove " * 2
+    assert gen_cli.main(["--model", str(tiny_dir), "--max-new-tokens", "6", *argv, prompt]) == 0
+    out = capsys.readouterr().out
+    caps = [int(c) for c in re.search(r"cache\s+([\d/]+) slots per KV head", out).group(1).split("/")]
+    assert max(caps) < 256 + 6  # compressed: fewer slots than the 256-token bucket + new tokens
