@@ -11,7 +11,8 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
-POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode")
+POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
+                  "window", "kernel", "pool", "combine", "recent", "beta")
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> None:
@@ -21,18 +22,33 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> N
     g.add_argument("--sinks", type=int, help="attention sinks (streaming, MAT's shallow layers: s); default 4")
     g.add_argument("--anchors", type=int, help="MAT's anchor cache size beta; default budget // 4")
     g.add_argument("--shallow-layers", type=int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
-    g.add_argument("--group-agg", choices=["mean", "max"], help="MAT: pi of a KV head from its query heads")
+    g.add_argument("--group-agg", choices=["mean", "max", "sum"],
+                   help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
+    g.add_argument("--ratio", type=float, help="score-based policies: fraction of the prompt removed, instead of --budget")
+    g.add_argument("--window", type=int, help="observation window kept and scored from (SnapKV 32, kvpress 64)")
+    g.add_argument("--kernel", type=int, help="pooling kernel (SnapKV 7, kvpress 5)")
+    g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
+    g.add_argument("--combine", choices=["product", "sum"], help="SlimKV: S1*S2 (eq. 5) or S1+S2 (Listing 1)")
+    g.add_argument("--recent", type=int, help="H2O: recent window; default budget // 2")
+    g.add_argument("--beta", type=int, help="PyramidKV: steepness of the pyramid; default 20")
     g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
     g.add_argument("--prefill-mode", choices=["full", "stream"],
                    help="attend the prompt whole then compress, or token by token (default: the policy's)")
 
 
-def policy_from_args(args: argparse.Namespace) -> Policy:
+def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) -> Policy:
     """The policy named by --policy, with the options given on the command line.
 
     An option the policy does not take is an error (e.g. --anchors with --policy streaming).
+    `num_layers` is passed to the policies that need the model's depth (PyramidKV).
     """
+    import inspect
+
+    from kvjax.policies import REGISTRY
+
     options = {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+    if num_layers is not None and "num_layers" in inspect.signature(REGISTRY[args.policy]).parameters:
+        options["num_layers"] = num_layers
     return make_policy(args.policy, None if args.policy == "full" else args.budget, **options)
 
 

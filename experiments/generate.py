@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     add_policy_args(p)
     args = p.parse_args(argv)
 
-    policy = policy_from_args(args)
     if args.model:
         path, random_weights = args.model, False
     else:
         path, random_weights = default_model_dir()
     lm = load(path, dtype=args.dtype)
+    policy = policy_from_args(args, num_layers=lm.config.num_layers)
     if random_weights:
         print("NOTE: RANDOM WEIGHTS - the default model is a tiny randomly initialised Llama "
               f"({path}); its text is noise. Pass --model DIR for a real checkpoint.\n")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     out = generate(lm.model, prompts, policy, **kw)  # timed, compiled
 
     max_len = out.prompt_bucket + args.max_new_tokens
-    full_slots = lm.config.num_layers * lm.config.num_kv_heads * FullCache().capacity(0, max_len)
+    full_slots = lm.config.num_layers * lm.config.num_kv_heads * FullCache().capacity(0, max_len, out.prompt_bucket)
     print(f"model    {path}  ({lm.config.num_layers} layers, {lm.config.num_kv_heads} KV heads, {args.dtype})")
     print(f"policy   {policy.describe()}")
     for text, seq in zip(args.prompt, out.sequences()):
