@@ -1,0 +1,84 @@
+"""Prefill + compression time vs prefill alone (FullCache) for every score-based policy.
+
+    python -m benchmarks.compression [--length 8192] [--out benchmarks/results]
+
+Writes compression_<platform>.{json,md}. The goal: compression adds <= 10 % to the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from benchmarks.decode import BENCH_CONFIG
+from kvjax import FullCache, Sampling
+from kvjax.generate import pad_left, prefill_fn
+from kvjax.policies import H2O, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM, TOVA
+from models import load
+from models.tiny import make_random_checkpoint, tiny_config
+
+
+def time_prefill(graphdef, state, tokens, positions, policy, max_len, repeats):
+    run = lambda: jax.block_until_ready(prefill_fn(graphdef, state, tokens, positions, jax.random.key(0),
+                                                   policy=policy, max_len=max_len, sampling=Sampling()))
+    run()  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp())
+    make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG))
+    model = load(tmp).model
+    graphdef, state = nnx.split(model)
+    n = args.length
+    tokens, positions = pad_left([np.random.RandomState(0).randint(4, 260, n).tolist()], n, 0)
+    b = args.budget
+    policies = {
+        "full (prefill alone)": FullCache(),
+        f"streaming{b}": StreamingLLM(budget=b),
+        f"snapkv{b}": SnapKV(budget=b),
+        f"pyramidkv{b}": PyramidKV(budget=b, num_layers=model.cfg.num_layers),
+        f"slimkv{b}": SlimKV(budget=b),
+        f"h2o-prefill{b}": ObservedAttention(budget=b),
+        f"h2o{b}": H2O(budget=b, recent=b // 2),
+        f"tova{b}": TOVA(budget=b),
+        f"knorm{b}": KNorm(budget=b),
+    }
+    rows = []
+    for name, policy in tqdm(policies.items(), desc="policies"):
+        rows.append(dict(policy=name, prefill_s=time_prefill(graphdef, state, tokens, positions, policy, n + 1, args.repeats)))
+    base = rows[0]["prefill_s"]
+    for r in rows:
+        r["overhead_pct"] = 100 * (r["prefill_s"] / base - 1)
+    plat = jax.devices()[0].platform
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"compression_{plat}.json").write_text(json.dumps(dict(device=str(jax.devices()[0]), length=n, config=BENCH_CONFIG, rows=rows), indent=2))
+    lines = [f"# Prefill + compression at {n} tokens ({jax.devices()[0]})", "",
+             "| policy | prefill s | overhead vs FullCache |", "|---|---|---|"]
+    lines += [f"| {r['policy']} | {r['prefill_s']:.3f} | {r['overhead_pct']:+.1f} % |" for r in rows]
+    (out / f"compression_{plat}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
