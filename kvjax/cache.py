@@ -91,6 +91,25 @@ def gather_prompt(
     )
 
 
+def keep_top(score: Array, real: Array, always: Array, n_keep: Array) -> Array:
+    """Keep-mask `[b, kvh, t]`: the `always` tokens, then the highest `score` among the other real
+    tokens (ties: the earlier), `n_keep` per row in all (broadcastable `[b, 1, 1]`)."""
+    s = jnp.where(always, jnp.inf, jnp.where(real, score, -jnp.inf))
+    rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
+    return real & (rank < n_keep)
+
+
+def victim_slot(cache: LayerCache, candidate: Array, evict_highest: bool) -> Int[Array, "b kvh"]:
+    """The slot a new token takes: the first empty one, else the `candidate` slot with the highest
+    (or lowest) `score`, ties going to the oldest token. Shared by the evicting policies."""
+    fill = -jnp.inf if evict_highest else jnp.inf
+    key = jnp.where(candidate, cache.score, fill)
+    best = jnp.max(key, axis=-1, keepdims=True) if evict_highest else jnp.min(key, axis=-1, keepdims=True)
+    victim = jnp.argmin(jnp.where(candidate & (key == best), cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+    empty = cache.pos < 0
+    return jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), victim)
+
+
 def concat_slots(a: LayerCache, b: LayerCache) -> LayerCache:
     """`a`'s slots followed by `b`'s (same batch, heads and head_dim)."""
     return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), a, b)

@@ -49,18 +49,12 @@ class H2O(LayerPolicy):
         p = pos[:, None, :]
         real = p >= 0
         recent = real & (p >= length - self.recent)
-        s = jnp.where(recent, jnp.inf, jnp.where(real, acc, -jnp.inf))
-        rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
-        keep = real & (rank < jnp.minimum(length, self.budget))
+        keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, self.budget))
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
-        empty = cache.pos < 0
         candidate = (cache.pos >= 0) & (cache.pos <= (pos - self.recent)[:, None, None])
-        key = jnp.where(candidate, cache.score, jnp.inf)
-        lightest = candidate & (key == jnp.min(key, axis=-1, keepdims=True))
-        evict = jnp.argmin(jnp.where(lightest, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
-        slot = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), evict)
+        slot = kvcache.victim_slot(cache, candidate, evict_highest=False)  # the lightest hitter
         return kvcache.write(cache, slot, k, v, pos)  # the new token starts at 0
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:

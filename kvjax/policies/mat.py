@@ -97,13 +97,9 @@ class AnchorCache(LayerPolicy):
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
-        empty = cache.pos < 0
         leaving = (pos - self.window)[:, None, None]  # the window's oldest token after this insert
         candidate = (cache.pos >= 1) & (cache.pos <= leaving)
-        key = jnp.where(candidate, cache.score, -jnp.inf)
-        worst = candidate & (key == jnp.max(key, axis=-1, keepdims=True))
-        evict = jnp.argmin(jnp.where(worst, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)  # oldest of ties
-        slot = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), evict)
+        slot = kvcache.victim_slot(cache, candidate, evict_highest=True)  # highest pi (eq. 4)
         return kvcache.write(cache, slot, k, v, pos)
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:

@@ -103,10 +103,7 @@ class ScoredPolicy(LayerPolicy):
         p = pos[:, None, :]
         real = p >= 0
         in_window = real & (p >= (length - self.window)[:, None, None])
-        s = self.score(layer, k, v, pos, stats)
-        s = jnp.where(in_window, jnp.inf, jnp.where(real, s, -jnp.inf))  # window first, padding never
-        rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
-        keep = real & (rank < n_keep)
+        keep = kvcache.keep_top(self.score(layer, k, v, pos, stats), real, in_window, n_keep)
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
