@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from kvjax import cache as kvcache
 from kvjax import sharding
 from kvjax.cache import Cache
 from kvjax.policies.base import Policy

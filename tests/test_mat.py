@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +86,21 @@ def test_mat_matches_algorithm_1_step_by_step(request, model, agg, positions, pr
         assert head[0] == 0 and len(anchors) == BETA - 1 and head[BETA:] == list(range(window_start, prompt_len + steps))
     assert any([p for p in head if 0 < p < window_start] != list(range(1, BETA)) for head in kept[-1][1])
     assert all(layer.capacity == C for layer in cache)
+
+
+@pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
+def test_mat_float32_within_1e5_on_a_default_scale_model(tmp_path, heads):
+    """The issue's literal bound: float32 logits within 1e-5 (absolute) of the reference, on a
+    random model at the usual init scale (std 0.02), MHA and GQA, kept positions every step."""
+    from models.tiny import make_random_checkpoint, tiny_config
+
+    model_dir = make_random_checkpoint(tmp_path, tiny_config(num_kv_heads=heads), seed=3)
+    ids = random_ids(70, 260, seed=27)
+    policy = mat(C, BETA, shallow_layers=L_S, sinks=S)
+    ours, kept, _ = run_ours(model_dir, policy, ids, 25, 30)
+    ref, ref_kept = run_ref(model_dir, mat_update(C, BETA, L_S, S), ids, 25, 30, rolling=False, prefill_mode="stream")
+    assert kept == ref_kept
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("positions,prefill_mode", [("absolute", "stream"), ("rolling", "full")])
