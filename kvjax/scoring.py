@@ -28,6 +28,11 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     The sequence is right padded to a power-of-two bucket with positions -1 (no-op
     steps), so lengths in one bucket share a compilation.
     """
+    if not policy.evicts_while_decoding:
+        raise ValueError(
+            f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
+            "token it would never compress. Use a policy that evicts while decoding (streaming, mat, h2o, ...)"
+        )
     n = len(ids)
     if n < 2:
         raise ValueError(f"need at least 2 tokens to score, got {n}")

@@ -198,3 +198,14 @@ def test_errors():
         KNorm(budget=8, prefill_mode="stream")
     with pytest.raises(ValueError, match="num_layers=32 but the model has 2 layers"):
         PyramidKV(budget=64).check(2)
+
+
+def test_token_by_token_scoring_refuses_prefill_only_compressors(sharp_dir):
+    from kvjax.policies import H2O
+    from kvjax.scoring import perplexity
+
+    model = load(sharp_dir).model
+    ids = random_ids(40, 260, seed=8)
+    with pytest.raises(ValueError, match=r"SnapKV\(.*compresses a whole prompt once"):
+        perplexity(model, ids, SnapKV(budget=16, window=4))
+    assert np.isfinite(perplexity(model, ids, H2O(budget=16, recent=4, prefill_mode="stream")))

@@ -41,6 +41,9 @@ class Policy(abc.ABC):
     """What the model needs from a cache policy."""
 
     prefill_mode: PrefillMode
+    # False for policies that compress a whole prompt once and then only append (SnapKV & co):
+    # fed token by token (kvjax.scoring), they would never compress.
+    evicts_while_decoding: bool = True
 
     @abc.abstractmethod
     def position_mode(self, layer: int) -> PositionMode:

@@ -41,6 +41,10 @@ class ByLayer(Policy):
         self.deep.check(num_layers)
 
     @property
+    def evicts_while_decoding(self):
+        return self.shallow.evicts_while_decoding and self.deep.evicts_while_decoding
+
+    @property
     def prefill_mode(self):
         return self.shallow.prefill_mode
 

@@ -64,6 +64,7 @@ class ScoredPolicy(LayerPolicy):
     budget: int | None = None
     ratio: float | None = None
     window: int = 32
+    evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
 
     def __post_init__(self):
         super().__post_init__()
