@@ -12,7 +12,8 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
-                  "window", "kernel", "pool", "combine", "recent", "beta")
+                  "window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
+                  "compensate", "fold")
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> None:
@@ -31,6 +32,14 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> N
     g.add_argument("--combine", choices=["product", "sum"], help="SlimKV: S1*S2 (eq. 5) or S1+S2 (Listing 1)")
     g.add_argument("--recent", type=int, help="H2O: recent window; default budget // 2")
     g.add_argument("--beta", type=int, help="PyramidKV: steepness of the pyramid; default 20")
+    g.add_argument("--heads", help="RazorAttention: heads file from python -m experiments.find_heads")
+    g.add_argument("--compression", type=float, help="RazorAttention: C, local heads keep max(S0, N / C); default 5")
+    g.add_argument("--buffer", type=int, help="RazorAttention: S0, the least window of a local head; default 4000")
+    g.add_argument("--no-compensation", dest="compensate", action="store_const", const=False,
+                   help="RazorAttention: drop tokens without the compensation token")
+    g.add_argument("--fold", choices=["decode", "prefill"],
+                   help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
+                        "prompt only and append generated tokens (the paper's Algorithm 1)")
     g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
     g.add_argument("--prefill-mode", choices=["full", "stream"],
                    help="attend the prompt whole then compress, or token by token (default: the policy's)")
@@ -49,7 +58,7 @@ def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) ->
     options = {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
     if num_layers is not None and "num_layers" in inspect.signature(REGISTRY[args.policy]).parameters:
         options["num_layers"] = num_layers
-    return make_policy(args.policy, None if args.policy == "full" else args.budget, **options)
+    return make_policy(args.policy, args.budget, **options)
 
 
 def default_model_dir() -> tuple[Path, bool]:

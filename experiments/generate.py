@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy   {policy.describe()}")
     for text, seq in zip(args.prompt, out.sequences()):
         print(f"\n>>> {text}\n{tok.decode(seq, skip_special_tokens=True)}")
-    caps = sorted({layer.capacity for layer in out.cache})
+    caps = sorted({g.capacity for layer in out.cache for g in getattr(layer, "groups", (layer,))})
     print(
         f"\ncache    {'/'.join(map(str, caps))} slots per KV head and layer; {num_slots(out.cache)} slots "
         f"per sequence over layers x KV heads (full cache: {full_slots}); "

@@ -47,7 +47,45 @@ class LayerCache:
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
-Cache = tuple[LayerCache, ...]
+@dataclasses.dataclass(frozen=True)
+class HeadwiseCache:
+    """One layer's cache split by KV head into groups of different capacity.
+
+    `groups[i]` holds KV heads `heads[i]` (a static tuple of head indices) in a
+    LayerCache of its own capacity: RazorAttention's retrieval heads keep every
+    token while local heads keep a few slots, and the bytes are really saved
+    instead of a full-size cache being masked.
+    """
+
+    groups: tuple[LayerCache, ...]
+    heads: tuple[tuple[int, ...], ...]
+
+    @property
+    def capacity(self) -> int:
+        """The largest group's slot count."""
+        return max(g.capacity for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return sum(len(h) for h in self.heads)
+
+    def positions(self) -> np.ndarray:
+        """`[b, kvh, C_max]` slot positions in head order, groups padded with -1 to the largest capacity."""
+        b = self.groups[0].pos.shape[0]
+        out = np.full((b, self.num_kv_heads, self.capacity), EMPTY, np.int32)
+        for heads, g in zip(self.heads, self.groups):
+            out[:, list(heads), : g.capacity] = np.asarray(g.pos)
+        return out
+
+
+jax.tree_util.register_dataclass(HeadwiseCache, data_fields=["groups"], meta_fields=["heads"])
+
+AnyLayerCache = LayerCache | HeadwiseCache
+Cache = tuple[AnyLayerCache, ...]
 
 
 def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:
@@ -174,7 +212,7 @@ def kept_positions(cache: Cache) -> list[np.ndarray]:
     """
     out = []
     for layer in cache:
-        p = np.asarray(layer.pos)
+        p = layer.positions() if isinstance(layer, HeadwiseCache) else np.asarray(layer.pos)
         out.append(np.sort(np.where(p < 0, np.iinfo(np.int32).max, p), axis=-1))
         out[-1] = np.where(out[-1] == np.iinfo(np.int32).max, EMPTY, out[-1])
     return out
@@ -191,4 +229,5 @@ def nbytes(cache: Cache) -> int:
 
 def num_slots(cache: Cache) -> int:
     """Slots per sequence, summed over layers and KV heads."""
-    return sum(layer.k.shape[1] * layer.capacity for layer in cache)
+    groups = [g for layer in cache for g in (layer.groups if isinstance(layer, HeadwiseCache) else (layer,))]
+    return sum(g.k.shape[1] * g.capacity for g in groups)

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax import attention
 from kvjax import cache as kvcache
-from kvjax.cache import Cache, LayerCache
+from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
 from kvjax.policies.base import Policy
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 
@@ -193,24 +193,46 @@ class Attention(nnx.Module):
     def _alibi(self):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
 
-    def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: LayerCache):
-        c = self.cfg
+    def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: AnyLayerCache):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
-        b = q.shape[0]
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        slopes = self._alibi()
+        split = policy.head_split(self.layer)
+        if split is None:
+            o, cache = self._decode_heads(q, k, v, pos, policy, cache, slopes)
+            return self._out(o[:, :, None, :]), cache
+        # Head groups of different capacity: attention runs per group, outputs go back in head order.
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        outs, groups, order = [], [], []
+        for (heads, sub), c in zip(split, cache.groups):
+            qh = [h * g + j for h in heads for j in range(g)]
+            o, c = self._decode_heads(
+                q[:, qh], k[:, list(heads)], v[:, list(heads)], pos, sub, c, None if slopes is None else slopes[qh]
+            )
+            outs.append(o)
+            groups.append(c)
+            order += qh
+        o = jnp.concatenate(outs, axis=1)[:, np.argsort(order)]
+        return self._out(o[:, :, None, :]), HeadwiseCache(tuple(groups), cache.heads)
+
+    def _decode_heads(self, q, k, v, pos, policy, cache: LayerCache, slopes):
+        """One token through `cache` for the query heads `q` `[b, h', d]` reading KV heads `k, v` `[b, kvh', d]`."""
+        c = self.cfg
+        b, kvh = k.shape[:2]
         rolling = policy.position_mode(self.layer) == "rolling"
-        k_store = k if rolling else self._rotate(k, pos[:, None, None])
-        cache = policy.step(self.layer, cache, k_store[:, :, 0], v[:, :, 0], pos)
+        k_store = k if rolling else self._rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
+        cache = policy.step(self.layer, cache, k_store, v, pos)
         if rolling:
             # StreamingLLM: positions are ranks inside the cache, the query being the newest.
             k_coord = kvcache.ranks(cache.pos)
             q_coord = jnp.max(k_coord, axis=-1)  # [b, kvh]
             keys = self._rotate(cache.k, k_coord)
-            qg = q.reshape(b, c.num_kv_heads, -1, c.head_dim)
-            q = self._rotate(qg, q_coord[:, :, None]).reshape(b, c.num_heads, c.head_dim)
+            qg = q.reshape(b, kvh, -1, c.head_dim)
+            q = self._rotate(qg, q_coord[:, :, None]).reshape(b, -1, c.head_dim)
         else:
-            k_coord, q_coord = cache.pos, jnp.broadcast_to(pos[:, None], (b, c.num_kv_heads))
+            k_coord, q_coord = cache.pos, jnp.broadcast_to(pos[:, None], (b, kvh))
             keys = cache.k
-            q = self._rotate(q, pos[:, None, None])[:, :, 0]
+            q = self._rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
         o, stats = attention.decode_attention(
             q,
             keys,
@@ -221,11 +243,10 @@ class Attention(nnx.Module):
             stats=policy.decode_stats(self.layer),
             q_coord=q_coord,
             k_coord=k_coord,
-            alibi=self._alibi(),
+            alibi=slopes,
             window=c.sliding_window,
         )
-        cache = policy.observe(self.layer, cache, pos, stats)
-        return self._out(o[:, :, None, :]), cache
+        return o, policy.observe(self.layer, cache, pos, stats)
 
 
 class MLP(nnx.Module):
@@ -301,11 +322,19 @@ class Llama(nnx.Module):
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
         c = self.cfg
         policy = self.native_policy(policy)
-        policy.check(c.num_layers)
-        return tuple(
-            kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
-            for i in range(c.num_layers)
-        )
+        policy.check(c.num_layers, c.num_kv_heads)
+
+        def layer_cache(i):
+            split = policy.head_split(i)
+            if split is None:
+                return kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
+            return HeadwiseCache(
+                tuple(kvcache.empty(batch, len(h), p.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
+                      for h, p in split),
+                tuple(tuple(h) for h, _ in split),
+            )
+
+        return tuple(layer_cache(i) for i in range(c.num_layers))
 
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int

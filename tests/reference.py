@@ -70,13 +70,16 @@ class RefLlama:
         """Attention of query heads `qh_list` ([g, d], unrotated) over one KV head's entries."""
         positions = np.arange(len(entries)) if rolling else np.array([e["pos"] for e in entries])
         q_pos = positions[[e["pos"] for e in entries].index(new_pos)]
-        ks = np.stack([self.rope(e["k"], pp) for e, pp in zip(entries, positions)])  # [n, d]
+        # An entry may carry an already-rotated key (a RazorAttention compensation token is a
+        # mean of rotated keys, eq. 4) and a logit bias `log_w` (its log N_d, eq. 5).
+        ks = np.stack([e["k_rot"] if "k_rot" in e else self.rope(e["k"], pp) for e, pp in zip(entries, positions)])
+        bias = np.array([e.get("log_w", 0.0) for e in entries])
         vs = np.stack([e["v"] for e in entries])
         first = [e["pos"] for e in entries].index(0) if any(e["pos"] == 0 for e in entries) else None
         outs, logit0 = [], []
         for qh in qh_list:
             qr = self.rope(qh, q_pos)
-            s = ks @ qr / np.sqrt(self.d)
+            s = ks @ qr / np.sqrt(self.d) + bias
             pr = np.exp(s - s.max())
             pr = pr / pr.sum()
             outs.append(pr @ vs)
@@ -97,7 +100,8 @@ class RefLlama:
             out = np.zeros((self.h, self.d))
             for j in range(self.kvh):
                 new = {"pos": pos, "k": k[j], "v": v[j], "pi": None}
-                entries = sorted(update(i, list(caches[i][j]), new), key=lambda e: e["pos"])
+                head = {"head": j} if getattr(update, "per_head", False) else {}  # head-wise rules
+                entries = sorted(update(i, list(caches[i][j]), new, **head), key=lambda e: e["pos"])
                 caches[i][j] = entries
                 out[j * self.g : (j + 1) * self.g], new["pi"] = self._attend_head(
                     q[j * self.g : (j + 1) * self.g], entries, rolling, pos

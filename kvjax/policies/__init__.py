@@ -1,9 +1,10 @@
 """Cache policies: frozen dataclasses of pure functions (see `base.Policy`)."""
 
 from kvjax.policies.base import LayerPolicy, Policy
-from kvjax.policies.compose import EVERY_LAYER, ByLayer, by_layer
+from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, by_head, by_layer
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
+from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
 from kvjax.policies.scored import KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, TOVA
 
@@ -59,7 +60,13 @@ REGISTRY.update({
     "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full": H2O(
         budget=budget, recent=recent if recent is not None else max(1, budget // 2), positions=positions,
         prefill_mode=prefill_mode),
+    # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window.
+    "razor": lambda budget, heads=None, compression=5.0, buffer=4000, sinks=None, compensate=None, fold="decode":
+        razor_from_heads(heads, compression=compression, buffer=buffer, sinks=sinks, compensate=compensate, fold=fold),
 })
+
+# Policies sized by their own options rather than --budget.
+NO_BUDGET = frozenset({"full", "razor"})
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:
@@ -71,7 +78,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
     if name not in REGISTRY:
         raise ValueError(f"unknown policy {name!r}; available: {sorted(REGISTRY)}")
-    if name != "full" and budget is None:
+    if name not in NO_BUDGET and budget is None:
         raise ValueError(f"policy {name!r} needs a budget")
     accepted = set(inspect.signature(REGISTRY[name]).parameters) - {"budget"}
     unknown = set(options) - accepted
@@ -81,7 +88,8 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByLayer", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
+    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "HeadSplit", "RazorAttention", "by_head",
+    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
 ]

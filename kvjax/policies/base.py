@@ -92,8 +92,15 @@ class Policy(abc.ABC):
         del layer
         return frozenset()
 
-    def check(self, num_layers: int) -> None:
-        """Raises ValueError if the policy cannot run on a model of `num_layers` layers."""
+    def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
+        """Raises ValueError if the policy cannot run on a model of `num_layers` layers
+        (and `num_kv_heads` KV heads per layer, for policies that name heads)."""
+
+    def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], "Policy"], ...] | None:
+        """`((kv_heads, policy), ...)` when `layer`'s KV heads are cached in separate groups of
+        different capacity (`kvjax.cache.HeadwiseCache`); None for one array over all heads."""
+        del layer
+        return None
 
     def with_window(self, window: int) -> "Policy":
         """This policy on a model whose attention never looks back more than `window` tokens.

@@ -31,14 +31,14 @@ class ByLayer(Policy):
                 f"prefill_mode={self.deep.prefill_mode!r}"
             )
 
-    def check(self, num_layers: int) -> None:
+    def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         if self.split != EVERY_LAYER and self.split > num_layers:
             raise ValueError(
                 f"ByLayer: split (shallow layers L_s)={self.split} is out of range for a model with "
                 f"{num_layers} layers (0..{num_layers}, or EVERY_LAYER)"
             )
-        self.shallow.check(num_layers)
-        self.deep.check(num_layers)
+        self.shallow.check(num_layers, num_kv_heads)
+        self.deep.check(num_layers, num_kv_heads)
 
     @property
     def evicts_while_decoding(self):
@@ -72,6 +72,9 @@ class ByLayer(Policy):
     def prefill_stats(self, layer):
         return self._at(layer).prefill_stats(layer)
 
+    def head_split(self, layer):
+        return self._at(layer).head_split(layer)
+
     def decode_stats(self, layer):
         return self._at(layer).decode_stats(layer)
 
@@ -81,3 +84,131 @@ class ByLayer(Policy):
 
 def by_layer(shallow: Policy, deep: Policy, split: int) -> ByLayer:
     return ByLayer(split=split, shallow=shallow, deep=deep)
+
+
+class ByHead(Policy):
+    """Per layer, the KV heads split into groups, each cached by its own policy in its own array.
+
+    Subclasses define `head_split(layer)`. The model allocates a
+    `kvjax.cache.HeadwiseCache` (one `LayerCache` per group, of that group's
+    capacity) and runs decode attention group by group; `prefill`, `step` and
+    `observe` here slice the heads and statistics and delegate, so a ByHead is
+    usable wherever a Policy is.
+    """
+
+    def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], Policy], ...]:
+        raise NotImplementedError
+
+    def _groups(self, layer):
+        return [(list(heads), sub) for heads, sub in self.head_split(layer)]
+
+    def _subs(self, layer):
+        return [sub for _, sub in self.head_split(layer)]
+
+    @property
+    def prefill_mode(self):
+        return self._subs(0)[0].prefill_mode
+
+    @property
+    def evicts_while_decoding(self):
+        return all(s.evicts_while_decoding for layer in range(self._num_layers()) for s in self._subs(layer))
+
+    def _num_layers(self) -> int:
+        raise NotImplementedError
+
+    def check(self, num_layers, num_kv_heads=None):
+        for layer in range(num_layers):
+            split = self.head_split(layer)
+            heads = sorted(h for hs, _ in split for h in hs)
+            if num_kv_heads is not None and heads != list(range(num_kv_heads)):
+                raise ValueError(
+                    f"{type(self).__name__}: layer {layer} splits KV heads {heads}, but the model has "
+                    f"{num_kv_heads} KV heads per layer (each must be in exactly one group)"
+                )
+            modes = {sub.position_mode(layer) for _, sub in split} | {sub.prefill_mode for _, sub in split}
+            if len(modes) != 2:
+                raise ValueError(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
+                                 f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
+            for _, sub in split:
+                sub.check(num_layers)
+
+    def position_mode(self, layer):
+        return self._subs(layer)[0].position_mode(layer)
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        """The largest group's capacity (the model asks each group for its own)."""
+        return max(sub.capacity(layer, max_len, prompt_len) for sub in self._subs(layer))
+
+    def prefill_stats(self, layer):
+        return frozenset().union(*(sub.prefill_stats(layer) for sub in self._subs(layer)))
+
+    def decode_stats(self, layer):
+        return frozenset().union(*(sub.decode_stats(layer) for sub in self._subs(layer)))
+
+    def prefill(self, layer, cache, k, v, pos, stats):
+        groups = tuple(
+            sub.prefill(layer, c, k[:, heads], v[:, heads], pos, {n: s[:, heads] for n, s in stats.items()})
+            for (heads, sub), c in zip(self._groups(layer), cache.groups)
+        )
+        return dataclasses.replace(cache, groups=groups)
+
+    def step(self, layer, cache, k, v, pos):
+        groups = tuple(
+            sub.step(layer, c, k[:, heads], v[:, heads], pos)
+            for (heads, sub), c in zip(self._groups(layer), cache.groups)
+        )
+        return dataclasses.replace(cache, groups=groups)
+
+    def observe(self, layer, cache, pos, stats):
+        groups = tuple(
+            sub.observe(layer, c, pos, {n: s[:, heads] for n, s in stats.items()})
+            for (heads, sub), c in zip(self._groups(layer), cache.groups)
+        )
+        return dataclasses.replace(cache, groups=groups)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadSplit(ByHead):
+    """An explicit split: `layers[l]` is `((kv_heads, policy), ...)` for layer `l`."""
+
+    layers: tuple[tuple[tuple[tuple[int, ...], Policy], ...], ...]
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("HeadSplit: no layers")
+        for layer, split in enumerate(self.layers):
+            if not split or any(not heads for heads, _ in split):
+                raise ValueError(f"HeadSplit: layer {layer} has an empty group")
+
+    def _num_layers(self):
+        return len(self.layers)
+
+    def check(self, num_layers, num_kv_heads=None):
+        if len(self.layers) != num_layers:
+            raise ValueError(f"HeadSplit: {len(self.layers)} layers given, the model has {num_layers}")
+        super().check(num_layers, num_kv_heads)
+
+    def head_split(self, layer):
+        return self.layers[layer]
+
+    def with_window(self, window):
+        return dataclasses.replace(self, layers=tuple(
+            tuple((heads, sub.with_window(window)) for heads, sub in split) for split in self.layers
+        ))
+
+    def describe(self):
+        return "HeadSplit(" + "; ".join(
+            f"layer {i}: " + ", ".join(f"heads {list(h)} -> {sub.describe()}" for h, sub in split)
+            for i, split in enumerate(self.layers)
+        ) + ")"
+
+
+def by_head(mask, selected: Policy, rest: Policy) -> HeadSplit:
+    """`selected` for the KV heads where `mask[layer][head]` is true, `rest` for the others
+    (RazorAttention's retrieval heads full, the rest local). `mask`: `[layers][kv_heads]` bools."""
+    layers = []
+    for row in mask:
+        yes = tuple(i for i, m in enumerate(row) if m)
+        no = tuple(i for i, m in enumerate(row) if not m)
+        layers.append(tuple((h, p) for h, p in ((yes, selected), (no, rest)) if h))
+    return HeadSplit(layers=tuple(layers))

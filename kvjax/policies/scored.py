@@ -158,7 +158,7 @@ class PyramidKV(SnapKV):
         if self.num_layers < 2:
             raise ValueError(f"PyramidKV: num_layers={self.num_layers} must be >= 2")
 
-    def check(self, num_layers):
+    def check(self, num_layers, num_kv_heads=None):
         if num_layers != self.num_layers:
             raise ValueError(f"PyramidKV: num_layers={self.num_layers} but the model has {num_layers} layers")
 

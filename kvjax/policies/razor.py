@@ -1,0 +1,289 @@
+"""RazorAttention (RA): full caches for retrieval heads, sinks + window + a compensation token elsewhere.
+
+Paper Algorithm 1 (RoPE models): a non-retrieval KV head keeps the first `N0`
+sink tokens and the recent `L_h = max(S0, N / C)` tokens of its `N`-token
+prompt; the dropped tokens `D` are replaced by one compensation slot holding
+their mean key and value (eq. 4), attended with weight `N_d` (eq. 5), which is
+softmax with `log N_d` added to that slot's logit: the cache's `log_w` field.
+
+Two decode behaviours (`fold`):
+
+* "decode" (default): the window slides while generating and every token that
+  leaves it is folded into the compensation slot as a count-weighted running
+  mean, so a local head never holds more than `N0 + L_h + 1` slots.
+* "prefill": the paper's Algorithm 1 taken literally: compression happens once,
+  after the prompt; generated tokens are appended (the local cache has room for
+  them) and nothing more is dropped.
+
+ALiBi models (paper §3.1): each head keeps its Theorem-1 vision scope `L_h`
+(`kvjax.heads.alibi_scopes`); heads whose scope exceeds the buffer `S0` are kept
+whole. The paper drops beyond-scope tokens outright (their attention is below
+eps), so ALiBi local heads default to no sinks and no compensation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy
+from kvjax.policies.compose import ByHead
+from kvjax.policies.ring import FullCache
+
+FOLDS = ("decode", "prefill")
+
+
+def buffer_length(n, buffer: int, compression: float):
+    """Paper Algorithm 1, line 2: `L_h = max(S0, N / C)` (rounded up), for an int or an int array."""
+    if isinstance(n, int):
+        return max(buffer, math.ceil(n / compression))
+    return jnp.maximum(buffer, jnp.ceil(n / compression).astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompensatedWindow(LayerPolicy):
+    """A non-retrieval head group: `sinks` + a window of `L` recent tokens + one compensation slot.
+
+    `L` is `max(buffer, ceil(n / compression))` for a row whose prompt has `n`
+    tokens (RoPE), or `scopes[h]` per head (ALiBi). Slot layout: sinks in slots
+    `0..sinks-1`, the window after them, the compensation slot last (when
+    `compensate`). Per-slot statistics: the compensation slot's `score` is `N_d`
+    (its `log_w` is `log N_d`); every other slot's `score` is its row's window
+    length `L`, so rows of one batch with different prompt lengths each keep
+    their own `N / C` under one static capacity.
+    """
+
+    sinks: int = 4
+    buffer: int = 4000
+    compression: float = 5.0
+    scopes: tuple[int, ...] | None = None
+    compensate: bool = True
+    fold: Literal["decode", "prefill"] = "decode"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ValueError(f"RazorAttention: sinks (N0)={self.sinks} must be >= 0")
+        if self.buffer < 1:
+            raise ValueError(f"RazorAttention: buffer (S0)={self.buffer} must be >= 1")
+        if not self.compression >= 1:
+            raise ValueError(f"RazorAttention: compression (C)={self.compression} must be >= 1")
+        if self.fold not in FOLDS:
+            raise ValueError(f"RazorAttention: fold={self.fold!r}; expected one of {FOLDS}")
+        if self.positions != "absolute":
+            raise ValueError(
+                "RazorAttention: positions must be 'absolute' (the compensation token is a mean of "
+                f"keys after RoPE, eq. 4), got {self.positions!r}"
+            )
+        if self.scopes is not None and min(self.scopes) < 1:
+            raise ValueError(f"RazorAttention: scopes={self.scopes} must all be >= 1")
+
+    def _window(self, prompt_len: int) -> int:
+        return max(self.scopes) if self.scopes is not None else buffer_length(prompt_len, self.buffer, self.compression)
+
+    def _layout(self, capacity: int) -> tuple[int, int]:
+        """(first window slot, end of window slots) within a cache of `capacity` slots."""
+        return self.sinks, capacity - int(self.compensate)
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        kept = min(self.sinks + self._window(prompt_len), max_len)
+        room = max_len - prompt_len if self.fold == "prefill" else 0
+        return kept + room + int(self.compensate)
+
+    def _row_windows(self, n, kvh):
+        """`[b, kvh]` window length per row and head."""
+        if self.scopes is not None:
+            return jnp.broadcast_to(jnp.asarray(self.scopes, jnp.int32), (n.shape[0], kvh))
+        return jnp.broadcast_to(buffer_length(n, self.buffer, self.compression)[:, None], (n.shape[0], kvh))
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        b, kvh, t, _ = k.shape
+        n = jnp.max(pos, axis=1) + 1  # real tokens per row (left padded)
+        win = self._row_windows(n, kvh)  # [b, kvh]
+        p = pos[:, None, :]  # [b, 1, t]
+        real = p >= 0
+        keep = real & ((p < self.sinks) | (p >= (n[:, None, None] - win[:, :, None])))
+        dropped = real & ~keep
+        _, end = self._layout(cache.capacity)
+        src = kvcache.compact(keep, end)
+        if self.compensate:
+            src = jnp.pad(src, ((0, 0), (0, 0), (0, 1)), constant_values=-1)
+        cache = kvcache.gather_prompt(cache, k, v, pos, src)
+        cache = dataclasses.replace(cache, score=jnp.broadcast_to(win[:, :, None], cache.score.shape).astype(cache.score.dtype))
+        if not self.compensate:
+            return cache
+        count = jnp.sum(dropped, axis=-1)  # [b, kvh]
+        w = dropped.astype(cache.score.dtype)
+        mean = lambda x: jnp.einsum("bht,bhtd->bhd", w, x.astype(w.dtype)) / jnp.maximum(count, 1)[..., None]
+        last = jnp.max(jnp.where(dropped, p, kvcache.EMPTY), axis=-1)  # the newest dropped position
+        return _set_compensation(cache, mean(k), mean(v), count, last)
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        start, end = self._layout(cache.capacity)
+        slots = jnp.arange(cache.capacity)
+        in_window = (slots >= start) & (slots < end)
+        held = in_window & (cache.pos >= 0)
+        if self.fold == "prefill":
+            # Appending: the first empty window slot (capacity has room for every generated token).
+            slot = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
+            win = jnp.max(jnp.where(in_window, cache.score, 0), axis=-1)
+            return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos, win)
+        win = jnp.max(jnp.where(in_window | (slots < start), cache.score, 0), axis=-1)
+        if self.scopes is not None:
+            win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
+        # A row that had no prompt (streamed token by token): N is unknown, so L = S0.
+        win = jnp.minimum(jnp.where(win > 0, win, self.buffer), end - start)
+        full = jnp.sum(held, axis=-1) >= win  # [b, kvh]
+        oldest = jnp.argmin(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        empty = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
+        slot = jnp.where(full, oldest, empty)
+        evicting = full & (pos[:, None] >= self.sinks)
+        if self.compensate:
+            cache = _fold(cache, slot, evicting)
+        return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos, win)
+
+
+def _sink_or(pos, sinks, slot):
+    """Sink positions live in the slot of their own index; other tokens go to `slot`."""
+    return jnp.where(pos[:, None] < sinks, pos[:, None], slot)
+
+
+def _set_compensation(cache: LayerCache, k_hat, v_hat, count, last) -> LayerCache:
+    """Writes eq. 4's mean key/value with weight `count` (`log_w = log N_d`) into the last slot."""
+    some = count > 0
+    dt = cache.score.dtype
+    return LayerCache(
+        k=cache.k.at[:, :, -1].set(jnp.where(some[..., None], k_hat, 0).astype(cache.k.dtype)),
+        v=cache.v.at[:, :, -1].set(jnp.where(some[..., None], v_hat, 0).astype(cache.v.dtype)),
+        pos=cache.pos.at[:, :, -1].set(jnp.where(some, last, kvcache.EMPTY).astype(jnp.int32)),
+        score=cache.score.at[:, :, -1].set(count.astype(dt)),
+        log_w=cache.log_w.at[:, :, -1].set(jnp.where(some, jnp.log(jnp.maximum(count, 1).astype(dt)), 0.0)),
+    )
+
+
+def _fold(cache: LayerCache, slot, evicting) -> LayerCache:
+    """Folds the token in `slot` into the compensation slot where `evicting`: a count-weighted running mean."""
+    idx = (jnp.arange(slot.shape[0])[:, None], jnp.arange(slot.shape[1])[None, :], slot)
+    dt = cache.score.dtype
+    count = cache.score[:, :, -1]
+    new = count + evicting
+    mix = lambda old, x: (old.astype(dt) * count[..., None] + x.astype(dt) * evicting[..., None]) / jnp.maximum(new, 1)[..., None]
+    k_hat, v_hat = mix(cache.k[:, :, -1], cache.k[idx]), mix(cache.v[:, :, -1], cache.v[idx])
+    last = jnp.where(evicting, cache.pos[idx], cache.pos[:, :, -1])
+    return _set_compensation(cache, k_hat, v_hat, new, last)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RazorAttention(ByHead):
+    """RazorAttention: per layer, retrieval KV heads in a FullCache, the rest in a CompensatedWindow.
+
+    `retrieval[layer][kv_head]` marks the retrieval heads (`kvjax.heads`). For ALiBi
+    models give `scopes[layer][kv_head]` (Theorem 1's `L_h`) instead: heads whose
+    scope exceeds `buffer` are retrieval heads, the others keep their scope, in
+    groups of power-of-two capacity so a layer has few arrays.
+    """
+
+    retrieval: tuple[tuple[bool, ...], ...] | None = None
+    scopes: tuple[tuple[int, ...], ...] | None = None
+    compression: float = 5.0  # C; Table 2: buffer max(4000, N / 5)
+    buffer: int = 4000  # S0
+    sinks: int = 4  # N0
+    compensate: bool = True
+    fold: Literal["decode", "prefill"] = "decode"
+
+    def __post_init__(self):
+        if (self.retrieval is None) == (self.scopes is None):
+            raise ValueError("RazorAttention: give exactly one of retrieval (RoPE heads) or scopes (ALiBi)")
+        rows = self.retrieval if self.retrieval is not None else self.scopes
+        if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise ValueError("RazorAttention: the head table must have the same non-zero number of heads per layer")
+        # Validates the shared hyper-parameters once, with the paper's names in the messages.
+        CompensatedWindow(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
+                          compensate=self.compensate, fold=self.fold)
+
+    def _num_layers(self):
+        return len(self.retrieval if self.retrieval is not None else self.scopes)
+
+    def _num_kv_heads(self):
+        return len((self.retrieval if self.retrieval is not None else self.scopes)[0])
+
+    def check(self, num_layers, num_kv_heads=None):
+        if num_layers != self._num_layers() or (num_kv_heads is not None and num_kv_heads != self._num_kv_heads()):
+            raise ValueError(
+                f"RazorAttention: the heads table is {self._num_layers()} layers x {self._num_kv_heads()} KV heads, "
+                f"the model has {num_layers} layers x {num_kv_heads} KV heads"
+            )
+        super().check(num_layers, num_kv_heads)
+
+    def is_retrieval(self, layer: int, head: int) -> bool:
+        if self.retrieval is not None:
+            return bool(self.retrieval[layer][head])
+        return self.scopes[layer][head] > self.buffer
+
+    def head_split(self, layer):
+        heads = range(self._num_kv_heads())
+        full = tuple(h for h in heads if self.is_retrieval(layer, h))
+        local = [h for h in heads if not self.is_retrieval(layer, h)]
+        split = [(full, FullCache())] if full else []
+        common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
+                      compensate=self.compensate, fold=self.fold)
+        if self.scopes is None:
+            if local:
+                split.append((tuple(local), CompensatedWindow(**common)))
+            return tuple(split)
+        buckets: dict[int, list[int]] = {}
+        for h in local:  # ALiBi: heads of similar scope share an array
+            buckets.setdefault(1 << max(0, math.ceil(math.log2(self.scopes[layer][h]))), []).append(h)
+        for _, hs in sorted(buckets.items()):
+            split.append((tuple(hs), CompensatedWindow(**common, scopes=tuple(self.scopes[layer][h] for h in hs))))
+        return tuple(split)
+
+    def describe(self):
+        table = self.retrieval if self.retrieval is not None else self.scopes
+        n_ret = sum(self.is_retrieval(i, h) for i in range(len(table)) for h in range(len(table[0])))
+        kind = "retrieval" if self.retrieval is not None else "ALiBi scopes"
+        return (f"RazorAttention({kind}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
+                f"compression={self.compression}, buffer={self.buffer}, sinks={self.sinks}, "
+                f"compensate={self.compensate}, fold={self.fold!r})")
+
+
+def razor_from_heads(
+    heads,
+    *,
+    compression: float = 5.0,
+    buffer: int = 4000,
+    sinks: int | None = None,
+    compensate: bool | None = None,
+    fold: Literal["decode", "prefill"] = "decode",
+) -> RazorAttention:
+    """RazorAttention from a heads file (path or `kvjax.heads.load_heads` dict).
+
+    A RoPE file names the retrieval KV heads; an ALiBi file gives every KV head's
+    vision scope. Unset `sinks` / `compensate` follow the paper: 4 sinks and a
+    compensation token for RoPE (Algorithm 1), neither for ALiBi (§3.1 keeps the
+    recent `L_h` tokens only).
+    """
+    from kvjax.heads import load_heads
+
+    if heads is None:
+        raise ValueError("RazorAttention needs a heads file (--heads, from python -m experiments.find_heads)")
+    data = heads if isinstance(heads, dict) else load_heads(heads)
+    alibi = "kv_scopes" in data
+    common = dict(
+        compression=compression, buffer=buffer, fold=fold,
+        sinks=sinks if sinks is not None else (0 if alibi else 4),
+        compensate=compensate if compensate is not None else not alibi,
+    )
+    table = data["kv_scopes"] if alibi else data["retrieval_kv_heads"]
+    if len(table) != data["num_layers"] or any(len(r) != data["num_kv_heads"] for r in table):
+        raise ValueError(
+            f"heads file: its table is not {data['num_layers']} layers x {data['num_kv_heads']} KV heads as it declares"
+        )
+    if alibi:
+        return RazorAttention(scopes=tuple(tuple(int(x) for x in r) for r in table), **common)
+    return RazorAttention(retrieval=tuple(tuple(bool(x) for x in r) for r in table), **common)

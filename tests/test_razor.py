@@ -1,0 +1,335 @@
+"""RazorAttention: the compensation identity, kept positions and logits vs a plain-Python
+reference, head-wise caches whose bytes follow the formula, ALiBi vision scopes, errors."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax import FullCache, generate
+from kvjax import attention
+from kvjax.cache import HeadwiseCache
+from kvjax.heads import alibi_scopes, attention_maps, kv_scopes, save_heads
+from kvjax.policies import RazorAttention, make_policy, razor_from_heads
+from kvjax.policies.razor import CompensatedWindow
+from models import load
+from models.llama import Llama
+from models.tiny import tiny_config
+from tests.conftest import random_ids, stepper
+from tests.reference import RefLlama
+
+RETRIEVAL = ((True, False), (False, True))  # layer x KV head, for the 2-layer, 2-KV-head test models
+
+
+def test_compensation_identity():
+    """Eq. 5: a compensation slot with bias log N_d == full attention where the dropped tokens are
+    N_d copies of (k_hat, v_hat)."""
+    rng = np.random.default_rng(0)
+    b, kvh, g, d, kept, n_d = 2, 2, 4, 16, 9, 7
+    q = rng.normal(size=(b, kvh * g, d)).astype(np.float32)
+    k = rng.normal(size=(b, kvh, kept, d)).astype(np.float32)
+    v = rng.normal(size=(b, kvh, kept, d)).astype(np.float32)
+    k_hat = rng.normal(size=(b, kvh, 1, d)).astype(np.float32)
+    v_hat = rng.normal(size=(b, kvh, 1, d)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(kept + 1), (b, kvh, kept + 1)).astype(np.int32)
+    log_w = np.zeros((b, kvh, kept + 1), np.float32)
+    log_w[..., -1] = math.log(n_d)
+    ours, _ = attention.decode_attention(
+        q, np.concatenate([k, k_hat], 2), np.concatenate([v, v_hat], 2), pos, log_w, scale=d**-0.5
+    )
+    k_rep = np.concatenate([k, np.repeat(k_hat, n_d, 2)], 2)
+    v_rep = np.concatenate([v, np.repeat(v_hat, n_d, 2)], 2)
+    pos_rep = np.broadcast_to(np.arange(kept + n_d), (b, kvh, kept + n_d)).astype(np.int32)
+    full, _ = attention.decode_attention(q, k_rep, v_rep, pos_rep, np.zeros_like(pos_rep, np.float32), scale=d**-0.5)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(full), atol=1e-6, rtol=0)
+
+
+# --- plain-Python RazorAttention on RefLlama's per-head entry lists --------------------------------
+
+
+def _window(n, buffer, compression):
+    return max(buffer, math.ceil(n / compression))
+
+
+def _compress_prompt(ref, entries, n, win, sinks):
+    """Algorithm 1 on one head's prompt entries: sinks + the last `win` tokens + a compensation token."""
+    keep = [e for e in entries if e["pos"] < sinks or e["pos"] >= n - win]
+    dropped = [e for e in entries if not (e["pos"] < sinks or e["pos"] >= n - win)]
+    if not dropped:
+        return keep
+    comp = {
+        "comp": True,
+        "pos": max(e["pos"] for e in dropped),
+        "n": len(dropped),
+        "k_rot": np.mean([ref.rope(e["k"], e["pos"]) for e in dropped], axis=0),
+        "v": np.mean([e["v"] for e in dropped], axis=0),
+    }
+    comp["log_w"] = math.log(comp["n"])
+    return keep + [comp]
+
+
+def _decode_update(ref, retrieval, win, sinks, fold):
+    def update(layer, entries, new, head):
+        entries = entries + [new]
+        if retrieval[layer][head] or fold == "prefill":
+            return entries
+        window = [e for e in entries if not e.get("comp") and e["pos"] >= sinks]
+        if len(window) <= win:
+            return entries
+        old = min(window, key=lambda e: e["pos"])
+        comps = [e for e in entries if e.get("comp")]
+        comp = comps[0] if comps else {"comp": True, "n": 0, "k_rot": 0.0, "v": 0.0}
+        n = comp["n"] + 1  # the count-weighted running mean
+        comp = {
+            "comp": True, "pos": old["pos"], "n": n,
+            "k_rot": (comp["n"] * comp["k_rot"] + ref.rope(old["k"], old["pos"])) / n,
+            "v": (comp["n"] * comp["v"] + old["v"]) / n,
+            "log_w": math.log(n),
+        }
+        return [e for e in entries if e is not old and not e.get("comp")] + [comp]
+
+    update.per_head = True
+    return update
+
+
+def _reference_run(ref, ids, prompt_len, steps, retrieval, sinks, buffer, compression, fold):
+    caches = ref.empty_caches()
+    logits = [ref.prefill(ids[:prompt_len], caches, lambda layer, entries, new: entries + [new])]
+    win = _window(prompt_len, buffer, compression)
+    for i in range(ref.L):
+        for j in range(ref.kvh):
+            if not retrieval[i][j]:
+                caches[i][j] = _compress_prompt(ref, caches[i][j], prompt_len, win, sinks)
+    kept = [_snapshot(caches)]
+    update = _decode_update(ref, retrieval, win, sinks, fold)
+    for t in range(prompt_len, prompt_len + steps):
+        logits.append(ref.step(ids[t], t, caches, update, rolling=False))
+        kept.append(_snapshot(caches))
+    return np.stack(logits), kept
+
+
+def _snapshot(caches):
+    """Per layer, per head: (kept positions, compensation (last pos, N_d, k_hat) or None)."""
+    out = []
+    for layer in caches:
+        row = []
+        for entries in layer:
+            comps = [e for e in entries if e.get("comp")]
+            c = comps[0] if comps else None
+            row.append((sorted(e["pos"] for e in entries if not e.get("comp")),
+                        None if c is None else (c["pos"], c["n"], np.asarray(c["k_rot"]))))
+        out.append(row)
+    return out
+
+
+def _ours_snapshot(policy, cache, row):
+    out = []
+    for layer, lc in enumerate(cache):
+        heads = {}
+        for (hs, sub), g in zip(policy.head_split(layer), lc.groups):
+            pos, score, k = np.asarray(g.pos[row]), np.asarray(g.score[row]), np.asarray(g.k[row])
+            comp_slot = isinstance(sub, CompensatedWindow) and sub.compensate
+            for local, h in enumerate(hs):
+                p = pos[local, :-1] if comp_slot else pos[local]
+                comp = None
+                if comp_slot and pos[local, -1] >= 0:
+                    comp = (int(pos[local, -1]), int(score[local, -1]), k[local, -1])
+                heads[h] = (sorted(int(x) for x in p if x >= 0), comp)
+        out.append([heads[h] for h in range(len(heads))])
+    return out
+
+
+@pytest.mark.parametrize("fold", ["decode", "prefill"])
+def test_kept_positions_and_logits_match_reference(sharp_dir, fold):
+    """Prefill and 30 decode steps, a batch of two prompts with different N (so different N / C):
+    per head, kept positions, the compensation token (last position, N_d, k_hat) and the logits
+    equal the plain-Python reference; the head groups' bytes equal the formula."""
+    sinks, buffer, compression, steps, bucket = 2, 6, 4.0, 30, 64
+    lengths = (40, 17)  # L = max(6, 10) = 10 and max(6, 5) = 6
+    ids = [random_ids(lengths[r] + steps, 260, seed=20 + r) for r in range(2)]
+    policy = RazorAttention(retrieval=RETRIEVAL, compression=compression, buffer=buffer, sinks=sinks, fold=fold)
+    lm = load(sharp_dir)
+    max_len = bucket + steps
+    prefill, decode = stepper(lm.model, policy, max_len)
+    toks = np.zeros((2, bucket), np.int32)
+    pos = np.full((2, bucket), -1, np.int32)
+    for r, n in enumerate(lengths):
+        toks[r, bucket - n :] = ids[r][:n]
+        pos[r, bucket - n :] = np.arange(n)
+    logits, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    ours_logits, ours_kept = [np.asarray(logits)], [[_ours_snapshot(policy, cache, r) for r in range(2)]]
+    for s in range(steps):
+        step_tok = jnp.asarray([ids[r][lengths[r] + s] for r in range(2)])
+        logits, cache = decode(step_tok, jnp.asarray([lengths[r] + s for r in range(2)]), cache)
+        ours_logits.append(np.asarray(logits))
+        ours_kept.append([_ours_snapshot(policy, cache, r) for r in range(2)])
+
+    ref = RefLlama(sharp_dir)
+    compensated = 0
+    for r, n in enumerate(lengths):
+        ref_logits, ref_kept = _reference_run(ref, ids[r], n, steps, RETRIEVAL, sinks, buffer, compression, fold)
+        assert np.abs(ref_logits).max() > 0.5  # a sharp model: not a comparison of near-zeros
+        np.testing.assert_allclose(np.stack([x[r] for x in ours_logits]), ref_logits, atol=1e-4, rtol=0)
+        for t, (ours, theirs) in enumerate(zip(ours_kept, ref_kept)):
+            for layer in range(2):
+                for h in range(2):
+                    (op, oc), (rp, rc) = ours[r][layer][h], theirs[layer][h]
+                    assert op == rp, (r, t, layer, h)
+                    assert (oc is None) == (rc is None), (r, t, layer, h)
+                    if oc is not None:
+                        compensated += 1
+                        assert oc[:2] == rc[:2], (r, t, layer, h)
+                        np.testing.assert_allclose(oc[2], rc[2], atol=1e-4)
+    assert compensated > 0
+
+    # Bytes: retrieval heads keep max_len slots; local heads sinks + L_max + 1 (+ room to append).
+    l_max = _window(bucket, buffer, compression)
+    local = sinks + l_max + 1 + (steps if fold == "prefill" else 0)
+    hd, per_slot = lm.config.head_dim, 2 * lm.config.head_dim * 4 + 3 * 4  # k, v float32; pos, score, log_w
+    expect = sum(2 * (sum(row) * max_len + (len(row) - sum(row)) * local) * per_slot for row in RETRIEVAL)
+    assert all(isinstance(c, HeadwiseCache) for c in cache)
+    assert sum(c.nbytes for c in cache) == expect
+    assert [[g.capacity for g in c.groups] for c in cache] == [[max_len, local]] * 2
+    del hd
+
+
+def test_no_drop_is_full_cache_and_generate_runs(tiny):
+    """With a buffer longer than the sequence nothing is dropped: the tokens equal FullCache's,
+    through `generate` (jitted while loop, donated head-wise cache)."""
+    prompts = [random_ids(20, 260, seed=3), random_ids(9, 260, seed=4)]
+    kw = dict(max_new_tokens=12, key=jax.random.key(0))
+    full = generate(tiny.model, prompts, FullCache(), **kw)
+    razor = generate(tiny.model, prompts, RazorAttention(retrieval=RETRIEVAL, buffer=64, sinks=2), **kw)
+    np.testing.assert_array_equal(np.asarray(razor.tokens), np.asarray(full.tokens))
+    short = generate(tiny.model, prompts, RazorAttention(retrieval=RETRIEVAL, buffer=4, compression=8, sinks=2), **kw)
+    assert short.cache[0].groups[1].capacity == 2 + 4 + 1  # the local heads hold 7 slots
+
+
+def test_heads_file_and_cli_policy(tmp_path, tiny):
+    path = tmp_path / "heads.json"
+    save_heads(path, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0], [0, 1]])
+    policy = make_policy("razor", heads=str(path), compression=3.0, buffer=8)
+    assert policy.retrieval == RETRIEVAL and policy.sinks == 4 and policy.compensate
+    tiny.model.init_cache(policy, 1, 32, 16)  # matches the model
+
+    save_heads(path, num_layers=3, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0]] * 3)
+    with pytest.raises(ValueError, match=r"heads table is 3 layers x 2 KV heads, the model has 2 layers x 2"):
+        tiny.model.init_cache(make_policy("razor", heads=str(path)), 1, 32, 16)
+    save_heads(path, num_layers=2, num_heads=8, num_kv_heads=4, retrieval_kv_heads=[[1, 0, 0, 0]] * 2)
+    with pytest.raises(ValueError, match=r"2 layers x 4 KV heads, the model has 2 layers x 2"):
+        tiny.model.init_cache(make_policy("razor", heads=str(path)), 1, 32, 16)
+    save_heads(path, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0]])
+    with pytest.raises(ValueError, match="not 2 layers x 2 KV heads as it declares"):
+        make_policy("razor", heads=str(path))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        make_policy("razor", heads=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="needs a heads file"):
+        make_policy("razor")
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(compression=0.5), r"compression \(C\)=0.5 must be >= 1"),
+        (dict(buffer=0), r"buffer \(S0\)=0"),
+        (dict(sinks=-1), r"sinks \(N0\)=-1"),
+        (dict(fold="never"), "fold='never'"),
+    ],
+)
+def test_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RazorAttention(retrieval=RETRIEVAL, **kw)
+
+
+def test_table_errors():
+    with pytest.raises(ValueError, match="exactly one of retrieval"):
+        RazorAttention()
+    with pytest.raises(ValueError, match="same non-zero number of heads"):
+        RazorAttention(retrieval=((True, False), (True,)))
+    with pytest.raises(ValueError, match="positions must be 'absolute'"):
+        CompensatedWindow(positions="rolling")
+
+
+# --- ALiBi ------------------------------------------------------------------------------------------
+
+
+def _alibi_model(seed=0, std=0.02, heads=8):
+    cfg = tiny_config(position_embedding="alibi", num_heads=heads, num_kv_heads=heads, head_dim=8)
+    model = Llama(cfg, rngs=nnx.Rngs(seed), init_std=std)
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:  # uneven RMSNorm gains, so eq. 2's ||g||^2 and the sound bound differ
+        w = layer.input_layernorm.weight
+        w[...] = jnp.asarray(rng.uniform(0.5, 1.5, w[...].shape), w[...].dtype)
+    return model
+
+
+@pytest.mark.parametrize("bound", ["paper", "sound"])
+@pytest.mark.parametrize("std", [0.02, 0.05])
+def test_alibi_attention_beyond_the_scope_is_below_eps(bound, std):
+    eps, t = 1e-3, 192
+    model = _alibi_model(std=std)
+    scopes = alibi_scopes(model, eps=eps, bound=bound)
+    maps = attention_maps(model, jnp.asarray([random_ids(t, 260, seed=5)]))
+    m, n = np.arange(t)[:, None], np.arange(t)[None, :]
+    checked = 0
+    for layer, probs in enumerate(maps):
+        for h in range(probs.shape[1]):
+            far = (m - n) > scopes[layer, h]
+            if far.any():
+                checked += 1
+                assert probs[0, h][far].max() < eps, (layer, h, scopes[layer, h])
+    assert checked >= 4  # some heads' scopes are shorter than the input, so the claim is tested
+
+
+def test_alibi_scopes_sound_vs_paper():
+    model = _alibi_model()
+    paper, sound = alibi_scopes(model, bound="paper"), alibi_scopes(model, bound="sound")
+    assert np.all(sound >= paper) and np.any(sound > paper)  # uneven gains: d max g^2 > ||g||^2
+    slopes = attention.alibi_slopes(8)
+    assert np.all(np.diff(paper[0]) > 0)  # smaller slope, wider scope
+    assert paper[0, 0] > -math.log(1e-3) / slopes[0]
+    with pytest.raises(ValueError, match=r"eps=1.5 must be in \(0, 1\)"):
+        alibi_scopes(model, eps=1.5)
+    with pytest.raises(ValueError, match="not ALiBi"):
+        alibi_scopes(Llama(tiny_config(), rngs=nnx.Rngs(0)))
+
+
+def test_alibi_razor_keeps_each_heads_scope():
+    """Heads with scope <= S0 keep exactly their recent L_h tokens (in power-of-two groups), the
+    others are kept whole; the logits stay close to the full cache's."""
+    model = _alibi_model(std=0.05)
+    scopes = kv_scopes(alibi_scopes(model), 8)
+    buffer = 100
+    data = dict(num_layers=2, num_heads=8, num_kv_heads=8, kv_scopes=scopes)
+    policy = razor_from_heads(data, buffer=buffer)
+    assert policy.sinks == 0 and not policy.compensate
+    n, bucket = 150, 256
+    ids = random_ids(n, 260, seed=9)
+    prefill, _ = stepper(model, policy, bucket + 4)
+    toks = np.zeros((1, bucket), np.int32)
+    pos = np.full((1, bucket), -1, np.int32)
+    toks[0, -n:], pos[0, -n:] = ids, np.arange(n)
+    logits, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    local = 0
+    for layer, lc in enumerate(cache):
+        kept = lc.positions()[0]
+        for h in range(8):
+            got = sorted(int(p) for p in kept[h] if p >= 0)
+            if scopes[layer, h] > buffer:
+                assert got == list(range(n))
+            else:
+                local += 1
+                assert got == list(range(max(0, n - scopes[layer, h]), n)), (layer, h)
+        # Local heads share arrays by power-of-two scope: few groups, each as long as its widest scope.
+        for (hs, sub), g in zip(policy.head_split(layer), lc.groups):
+            if isinstance(sub, CompensatedWindow):
+                assert g.capacity == max(scopes[layer, h] for h in hs)
+    assert local >= 4
+    full_logits, full_cache = stepper(model, FullCache(), bucket + 4)[0](jnp.asarray(toks), jnp.asarray(pos))
+    assert sum(c.nbytes for c in cache) < sum(c.nbytes for c in full_cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits), atol=1e-2)
