@@ -111,7 +111,7 @@ def _block_mass(q, k, tok_q, tok, q_pos, k_pos, scale, slopes, window):
     return mass(echo), mass(ind)
 
 
-def head_scores(model, tokens: Int[Array, "b t"]) -> HeadScores:
+def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> HeadScores:
     """Echo and induction scores of every layer x query head on `tokens` (e.g. `probe_tokens`).
 
     A query's score is the attention mass on its echo (induction) keys; a head's
@@ -147,7 +147,12 @@ def head_scores(model, tokens: Int[Array, "b t"]) -> HeadScores:
         return avg(echo, has_echo), avg(ind, has_ind)
 
     echo, ind = [], []
-    for _, q, k, slopes in _layers(model, tokens):
+    layers = _layers(model, tokens)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, total=c.num_layers, desc="probe layers", unit="layer")
+    for _, q, k, slopes in layers:
         e, i = layer_scores(q, k, None if slopes is None else jnp.asarray(slopes))
         echo.append(np.asarray(e))
         ind.append(np.asarray(i))

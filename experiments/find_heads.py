@@ -1,0 +1,83 @@
+"""Find RazorAttention's retrieval heads and write them to a heads file.
+
+    python -m experiments.find_heads --model DIR --out heads.json [--k 2500] [--plot heads.png]
+
+RoPE models: the paper's probe (BOS + K random tokens repeated 4 times); the top
+14 % of heads by induction score and the top 1 % by echo score are retrieval heads.
+ALiBi models: every head's Theorem-1 vision scope L_h is written as well, and
+the RazorAttention policy reads those instead. Use the file with
+`--policy razor --heads heads.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvjax import heads as H
+from models import load
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.find_heads", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="local Hugging Face directory")
+    p.add_argument("--out", required=True, help="heads file to write (JSON)")
+    p.add_argument("--k", type=int, default=2500, help="random tokens per repetition (paper: 2500)")
+    p.add_argument("--repeats", type=int, default=4, help="repetitions of the K tokens (paper: 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--induction-ratio", type=float, default=0.14, help="share of heads kept by induction score")
+    p.add_argument("--echo-ratio", type=float, default=0.01, help="share of heads kept by echo score")
+    p.add_argument("--eps", type=float, default=1e-3, help="ALiBi: attention bound of Theorem 1")
+    p.add_argument("--bound", choices=H.BOUNDS, default="paper", help="ALiBi: eq. 2 as printed, or the repaired bound")
+    p.add_argument("--plot", help="PNG heatmap of the scores (default: next to --out)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+    for name in ("induction_ratio", "echo_ratio"):
+        value = getattr(args, name)
+        if not 0 <= value <= 1:
+            p.error(f"--{name.replace('_', '-')}={value} must be in [0, 1]")
+
+    lm = load(args.model, dtype=args.dtype)
+    cfg = lm.config
+    length = 1 + args.k * args.repeats
+    if length > cfg.max_position_embeddings:
+        p.error(f"the probe is {length} tokens (1 + k * repeats) but the model allows "
+                f"{cfg.max_position_embeddings}; pass a smaller --k")
+    specials = [i for i in (cfg.pad_token_id, *cfg.eos_token_ids) if i is not None]
+    tokens = H.probe_tokens(cfg.vocab_size, args.k, args.repeats, cfg.bos_token_id, args.seed, exclude=specials)
+    scores = H.head_scores(lm.model, tokens, progress=True)
+    q_mask, kv_mask = H.select_retrieval(scores, cfg.num_kv_heads, args.induction_ratio, args.echo_ratio)
+    fields = dict(
+        model=str(args.model), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        position_embedding=cfg.position_embedding, probe=dict(k=args.k, repeats=args.repeats, seed=args.seed),
+        induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio,
+        echo=scores.echo, induction=scores.induction,
+        retrieval_heads=q_mask, retrieval_kv_heads=kv_mask,
+    )
+    if cfg.position_embedding == "alibi":
+        scopes = H.alibi_scopes(lm.model, args.eps, args.bound)
+        fields.update(eps=args.eps, bound=args.bound, scopes=scopes, kv_scopes=H.kv_scopes(scopes, cfg.num_kv_heads))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.save_heads(out, **fields)
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    H.plot_heads(scores, q_mask, plot)
+
+    n = cfg.num_layers * cfg.num_heads
+    print(f"probe    {length} tokens (BOS + {args.k} x {args.repeats}) through {cfg.num_layers} layers x {cfg.num_heads} heads")
+    for name, m in (("induction", scores.induction), ("echo", scores.echo)):
+        top = np.argsort(-m.reshape(-1), kind="stable")[:5]
+        print(f"{name:9s}top heads (layer, head, score): " +
+              ", ".join(f"({i // cfg.num_heads}, {i % cfg.num_heads}, {m.reshape(-1)[i]:.3f})" for i in top))
+    print(f"retrieval {int(q_mask.sum())}/{n} query heads -> {int(kv_mask.sum())}/{cfg.num_layers * cfg.num_kv_heads} KV heads")
+    if cfg.position_embedding == "alibi":
+        print(f"alibi    vision scopes {int(fields['kv_scopes'].min())}..{int(fields['kv_scopes'].max())} tokens (eps {args.eps})")
+    print(f"wrote    {out} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
