@@ -8,12 +8,13 @@ its position is >= 0 and not after the query's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite
 # softmax instead of NaN; such rows are never read.
@@ -62,13 +63,46 @@ def _bias_and_mask(s, q_pos, k_pos, alibi, window):
     return jnp.where(visible, s, _MASKED)
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AnchorMask:
+    """AnLLM's eq. 4 over a prompt, from per-token arrays `[b, t]` (queries and keys are the same tokens).
+
+    `segment`: index of the sequence a token belongs to (anchors before it); `anchor`: the token is
+    its sequence's anchor; `keep`: keys every later token sees whatever eq. 4 says (the paper's
+    "keep source" mode). A non-anchor sees its own sequence and earlier anchors; an anchor sees
+    only its own sequence.
+    """
+
+    segment: Int[Array, "b t"]
+    anchor: Bool[Array, "b t"]
+    keep: Bool[Array, "b t"]
+
+    def visible(self, q_idx: slice | None = None) -> Bool[Array, "b tq tk"]:
+        """Eq. 4 without the causal part, for the queries `q_idx` (all by default)."""
+        qs = self.segment if q_idx is None else self.segment[:, q_idx]
+        qa = self.anchor if q_idx is None else self.anchor[:, q_idx]
+        return _eq4(qs, qa, self.segment, self.anchor, self.keep)
+
+
+def _eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
+    same = q_seg[:, :, None] == k_seg[:, None, :]
+    earlier_anchor = k_anchor[:, None, :] & ~q_anchor[:, :, None] & (k_seg[:, None, :] < q_seg[:, :, None])
+    return same | earlier_anchor | k_keep[:, None, :]
+
+
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None):
     """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
 
     With `colsum`, also returns each key's probability mass summed over the block's real
-    queries, from the same probabilities (H2O's score costs no second pass)."""
+    queries, from the same probabilities (H2O's score costs no second pass). `anchors`
+    (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
+    restricts the keys to eq. 4."""
     s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale
     s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
+    if anchors is not None:
+        seen = _eq4(q_anc[0], q_anc[1], anchors.segment, anchors.anchor, anchors.keep)
+        s = jnp.where(seen[:, None, None], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     if not colsum:
@@ -87,6 +121,7 @@ def prefill_attention(
     stats: frozenset[str] = frozenset(),
     alibi: np.ndarray | None = None,
     window: int | None = None,
+    anchors: AnchorMask | None = None,
     block: int = PREFILL_BLOCK,
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
@@ -110,8 +145,9 @@ def prefill_attention(
     kvh = k.shape[1]
     qg = _group(q, kvh)
     want_colsum = "colsum" in stats
+    q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
     if t <= block:
-        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum)
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -119,8 +155,11 @@ def prefill_attention(
         qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
         qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
         qp = qp.reshape(b, n, block).transpose(1, 0, 2)
+        blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, n, block).transpose(1, 0, 2)
+        qa = None if anchors is None else (blocks(anchors.segment), blocks(anchors.anchor))
         out, colsum = jax.lax.map(
-            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum), (qg, qp)
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchors),
+            (qg, qp, qa),
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
         colsum = None if colsum is None else colsum.sum(axis=0)
@@ -130,6 +169,8 @@ def prefill_attention(
         qw = _group(q[:, :, start:], kvh)
         sw = jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale
         sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
+        if anchors is not None:
+            sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
         out_stats[f"window_probs:{w}"] = jnp.where(real, jax.nn.softmax(sw, axis=-1), 0.0)
     if want_colsum:

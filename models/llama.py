@@ -170,18 +170,25 @@ class Attention(nnx.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, h * d))
 
     def prefill(
-        self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], policy: Policy | None, cache: LayerCache | None
+        self,
+        x: Float[Array, "b t D"],
+        pos: Int[Array, "b t"],
+        policy: Policy | None,
+        cache: LayerCache | None,
+        anchors: attention.AnchorMask | None = None,
+        tokens: Int[Array, "b t"] | None = None,
     ):
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted,
-            alibi=self._alibi(), window=self.cfg.sliding_window,
+            alibi=self._alibi(), window=self.cfg.sliding_window, anchors=anchors,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
-            cache = policy.prefill(self.layer, cache, k_store, v, pos, stats)
+            extra = {"tokens": tokens} if policy.uses_tokens else {}
+            cache = policy.prefill(self.layer, cache, k_store, v, pos, stats, **extra)
         return self._out(o), cache
 
     def _rotate(self, x, positions):
@@ -193,13 +200,15 @@ class Attention(nnx.Module):
     def _alibi(self):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
 
-    def decode(self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: AnyLayerCache):
+    def decode(
+        self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: AnyLayerCache, tokens=None
+    ):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
         slopes = self._alibi()
         split = policy.head_split(self.layer)
         if split is None:
-            o, cache = self._decode_heads(q, k, v, pos, policy, cache, slopes)
+            o, cache = self._decode_heads(q, k, v, pos, policy, cache, slopes, tokens)
             return self._out(o[:, :, None, :]), cache
         # Head groups of different capacity: attention runs per group, outputs go back in head order.
         g = self.cfg.num_heads // self.cfg.num_kv_heads
@@ -215,13 +224,14 @@ class Attention(nnx.Module):
         o = jnp.concatenate(outs, axis=1)[:, np.argsort(order)]
         return self._out(o[:, :, None, :]), HeadwiseCache(tuple(groups), cache.heads)
 
-    def _decode_heads(self, q, k, v, pos, policy, cache: LayerCache, slopes):
+    def _decode_heads(self, q, k, v, pos, policy, cache: LayerCache, slopes, tokens=None):
         """One token through `cache` for the query heads `q` `[b, h', d]` reading KV heads `k, v` `[b, kvh', d]`."""
         c = self.cfg
         b, kvh = k.shape[:2]
         rolling = policy.position_mode(self.layer) == "rolling"
         k_store = k if rolling else self._rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
-        cache = policy.step(self.layer, cache, k_store, v, pos)
+        extra = {"tokens": tokens} if policy.uses_tokens else {}
+        cache = policy.step(self.layer, cache, k_store, v, pos, **extra)
         if rolling:
             # StreamingLLM: positions are ranks inside the cache, the query being the newest.
             k_coord = kvcache.ranks(cache.pos)
@@ -271,12 +281,12 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def prefill(self, x, pos, policy, cache):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache)
+    def prefill(self, x, pos, policy, cache, anchors=None, tokens=None):
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchors, tokens)
         return self._finish(x, a), cache
 
-    def decode(self, x, pos, policy, cache):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache)
+    def decode(self, x, pos, policy, cache, tokens=None):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache, tokens)
         return self._finish(x, a), cache
 
 
@@ -306,13 +316,18 @@ class Llama(nnx.Module):
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(_acc(out.dtype))
 
-    def __call__(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None):
-        """Full causal forward: logits `[b, t, vocab]`."""
+    def __call__(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"] | None = None,
+        anchors: attention.AnchorMask | None = None,
+    ):
+        """Full causal forward: logits `[b, t, vocab]`; `anchors` restricts attention to AnLLM's eq. 4."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x, _ = layer.prefill(x, positions, None, None)
+            x, _ = layer.prefill(x, positions, None, None, anchors)
         return self._logits(x)
 
     def native_policy(self, policy: Policy) -> Policy:
@@ -350,9 +365,10 @@ class Llama(nnx.Module):
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
         x = self.embed_tokens(tokens)
+        anchors = policy.prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
         out = []
         for layer, cache in zip(self.layers, caches):
-            x, cache = layer.prefill(x, positions, policy, cache)
+            x, cache = layer.prefill(x, positions, policy, cache, anchors, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
 
@@ -392,6 +408,6 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens[:, None])
         out = []
         for layer, c in zip(self.layers, cache):
-            x, c = layer.decode(x, positions, policy, c)
+            x, c = layer.decode(x, positions, policy, c, tokens)
             out.append(c)
         return self._logits(x[:, 0]), tuple(out)

@@ -41,6 +41,8 @@ class Policy(abc.ABC):
     """What the model needs from a cache policy."""
 
     prefill_mode: PrefillMode
+    # True for policies that read token ids (AnLLM's anchors): `prefill` and `step` then get `tokens=`.
+    uses_tokens: bool = False
     # False for policies that compress a whole prompt once and then only append (SnapKV & co):
     # fed token by token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
@@ -91,6 +93,11 @@ class Policy(abc.ABC):
         """Statistics each decode attention must return to `observe`."""
         del layer
         return frozenset()
+
+    def prompt_mask(self, tokens, pos):
+        """An `attention.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
+        del tokens, pos
+        return None
 
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         """Raises ValueError if the policy cannot run on a model of `num_layers` layers

@@ -1,0 +1,135 @@
+"""AnLLM's anchor-based inference (Algorithm 1): keep the anchors and the current sequence.
+
+REDUCTION(C) keeps `{c in C | index(c) >= j or c is anchor}`, `j` the last anchor:
+after the prompt and whenever an anchor is generated, every non-anchor token of
+the finished sequences is dropped. The prompt is attended with eq. 4
+(`prompt_mask`), and a generated anchor attends only its own sequence, so the
+cache never drops anything the mask did not already hide.
+
+Static layout per layer: `anchors` slots for anchor tokens (oldest overwritten
+when full), `sequence` slots for the current sequence (oldest non-anchor dropped
+when full), and `span` slots for the "keep source" mode (paper §6.2: one span of
+the prompt, e.g. the source sentence, kept whole and visible to every later token).
+`score` marks the newest token of the sequence region as an anchor (1.0) between
+`step` and `observe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.anchors import anchor_flags, anchor_mask
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy
+
+_HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnchorReduction(LayerPolicy):
+    """Algorithm 1 with capacities: `anchors` anchor slots, `sequence` current-sequence slots and
+    (keep source) the positions `span = (start, end)` of the prompt kept whole."""
+
+    anchor_ids: tuple[int, ...]
+    anchors: int = 256
+    sequence: int = 256
+    span: tuple[int, int] | None = None
+
+    uses_tokens = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.anchor_ids:
+            raise ValueError("AnchorReduction: anchor_ids is empty")
+        if self.anchors < 1 or self.sequence < 1:
+            raise ValueError(f"AnchorReduction: anchors={self.anchors} and sequence={self.sequence} must be >= 1")
+        if self.span is not None and not 0 <= self.span[0] < self.span[1]:
+            raise ValueError(f"AnchorReduction: span={self.span} must be (start, end) with 0 <= start < end")
+        if self.positions != "absolute":
+            raise ValueError("AnchorReduction: positions must be 'absolute' (eq. 4 keeps true positions)")
+
+    def _span_len(self) -> int:
+        return 0 if self.span is None else self.span[1] - self.span[0]
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return self.anchors + self.sequence + self._span_len()
+
+    def _in_span(self, pos):
+        if self.span is None:
+            return jnp.zeros(pos.shape, bool)
+        return (pos >= self.span[0]) & (pos < self.span[1])
+
+    def prompt_mask(self, tokens, pos):
+        valid = pos >= 0
+        return anchor_mask(anchor_flags(tokens, self.anchor_ids), valid, self._in_span(pos) & valid)
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
+        b, kvh, t, _ = k.shape
+        valid = pos >= 0
+        anchor = anchor_flags(tokens, self.anchor_ids) & valid
+        span = self._in_span(pos) & valid  # anchors inside the span live there: visible to every query
+        idx = jnp.arange(t)
+        last = jnp.max(jnp.where(anchor, idx, -1), axis=1)  # last anchor's time index, -1 if none
+        current = valid & ~anchor & ~span & (idx[None] > last[:, None])
+        anchor = anchor & ~span
+        # REDUCTION: each region takes its newest tokens if it overflows.
+        src = jnp.concatenate(
+            [_newest(anchor, self.anchors), _newest(current, self.sequence), _newest(span, self._span_len())], axis=1
+        )
+        return kvcache.gather_prompt(cache, k, v, pos, jnp.broadcast_to(src[:, None], (b, kvh, src.shape[1])))
+
+    def step(self, layer, cache: LayerCache, k, v, pos, tokens=None) -> LayerCache:
+        a, s = self.anchors, self.sequence
+        slots = jnp.arange(cache.capacity)
+        seq = (slots >= a) & (slots < a + s)
+        seq_pos = jnp.where(seq, cache.pos, jnp.iinfo(jnp.int32).max)
+        empty = seq & (cache.pos < 0)
+        slot = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), jnp.argmin(seq_pos, -1))
+        is_anchor = anchor_flags(tokens, self.anchor_ids)  # [b]
+        cache = kvcache.write(cache, slot, k, v, pos, jnp.where(is_anchor, 1.0, 0.0)[:, None])
+        # An anchor attends only its own sequence (eq. 4): hide the anchor slots for this query.
+        hide = is_anchor[:, None, None] & (slots < a)
+        return dataclasses.replace(cache, log_w=jnp.where(hide, _HIDE, 0.0).astype(cache.log_w.dtype))
+
+    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+        """After an anchor was processed, REDUCTION: it moves to the anchor slots, the sequence empties."""
+        a, s = self.anchors, self.sequence
+        slots = jnp.arange(cache.capacity)
+        seq = (slots >= a) & (slots < a + s)
+        newest = jnp.argmax(jnp.where(seq, cache.pos, -1), axis=-1)  # [b, kvh]
+        take = lambda x: jnp.take_along_axis(x, newest[..., None] if x.ndim == 3 else newest[..., None, None], axis=2)
+        reduce = (take(cache.score)[..., 0] > 0) & (pos[:, None] >= 0)  # [b, kvh]
+        anchor_slots = slots < a
+        anchor_pos = jnp.where(anchor_slots, cache.pos, -1)
+        empty = anchor_slots & (cache.pos < 0)
+        oldest = jnp.argmin(jnp.where(anchor_slots, jnp.where(anchor_pos < 0, jnp.iinfo(jnp.int32).max, anchor_pos),
+                                      jnp.iinfo(jnp.int32).max), axis=-1)
+        dest = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), oldest)
+        moved = kvcache.write(cache, dest, take(cache.k)[:, :, 0], take(cache.v)[:, :, 0],
+                              jnp.where(jnp.any(reduce, -1), pos, -1))
+        cleared = dataclasses.replace(
+            moved,
+            pos=jnp.where(seq, kvcache.EMPTY, moved.pos),
+            score=jnp.where(seq, 0.0, moved.score).astype(moved.score.dtype),
+        )
+        out = jax_tree_where(reduce, cleared, cache)
+        return dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w), score=jnp.zeros_like(out.score))
+
+
+def jax_tree_where(cond, a: LayerCache, b: LayerCache) -> LayerCache:
+    """Per (row, head) choice between two caches."""
+    import jax
+
+    return jax.tree.map(lambda x, y: jnp.where(cond.reshape(cond.shape + (1,) * (x.ndim - 2)), x, y), a, b)
+
+
+def _newest(mask, n: int):
+    """Time indices `[b, n]` of the `n` newest True entries of `mask` `[b, t]`, in time order, -1 padded."""
+    if n == 0:
+        return jnp.zeros(mask.shape[:1] + (0,), jnp.int32)
+    # Rank from the end so an overflow drops the oldest; compact keeps time order.
+    from_end = jnp.cumsum(mask[:, ::-1], axis=1)[:, ::-1]
+    return kvcache.compact((mask & (from_end <= n))[:, None], n)[:, 0]

@@ -1,0 +1,127 @@
+"""AnLLM: the eq. 4 mask, anchor-based inference (REDUCTION) equal to a masked full forward."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.anchors import anchor_mask, dense_mask, split_sentences, with_ac
+from kvjax.policies.anllm import AnchorReduction
+from tests.conftest import random_ids, stepper
+
+ANCHOR = 10
+
+
+def eq4_reference(flags):
+    """Eq. 4 transcribed: token i of sequence k; 0 if neither is an anchor and w_j is in S_<=k-1;
+    0 if w_i is an anchor and w_j in S_<=k-1; else causal."""
+    seq, k = [], 0
+    for a in flags:
+        seq.append(k)
+        k += bool(a)
+    n = len(flags)
+    m = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(n):
+            earlier = seq[j] <= seq[i] - 1
+            if not flags[i] and not flags[j] and earlier:
+                m[i, j] = False
+            elif flags[i] and earlier:
+                m[i, j] = False
+            else:
+                m[i, j] = i >= j
+    return m
+
+
+LAYOUTS = {
+    "random": None,
+    "anchor_first": [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0],
+    "adjacent": [0, 0, 1, 1, 1, 0, 0, 1, 0, 0, 1, 1],
+    "none": [0] * 12,
+    "ends_without_anchor": [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0],
+    "ends_with_anchor": [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_mask_equals_eq4(layout):
+    rng = np.random.default_rng(0)
+    rows = [LAYOUTS[layout]] if LAYOUTS[layout] else [list(rng.random(40) < p) for p in (0.1, 0.3, 0.6)]
+    for flags in rows:
+        ours = np.asarray(dense_mask(anchor_mask(jnp.asarray([flags], bool))))[0]
+        np.testing.assert_array_equal(ours, eq4_reference(flags))
+
+
+def _with_anchors(n, seed, every=(3, 9)):
+    rng = np.random.default_rng(seed)
+    ids = random_ids(n, 260, seed=seed, low=11)
+    pos = 0
+    while True:
+        pos += int(rng.integers(*every))
+        if pos >= n:
+            return ids
+        ids[pos] = ANCHOR
+
+
+@pytest.mark.parametrize("prompt_len", [23, 30])
+def test_reduction_equals_masked_full_forward(tiny, prompt_len):
+    """Prefill (eq. 4) + REDUCTION + decoding with generated anchors gives the logits of one full
+    forward under the eq. 4 mask: the cache only drops what the mask already hides."""
+    n, bucket = 60, 32
+    ids = _with_anchors(n, seed=prompt_len)
+    flags = jnp.asarray([[t == ANCHOR for t in ids]])
+    full = np.asarray(tiny.model(jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
+    plain = np.asarray(tiny.model(jnp.asarray([ids])))[0]
+    assert np.abs(full - plain)[prompt_len:].max() > 1e-3  # the mask really changes the logits
+
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12)
+    prefill, decode = stepper(tiny.model, policy, bucket + n)
+    toks = np.zeros((1, bucket), np.int32)
+    pos = np.full((1, bucket), -1, np.int32)
+    toks[0, -prompt_len:], pos[0, -prompt_len:] = ids[:prompt_len], np.arange(prompt_len)
+    logits, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    ours = [np.asarray(logits[0])]
+    sizes = []
+    for t in range(prompt_len, n):
+        logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        ours.append(np.asarray(logits[0]))
+        held = sorted(int(p) for p in np.asarray(cache[0].pos[0, 0]) if p >= 0)
+        last = max([i for i in range(t + 1) if ids[i] == ANCHOR], default=-1)
+        expect = [i for i in range(t + 1) if ids[i] == ANCHOR or i > last]
+        assert held == expect, t  # REDUCTION: every anchor + the tokens after the last one
+        sizes.append(len(held))
+    np.testing.assert_allclose(np.stack(ours), full[prompt_len - 1 :], atol=1e-5, rtol=0)
+    assert max(sizes) < n // 2
+
+
+def test_keep_span_is_visible_and_kept(tiny):
+    n, span = 40, (2, 9)
+    ids = _with_anchors(n, seed=3)
+    flags = jnp.asarray([[t == ANCHOR for t in ids]])
+    keep = jnp.asarray([[span[0] <= i < span[1] for i in range(n)]])
+    full = np.asarray(tiny.model(jnp.asarray([ids]), anchors=anchor_mask(flags, keep=keep)))[0]
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12, span=span)
+    prefill, decode = stepper(tiny.model, policy, 64)
+    p = 20
+    logits, cache = prefill(jnp.asarray([ids[:p]]), jnp.asarray([np.arange(p)]))
+    ours = [np.asarray(logits[0])]
+    for t in range(p, n):
+        logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        ours.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(ours), full[p - 1 :], atol=1e-5, rtol=0)
+    held = set(int(x) for x in np.asarray(cache[0].pos[0, 0]) if x >= 0)
+    assert set(range(*span)) <= held
+
+
+def test_sentences_and_ac():
+    text = "One sentence. Another one! A question? Trailing"
+    assert split_sentences(text) == ["One sentence.", " Another one!", " A question?", " Trailing"]
+    assert with_ac(text) == "One sentence.<AC> Another one!<AC> A question?<AC> Trailing<AC>"
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="anchor_ids is empty"):
+        AnchorReduction(anchor_ids=())
+    with pytest.raises(ValueError, match=r"span=\(5, 5\)"):
+        AnchorReduction(anchor_ids=(1,), span=(5, 5))
