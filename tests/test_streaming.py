@@ -123,8 +123,8 @@ def test_policy_errors():
         LocalWindow(window=0)
     with pytest.raises(ValueError, match="positions='relative'"):
         StreamingLLM(positions="relative")
-    with pytest.raises(ValueError, match="unknown policy 'razor'"):
-        make_policy("razor", 128)
+    with pytest.raises(ValueError, match="unknown policy 'razorr'"):
+        make_policy("razorr", 128)
     with pytest.raises(ValueError, match="needs a budget"):
         make_policy("streaming")
 
