@@ -118,6 +118,6 @@ def resize_vocab(model, vocab_size: int, rows: dict[int, np.ndarray]):
     flat_old = dict(nnx.to_flat_state(old_state))
     flat_new = dict(nnx.to_flat_state(new_state))
     for path, var in flat_new.items():
-        var.value = jnp.asarray(grow(path, flat_old[path].value, var.value))
+        var.set_value(jnp.asarray(grow(path, flat_old[path].get_value(), var.get_value())))
     nnx.update(new, nnx.from_flat_state(flat_new))
     return new

@@ -125,3 +125,42 @@ def test_errors():
         AnchorReduction(anchor_ids=())
     with pytest.raises(ValueError, match=r"span=\(5, 5\)"):
         AnchorReduction(anchor_ids=(1,), span=(5, 5))
+
+
+@pytest.mark.parametrize("variant", ["ep", "ac"])
+def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
+    import json
+
+    from experiments import train_anllm
+    from models import load
+
+    data = tmp_path / "d.txt"
+    data.write_text("The cache holds keys. Anchors compress a sentence! Is it enough? Yes. " * 20)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--variant", variant, "--out", str(out), "--data", str(data),
+            "--steps", "2", "--seq-len", "64", "--batch", "2", "--warmup", "1", "--lr", "1e-3"]
+    assert train_anllm.main(argv) == 0
+    lm = load(out)
+    meta = json.loads((out / "config.json").read_text())["kvjax_anllm"]
+    if variant == "ac":
+        ac = lm.tokenizer.convert_tokens_to_ids("<AC>")
+        assert meta["anchor_ids"] == [ac] and lm.config.vocab_size == 261
+        assert lm.tokenizer("a.<AC>b", add_special_tokens=False)["input_ids"].count(ac) == 1
+    else:
+        assert meta["anchor_ids"] == lm.tokenizer(".", add_special_tokens=False)["input_ids"]
+    assert (out / "training" / "loss.png").is_file()
+
+
+def test_ac_embedding_init(tiny):
+    from kvjax.anchors import add_ac_token
+    from models import load
+
+    lm = load(tiny.path)
+    emb = np.asarray(lm.model.embed_tokens.embedding[...])
+    model, tok, ac = add_ac_token(lm.model, lm.tokenizer, init="mean")
+    np.testing.assert_allclose(np.asarray(model.embed_tokens.embedding[...])[ac], emb.mean(0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens.embedding[...])[: emb.shape[0]], emb)
+    lm2 = load(tiny.path)
+    model2, _, ac2 = add_ac_token(lm2.model, lm2.tokenizer, init="period")
+    period = lm2.tokenizer(".", add_special_tokens=False)["input_ids"][0]
+    np.testing.assert_array_equal(np.asarray(model2.embed_tokens.embedding[...])[ac2], emb[period])

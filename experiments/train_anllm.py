@@ -1,0 +1,112 @@
+"""Continual pre-training of an AnLLM (anchor-based attention, eq. 4) and saving it as a HF directory.
+
+    python -m experiments.train_anllm --model DIR --variant ep|ac --out DIR [--data a.txt b.txt] [--steps 100]
+
+AnLLM-EP: the anchors are existing tokens (default the period "."). AnLLM-AC: a new
+`<AC>` token is appended after every sentence of the data; it is added to the
+tokenizer and the embedding (initialised from the embedding mean, or --ac-init
+period for the official code's copy of "."). Without --data the text is Python's
+own English reference documentation (`pydoc_data.topics`), so the command runs
+offline. The run resumes from OUT/checkpoints if it was interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, with_ac
+from kvjax.train import TrainConfig, next_token_loss, train
+from models import load
+from models.loading import save_pretrained
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
+    ids = []
+    for a in anchors:
+        tok = tokenizer(a, add_special_tokens=False)["input_ids"]
+        if len(tok) != 1:
+            raise ValueError(f"anchor {a!r} is {len(tok)} tokens for this tokenizer; an anchor must be one token")
+        ids.append(tok[0])
+    return tuple(ids)
+
+
+def windows(ids: list[int], seq_len: int) -> np.ndarray:
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
+    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.train_anllm", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--variant", choices=["ep", "ac"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
+    p.add_argument("--anchors", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
+    p.add_argument("--ac-init", choices=["mean", "period"], default="mean")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute over float32 master weights")
+    p.add_argument("--trainable", nargs="*", default=[], help="regexes of parameter paths to train (default all)")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    lm = load(args.model)
+    if lm.tokenizer is None:
+        p.error(f"{args.model} has no tokenizer files")
+    model, tok = lm.model, lm.tokenizer
+    text = "\n\n".join(Path(f).read_text() for f in args.data) if args.data else default_text()
+    if args.variant == "ac":
+        model, tok, ac = add_ac_token(model, tok, init=args.ac_init)
+        anchor_ids, text = (ac,), with_ac(text)
+    else:
+        anchor_ids = anchor_ids_of(tok, args.anchors)
+    data = windows(tok(text, add_special_tokens=False)["input_ids"], args.seq_len)
+    order = np.random.default_rng(args.seed).permutation(len(data))
+
+    def batch(i):  # a pure function of the micro-batch index: resuming replays nothing
+        rows = order[(np.arange(args.batch) + i * args.batch) % len(order)]
+        return {"tokens": jnp.asarray(data[rows])}
+
+    def loss(m, b):
+        t = b["tokens"]
+        flags = anchor_flags(t, anchor_ids)
+        return next_token_loss(m(t, anchors=anchor_mask(flags)), t), {"anchor_share": jnp.mean(flags)}
+
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, accum=args.accum,
+                      compute_dtype="bfloat16" if args.bf16 else None, trainable=tuple(args.trainable),
+                      save_every=args.save_every)
+    out = Path(args.out)
+    result = train(model, batch, loss, cfg, out / "training")
+    save_pretrained(result.model, out, tokenizer=tok)
+    cfg_file = out / "config.json"
+    meta = json.loads(cfg_file.read_text())
+    meta["kvjax_anllm"] = {"variant": args.variant, "anchor_ids": list(anchor_ids)}
+    cfg_file.write_text(json.dumps(meta, indent=2))
+    h = result.history
+    print(f"trained  {len(h)} steps on {len(data)} windows of {args.seq_len} tokens; loss {h[0]['loss']:.3f} -> "
+          f"{h[-1]['loss']:.3f}; anchors {list(anchor_ids)} ({args.variant})")
+    print(f"wrote    {out} (HF directory) and {out / 'training' / 'loss.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
