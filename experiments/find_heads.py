@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"probe    {length} tokens (BOS + {args.k} x {args.repeats}) through {cfg.num_layers} layers x {cfg.num_heads} heads")
     for name, m in (("induction", scores.induction), ("echo", scores.echo)):
         top = np.argsort(-m.reshape(-1), kind="stable")[:5]
-        print(f"{name:9s}top heads (layer, head, score): " +
+        print(f"{name:10s}top heads (layer, head, score): " +
               ", ".join(f"({i // cfg.num_heads}, {i % cfg.num_heads}, {m.reshape(-1)[i]:.3f})" for i in top))
     print(f"retrieval {int(q_mask.sum())}/{n} query heads -> {int(kv_mask.sum())}/{cfg.num_layers * cfg.num_kv_heads} KV heads")
     if cfg.position_embedding == "alibi":
