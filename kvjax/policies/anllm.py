@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from kvjax import cache as kvcache
@@ -105,8 +106,7 @@ class AnchorReduction(LayerPolicy):
         anchor_slots = slots < a
         anchor_pos = jnp.where(anchor_slots, cache.pos, -1)
         empty = anchor_slots & (cache.pos < 0)
-        oldest = jnp.argmin(jnp.where(anchor_slots, jnp.where(anchor_pos < 0, jnp.iinfo(jnp.int32).max, anchor_pos),
-                                      jnp.iinfo(jnp.int32).max), axis=-1)
+        oldest = jnp.argmin(jnp.where(anchor_pos < 0, jnp.iinfo(jnp.int32).max, anchor_pos), axis=-1)
         dest = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), oldest)
         moved = kvcache.write(cache, dest, take(cache.k)[:, :, 0], take(cache.v)[:, :, 0],
                               jnp.where(jnp.any(reduce, -1), pos, -1))
@@ -115,14 +115,12 @@ class AnchorReduction(LayerPolicy):
             pos=jnp.where(seq, kvcache.EMPTY, moved.pos),
             score=jnp.where(seq, 0.0, moved.score).astype(moved.score.dtype),
         )
-        out = jax_tree_where(reduce, cleared, cache)
+        out = _where(reduce, cleared, cache)
         return dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w), score=jnp.zeros_like(out.score))
 
 
-def jax_tree_where(cond, a: LayerCache, b: LayerCache) -> LayerCache:
+def _where(cond, a: LayerCache, b: LayerCache) -> LayerCache:
     """Per (row, head) choice between two caches."""
-    import jax
-
     return jax.tree.map(lambda x, y: jnp.where(cond.reshape(cond.shape + (1,) * (x.ndim - 2)), x, y), a, b)
 
 
