@@ -184,6 +184,48 @@ def prefill_attention(
     return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
 
+def prefix_attention(
+    q: Float[Array, "b h t d"],
+    k: Float[Array, "b kvh t d"],
+    v: Float[Array, "b kvh t d"],
+    pos: Int[Array, "b t"],
+    cache_k: Float[Array, "b kvh c d"],
+    cache_v: Float[Array, "b kvh c d"],
+    slot_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"],
+    *,
+    scale: float,
+    slot_visible: Bool[Array, "b kvh t c"] | None = None,
+    anchors: AnchorMask | None = None,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
+) -> Float[Array, "b h t d"]:
+    """A chunk of `t` new tokens attending a read-only cache of `C` slots and, causally, itself.
+
+    What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a): the
+    cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias, and may be
+    further restricted per query by `slot_visible`; inside the chunk `anchors` applies
+    eq. 4. One softmax over slots and chunk. Absolute positions only.
+    """
+    kvh = k.shape[1]
+    qg = _group(q, kvh)
+    b, _, g, t, d = qg.shape
+    acc = _acc(q.dtype)
+    sc = jnp.einsum("bkgqd,bkcd->bkgqc", qg, cache_k, preferred_element_type=acc) * scale
+    sc = _bias_and_mask(sc + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos, alibi, window)
+    if slot_visible is not None:
+        sc = jnp.where(slot_visible[:, :, None], sc, _MASKED)
+    sx = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=acc) * scale
+    sx = _bias_and_mask(sx, pos[:, None], pos[:, None], alibi, window)
+    if anchors is not None:
+        sx = jnp.where(anchors.visible()[:, None, None], sx, _MASKED)
+    p = jax.nn.softmax(jnp.concatenate([sc, sx], axis=-1), axis=-1)
+    c = cache_k.shape[2]
+    out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
+    out += jnp.einsum("bkgqs,bksd->bkgqd", p[..., c:].astype(v.dtype), v, preferred_element_type=acc)
+    return out.reshape(b, kvh * g, t, d).astype(q.dtype)
+
+
 def decode_attention(
     q: Float[Array, "b h d"],
     k: Float[Array, "b kvh c d"],

@@ -191,6 +191,24 @@ class Attention(nnx.Module):
             cache = policy.prefill(self.layer, cache, k_store, v, pos, stats, **extra)
         return self._out(o), cache
 
+    def extend(
+        self,
+        x: Float[Array, "b t D"],
+        pos: Int[Array, "b t"],
+        policy: Policy,
+        cache: LayerCache,
+        anchors: attention.AnchorMask | None = None,
+    ) -> Float[Array, "b t D"]:
+        """A chunk attending the read-only `cache` (absolute positions) and itself."""
+        q, k, v = self._qkv(x)
+        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
+        o = attention.prefix_attention(
+            q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.cfg.head_dim**-0.5,
+            slot_visible=policy.prefix_visible(self.layer, cache, anchors), anchors=anchors,
+            alibi=self._alibi(), window=self.cfg.sliding_window,
+        )
+        return self._out(o)
+
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
         if self.cfg.position_embedding != "rope":
@@ -285,6 +303,9 @@ class DecoderLayer(nnx.Module):
         a, cache = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchors, tokens)
         return self._finish(x, a), cache
 
+    def extend(self, x, pos, policy, cache, anchors=None):
+        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchors))
+
     def decode(self, x, pos, policy, cache, tokens=None):
         a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache, tokens)
         return self._finish(x, a), cache
@@ -371,6 +392,27 @@ class Llama(nnx.Module):
             x, cache = layer.prefill(x, positions, policy, cache, anchors, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
+
+    def extend(
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, policy: Policy
+    ) -> Float[Array, "b t V"]:
+        """Logits of a chunk of tokens that continues a prefilled `cache`, which is only read.
+
+        Prefix caching: a cached prefix (few-shot demonstrations, AnLLM's anchors) is
+        reused for many continuations, each attended in one parallel pass. The chunk
+        follows `policy.prompt_mask` within itself and `policy.prefix_visible` against
+        the cache; nothing is evicted while it runs. Right-pad with positions -1.
+        """
+        policy = self.native_policy(policy)
+        for i in range(self.cfg.num_layers):
+            if policy.head_split(i) is not None or policy.position_mode(i) != "absolute":
+                raise ValueError(f"extend needs one cache array per layer in absolute positions; {policy.describe()} "
+                                 f"has head groups or rolling positions in layer {i}")
+        x = self.embed_tokens(tokens)
+        anchors = policy.prompt_mask(tokens, positions)
+        for layer, c in zip(self.layers, cache):
+            x = layer.extend(x, positions, policy, c, anchors)
+        return self._logits(x)
 
     def stream(
         self,

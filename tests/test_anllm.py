@@ -150,6 +150,31 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
         assert meta["anchor_ids"] == lm.tokenizer(".", add_special_tokens=False)["input_ids"]
     assert (out / "training" / "loss.png").is_file()
 
+    # The paper's metrics on the trained directory; the anchors come from its config.json.
+    from experiments import eval_anllm
+
+    ev = tmp_path / "eval"
+    eval_argv = ["--model", str(out), "--out", str(ev), "--items", "6", "--time-items", "2"]
+    assert eval_anllm.main(eval_argv) == 0
+    res = json.loads((ev / "results.json").read_text())
+    demos, _ = eval_anllm.fact_task(6, 5, 4, 0)
+    ids = []
+    for d in demos:  # the demonstrations as the script tokenises them
+        ids += lm.tokenizer((" " if ids else "") + d + ("<AC>" if variant == "ac" else ""),
+                            add_special_tokens=False)["input_ids"]
+    assert res["variant"] == variant and res["L_d"] == len(ids)
+    assert res["L_kv"] == 5  # five demonstrations, each ending with its anchor: only the anchors stay
+    assert res["C_down"] == pytest.approx(1 - 5 / len(ids))
+    assert res["T_up"] > 0 and res["T_up_vs_full_caching"] > 0 and (ev / "results.png").is_file()
+    lines = (ev / "items.jsonl").read_text().splitlines()
+    assert res["acc_ansan"] == np.mean([np.argmax(json.loads(x)["ansan"]) == json.loads(x)["answer"] for x in lines])
+    (ev / "items.jsonl").write_text("\n".join(lines[:3]) + "\n")  # a crash after 3 items
+    assert eval_anllm.main(eval_argv[:-2] + ["--time-items", "0"]) == 0
+    resumed = (ev / "items.jsonl").read_text().splitlines()
+    assert len(resumed) == 6 and resumed[:3] == lines[:3]
+    for a, b in zip(resumed[3:], lines[3:]):
+        np.testing.assert_allclose(json.loads(a)["ansan"], json.loads(b)["ansan"], atol=1e-5)
+
 
 def test_ac_embedding_init(tiny):
     from kvjax.anchors import add_ac_token

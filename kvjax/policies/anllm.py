@@ -67,6 +67,17 @@ class AnchorReduction(LayerPolicy):
         valid = pos >= 0
         return anchor_mask(anchor_flags(tokens, self.anchor_ids), valid, self._in_span(pos) & valid)
 
+    def prefix_visible(self, layer, cache: LayerCache, anchors):
+        """Eq. 4 across the cache/chunk boundary. Chunk tokens before the chunk's first anchor
+        (segment 0) continue the cache's current sequence and see it; later ones see only the
+        cached anchors. An anchor never sees earlier anchors; the kept span is seen by all."""
+        slots = jnp.arange(cache.capacity)
+        anchor_slot = slots < self.anchors
+        span_slot = slots >= self.anchors + self.sequence
+        seen = jnp.where(anchor_slot, ~anchors.anchor[:, :, None], anchors.segment[:, :, None] == 0) | span_slot
+        b, t, c = seen.shape
+        return jnp.broadcast_to(seen[:, None], (b, cache.k.shape[1], t, c))
+
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
         b, kvh, t, _ = k.shape
         valid = pos >= 0

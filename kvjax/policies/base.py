@@ -27,7 +27,7 @@ import abc
 import dataclasses
 from typing import Literal
 
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import LayerCache
 
@@ -97,6 +97,12 @@ class Policy(abc.ABC):
     def prompt_mask(self, tokens, pos):
         """An `attention.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
         del tokens, pos
+        return None
+
+    def prefix_visible(self, layer: int, cache: LayerCache, anchors) -> Bool[Array, "b kvh t c"] | None:
+        """Which slots of `cache` each query of a chunk that extends it may see (`Llama.extend`),
+        given the chunk's `prompt_mask` (None when it has none). None: every valid slot."""
+        del layer, cache, anchors
         return None
 
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:

@@ -1,0 +1,180 @@
+"""AnLLM's few-shot evaluation (its Table 1): accuracy with full attention and with anchor-based
+inference (AnSAN), cache length L_kv, cache reduction C⇓ and acceleration T⇑.
+
+    python -m experiments.eval_anllm --model DIR --out DIR [--data items.jsonl] [--items 100]
+
+The model directory is one written by `experiments.train_anllm` (its config.json names
+the anchors); `--anchors` overrides. Items come from `--data` (JSON lines with
+`demos` (list of strings), `query`, `options` (strings) and `answer` (index)), every
+line sharing the demonstrations of the first, or from the built-in offline task:
+`--shots` facts "The code of NAME is NUMBER." as demonstrations, a query "The code of
+NAME is" for one of them and the numbers of `--options` facts as options (retrieval
+from the demonstrations: what the anchors must carry). AnLLM-AC models get `<AC>`
+after every demonstration, as in the paper's five-shot setting.
+
+Per-item scores go to OUT/items.jsonl as they finish, so a rerun resumes; the summary
+is written to OUT/results.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments.train_anllm import anchor_ids_of
+from kvjax import fewshot
+from kvjax.anchors import AC_TOKEN
+from kvjax.fewshot import Item
+from kvjax.policies import FullCache
+from kvjax.policies.anllm import AnchorReduction
+from models import load
+
+NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances", "Ken", "Dennis", "Guido",
+         "Niklaus", "Tony", "Leslie", "Margaret", "Robin", "Dana", "Michael", "Fran", "Butler"]
+
+
+def fact_task(n_items: int, shots: int, options: int, seed: int) -> tuple[list[str], list[dict]]:
+    """Demonstrations (facts) and items asking for one fact's number among `options` of them."""
+    if not 2 <= options <= shots <= len(NAMES):
+        raise ValueError(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}")
+    rng = np.random.default_rng(seed)
+    names = list(rng.choice(NAMES, shots, replace=False))
+    codes = [str(c) for c in rng.choice(np.arange(100, 1000), shots, replace=False)]
+    demos = [f"The code of {n} is {c}." for n, c in zip(names, codes)]
+    items = []
+    for _ in range(n_items):
+        picks = rng.choice(shots, options, replace=False)
+        answer = int(rng.integers(options))
+        items.append({"query": f" The code of {names[picks[answer]]} is",
+                      "options": [f" {codes[p]}" for p in picks], "answer": answer})
+    return demos, items
+
+
+def read_items(path: Path) -> tuple[list[str], list[dict]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows or "demos" not in rows[0]:
+        raise ValueError(f"{path}: the first line must carry 'demos' (a list of strings)")
+    for i, r in enumerate(rows):
+        missing = {"query", "options", "answer"} - r.keys()
+        if missing:
+            raise ValueError(f"{path}: line {i + 1} lacks {sorted(missing)}")
+    return rows[0]["demos"], rows
+
+
+def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, tuple[int, ...]]:
+    """(variant, anchor ids) from `--anchors` or the `kvjax_anllm` entry of config.json."""
+    if override:
+        return "ep", anchor_ids_of(tok, override)
+    meta = json.loads((model_dir / "config.json").read_text()).get("kvjax_anllm")
+    if meta is None:
+        raise ValueError(f"{model_dir}/config.json has no 'kvjax_anllm' entry (not from experiments.train_anllm); "
+                         "pass --anchors")
+    return meta["variant"], tuple(meta["anchor_ids"])
+
+
+def summarise(records: list[dict], n_demos: int, l_kv: int, timing: fewshot.Timing | None, full_cache_s) -> dict:
+    acc = lambda key: float(np.mean([int(np.argmax(r[key])) == r["answer"] for r in records]))
+    out = {"items": len(records), "L_d": n_demos, "L_kv": l_kv, "C_down": 1 - l_kv / n_demos,
+           "acc_full": acc("full"), "acc_ansan": acc("ansan"),
+           "chance": float(np.mean([1 / len(r["full"]) for r in records]))}
+    if timing is not None:
+        out |= {"non_caching_s": timing.non_caching_s, "anchor_caching_s": timing.caching_s,
+                "T_up": timing.speedup, "full_caching_s": full_cache_s,
+                "T_up_vs_full_caching": full_cache_s / timing.caching_s}
+    return out
+
+
+def write_report(out: Path, summary: dict, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    rows = [("items", summary["items"]), ("Acc full attention", f"{summary['acc_full']:.3f}"),
+            ("Acc +AnSAN", f"{summary['acc_ansan']:.3f}"), ("chance", f"{summary['chance']:.3f}"),
+            ("L_d", summary["L_d"]), ("L_kv", summary["L_kv"]), ("C⇓", f"-{100 * summary['C_down']:.0f}%")]
+    if "T_up" in summary:
+        rows += [("T⇑ (vs non-caching)", f"×{summary['T_up']:.2f}"),
+                 ("T⇑ (vs full caching)", f"×{summary['T_up_vs_full_caching']:.2f}")]
+    (out / "results.md").write_text(f"# {title}\n\n| metric | value |\n|---|---|\n"
+                                    + "".join(f"| {k} | {v} |\n" for k, v in rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
+    a.bar(["L_d", "L_kv"], [summary["L_d"], summary["L_kv"]], color=["grey", "tab:blue"])
+    a.set_title(f"cache length (C⇓ -{100 * summary['C_down']:.0f}%)")
+    b.bar(["full", "+AnSAN", "chance"], [summary["acc_full"], summary["acc_ansan"], summary["chance"]],
+          color=["grey", "tab:blue", "lightgrey"])
+    b.set_ylim(0, 1)
+    b.set_title("accuracy")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.eval_anllm", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
+    p.add_argument("--anchors", nargs="*", help="anchor token strings (default: from config.json)")
+    p.add_argument("--items", type=int, default=100)
+    p.add_argument("--shots", type=int, default=5)
+    p.add_argument("--options", type=int, default=4)
+    p.add_argument("--time-items", type=int, default=20, help="items timed for T⇑ (0: no timing)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    lm = load(args.model)
+    if lm.tokenizer is None:
+        p.error(f"{args.model} has no tokenizer files")
+    model, tok = lm.model, lm.tokenizer
+    variant, anchor_ids = anchors_of(lm.path, tok, args.anchors)
+    demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,
+                                                                            args.seed)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    demo_ids = []
+    for d in demos:
+        demo_ids += encode((" " if demo_ids else "") + d + (AC_TOKEN if variant == "ac" else ""))
+    items = [Item(tuple(encode(r["query"])), tuple(tuple(encode(o)) for o in r["options"]), int(r["answer"]))
+             for r in rows]
+    n_anchor = sum(t in anchor_ids for t in demo_ids)
+    last = max([i for i, t in enumerate(demo_ids) if t in anchor_ids], default=-1)
+    policy = AnchorReduction(anchor_ids=anchor_ids, anchors=max(n_anchor, 1), sequence=max(len(demo_ids) - 1 - last, 1))
+    room = fewshot._room(items)
+    anchor_cache = fewshot.prefix_cache(model, demo_ids, policy, room)
+    l_kv = fewshot.cache_length(anchor_cache)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "items.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    with log.open("a") as f:
+        for i in tqdm(range(len(records), len(items)), desc="items", initial=len(records), total=len(items)):
+            it = items[i]
+            rec = {"i": i, "answer": it.answer, "full": fewshot.full_scores(model, demo_ids, it).tolist(),
+                   "ansan": fewshot.cached_scores(model, anchor_cache, len(demo_ids), it, policy).tolist()}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            records.append(rec)
+
+    timing = full_cache_s = None
+    if args.time_items > 0:
+        timed = items[: args.time_items]
+        timing = fewshot.time_caching(model, demo_ids, timed, policy)
+        full_cache_s = fewshot.time_caching(model, demo_ids, timed, FullCache()).caching_s
+    summary = summarise(records, len(demo_ids), l_kv, timing, full_cache_s)
+    summary |= {"model": str(lm.path), "variant": variant, "anchor_ids": list(anchor_ids),
+                "data": args.data or f"facts(shots={args.shots}, options={args.options}, seed={args.seed})"}
+    write_report(out, summary, f"AnLLM-{variant.upper()} {lm.path.name}: {summary['data']}")
+    print((out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
