@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt", nargs="*", default=["The attention sink is"], help="one or more prompts (a batch)")
     p.add_argument("--model", help="local Hugging Face directory (default: a tiny random model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         path, random_weights = args.model, False
     else:
         path, random_weights = default_model_dir()
-    lm = load(path, dtype=args.dtype)
+    lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
     if random_weights:
         print("NOTE: RANDOM WEIGHTS - the default model is a tiny randomly initialised Llama "

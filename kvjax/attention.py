@@ -16,11 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax import pallas as kernels
+
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite
 # softmax instead of NaN; such rows are never read.
 _MASKED = -1e30
 # Queries per block in prefill: bounds the score buffer to [block, T] per head.
 PREFILL_BLOCK = 512
+# "xla": the jnp code in this module; "pallas": the kernels of kvjax.pallas, checked against it.
+IMPLS = ("xla", "pallas")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl={impl!r}; expected one of {IMPLS}")
 
 
 def _group(q: Float[Array, "b h t d"], kv_heads: int) -> Float[Array, "b kvh g t d"]:
@@ -91,7 +100,15 @@ def _eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
     return same | earlier_anchor | k_keep[:, None, :]
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None):
+def _gate(s, q_pos, k_pos, key_keep):
+    """Attention-Gate's per-head key keep-mask `[b, kvh, s]`; a query always sees its own key."""
+    if key_keep is None:
+        return s
+    diagonal = k_pos[:, None, None, None, :] == q_pos[:, None, None, :, None]
+    return jnp.where(key_keep[:, :, None, None, :] | diagonal, s, _MASKED)
+
+
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None, key_keep=None):
     """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
 
     With `colsum`, also returns each key's probability mass summed over the block's real
@@ -103,6 +120,7 @@ def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=No
     if anchors is not None:
         seen = _eq4(q_anc[0], q_anc[1], anchors.segment, anchors.anchor, anchors.keep)
         s = jnp.where(seen[:, None, None], s, _MASKED)
+    s = _gate(s, q_pos, k_pos, key_keep)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     if not colsum:
@@ -122,12 +140,16 @@ def prefill_attention(
     alibi: np.ndarray | None = None,
     window: int | None = None,
     anchors: AnchorMask | None = None,
+    key_keep: Bool[Array, "b kvh s"] | None = None,
     block: int = PREFILL_BLOCK,
+    impl: str = "xla",
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
 
     `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
-    only its `window` latest keys (Mistral's sliding window).
+    only its `window` latest keys (Mistral's sliding window); `anchors`: AnLLM's eq. 4;
+    `key_keep`: per KV head, the keys later queries may see (Attention-Gate; a query
+    always sees its own key).
 
     Optional statistics:
 
@@ -136,6 +158,9 @@ def prefill_attention(
       (SnapKV's observation window; also TOVA with W = 1). Only `W x s`, never `s x s`.
     * "colsum": `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
       accumulated attention), accumulated block by block.
+
+    `impl="pallas"` runs `kvjax.pallas.prefill_attention` (and its `colsum` pass) instead of
+    the query blocks below; the O(W x s) statistics are computed here either way.
     """
     windows = {int(x.split(":")[1]) for x in stats if x.startswith("window_probs:")}
     unknown = stats - {"first_logit", "colsum"} - {f"window_probs:{w}" for w in windows}
@@ -146,8 +171,17 @@ def prefill_attention(
     qg = _group(q, kvh)
     want_colsum = "colsum" in stats
     q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
-    if t <= block:
-        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors)
+    check_impl(impl)
+    if impl == "pallas":
+        variant, interpret = kernels.platform_variant()
+        kw = dict(scale=scale, alibi=alibi, window=window, anchors=anchors, key_keep=key_keep, variant=variant,
+                  interpret=interpret)
+        out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, **kw)
+        colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if want_colsum else None
+        out = _group(out, kvh)
+    elif t <= block:
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors,
+                                     key_keep)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -158,7 +192,8 @@ def prefill_attention(
         blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, n, block).transpose(1, 0, 2)
         qa = None if anchors is None else (blocks(anchors.segment), blocks(anchors.anchor))
         out, colsum = jax.lax.map(
-            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchors),
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchors,
+                                      key_keep),
             (qg, qp, qa),
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
@@ -171,6 +206,7 @@ def prefill_attention(
         sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
         if anchors is not None:
             sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
+        sw = _gate(sw, q_pos[:, start:], k_pos, key_keep)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
         out_stats[f"window_probs:{w}"] = jnp.where(real, jax.nn.softmax(sw, axis=-1), 0.0)
     if want_colsum:
@@ -239,6 +275,7 @@ def decode_attention(
     k_coord: Int[Array, "b kvh c"] | None = None,
     alibi: np.ndarray | None = None,
     window: int | None = None,
+    impl: str = "xla",
 ) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
     """One query per row against `C` cache slots (the query's own token already inserted).
 
@@ -249,7 +286,15 @@ def decode_attention(
 
     * "probs": `[b, kvh, c]` attention probabilities summed over the group's query heads;
     * "first_logit": `[b, kvh, g]` scaled logit to the slot holding position 0 (-inf-like if evicted).
+
+    `impl="pallas"` runs `kvjax.pallas.decode_attention`, except with ALiBi or a sliding
+    window, which the kernel does not take (those models decode here).
     """
+    check_impl(impl)
+    if impl == "pallas" and alibi is None and window is None:
+        variant, interpret = kernels.platform_variant()
+        return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
+                                        interpret=interpret)
     b, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, d)

@@ -52,8 +52,10 @@ class LlamaConfig:
     sliding_window: int | None = None  # Mistral: a query sees its `sliding_window` latest keys
     position_embedding: str = "rope"  # or "alibi" (Baichuan-13B)
     model_type: str = "llama"
+    attention_impl: str = "xla"  # or "pallas" (kvjax.pallas); a run-time choice, not saved to config.json
 
     def __post_init__(self):
+        attention.check_impl(self.attention_impl)
         if self.position_embedding not in ("rope", "alibi"):
             raise ValueError(f"position_embedding={self.position_embedding!r}; expected 'rope' or 'alibi'")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -183,7 +185,7 @@ class Attention(nnx.Module):
         wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted,
-            alibi=self._alibi(), window=self.cfg.sliding_window, anchors=anchors,
+            alibi=self._alibi(), window=self.cfg.sliding_window, anchors=anchors, impl=self.cfg.attention_impl,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
@@ -273,6 +275,7 @@ class Attention(nnx.Module):
             k_coord=k_coord,
             alibi=slopes,
             window=c.sliding_window,
+            impl=c.attention_impl,
         )
         return o, policy.observe(self.layer, cache, pos, stats)
 

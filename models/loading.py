@@ -197,8 +197,10 @@ def hf_parameters(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
     return out
 
 
-def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True) -> LoadedModel:
-    """Loads a model (and its tokenizer, if the directory has one) from a local HF directory."""
+def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla") -> LoadedModel:
+    """Loads a model (and its tokenizer, if the directory has one) from a local HF directory.
+
+    `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`."""
     if isinstance(dtype, str):
         if dtype == "float64":  # for exactness tests against float64 references
             if not jax.config.jax_enable_x64:
@@ -210,6 +212,7 @@ def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True) -> 
             dtype = DTYPES[dtype]
     path = resolve(path_or_id)
     cfg, arch, raw = read_config(path)
+    cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
     model = nnx.eval_shape(lambda: arch.model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     tensors = _Tensors(path)
     if arch.tensors is not None:

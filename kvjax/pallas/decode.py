@@ -1,0 +1,182 @@
+"""Compressed-cache decode attention in Pallas, GPU and TPU variants.
+
+Specification: `kvjax.attention.decode_attention` without ALiBi / sliding window
+(those models decode through the reference). One query per sequence and query head
+against `C` cache slots: a slot is valid where its stored position is >= 0, its
+logit gets the slot's `log_w` (RazorAttention's compensation token), and the `g`
+query heads of a KV head share one program, so K/V are read once per group.
+
+* GPU (Triton): flash-decoding. Grid `(b, kvh, splits)`: the slots are split so a
+  batch-1 decode still fills the SMs; each program loops over its blocks, partial
+  results are merged with their log-sum-exps in jnp. The group is padded to 16 rows,
+  the smallest tile `tl.dot` takes.
+* TPU (Mosaic): grid `(b, kvh, nk)`, the slot axis sequential with VMEM accumulators.
+
+With `logits=True` the kernel also writes the masked, biased logits `[b, kvh, g, C]`
+from which `probs` (H2O's per-slot attention summed over the group) and `first_logit`
+(MAT's logit to position 0) are computed without a second read of K.
+
+Inference only (no VJP).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from kvjax.pallas import tiles
+from kvjax.pallas.prefill import _compiler_params, _interpret
+
+BLOCK = {"gpu": 128, "tpu": 512}
+GPU_PROGRAMS = 264  # ~2 waves on an H100 (132 SMs): enough splits to hide a batch-1 decode's latency
+
+
+def _tile(q, k, pos, log_w, scale):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    return jnp.where(pos >= 0, s + log_w, tiles.MASKED)  # [gp, bk]
+
+
+def _gpu_kernel(q_ref, k_ref, v_ref, pos_ref, logw_ref, o_ref, m_ref, l_ref, *s_ref, bk, scale):
+    q = q_ref[...]
+
+    def body(j, carry):
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        s = _tile(q, k_ref[sl, :], pos_ref[:, sl], logw_ref[:, sl], scale)
+        if s_ref:
+            s_ref[0][:, sl] = s
+        return tiles.online_step(carry, s, v_ref[sl, :])
+
+    m, l, acc = jax.lax.fori_loop(0, k_ref.shape[0] // bk, body, tiles.online_init(*q.shape))
+    o_ref[...], m_ref[...], l_ref[...] = acc, m, l  # unnormalised: merged across splits outside
+
+
+def _tpu_kernel(q_ref, k_ref, v_ref, pos_ref, logw_ref, o_ref, lse_ref, *rest, nk, scale):
+    *s_ref, m_scr, l_scr, acc_scr = rest
+    j = pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _():
+        m_scr[...], l_scr[...], acc_scr[...] = tiles.online_init(*acc_scr.shape)
+
+    s = _tile(q_ref[...], k_ref[...], pos_ref[...], logw_ref[...], scale)
+    if s_ref:
+        s_ref[0][...] = s
+    m_scr[...], l_scr[...], acc_scr[...] = tiles.online_step((m_scr[...], l_scr[...], acc_scr[...]), s, v_ref[...])
+
+    @pl.when(j == nk - 1)
+    def _():
+        o, lse = tiles.online_finish(m_scr[...], l_scr[...], acc_scr[...])
+        o_ref[...], lse_ref[...] = o.astype(o_ref.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logits", "variant", "interpret", "block"))
+def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, block):
+    b, h, d = q.shape
+    kvh, c = k.shape[1], k.shape[2]
+    g = h // kvh
+    bk = block
+    if variant == "gpu":
+        gp = max(16, tiles.next_pow2(g))
+        nblocks = -(-c // bk)
+        splits = max(1, min(nblocks, tiles.next_pow2(-(-GPU_PROGRAMS // (b * kvh)))))
+        cp = tiles.round_up(c, bk * splits)
+    else:
+        gp, splits = tiles.round_up(g, 8), 1
+        cp = tiles.round_up(c, bk)
+    qg = tiles.pad_axis(q.reshape(b, kvh, g, d), 2, gp)
+    kp, vp = tiles.pad_axis(k, 2, cp), tiles.pad_axis(v, 2, cp)
+    pos = tiles.pad_axis(slot_pos, 2, cp, -1)[:, :, None]
+    lw = tiles.pad_axis(log_w.astype(jnp.float32), 2, cp)[:, :, None]
+    s_shape = [jax.ShapeDtypeStruct((b, kvh, gp, cp), jnp.float32)] if logits else []
+    if variant == "gpu":
+        cs = cp // splits
+        o, m, l, *s = pl.pallas_call(
+            functools.partial(_gpu_kernel, bk=bk, scale=scale),
+            grid=(b, kvh, splits),
+            in_specs=[
+                pl.BlockSpec((None, None, gp, d), lambda b, kh, i: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, cs, d), lambda b, kh, i: (b, kh, i, 0)),
+                pl.BlockSpec((None, None, cs, d), lambda b, kh, i: (b, kh, i, 0)),
+                pl.BlockSpec((None, None, 1, cs), lambda b, kh, i: (b, kh, 0, i)),
+                pl.BlockSpec((None, None, 1, cs), lambda b, kh, i: (b, kh, 0, i)),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, None, gp, d), lambda b, kh, i: (b, kh, i, 0, 0)),
+                pl.BlockSpec((None, None, None, gp, 1), lambda b, kh, i: (b, kh, i, 0, 0)),
+                pl.BlockSpec((None, None, None, gp, 1), lambda b, kh, i: (b, kh, i, 0, 0)),
+            ] + [pl.BlockSpec((None, None, gp, cs), lambda b, kh, i: (b, kh, 0, i))] * logits,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, kvh, splits, gp, d), jnp.float32),
+                jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
+                jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
+            ] + s_shape,
+            compiler_params=_compiler_params(variant, 3, 0),
+            interpret=_interpret(variant, interpret),
+            name="kvjax_decode_gpu",
+        )(qg, kp, vp, pos, lw)
+        # Merge the splits (flash-decoding's reduction).
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all) * (l > 0)
+        l_all = jnp.sum(w * l, axis=2)
+        o, lse = tiles.online_finish(m_all[:, :, 0], l_all, jnp.sum(w * o, axis=2))
+    else:
+        nk = cp // bk
+        o, lse, *s = pl.pallas_call(
+            functools.partial(_tpu_kernel, nk=nk, scale=scale),
+            grid=(b, kvh, nk),
+            in_specs=[
+                pl.BlockSpec((None, None, gp, d), lambda b, kh, j: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, bk, d), lambda b, kh, j: (b, kh, j, 0)),
+                pl.BlockSpec((None, None, bk, d), lambda b, kh, j: (b, kh, j, 0)),
+                pl.BlockSpec((None, None, 1, bk), lambda b, kh, j: (b, kh, 0, j)),
+                pl.BlockSpec((None, None, 1, bk), lambda b, kh, j: (b, kh, 0, j)),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, gp, d), lambda b, kh, j: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, gp, 1), lambda b, kh, j: (b, kh, 0, 0)),
+            ] + [pl.BlockSpec((None, None, gp, bk), lambda b, kh, j: (b, kh, 0, j))] * logits,
+            out_shape=[jax.ShapeDtypeStruct((b, kvh, gp, d), q.dtype),
+                       jax.ShapeDtypeStruct((b, kvh, gp, 1), jnp.float32)] + s_shape,
+            scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
+                            pltpu.VMEM((gp, d), jnp.float32)],
+            compiler_params=_compiler_params(variant, 2, 1),
+            interpret=_interpret(variant, interpret),
+            name="kvjax_decode_tpu",
+        )(qg, kp, vp, pos, lw)
+    out = o[:, :, :g].reshape(b, h, d).astype(q.dtype)
+    lse = lse[:, :, :g, 0]
+    return out, lse, (s[0][:, :, :g, :c] if logits else None)
+
+
+def decode_attention(
+    q: Float[Array, "b h d"],
+    k: Float[Array, "b kvh c d"],
+    v: Float[Array, "b kvh c d"],
+    slot_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"],
+    *,
+    scale: float,
+    stats: frozenset[str] = frozenset(),
+    variant: str = "gpu",
+    interpret: bool = False,
+    block: int | None = None,
+) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
+    """`kvjax.attention.decode_attention` (same statistics: "probs", "first_logit") as a kernel."""
+    if variant not in BLOCK:
+        raise ValueError(f"variant={variant!r}; expected one of {sorted(BLOCK)}")
+    unknown = stats - {"probs", "first_logit"}
+    if unknown:
+        raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")
+    out, lse, s = _decode(q, k, v, slot_pos, log_w, scale=scale, logits=bool(stats), variant=variant,
+                          interpret=interpret, block=block or BLOCK[variant])
+    out_stats = {}
+    if "probs" in stats:
+        out_stats["probs"] = jnp.sum(jnp.exp(s - lse[..., None]), axis=2)
+    if "first_logit" in stats:
+        out_stats["first_logit"] = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], s, tiles.MASKED), axis=-1)
+    return out, out_stats

@@ -1,0 +1,162 @@
+"""Tile math shared by the Pallas kernels and their block tables, in plain jnp.
+
+Every kernel works on tiles of queries `[bq, d]` against keys `[bk, d]` and folds
+them into FlashAttention's online softmax (running max `m`, denominator `l`,
+unnormalised output `acc`). Which keys a query sees comes from per-token int32
+metadata, the same rules as `kvjax.attention` (the specification):
+
+* query metadata `qm [t, 4]`: position (-1 on padding), AnLLM segment, is-anchor, unused;
+* key metadata `km [4, s]`: position, segment, is-anchor, keep (AnLLM's kept span);
+* optional per-KV-head `gate [1, s]`: Attention-Gate's key keep-mask (the diagonal is always kept).
+
+Queries run down the sublanes and keys along the lanes, the layout both Triton and
+Mosaic want for `q @ k.T`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+MASKED = -1e30  # as kvjax.attention: finite, so a fully masked tile never makes NaN
+QM, KM = 4, 4  # metadata columns / rows
+
+POS, SEG, ANCHOR, KEEP = 0, 1, 2, 3
+
+
+def tile_logits(
+    q: Float[Array, "bq d"],
+    k: Float[Array, "bk d"],
+    qm: Int[Array, "bq 4"],
+    km: Int[Array, "4 bk"],
+    gate: Int[Array, "1 bk"] | None,
+    slope,
+    *,
+    scale: float,
+    window: int | None,
+    anchors: bool,
+) -> Float[Array, "bq bk"]:
+    """Scaled logits of one tile with ALiBi (`slope` or None) and every mask applied."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    qp, kp = qm[:, POS : POS + 1], km[POS : POS + 1, :]
+    if slope is not None:
+        s = s + slope * (kp - qp).astype(jnp.float32)
+    return jnp.where(tile_visible(qm, km, gate, window=window, anchors=anchors), s, MASKED)
+
+
+def tile_visible(qm, km, gate, *, window, anchors) -> Bool[Array, "bq bk"]:
+    qp, kp = qm[:, POS : POS + 1], km[POS : POS + 1, :]
+    vis = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        vis &= kp > qp - window
+    if anchors:  # eq. 4: own sequence, or an earlier sequence's anchor seen by a non-anchor; kept span
+        qs, qa = qm[:, SEG : SEG + 1], qm[:, ANCHOR : ANCHOR + 1] > 0
+        ks, ka, kk = km[SEG : SEG + 1, :], km[ANCHOR : ANCHOR + 1, :] > 0, km[KEEP : KEEP + 1, :] > 0
+        vis &= (qs == ks) | (ka & ~qa & (ks < qs)) | kk
+    if gate is not None:
+        vis &= (gate > 0) | (kp == qp)
+    return vis
+
+
+def online_step(carry, s: Float[Array, "bq bk"], v: Float[Array, "bk d"]):
+    """Folds one tile of logits into `(m [bq, 1], l [bq, 1], acc [bq, d])`."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    alpha = jnp.exp(m - m_new)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+
+def online_init(bq: int, d: int):
+    return (jnp.full((bq, 1), MASKED, jnp.float32), jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+
+
+def online_finish(m, l, acc):
+    """Normalised output and log-sum-exp; a query with no live tile (padding) gets zeros."""
+    safe = jnp.where(l > 0, l, 1.0)
+    return acc / safe, jnp.where(l > 0, m + jnp.log(safe), MASKED)
+
+
+# ---- wrapper-side helpers (plain jnp, outside the kernels) ----
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def query_meta(pos: Int[Array, "b t"], segment=None, anchor=None) -> Int[Array, "b t 4"]:
+    z = jnp.zeros_like(pos)
+    cols = [pos, z if segment is None else segment, z if anchor is None else anchor.astype(jnp.int32), z]
+    return jnp.stack(cols, axis=-1).astype(jnp.int32)
+
+
+def key_meta(pos: Int[Array, "b s"], segment=None, anchor=None, keep=None) -> Int[Array, "b 4 s"]:
+    z = jnp.zeros_like(pos)
+    rows = [pos, z if segment is None else segment, *(z if x is None else x.astype(jnp.int32) for x in (anchor, keep))]
+    return jnp.stack(rows, axis=1).astype(jnp.int32)
+
+
+def pad_axis(x, axis: int, to: int, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def block_table(
+    qm: Int[Array, "b t 4"],
+    km: Int[Array, "b 4 s"],
+    gate: Int[Array, "b kvh 1 s"] | None,
+    kv_heads: int,
+    bq: int,
+    bk: int,
+    *,
+    window: int | None,
+    anchors: bool,
+) -> tuple[Int[Array, "b kvh nq"], Int[Array, "b kvh nq nk"]]:
+    """Per query block, how many key blocks can hold a visible key and which (ascending, live first).
+
+    Decided from per-block summaries (position and segment ranges, any anchor / kept /
+    gated key), so it is conservative: a live block may still be fully masked tile by
+    tile, but a block marked dead never holds a visible key. Cost O(T/bq * T/bk).
+    """
+    b, t, _ = qm.shape
+    s = km.shape[2]
+    nq, nk = t // bq, s // bk
+    big = jnp.iinfo(jnp.int32).max
+    qb = qm.reshape(b, nq, bq, QM)
+    kb = km.reshape(b, KM, nk, bk)
+    q_real = qb[..., POS] >= 0
+    k_real = kb[:, POS] >= 0
+    qmax = jnp.max(jnp.where(q_real, qb[..., POS], -1), -1)[:, :, None]  # [b, nq, 1]
+    qmin = jnp.min(jnp.where(q_real, qb[..., POS], big), -1)[:, :, None]
+    kmin = jnp.min(jnp.where(k_real, kb[:, POS], big), -1)[:, None, :]  # [b, 1, nk]
+    kmax = jnp.max(jnp.where(k_real, kb[:, POS], -1), -1)[:, None, :]
+    live = jnp.any(q_real, -1)[:, :, None] & jnp.any(k_real, -1)[:, None, :] & (kmin <= qmax)
+    if window is not None:
+        live &= kmax > qmin - window
+    if anchors:
+        qseg = qb[..., SEG]
+        qs_lo = jnp.min(jnp.where(q_real, qseg, big), -1)[:, :, None]
+        qs_hi = jnp.max(jnp.where(q_real, qseg, -1), -1)[:, :, None]
+        kseg = kb[:, SEG]
+        ks_lo = jnp.min(jnp.where(k_real, kseg, big), -1)[:, None, :]
+        ks_hi = jnp.max(jnp.where(k_real, kseg, -1), -1)[:, None, :]
+        k_anchor = k_real & (kb[:, ANCHOR] > 0)
+        ka_lo = jnp.min(jnp.where(k_anchor, kseg, big), -1)[:, None, :]
+        q_plain = jnp.any(q_real & (qb[..., ANCHOR] == 0), -1)[:, :, None]
+        k_keep = jnp.any(k_real & (kb[:, KEEP] > 0), -1)[:, None, :]
+        live &= ((ks_lo <= qs_hi) & (qs_lo <= ks_hi)) | (q_plain & (ka_lo < qs_hi)) | k_keep
+    live = jnp.broadcast_to(live[:, None], (b, kv_heads, nq, nk))
+    if gate is not None:
+        kept = jnp.any(gate.reshape(b, kv_heads, nk, bk) > 0, -1)[:, :, None, :]  # [b, kvh, 1, nk]
+        diagonal = ((kmin <= qmax) & (kmax >= qmin))[:, None]
+        live &= kept | diagonal
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    return jnp.sum(live, -1).astype(jnp.int32), order
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(np.ceil(np.log2(max(n, 1)))))

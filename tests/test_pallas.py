@@ -1,0 +1,190 @@
+"""Pallas kernels (GPU and TPU variants, interpret mode on CPU) against the jnp reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvjax import attention
+from kvjax.anchors import anchor_mask
+from kvjax.generate import generate
+from kvjax.pallas import decode as pdecode
+from kvjax.pallas import prefill as pprefill
+from kvjax.pallas import tiles
+from kvjax.policies import H2O, FullCache, SnapKV, StreamingLLM
+from models import load
+
+VARIANTS = ["gpu", "tpu"]
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+SMALL = dict(block_q=16, block_k=16)  # small blocks: several per test prompt, partial last blocks
+
+
+def _qkv(rng, b, h, kvh, t, s, d, dtype):
+    q = jnp.asarray(rng.normal(size=(b, h, t, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kvh, s, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kvh, s, d)), dtype)
+    return q, k, v
+
+
+def _left_padded_positions(rng, b, t):
+    pad = rng.integers(0, t // 2 + 1, size=b)
+    pad[0] = 0
+    return jnp.asarray(np.stack([np.arange(t) - p for p in pad]).clip(-1), jnp.int32)
+
+
+def _check_prefill(variant, q, k, v, pos, tol, **kw):
+    ref, stats = attention.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5,
+                                             stats=frozenset({"colsum"}), **kw)
+    out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, variant=variant,
+                                          interpret=True, **SMALL, **kw)
+    real = np.asarray(pos >= 0)[:, None, :, None]  # padding queries are never read
+    diff = np.where(real, np.asarray(out, np.float32) - np.asarray(ref, np.float32), 0.0)
+    assert np.abs(diff).max() <= tol, np.abs(diff).max()
+    col = pprefill.colsum(q, k, lse, pos, pos, scale=q.shape[-1] ** -0.5, variant=variant, interpret=True,
+                          **SMALL, **kw)
+    np.testing.assert_allclose(np.asarray(col), np.asarray(stats["colsum"]), atol=tol * 10, rtol=tol)
+
+
+MASKS = ["causal", "window", "alibi", "anchors", "gate"]
+
+
+def _mask_kwargs(name, rng, pos, kvh):
+    b, t = pos.shape
+    if name == "window":
+        return {"window": int(rng.integers(1, t + 1))}
+    if name == "alibi":
+        return {}  # slopes need the head count: set by the caller
+    if name == "anchors":
+        flags = jnp.asarray(rng.random((b, t)) < 0.15)
+        keep = jnp.asarray(rng.random((b, t)) < 0.05)
+        return {"anchors": anchor_mask(flags, pos >= 0, keep & (pos >= 0))}
+    if name == "gate":
+        return {"key_keep": jnp.asarray(rng.random((b, kvh, t)) < 0.3)}
+    return {}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2), kvh=st.sampled_from([1, 2]), g=st.sampled_from([1, 4, 8]), t=st.integers(1, 70),
+    d=st.sampled_from([8, 16]), mask=st.sampled_from(MASKS), bf16=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_prefill_random_shapes(variant, b, kvh, g, t, d, mask, bf16, seed):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, dtype)
+    pos = _left_padded_positions(rng, b, t)
+    kw = _mask_kwargs(mask, rng, pos, kvh)
+    if mask == "alibi":
+        kw["alibi"] = attention.alibi_slopes(kvh * g)
+    _check_prefill(variant, q, k, v, pos, TOL[dtype], **kw)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("g", [1, 4, 8])
+def test_prefill_only_the_diagonal_visible(variant, g):
+    """Attention-Gate with every key evicted: each query sees only itself, so the output is its own v."""
+    rng = np.random.default_rng(g)
+    b, kvh, t, d = 2, 2, 37, 16
+    q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
+    pos = _left_padded_positions(rng, b, t)
+    keep = jnp.zeros((b, kvh, t), bool)
+    _check_prefill(variant, q, k, v, pos, 1e-5, key_keep=keep)
+    out, _ = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, key_keep=keep, variant=variant,
+                                        interpret=True, **SMALL)
+    own = jnp.repeat(v, g, axis=1)
+    real = np.asarray(pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, own, 0), atol=1e-6)
+
+
+def test_block_table_skips_masked_blocks():
+    """Causal: query block i reads blocks 0..i; a window of one block: at most 2; left padding: none
+    of the padding-only blocks; eq. 4 with one anchor per block: a late block skips the middle."""
+    t, blk = 128, 16
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    qm, km = tiles.query_meta(pos), tiles.key_meta(pos)
+    cnt, idx = tiles.block_table(qm, km, None, 1, blk, blk, window=None, anchors=False)
+    assert cnt[0, 0].tolist() == list(range(1, 9))
+    assert idx[0, 0, 5, :6].tolist() == list(range(6))
+    cnt, _ = tiles.block_table(qm, km, None, 1, blk, blk, window=blk, anchors=False)
+    assert cnt[0, 0].tolist() == [1] + [2] * 7
+    padded = jnp.where(jnp.arange(t) < 40, -1, jnp.arange(t) - 40)[None].astype(jnp.int32)
+    cnt, idx = tiles.block_table(tiles.query_meta(padded), tiles.key_meta(padded), None, 1, blk, blk, window=None,
+                                 anchors=False)
+    assert cnt[0, 0].tolist() == [0, 0, 1, 2, 3, 4, 5, 6] and idx[0, 0, 2, 0] == 2
+    gate = jnp.zeros((1, 1, 1, t), jnp.int32).at[..., 0].set(1)  # only key 0 kept (+ the diagonal)
+    cnt, idx = tiles.block_table(qm, km, gate, 1, blk, blk, window=None, anchors=False)
+    assert cnt[0, 0, 7] == 2 and idx[0, 0, 7, :2].tolist() == [0, 7]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_empty_slots_and_compensation(variant, g, dtype):
+    rng = np.random.default_rng(g)
+    b, kvh, c, d = 3, 2, 75, 16  # 75 slots: not a multiple of any block
+    q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kvh, c, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kvh, c, d)), dtype)
+    pos = np.tile(rng.permutation(c), (b, kvh, 1))
+    pos[rng.random((b, kvh, c)) < 0.3] = -1  # empty slots anywhere
+    pos[2, :, 1:], pos[2, :, 0] = -1, 5  # a row with a single valid slot
+    pos = jnp.asarray(pos, jnp.int32)
+    log_w = jnp.asarray(np.where(rng.random((b, kvh, c)) < 0.1, np.log(7.0), 0.0), jnp.float32)  # Razor's log N_d
+    wanted = frozenset({"probs", "first_logit"})
+    ref, rstats = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted)
+    out, ostats = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted, variant=variant,
+                                           interpret=True, block=16)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=0)
+    np.testing.assert_allclose(ostats["probs"], rstats["probs"], atol=tol, rtol=0)
+    has0 = np.asarray((pos == 0).any(-1))[:, :, None]
+    np.testing.assert_allclose(np.where(has0, ostats["first_logit"], 0), np.where(has0, rstats["first_logit"], 0),
+                               atol=tol * 10, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 3), kvh=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 4, 8]), c=st.integers(1, 300),
+       seed=st.integers(0, 2**16))
+def test_decode_random_shapes(variant, b, kvh, g, c, seed):
+    rng = np.random.default_rng(seed)
+    d = 16
+    q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, kvh, c, d)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(np.where(rng.random((b, kvh, c)) < 0.2, -1, rng.integers(0, 1000, (b, kvh, c))), jnp.int32)
+    pos = pos.at[:, :, 0].set(0)  # at least one valid slot per row
+    log_w = jnp.asarray(rng.normal(size=(b, kvh, c)), jnp.float32)
+    ref, _ = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5)
+    out, _ = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, variant=variant, interpret=True, block=32)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def test_bad_variant_and_impl():
+    x = jnp.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="variant='cuda'"):
+        pprefill.prefill_attention(x, x, x, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32), scale=1.0,
+                                   variant="cuda")
+    with pytest.raises(ValueError, match="attention_impl='triton'"):
+        attention.decode_attention(x[:, :, 0], x, x, jnp.zeros((1, 2, 4), jnp.int32), jnp.zeros((1, 2, 4)),
+                                   scale=1.0, impl="triton")
+
+
+@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(budget=24, sinks=4), SnapKV(budget=20, window=8),
+                                    H2O(budget=20, recent=6)], ids=lambda p: type(p).__name__)
+def test_generation_with_pallas_matches_reference(sharp_dir, policy):
+    """attention_impl="pallas" (prefill, colsum and decode kernels in interpret mode) gives the
+    reference's tokens and cache."""
+    xla, pallas = load(sharp_dir).model, load(sharp_dir, attention_impl="pallas").model
+    prompts = [list(np.random.default_rng(1).integers(4, 250, 45)), list(range(30, 50))]
+    a = generate(xla, prompts, policy, max_new_tokens=12)
+    b = generate(pallas, prompts, policy, max_new_tokens=12)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for ca, cb in zip(a.cache, b.cache):
+        np.testing.assert_array_equal(np.asarray(ca.pos), np.asarray(cb.pos))
+        np.testing.assert_allclose(np.asarray(ca.k), np.asarray(cb.k), atol=1e-4)
+    assert jax.tree.leaves(a.cache)  # sanity: caches were compared
