@@ -197,7 +197,9 @@ def hf_parameters(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
     return out
 
 
-def load(path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla") -> LoadedModel:
+def load(
+    path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla"
+) -> LoadedModel:
     """Loads a model (and its tokenizer, if the directory has one) from a local HF directory.
 
     `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`."""

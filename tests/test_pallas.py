@@ -68,7 +68,7 @@ def _mask_kwargs(name, rng, pos, kvh):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     b=st.integers(1, 2), kvh=st.sampled_from([1, 2]), g=st.sampled_from([1, 4, 8]), t=st.integers(1, 70),
     d=st.sampled_from([8, 16]), mask=st.sampled_from(MASKS), bf16=st.booleans(), seed=st.integers(0, 2**16),
@@ -188,3 +188,16 @@ def test_generation_with_pallas_matches_reference(sharp_dir, policy):
         np.testing.assert_array_equal(np.asarray(ca.pos), np.asarray(cb.pos))
         np.testing.assert_allclose(np.asarray(ca.k), np.asarray(cb.k), atol=1e-4)
     assert jax.tree.leaves(a.cache)  # sanity: caches were compared
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_colsum_of_the_last_w_queries(variant):
+    """colsum from query `T - W` on = SnapKV's observation-window probabilities summed over the window."""
+    rng = np.random.default_rng(3)
+    b, kvh, g, t, d, w = 2, 2, 4, 53, 16, 11
+    q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
+    pos = _left_padded_positions(rng, b, t)
+    _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=frozenset({f"window_probs:{w}"}))
+    _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, variant=variant, interpret=True, **SMALL)
+    col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, variant=variant, interpret=True, **SMALL)
+    np.testing.assert_allclose(col, stats[f"window_probs:{w}"].sum(axis=3), atol=1e-5, rtol=0)

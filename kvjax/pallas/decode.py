@@ -30,7 +30,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kvjax.pallas import tiles
-from kvjax.pallas.prefill import _compiler_params, _interpret
 
 BLOCK = {"gpu": 128, "tpu": 512}
 GPU_PROGRAMS = 264  # ~2 waves on an H100 (132 SMs): enough splits to hide a batch-1 decode's latency
@@ -115,8 +114,8 @@ def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, bloc
                 jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
                 jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
             ] + s_shape,
-            compiler_params=_compiler_params(variant, 3, 0),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 3, 0),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_decode_gpu",
         )(qg, kp, vp, pos, lw)
         # Merge the splits (flash-decoding's reduction).
@@ -144,8 +143,8 @@ def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, bloc
                        jax.ShapeDtypeStruct((b, kvh, gp, 1), jnp.float32)] + s_shape,
             scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
                             pltpu.VMEM((gp, d), jnp.float32)],
-            compiler_params=_compiler_params(variant, 2, 1),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 2, 1),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_decode_tpu",
         )(qg, kp, vp, pos, lw)
     out = o[:, :, :g].reshape(b, h, d).astype(q.dtype)

@@ -34,24 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.pallas import tiles
 
 BLOCKS = {"gpu": (64, 64), "tpu": (128, 128)}
-
-
-def _interpret(variant: str, interpret: bool):
-    if not interpret:
-        return False
-    return pltpu.InterpretParams() if variant == "tpu" else True
-
-
-def _compiler_params(variant: str, parallel: int, sequential: int):
-    if variant == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * parallel + ("arbitrary",) * sequential)
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, lse_ref, *,
@@ -149,8 +136,8 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
             out_specs=[pl.BlockSpec((None, None, bq, d), lambda b, kh, r: (b, kh, r, 0)),
                        pl.BlockSpec((None, None, bq, 1), lambda b, kh, r: (b, kh, r, 0))],
             out_shape=out_shape,
-            compiler_params=_compiler_params(variant, 3, 0),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 3, 0),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_prefill_gpu",
         )(cnt, idx, slopes, qg, kp, vp, qm, km, gate)
     else:
@@ -177,8 +164,8 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
                                 pltpu.VMEM((bq, d), jnp.float32)],
             ),
             out_shape=out_shape,
-            compiler_params=_compiler_params(variant, 3, 1),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 3, 1),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_prefill_tpu",
         )(cnt, idx, slopes, qg, kp, vp, qm, km, gate)
     o = o.reshape(b, kvh, g, tp, d)[:, :, :, :t].reshape(b, h, t, d)
@@ -266,8 +253,8 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
     b, h, t, d, kvh, s, g, tp, sp = dims
     nq, nk = tp // bq, sp // bk
     lse = tiles.pad_axis(lse.reshape(b, kvh, g, t), 3, tp, tiles.MASKED).reshape(b, kvh, g * tp, 1)
-    flags = dict(q_from=q_start // bq, q_start=q_start, nq=nq, bq=bq, scale=scale, window=window, anchors=anchors is not None,
-                 gated=key_keep is not None, alibi=alibi_on)
+    flags = dict(q_from=q_start // bq, q_start=q_start, nq=nq, bq=bq, scale=scale, window=window,
+                 anchors=anchors is not None, gated=key_keep is not None, alibi=alibi_on)
     out_shape = jax.ShapeDtypeStruct((b, kvh, g, 1, sp), jnp.float32)
     if variant == "gpu":
         col = pl.pallas_call(
@@ -284,8 +271,8 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
             ],
             out_specs=pl.BlockSpec((None, None, None, 1, bk), lambda b, kh, hj, j: (b, kh, hj, 0, j)),
             out_shape=out_shape,
-            compiler_params=_compiler_params(variant, 4, 0),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 4, 0),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_colsum_gpu",
         )(slopes, qg, lse, qm, kp, km, gate)
     else:
@@ -305,8 +292,8 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
                 out_specs=pl.BlockSpec((None, None, None, 1, bk), lambda b, kh, hj, j, i, _: (b, kh, hj, 0, j)),
             ),
             out_shape=out_shape,
-            compiler_params=_compiler_params(variant, 4, 1),
-            interpret=_interpret(variant, interpret),
+            compiler_params=tiles.compiler_params(variant, 4, 1),
+            interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_colsum_tpu",
         )(slopes, qg, lse, qm, kp, km, gate)
     return col[:, :, :, 0, :s]

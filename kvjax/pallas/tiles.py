@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 MASKED = -1e30  # as kvjax.attention: finite, so a fully masked tile never makes NaN
@@ -81,6 +83,20 @@ def online_finish(m, l, acc):
 
 
 # ---- wrapper-side helpers (plain jnp, outside the kernels) ----
+
+
+def interpret_mode(variant: str, interpret: bool):
+    """`pallas_call`'s `interpret=`: the TPU variant runs in the TPU interpreter (which checks its
+    memory spaces and DMA), the GPU variant in the generic one."""
+    if not interpret:
+        return False
+    return pltpu.InterpretParams() if variant == "tpu" else True
+
+
+def compiler_params(variant: str, parallel: int, sequential: int):
+    if variant == "tpu":
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * parallel + ("arbitrary",) * sequential)
+    return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def round_up(n: int, m: int) -> int:
