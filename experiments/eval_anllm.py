@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     n_anchor = sum(t in anchor_ids for t in demo_ids)
     last = max([i for i, t in enumerate(demo_ids) if t in anchor_ids], default=-1)
     policy = AnchorReduction(anchor_ids=anchor_ids, anchors=max(n_anchor, 1), sequence=max(len(demo_ids) - 1 - last, 1))
-    room = fewshot._room(items)
+    room = fewshot.room_for(items)
     anchor_cache = fewshot.prefix_cache(model, demo_ids, policy, room)
     l_kv = fewshot.cache_length(anchor_cache)
 

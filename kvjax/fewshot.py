@@ -89,7 +89,8 @@ def _full_scores(graphdef, state, tokens, positions, scored):
     return _option_logprob(logits, tokens, scored)
 
 
-def _room(items: Sequence[Item]) -> int:
+def room_for(items: Sequence[Item]) -> int:
+    """Cache slots an extension by any of `items` (query + longest option) needs."""
     return max(len(it.query) + max(map(len, it.options)) for it in items)
 
 
@@ -137,7 +138,7 @@ class Timing:
 def time_caching(model: nnx.Module, demos: Sequence[int], items: Sequence[Item], policy: Policy,
                  repeats: int = 3) -> Timing:
     """T⇑'s two times, best of `repeats`, each path compiled (run once) before it is timed."""
-    room = _room(items)
+    room = room_for(items)
 
     def non_caching():
         for it in items:

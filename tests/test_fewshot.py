@@ -62,7 +62,7 @@ def test_cached_scores_match_full_scores_and_cache_length(tiny):
         demos[i] = ANCHOR
     item = Item(query=(12, 13, 14), options=((20, 21), (30,), (40, 41, 42)), answer=2)
     full = fewshot.full_scores(tiny.model, demos, item)
-    room = fewshot._room([item])
+    room = fewshot.room_for([item])
     cached = fewshot.cached_scores(tiny.model, fewshot.prefix_cache(tiny.model, demos, FullCache(), room),
                                    len(demos), item, FullCache())
     np.testing.assert_allclose(cached, full, atol=1e-4, rtol=0)
