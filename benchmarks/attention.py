@@ -40,17 +40,25 @@ def peak_bandwidth() -> float | None:
     return next((bw for name, bw in PEAK_BW.items() if name in kind), None)
 
 
-def best_time(fn, *args, repeats=5) -> float:
-    jax.block_until_ready(fn(*args))  # compile
+def best_time(fn, q, *args, repeats=5, inner=20) -> float:
+    """Seconds per call of `fn(q, *args) -> out` (out shaped like q), device time: `inner` calls
+    chained inside one jit (each call's output is the next one's query), so the ~50 µs of
+    host dispatch per jit call, larger than a decode step, is paid once per `inner` calls."""
+
+    @jax.jit
+    def chained(q, *args):
+        return jax.lax.fori_loop(0, inner, lambda _, q: fn(q, *args).astype(q.dtype), q)
+
+    jax.block_until_ready(chained(q, *args))  # compile
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(chained(q, *args))
         times.append(time.perf_counter() - t)
-    return min(times)
+    return min(times) / inner
 
 
-def bench_decode(c, variant, interpret, h=32, kvh=8, d=128, dtype=jnp.bfloat16):
+def bench_decode(c, variant, interpret, block=None, splits=None, h=32, kvh=8, d=128, dtype=jnp.bfloat16):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(1, h, d)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(1, kvh, c, d)), dtype) for _ in range(2))
@@ -58,9 +66,11 @@ def bench_decode(c, variant, interpret, h=32, kvh=8, d=128, dtype=jnp.bfloat16):
     log_w = jnp.zeros((1, kvh, c), jnp.float32)
     scale = d**-0.5
     ref = jax.jit(lambda *a: attention.decode_attention(*a, scale=scale)[0])
-    ker = jax.jit(lambda *a: kernels.decode_attention(*a, scale=scale, variant=variant, interpret=interpret)[0])
+    ker = jax.jit(lambda *a: kernels.decode_attention(*a, scale=scale, variant=variant, interpret=interpret,
+                                                      block=block, splits=splits)[0])
     bytes_read = 2 * kvh * c * d * jnp.dtype(dtype).itemsize
-    row = {"C": c, "xla_us": 1e6 * best_time(ref, q, k, v, pos, log_w)}
+    row = {"C": c, "block": block or kernels.decode.BLOCK[variant or "gpu"], "splits": splits or "auto",
+           "xla_us": 1e6 * best_time(ref, q, k, v, pos, log_w)}
     if variant is not None:
         row["pallas_us"] = 1e6 * best_time(ker, q, k, v, pos, log_w)
         row["pallas_GBps"] = bytes_read / row["pallas_us"] / 1e3
@@ -87,9 +97,9 @@ def bench_prefill(t, masked, masking, variant, interpret, h=32, kvh=8, d=128, dt
     ker = jax.jit(lambda q, k, v: kernels.prefill_attention(q, k, v, pos, pos, scale=scale, key_keep=keep,
                                                             variant=variant, interpret=interpret)[0])
     flops = 4 * h * t * t / 2 * d
-    row = {"T": t, "masked": masked, "xla_ms": 1e3 * best_time(ref, q, k, v, repeats=3)}
+    row = {"T": t, "masked": masked, "xla_ms": 1e3 * best_time(ref, q, k, v, repeats=3, inner=5)}
     if variant is not None:
-        row["pallas_ms"] = 1e3 * best_time(ker, q, k, v, repeats=3)
+        row["pallas_ms"] = 1e3 * best_time(ker, q, k, v, repeats=3, inner=5)
         row["pallas_TFLOPs_dense"] = flops / row["pallas_ms"] / 1e9
     return row
 
@@ -97,6 +107,8 @@ def bench_prefill(t, masked, masking, variant, interpret, h=32, kvh=8, d=128, dt
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.split("\n")[0])
     p.add_argument("--decode", default="1024,4096,16384,32768,65536")
+    p.add_argument("--decode-block", default="", help="decode kernel block sizes to compare (default: the kernel's)")
+    p.add_argument("--decode-splits", default="", help="GPU decode splits to compare (default: the kernel's)")
     p.add_argument("--prefill", default="1024,4096,16384")
     p.add_argument("--masked", default="0,0.5,0.9")
     p.add_argument("--masking", choices=["block", "token"], default="block")
@@ -109,7 +121,10 @@ def main(argv=None):
         variant = None  # CPU: the kernels would run in the interpreter; time the reference only
     platform = jax.default_backend()
     peak = peak_bandwidth()
-    decode = [bench_decode(int(c), variant, interpret) for c in tqdm(args.decode.split(","), desc="decode")]
+    blocks = [int(x) for x in args.decode_block.split(",") if x] or [None]
+    splits = [int(x) for x in args.decode_splits.split(",") if x] or [None]
+    decode = [bench_decode(int(c), variant, interpret, block, n) for c in tqdm(args.decode.split(","), desc="decode")
+              for block in blocks for n in splits]
     prefill = [bench_prefill(int(t), float(m), args.masking, variant, interpret)
                for t in tqdm(args.prefill.split(","), desc="prefill") for m in args.masked.split(",")]
     for row in prefill:
@@ -124,10 +139,11 @@ def main(argv=None):
                                                                indent=2))
     lines = [f"# Attention kernels on {info['device']} ({platform}, variant {variant})", "",
              "Decode, batch 1, 32/8 heads, d=128, bf16:", "",
-             "| C | XLA µs | Pallas µs | Pallas GB/s | % of peak |", "|---|---|---|---|---|"]
+             "| C | block | splits | XLA µs | Pallas µs | Pallas GB/s | % of peak |", "|---|---|---|---|---|---|---|"]
     for r in decode:
         pct = f"{100 * r['pallas_GBps'] * 1e9 / peak:.0f}%" if peak and "pallas_GBps" in r else "n/a"
-        lines.append(f"| {r['C']} | {r['xla_us']:.0f} | {r.get('pallas_us', float('nan')):.0f} | "
+        lines.append(f"| {r['C']} | {r['block']} | {r['splits']} | {r['xla_us']:.0f} | "
+                     f"{r.get('pallas_us', float('nan')):.0f} | "
                      f"{r.get('pallas_GBps', float('nan')):.0f} | {pct} |")
     lines += ["", f"Prefill, causal, keys masked by an Attention-Gate mask ({args.masking} granularity):", "",
               "| T | masked | XLA ms | Pallas ms | Pallas TFLOP/s (dense-equiv.) | speed-up vs unmasked kernel |",

@@ -6,12 +6,17 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import Phase, settings
 
 from models.tiny import make_random_checkpoint, tiny_config
 
 # Parity tolerances (1e-4 / 1e-5 in float32) assume true float32 matmuls; GPUs default to
 # TF32 for float32 dots, so the suite asks for full precision on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# `pytest --hypothesis-profile=no_shrink`: report the first failing example as found. On a GPU
+# every shrinking step recompiles a kernel, so shrinking a compile error takes minutes.
+settings.register_profile("no_shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 def hf_llama(path, *, seed=0, init_range=0.1, **overrides):

@@ -1,4 +1,8 @@
-"""Pallas kernels (GPU and TPU variants, interpret mode on CPU) against the jnp reference."""
+"""Pallas kernels (GPU and TPU variants) against the jnp reference.
+
+On CPU both variants run in interpret mode; on a GPU (or TPU) the matching variant is
+compiled and run natively, so `pytest tests/test_pallas.py` there checks the real kernels.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from kvjax import attention
 from kvjax.anchors import anchor_mask
 from kvjax.generate import generate
 from kvjax.pallas import decode as pdecode
+from kvjax.pallas import platform_variant
 from kvjax.pallas import prefill as pprefill
 from kvjax.pallas import tiles
 from kvjax.policies import H2O, FullCache, SnapKV, StreamingLLM
@@ -21,6 +26,12 @@ from models import load
 VARIANTS = ["gpu", "tpu"]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SMALL = dict(block_q=16, block_k=16)  # small blocks: several per test prompt, partial last blocks
+
+
+def _run(variant: str) -> dict:
+    """Native where this backend runs `variant`, interpret mode otherwise."""
+    native, interpret = platform_variant()
+    return dict(variant=variant, interpret=interpret or variant != native)
 
 
 def _qkv(rng, b, h, kvh, t, s, d, dtype):
@@ -39,12 +50,11 @@ def _left_padded_positions(rng, b, t):
 def _check_prefill(variant, q, k, v, pos, tol, **kw):
     ref, stats = attention.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5,
                                              stats=frozenset({"colsum"}), **kw)
-    out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, variant=variant,
-                                          interpret=True, **SMALL, **kw)
+    out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant), **SMALL, **kw)
     real = np.asarray(pos >= 0)[:, None, :, None]  # padding queries are never read
     diff = np.where(real, np.asarray(out, np.float32) - np.asarray(ref, np.float32), 0.0)
     assert np.abs(diff).max() <= tol, np.abs(diff).max()
-    col = pprefill.colsum(q, k, lse, pos, pos, scale=q.shape[-1] ** -0.5, variant=variant, interpret=True,
+    col = pprefill.colsum(q, k, lse, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant),
                           **SMALL, **kw)
     np.testing.assert_allclose(np.asarray(col), np.asarray(stats["colsum"]), atol=tol * 10, rtol=tol)
 
@@ -94,8 +104,7 @@ def test_prefill_only_the_diagonal_visible(variant, g):
     pos = _left_padded_positions(rng, b, t)
     keep = jnp.zeros((b, kvh, t), bool)
     _check_prefill(variant, q, k, v, pos, 1e-5, key_keep=keep)
-    out, _ = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, key_keep=keep, variant=variant,
-                                        interpret=True, **SMALL)
+    out, _ = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, key_keep=keep, **_run(variant), **SMALL)
     own = jnp.repeat(v, g, axis=1)
     real = np.asarray(pos >= 0)[:, None, :, None]
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, own, 0), atol=1e-6)
@@ -137,8 +146,7 @@ def test_decode_empty_slots_and_compensation(variant, g, dtype):
     log_w = jnp.asarray(np.where(rng.random((b, kvh, c)) < 0.1, np.log(7.0), 0.0), jnp.float32)  # Razor's log N_d
     wanted = frozenset({"probs", "first_logit"})
     ref, rstats = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted)
-    out, ostats = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted, variant=variant,
-                                           interpret=True, block=16)
+    out, ostats = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted, **_run(variant), block=16)
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=0)
     np.testing.assert_allclose(ostats["probs"], rstats["probs"], atol=tol, rtol=0)
@@ -160,7 +168,7 @@ def test_decode_random_shapes(variant, b, kvh, g, c, seed):
     pos = pos.at[:, :, 0].set(0)  # at least one valid slot per row
     log_w = jnp.asarray(rng.normal(size=(b, kvh, c)), jnp.float32)
     ref, _ = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5)
-    out, _ = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, variant=variant, interpret=True, block=32)
+    out, _ = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, **_run(variant), block=32)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
 
 
@@ -198,6 +206,6 @@ def test_colsum_of_the_last_w_queries(variant):
     q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
     pos = _left_padded_positions(rng, b, t)
     _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=frozenset({f"window_probs:{w}"}))
-    _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, variant=variant, interpret=True, **SMALL)
-    col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, variant=variant, interpret=True, **SMALL)
+    _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, **_run(variant), **SMALL)
+    col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, **_run(variant), **SMALL)
     np.testing.assert_allclose(col, stats[f"window_probs:{w}"].sum(axis=3), atol=1e-5, rtol=0)

@@ -45,14 +45,14 @@ def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref
                 nq, bk, scale, window, anchors, gated, alibi):
     b, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i = r % nq
-    q, qm = q_ref[...], qm_ref[...]
+    q, qm = q_ref[...], tiles.load_query_meta(qm_ref, anchors=anchors)
     slope = slope_ref[kh, r // nq] if alibi else None
 
     def body(j, carry):
         sl = pl.ds(pl.multiple_of(idx_ref[b, kh, i, j] * bk, bk), bk)
         gate = gate_ref[:, sl] if gated else None
-        s = tiles.tile_logits(q, k_ref[sl, :], qm, km_ref[:, sl], gate, slope, scale=scale, window=window,
-                              anchors=anchors)
+        km = tiles.load_key_meta(km_ref, sl, anchors=anchors)
+        s = tiles.tile_logits(q, k_ref[sl, :], qm, km, gate, slope, scale=scale, window=window)
         return tiles.online_step(carry, s, v_ref[sl, :])
 
     carry = jax.lax.fori_loop(0, cnt_ref[b, kh, i], body, tiles.online_init(*q.shape))
@@ -72,8 +72,9 @@ def _tpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref
     @pl.when(j < cnt_ref[b, kh, r % nq])
     def _():
         slope = slope_ref[kh, r // nq] if alibi else None
-        s = tiles.tile_logits(q_ref[...], k_ref[...], qm_ref[...], km_ref[...], gate_ref[...] if gated else None,
-                              slope, scale=scale, window=window, anchors=anchors)
+        s = tiles.tile_logits(q_ref[...], k_ref[...], tiles.load_query_meta(qm_ref, anchors=anchors),
+                              tiles.load_key_meta(km_ref, anchors=anchors), gate_ref[...] if gated else None,
+                              slope, scale=scale, window=window)
         m_scr[...], l_scr[...], acc_scr[...] = tiles.online_step((m_scr[...], l_scr[...], acc_scr[...]), s, v_ref[...])
 
     @pl.when(j == nk - 1)
@@ -83,13 +84,15 @@ def _tpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref
         lse_ref[...] = lse
 
 
-def _inputs(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, bq, bk):
-    """Padded, grouped kernel operands and the static flags."""
+def _inputs(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, bq, bk, variant):
+    """Padded, grouped kernel operands and their dimensions (`dp`: the padded head dim)."""
     b, h, t, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
     g = h // kvh
     tp, sp = tiles.round_up(t, bq), tiles.round_up(s, bk)
-    qg = tiles.pad_axis(q.reshape(b, kvh, g, t, d), 3, tp).reshape(b, kvh, g * tp, d)
+    dp = tiles.gpu_head_dim(d) if variant == "gpu" else d
+    q, k, v = (tiles.pad_axis(x, 3, dp) for x in (q, k, v))
+    qg = tiles.pad_axis(q.reshape(b, kvh, g, t, dp), 3, tp).reshape(b, kvh, g * tp, dp)
     kp, vp = tiles.pad_axis(k, 2, sp), tiles.pad_axis(v, 2, sp)
     if anchors is None:
         qm, km = tiles.query_meta(q_pos), tiles.key_meta(k_pos)
@@ -101,7 +104,7 @@ def _inputs(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, bq, bk):
     gate = jnp.ones((b, kvh, 1, sp), jnp.int32) if key_keep is None else tiles.pad_axis(
         key_keep.astype(jnp.int32)[:, :, None], 3, sp)
     slopes = jnp.zeros((kvh, g), jnp.float32) if alibi is None else jnp.asarray(alibi, jnp.float32).reshape(kvh, g)
-    return qg, kp, vp, qm, km, gate, slopes, (b, h, t, d, kvh, s, g, tp, sp)
+    return qg, kp, vp, qm, km, gate, slopes, (b, h, t, d, dp, kvh, s, g, tp, sp)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "alibi_on", "window", "variant", "interpret", "block_q",
@@ -110,14 +113,14 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
              block_q, block_k):
     bq, bk = block_q, block_k
     qg, kp, vp, qm, km, gate, slopes, dims = _inputs(q, k, v, q_pos, k_pos, alibi if alibi_on else None, anchors,
-                                                     key_keep, bq, bk)
-    b, h, t, d, kvh, s, g, tp, sp = dims
+                                                     key_keep, bq, bk, variant)
+    b, h, t, d, dp, kvh, s, g, tp, sp = dims
     nq, nk = tp // bq, sp // bk
     cnt, idx = tiles.block_table(qm, km, None if key_keep is None else gate, kvh, bq, bk, window=window,
                                  anchors=anchors is not None)
     flags = dict(scale=scale, window=window, anchors=anchors is not None, gated=key_keep is not None,
                  alibi=alibi_on)
-    out_shape = (jax.ShapeDtypeStruct((b, kvh, g * tp, d), q.dtype), jax.ShapeDtypeStruct((b, kvh, g * tp, 1),
+    out_shape = (jax.ShapeDtypeStruct((b, kvh, g * tp, dp), q.dtype), jax.ShapeDtypeStruct((b, kvh, g * tp, 1),
                                                                                           jnp.float32))
     if variant == "gpu":
         full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -126,14 +129,14 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
             grid=(b, kvh, g * nq),
             in_specs=[
                 full(cnt), full(idx), full(slopes),
-                pl.BlockSpec((None, None, bq, d), lambda b, kh, r: (b, kh, r, 0)),
-                pl.BlockSpec((None, None, sp, d), lambda b, kh, r: (b, kh, 0, 0)),
-                pl.BlockSpec((None, None, sp, d), lambda b, kh, r: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, bq, dp), lambda b, kh, r: (b, kh, r, 0)),
+                pl.BlockSpec((None, None, sp, dp), lambda b, kh, r: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, sp, dp), lambda b, kh, r: (b, kh, 0, 0)),
                 pl.BlockSpec((None, bq, tiles.QM), lambda b, kh, r: (b, r % nq, 0)),
                 pl.BlockSpec((None, tiles.KM, sp), lambda b, kh, r: (b, 0, 0)),
                 pl.BlockSpec((None, None, 1, sp), lambda b, kh, r: (b, kh, 0, 0)),
             ],
-            out_specs=[pl.BlockSpec((None, None, bq, d), lambda b, kh, r: (b, kh, r, 0)),
+            out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r: (b, kh, r, 0)),
                        pl.BlockSpec((None, None, bq, 1), lambda b, kh, r: (b, kh, r, 0))],
             out_shape=out_shape,
             compiler_params=tiles.compiler_params(variant, 3, 0),
@@ -151,24 +154,24 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
                 num_scalar_prefetch=3,
                 grid=(b, kvh, g * nq, nk),
                 in_specs=[
-                    pl.BlockSpec((None, None, bq, d), lambda b, kh, r, j, *_: (b, kh, r, 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, kh, r, j, *t: (b, kh, kv_block(b, kh, r, j, *t), 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, kh, r, j, *t: (b, kh, kv_block(b, kh, r, j, *t), 0)),
+                    pl.BlockSpec((None, None, bq, dp), lambda b, kh, r, j, *_: (b, kh, r, 0)),
+                    pl.BlockSpec((None, None, bk, dp), lambda b, kh, r, j, *t: (b, kh, kv_block(b, kh, r, j, *t), 0)),
+                    pl.BlockSpec((None, None, bk, dp), lambda b, kh, r, j, *t: (b, kh, kv_block(b, kh, r, j, *t), 0)),
                     pl.BlockSpec((None, bq, tiles.QM), lambda b, kh, r, j, *_: (b, r % nq, 0)),
                     pl.BlockSpec((None, tiles.KM, bk), lambda b, kh, r, j, *t: (b, 0, kv_block(b, kh, r, j, *t))),
                     pl.BlockSpec((None, None, 1, bk), lambda b, kh, r, j, *t: (b, kh, 0, kv_block(b, kh, r, j, *t))),
                 ],
-                out_specs=[pl.BlockSpec((None, None, bq, d), lambda b, kh, r, j, *_: (b, kh, r, 0)),
+                out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r, j, *_: (b, kh, r, 0)),
                            pl.BlockSpec((None, None, bq, 1), lambda b, kh, r, j, *_: (b, kh, r, 0))],
                 scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                                pltpu.VMEM((bq, d), jnp.float32)],
+                                pltpu.VMEM((bq, dp), jnp.float32)],
             ),
             out_shape=out_shape,
             compiler_params=tiles.compiler_params(variant, 3, 1),
             interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_prefill_tpu",
         )(cnt, idx, slopes, qg, kp, vp, qm, km, gate)
-    o = o.reshape(b, kvh, g, tp, d)[:, :, :, :t].reshape(b, h, t, d)
+    o = o.reshape(b, kvh, g, tp, dp)[:, :, :, :t, :d].reshape(b, h, t, d)
     return o, lse.reshape(b, kvh, g, tp)[:, :, :, :t].reshape(b, h, t)
 
 
@@ -203,26 +206,27 @@ def prefill_attention(
 # ---- colsum: a second pass over the probabilities, keys outer ----
 
 
-def _colsum_tile(q, k, qm, km, gate, slope, lse, first, *, q_start, scale, window, anchors):
+def _colsum_tile(q, k, qm: tiles.QueryMeta, km: tiles.KeyMeta, gate, slope, lse, first, *, q_start, scale, window):
     """`first`: the tile's first query index; queries before `q_start` and padding count nothing."""
-    s = tiles.tile_logits(q, k, qm, km, gate, slope, scale=scale, window=window, anchors=anchors)
+    s = tiles.tile_logits(q, k, qm, km, gate, slope, scale=scale, window=window)
     index = first + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0)
-    real = (qm[:, tiles.POS : tiles.POS + 1] >= 0) & (lse > tiles.MASKED) & (index >= q_start)
+    real = (qm.pos >= 0) & (lse > tiles.MASKED) & (index >= q_start)
     return jnp.sum(jnp.where(real, jnp.exp(s - lse), 0.0), axis=0, keepdims=True)  # [1, bk]
 
 
 def _colsum_gpu_kernel(slope_ref, q_ref, lse_ref, qm_ref, k_ref, km_ref, gate_ref, out_ref, *, q_from, q_start, nq,
                        bq, tp, scale, window, anchors, gated, alibi):
     kh, hj = pl.program_id(1), pl.program_id(2)
-    k, km = k_ref[...], km_ref[...]
+    k, km = k_ref[...], tiles.load_key_meta(km_ref, anchors=anchors)
     gate = gate_ref[...] if gated else None
     slope = slope_ref[kh, hj] if alibi else None
 
     def body(i, acc):
         rows = pl.ds(pl.multiple_of(hj * tp + i * bq, bq), bq)
         qrows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-        return acc + _colsum_tile(q_ref[rows, :], k, qm_ref[qrows, :], km, gate, slope, lse_ref[rows, :], i * bq,
-                                  q_start=q_start, scale=scale, window=window, anchors=anchors)
+        qm = tiles.load_query_meta(qm_ref, qrows, anchors=anchors)
+        return acc + _colsum_tile(q_ref[rows, :], k, qm, km, gate, slope, lse_ref[rows, :], i * bq,
+                                  q_start=q_start, scale=scale, window=window)
 
     out_ref[...] = jax.lax.fori_loop(q_from, nq, body, jnp.zeros((1, k.shape[0]), jnp.float32))
 
@@ -238,9 +242,9 @@ def _colsum_tpu_kernel(slope_ref, q_ref, lse_ref, qm_ref, k_ref, km_ref, gate_re
     @pl.when(i >= q_from)
     def _():
         slope = slope_ref[kh, hj] if alibi else None
-        out_ref[...] += _colsum_tile(q_ref[...], k_ref[...], qm_ref[...], km_ref[...],
-                                     gate_ref[...] if gated else None, slope, lse_ref[...], i * bq,
-                                     q_start=q_start, scale=scale, window=window, anchors=anchors)
+        out_ref[...] += _colsum_tile(q_ref[...], k_ref[...], tiles.load_query_meta(qm_ref, anchors=anchors),
+                                     tiles.load_key_meta(km_ref, anchors=anchors), gate_ref[...] if gated else None,
+                                     slope, lse_ref[...], i * bq, q_start=q_start, scale=scale, window=window)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "alibi_on", "window", "variant", "interpret", "q_start",
@@ -249,8 +253,8 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
             q_start, block_q, block_k):
     bq, bk = block_q, block_k
     qg, kp, _, qm, km, gate, slopes, dims = _inputs(q, k, k, q_pos, k_pos, alibi if alibi_on else None, anchors,
-                                                    key_keep, bq, bk)
-    b, h, t, d, kvh, s, g, tp, sp = dims
+                                                    key_keep, bq, bk, variant)
+    b, h, t, d, dp, kvh, s, g, tp, sp = dims
     nq, nk = tp // bq, sp // bk
     lse = tiles.pad_axis(lse.reshape(b, kvh, g, t), 3, tp, tiles.MASKED).reshape(b, kvh, g * tp, 1)
     flags = dict(q_from=q_start // bq, q_start=q_start, nq=nq, bq=bq, scale=scale, window=window,
@@ -262,10 +266,10 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
             grid=(b, kvh, g, nk),
             in_specs=[
                 pl.BlockSpec(slopes.shape, lambda *_: (0, 0)),
-                pl.BlockSpec((None, None, g * tp, d), lambda b, kh, hj, j: (b, kh, 0, 0)),
+                pl.BlockSpec((None, None, g * tp, dp), lambda b, kh, hj, j: (b, kh, 0, 0)),
                 pl.BlockSpec((None, None, g * tp, 1), lambda b, kh, hj, j: (b, kh, 0, 0)),
                 pl.BlockSpec((None, tp, tiles.QM), lambda b, kh, hj, j: (b, 0, 0)),
-                pl.BlockSpec((None, None, bk, d), lambda b, kh, hj, j: (b, kh, j, 0)),
+                pl.BlockSpec((None, None, bk, dp), lambda b, kh, hj, j: (b, kh, j, 0)),
                 pl.BlockSpec((None, tiles.KM, bk), lambda b, kh, hj, j: (b, 0, j)),
                 pl.BlockSpec((None, None, 1, bk), lambda b, kh, hj, j: (b, kh, 0, j)),
             ],
@@ -282,10 +286,10 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
                 num_scalar_prefetch=1,
                 grid=(b, kvh, g, nk, nq),
                 in_specs=[
-                    pl.BlockSpec((None, None, bq, d), lambda b, kh, hj, j, i, _: (b, kh, hj * nq + i, 0)),
+                    pl.BlockSpec((None, None, bq, dp), lambda b, kh, hj, j, i, _: (b, kh, hj * nq + i, 0)),
                     pl.BlockSpec((None, None, bq, 1), lambda b, kh, hj, j, i, _: (b, kh, hj * nq + i, 0)),
                     pl.BlockSpec((None, bq, tiles.QM), lambda b, kh, hj, j, i, _: (b, i, 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, kh, hj, j, i, _: (b, kh, j, 0)),
+                    pl.BlockSpec((None, None, bk, dp), lambda b, kh, hj, j, i, _: (b, kh, j, 0)),
                     pl.BlockSpec((None, tiles.KM, bk), lambda b, kh, hj, j, i, _: (b, 0, j)),
                     pl.BlockSpec((None, None, 1, bk), lambda b, kh, hj, j, i, _: (b, kh, 0, j)),
                 ],

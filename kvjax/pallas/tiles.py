@@ -15,6 +15,8 @@ Mosaic want for `q @ k.T`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,35 +30,71 @@ QM, KM = 4, 4  # metadata columns / rows
 POS, SEG, ANCHOR, KEEP = 0, 1, 2, 3
 
 
+# f32 operands multiply in full f32 (Triton would otherwise pick TF32, ~1e-3 off the
+# reference); bf16 operands are unaffected.
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def qk(q: Float[Array, "m d"], k: Float[Array, "n d"]) -> Float[Array, "m n"]:
+    return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=PRECISION,
+                               preferred_element_type=jnp.float32)
+
+
+class QueryMeta(NamedTuple):
+    """One query tile's metadata, each `[bq, 1]` (segment / anchor None without AnLLM)."""
+
+    pos: Int[Array, "bq 1"]
+    seg: Int[Array, "bq 1"] | None
+    anchor: Int[Array, "bq 1"] | None
+
+
+class KeyMeta(NamedTuple):
+    """One key tile's metadata, each `[1, bk]`."""
+
+    pos: Int[Array, "1 bk"]
+    seg: Int[Array, "1 bk"] | None
+    anchor: Int[Array, "1 bk"] | None
+    keep: Int[Array, "1 bk"] | None
+
+
+# Columns are loaded from the refs one by one rather than sliced out of a loaded
+# `[bq, 4]` value: Triton has no lowering for slicing a value, only for strided loads.
+def load_query_meta(qm_ref, rows=slice(None), *, anchors: bool) -> QueryMeta:
+    col = lambda c: qm_ref[rows, c : c + 1]  # noqa: E731
+    return QueryMeta(col(POS), *((col(SEG), col(ANCHOR)) if anchors else (None, None)))
+
+
+def load_key_meta(km_ref, cols=slice(None), *, anchors: bool) -> KeyMeta:
+    row = lambda r: km_ref[r : r + 1, cols]  # noqa: E731
+    return KeyMeta(row(POS), *((row(SEG), row(ANCHOR), row(KEEP)) if anchors else (None, None, None)))
+
+
 def tile_logits(
     q: Float[Array, "bq d"],
     k: Float[Array, "bk d"],
-    qm: Int[Array, "bq 4"],
-    km: Int[Array, "4 bk"],
+    qm: QueryMeta,
+    km: KeyMeta,
     gate: Int[Array, "1 bk"] | None,
     slope,
     *,
     scale: float,
     window: int | None,
-    anchors: bool,
 ) -> Float[Array, "bq bk"]:
     """Scaled logits of one tile with ALiBi (`slope` or None) and every mask applied."""
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-    qp, kp = qm[:, POS : POS + 1], km[POS : POS + 1, :]
+    s = qk(q, k) * scale
     if slope is not None:
-        s = s + slope * (kp - qp).astype(jnp.float32)
-    return jnp.where(tile_visible(qm, km, gate, window=window, anchors=anchors), s, MASKED)
+        s = s + slope * (km.pos - qm.pos).astype(jnp.float32)
+    return jnp.where(tile_visible(qm, km, gate, window=window), s, MASKED)
 
 
-def tile_visible(qm, km, gate, *, window, anchors) -> Bool[Array, "bq bk"]:
-    qp, kp = qm[:, POS : POS + 1], km[POS : POS + 1, :]
+def tile_visible(qm: QueryMeta, km: KeyMeta, gate, *, window) -> Bool[Array, "bq bk"]:
+    qp, kp = qm.pos, km.pos
     vis = (kp >= 0) & (kp <= qp)
     if window is not None:
         vis &= kp > qp - window
-    if anchors:  # eq. 4: own sequence, or an earlier sequence's anchor seen by a non-anchor; kept span
-        qs, qa = qm[:, SEG : SEG + 1], qm[:, ANCHOR : ANCHOR + 1] > 0
-        ks, ka, kk = km[SEG : SEG + 1, :], km[ANCHOR : ANCHOR + 1, :] > 0, km[KEEP : KEEP + 1, :] > 0
-        vis &= (qs == ks) | (ka & ~qa & (ks < qs)) | kk
+    if qm.seg is not None:  # eq. 4: own sequence, or an earlier sequence's anchor seen by a non-anchor; kept span
+        ka, qa = km.anchor > 0, qm.anchor > 0
+        vis &= (qm.seg == km.seg) | (ka & ~qa & (km.seg < qm.seg)) | (km.keep > 0)
     if gate is not None:
         vis &= (gate > 0) | (kp == qp)
     return vis
@@ -68,7 +106,8 @@ def online_step(carry, s: Float[Array, "bq bk"], v: Float[Array, "bk d"]):
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - m_new)
     alpha = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=PRECISION,
+                             preferred_element_type=jnp.float32)
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
 
@@ -172,6 +211,12 @@ def block_table(
         live &= kept | diagonal
     order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
     return jnp.sum(live, -1).astype(jnp.int32), order
+
+
+def gpu_head_dim(d: int) -> int:
+    """Triton tiles need power-of-two sizes and `tl.dot` a contraction of at least 16:
+    the GPU variant zero-pads the head dimension to this (zeros change no logit)."""
+    return max(16, next_pow2(d))
 
 
 def next_pow2(n: int) -> int:
