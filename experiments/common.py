@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from kvjax.policies import REGISTRY, Policy, make_policy
 
 RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
@@ -13,7 +15,7 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
                   "window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
-                  "compensate", "fold")
+                  "compensate", "fold", "bucket")
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> None:
@@ -40,6 +42,9 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> N
     g.add_argument("--fold", choices=["decode", "prefill"],
                    help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
                         "prompt only and append generated tokens (the paper's Algorithm 1)")
+    g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
+    g.add_argument("--bucket", type=int, help="Attention-Gate: kept slots are rounded up to a multiple of this; "
+                                              "default 64")
     g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
     g.add_argument("--prefill-mode", choices=["full", "stream"],
                    help="attend the prompt whole then compress, or token by token (default: the policy's)")
@@ -61,6 +66,16 @@ def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) ->
     return make_policy(args.policy, args.budget, **options)
 
 
+def attach_gate_params(args: argparse.Namespace, model) -> None:
+    """Loads --gate-params into `model`; --policy gate without them is an error."""
+    if getattr(args, "gate_params", None):
+        from kvjax.gate import load_gates
+
+        load_gates(model, args.gate_params)
+    elif getattr(args, "policy", None) == "gate":
+        raise SystemExit("error: --policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
+
+
 def default_model_dir() -> tuple[Path, bool]:
     """The embedded default model: for now a tiny *randomly initialised* Llama, created on first use."""
     from models.tiny import is_random, make_random_checkpoint
@@ -68,3 +83,34 @@ def default_model_dir() -> tuple[Path, bool]:
     if not (RANDOM_DEFAULT_DIR / "model.safetensors").is_file():
         make_random_checkpoint(RANDOM_DEFAULT_DIR)
     return RANDOM_DEFAULT_DIR, is_random(RANDOM_DEFAULT_DIR)
+
+
+# ---- training text (offline) ----
+
+
+def load_with_tokenizer(p: argparse.ArgumentParser, path):
+    """`models.load(path)`, or a command-line error if the directory has no tokenizer."""
+    from models import load
+
+    lm = load(path)
+    if lm.tokenizer is None:
+        p.error(f"{path} has no tokenizer files")
+    return lm
+
+
+def read_text(files: list[str] | None) -> str:
+    """The text of `files` (--data), or the offline default text."""
+    return "\n\n".join(Path(f).read_text() for f in files) if files else default_text()
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def windows(ids: list[int], seq_len: int) -> np.ndarray:
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
+    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)

@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from experiments.common import load_with_tokenizer
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
 from kvjax.anchors import AC_TOKEN
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache
 from kvjax.policies.anllm import AnchorReduction
-from models import load
 
 NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances", "Ken", "Dennis", "Guido",
          "Niklaus", "Tony", "Leslie", "Margaret", "Robin", "Dana", "Michael", "Fran", "Butler"]
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    lm = load(args.model)
-    if lm.tokenizer is None:
-        p.error(f"{args.model} has no tokenizer files")
+    lm = load_with_tokenizer(p, args.model)
     model, tok = lm.model, lm.tokenizer
     variant, anchor_ids = anchors_of(lm.path, tok, args.anchors)
     demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,

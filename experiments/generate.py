@@ -13,7 +13,12 @@ import sys
 
 import jax
 
-from experiments.common import add_policy_args, default_model_dir, policy_from_args
+from experiments.common import (
+    add_policy_args,
+    attach_gate_params,
+    default_model_dir,
+    policy_from_args,
+)
 from kvjax import FullCache, Sampling, generate
 from kvjax.cache import nbytes, num_slots
 from models import load
@@ -39,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path, random_weights = default_model_dir()
     lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl)
+    attach_gate_params(args, lm.model)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
     if random_weights:
         print("NOTE: RANDOM WEIGHTS - the default model is a tiny randomly initialised Llama "

@@ -20,16 +20,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import load_with_tokenizer, read_text, windows
 from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, with_ac
 from kvjax.train import TrainConfig, next_token_loss, train
-from models import load
 from models.loading import save_pretrained
-
-
-def default_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
@@ -40,13 +34,6 @@ def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
             raise ValueError(f"anchor {a!r} is {len(tok)} tokens for this tokenizer; an anchor must be one token")
         ids.append(tok[0])
     return tuple(ids)
-
-
-def windows(ids: list[int], seq_len: int) -> np.ndarray:
-    n = len(ids) // seq_len
-    if n == 0:
-        raise ValueError(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
-    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    lm = load(args.model)
-    if lm.tokenizer is None:
-        p.error(f"{args.model} has no tokenizer files")
+    lm = load_with_tokenizer(p, args.model)
     model, tok = lm.model, lm.tokenizer
-    text = "\n\n".join(Path(f).read_text() for f in args.data) if args.data else default_text()
+    text = read_text(args.data)
     if args.variant == "ac":
         model, tok, ac = add_ac_token(model, tok, init=args.ac_init)
         anchor_ids, text = (ac,), with_ac(text)

@@ -100,12 +100,25 @@ def _eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
     return same | earlier_anchor | k_keep[:, None, :]
 
 
-def _gate(s, q_pos, k_pos, key_keep):
-    """Attention-Gate's per-head key keep-mask `[b, kvh, s]`; a query always sees its own key."""
+def _softmax(s, q_pos, k_pos, key_keep):
+    """Softmax over the keys (last axis); with Attention-Gate's `key_keep` `[b, kvh, s]` (eq. 7), each
+    key's weight is multiplied by its keep flag, a query's own key always by 1.
+
+    Flags in {0, 1} make this exactly the masked softmax. Flags from the gate's straight-through
+    estimator are exactly binary too, but a product (rather than a -inf mask) carries the
+    gradient to evicted keys' flags as well: d p / d flag = how much re-admitting the key would
+    change the output, which is what the gate learns from.
+    """
     if key_keep is None:
-        return s
+        return jax.nn.softmax(s, axis=-1)
     diagonal = k_pos[:, None, None, None, :] == q_pos[:, None, None, :, None]
-    return jnp.where(key_keep[:, :, None, None, :] | diagonal, s, _MASKED)
+    w = jnp.where(diagonal, 1.0, key_keep[:, :, None, None, :].astype(s.dtype))
+    causal = s > _MASKED
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(causal & (w > 0), s, _MASKED), axis=-1, keepdims=True))
+    # An evicted key may out-score every kept one: clip its exponent so 0 * exp never overflows.
+    e = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m, 60.0)), 0.0)
+    z = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(z > 0, z, 1.0)  # a padding query (no visible key) gets zeros
 
 
 def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None, key_keep=None):
@@ -120,8 +133,7 @@ def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=No
     if anchors is not None:
         seen = _eq4(q_anc[0], q_anc[1], anchors.segment, anchors.anchor, anchors.keep)
         s = jnp.where(seen[:, None, None], s, _MASKED)
-    s = _gate(s, q_pos, k_pos, key_keep)
-    p = jax.nn.softmax(s, axis=-1)
+    p = _softmax(s, q_pos, k_pos, key_keep)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     if not colsum:
         return out, None
@@ -140,7 +152,7 @@ def prefill_attention(
     alibi: np.ndarray | None = None,
     window: int | None = None,
     anchors: AnchorMask | None = None,
-    key_keep: Bool[Array, "b kvh s"] | None = None,
+    key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
     block: int = PREFILL_BLOCK,
     impl: str = "xla",
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
@@ -148,8 +160,8 @@ def prefill_attention(
 
     `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
     only its `window` latest keys (Mistral's sliding window); `anchors`: AnLLM's eq. 4;
-    `key_keep`: per KV head, the keys later queries may see (Attention-Gate; a query
-    always sees its own key).
+    `key_keep`: per KV head, the keys later queries may see (Attention-Gate's eq. 7; a query
+    always sees its own key): bool, or the gate's float flags (differentiable, see `_softmax`).
 
     Optional statistics:
 
@@ -206,9 +218,8 @@ def prefill_attention(
         sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
         if anchors is not None:
             sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
-        sw = _gate(sw, q_pos[:, start:], k_pos, key_keep)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-        out_stats[f"window_probs:{w}"] = jnp.where(real, jax.nn.softmax(sw, axis=-1), 0.0)
+        out_stats[f"window_probs:{w}"] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
     if want_colsum:
         out_stats["colsum"] = colsum
     if "first_logit" in stats:

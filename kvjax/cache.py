@@ -191,6 +191,12 @@ def write(
     )
 
 
+def append(cache: LayerCache, k: Float[Array, "b kvh d"], v: Float[Array, "b kvh d"], pos: Int[Array, "b"]):
+    """Writes one token per row into the first free slot: the decode step of the policies that
+    compress at prefill only and size the cache with a slot for every decoded token."""
+    return write(cache, jnp.argmax(cache.pos < 0, axis=-1), k, v, pos)
+
+
 def ranks(pos: Int[Array, "... c"]) -> Int[Array, "... c"]:
     """Rank of each valid slot among the valid slots of its row, by position; -1 if empty.
 

@@ -213,6 +213,7 @@ def generate(
         graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + max_new_tokens, sampling=sampling
     )
     first.block_until_ready()
+    policy, cache = policy.shrink(cache, max_new_tokens)  # Attention-Gate: cut the cache to what was kept
     t1 = time.perf_counter()
     next_pos = sharding.shard_batch(jnp.asarray([len(p) for p in prompts], jnp.int32), mesh)
     out, steps, cache = decode_fn(

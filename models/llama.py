@@ -158,6 +158,7 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
         self.cfg = cfg
         self.layer = layer
+        self.gate = nnx.data(None)  # an Attention-Gate (kvjax.gate.attach_gates / load_gates), or None
 
     def _qkv(self, x: Float[Array, "b t D"]):
         b, t, _ = x.shape
@@ -180,18 +181,28 @@ class Attention(nnx.Module):
         anchors: attention.AnchorMask | None = None,
         tokens: Int[Array, "b t"] | None = None,
     ):
+        """Attention over a prompt: `(output, cache, keep)`, `keep` `[b, kvh, t]` the gate's flags
+        (eq. 7) when a gate runs: in the plain forward, and at prefill under a policy that uses it."""
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
+        keep = None
+        if policy is not None and policy.uses_gate and self.gate is None:
+            raise ValueError(f"{policy.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
+                             "(--gate-params DIR)")
+        if self.gate is not None and (policy is None or policy.uses_gate):
+            keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted,
-            alibi=self._alibi(), window=self.cfg.sliding_window, anchors=anchors, impl=self.cfg.attention_impl,
+            q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted, alibi=self._alibi(),
+            window=self.cfg.sliding_window, anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
             extra = {"tokens": tokens} if policy.uses_tokens else {}
+            if keep is not None:
+                stats = {**stats, "gate_keep": keep > 0}
             cache = policy.prefill(self.layer, cache, k_store, v, pos, stats, **extra)
-        return self._out(o), cache
+        return self._out(o), cache, keep
 
     def extend(
         self,
@@ -303,8 +314,8 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def prefill(self, x, pos, policy, cache, anchors=None, tokens=None):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchors, tokens)
-        return self._finish(x, a), cache
+        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchors, tokens)
+        return self._finish(x, a), cache, keep
 
     def extend(self, x, pos, policy, cache, anchors=None):
         return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchors))
@@ -347,12 +358,23 @@ class Llama(nnx.Module):
         anchors: attention.AnchorMask | None = None,
     ):
         """Full causal forward: logits `[b, t, vocab]`; `anchors` restricts attention to AnLLM's eq. 4."""
+        return self.forward(tokens, positions, anchors)[0]
+
+    def forward(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"] | None = None,
+        anchors: attention.AnchorMask | None = None,
+    ) -> tuple[Float[Array, "b t V"], list[Float[Array, "b kvh t"]] | None]:
+        """`__call__` that also returns each layer's Attention-Gate keep flags (None without gates)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed_tokens(tokens)
+        flags = []
         for layer in self.layers:
-            x, _ = layer.prefill(x, positions, None, None, anchors)
-        return self._logits(x)
+            x, _, keep = layer.prefill(x, positions, None, None, anchors)
+            flags.append(keep)
+        return self._logits(x), (flags if flags[0] is not None else None)
 
     def native_policy(self, policy: Policy) -> Policy:
         """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring."""
@@ -392,7 +414,7 @@ class Llama(nnx.Module):
         anchors = policy.prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
         out = []
         for layer, cache in zip(self.layers, caches):
-            x, cache = layer.prefill(x, positions, policy, cache, anchors, tokens)
+            x, cache, _ = layer.prefill(x, positions, policy, cache, anchors, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
 

@@ -1,6 +1,7 @@
 """Cache policies: frozen dataclasses of pure functions (see `base.Policy`)."""
 
 from kvjax.policies.base import LayerPolicy, Policy
+from kvjax.policies.gate import GateEviction
 from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, by_head, by_layer
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
@@ -60,13 +61,15 @@ REGISTRY.update({
     "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full": H2O(
         budget=budget, recent=recent if recent is not None else max(1, budget // 2), positions=positions,
         prefill_mode=prefill_mode),
+    # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
+    "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),
     # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window.
     "razor": lambda budget, heads=None, compression=5.0, buffer=4000, sinks=None, compensate=None, fold="decode":
         razor_from_heads(heads, compression=compression, buffer=buffer, sinks=sinks, compensate=compensate, fold=fold),
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor"})
+NO_BUDGET = frozenset({"full", "razor", "gate"})
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:
@@ -88,7 +91,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "HeadSplit", "RazorAttention", "by_head",
+    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",

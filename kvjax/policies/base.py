@@ -43,6 +43,9 @@ class Policy(abc.ABC):
     prefill_mode: PrefillMode
     # True for policies that read token ids (AnLLM's anchors): `prefill` and `step` then get `tokens=`.
     uses_tokens: bool = False
+    # True for policies that run the model's Attention-Gates at prefill (their flags mask the prompt's
+    # attention, eq. 7, and reach `prefill` as stats["gate_keep"]); other policies ignore the gates.
+    uses_gate: bool = False
     # False for policies that compress a whole prompt once and then only append (SnapKV & co):
     # fed token by token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
@@ -104,6 +107,13 @@ class Policy(abc.ABC):
         given the chunk's `prompt_mask` (None when it has none). None: every valid slot."""
         del layer, cache, anchors
         return None
+
+    def shrink(self, cache, room: int) -> tuple["Policy", object]:
+        """After prefill (on the host): a policy whose cache size is only known once the prompt is
+        compressed returns itself sized to `cache` plus `room` decode slots, and the cache moved
+        into it (Attention-Gate). Default: unchanged."""
+        del room
+        return self, cache
 
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         """Raises ValueError if the policy cannot run on a model of `num_layers` layers

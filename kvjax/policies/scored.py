@@ -108,9 +108,7 @@ class ScoredPolicy(LayerPolicy):
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
-        # Decoding appends into the first free slot; capacity() reserved one per new token.
-        slot = jnp.argmax(cache.pos < 0, axis=-1)
-        return kvcache.write(cache, slot, k, v, pos)
+        return kvcache.append(cache, k, v, pos)  # capacity() reserved a slot per new token
 
     def _prefix_only(self, s, pos):
         """Zeroes scores of padding and of the window before pooling (kvpress scores the prefix only)."""

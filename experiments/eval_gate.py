@@ -1,0 +1,159 @@
+"""Attention-Gate against the training-free baselines at the same eviction ratio (Table 1 in miniature).
+
+    python -m experiments.eval_gate --model DIR --gate-params DIR [--data a.txt ...] [--windows 32]
+                                    [--seq-len 256] [--prefix 0.75] [--out DIR]
+
+On held-out text windows (the last `--windows` of the data, which `experiments.train_gate`
+does not train on):
+
+* held-out LM loss of the base model and of the gated model (eq. 7 forward);
+* the eviction ratio of every layer and KV head (eviction.json / eviction.png, Figure 1);
+* the continuation protocol: each window's first `--prefix` share is prefilled under a
+  policy (the cache is compressed), the rest is scored reading that cache
+  (`Llama.extend`); its NLL under FullCache, the gates, and LocalWindow / StreamingLLM /
+  H2O with the budget that evicts the gates' measured share of the prefix.
+
+Writes results.json and results.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.common import load_with_tokenizer, read_text, windows
+from kvjax.gate import eviction_ratios, load_gates, without_gates
+from kvjax.policies import GateEviction, make_policy
+from kvjax.train import next_token_loss
+
+
+def held_out(tok, data: list[str] | None, seq_len: int, n: int) -> np.ndarray:
+    text = read_text(data)
+    w = windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)
+    if len(w) < n + 1:
+        raise ValueError(f"the data has {len(w)} windows of {seq_len} tokens; need more than --windows={n}")
+    return w[-n:]
+
+
+def split_train(tok, data, seq_len: int, n_eval: int) -> np.ndarray:
+    """The training windows: all but the held-out last `n_eval`."""
+    text = read_text(data)
+    return windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)[:-n_eval]
+
+
+@jax.jit
+def _losses(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    logits, flags = model.forward(tokens)
+    return next_token_loss(logits, tokens), flags
+
+
+def _cont_nll(graphdef, state, prefix, cont, *, policy):
+    """Mean NLL of `cont` given `prefix` compressed by `policy` (the continuation reads the cache)."""
+    model = nnx.merge(graphdef, state)
+    b, p = prefix.shape
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
+    last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
+    cpos = jnp.broadcast_to(jnp.arange(p, p + cont.shape[1] - 1, dtype=jnp.int32), (b, cont.shape[1] - 1))
+    logits = jnp.concatenate([last[:, None], model.extend(cont[:, :-1], cpos, cache, policy)], axis=1)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1))
+
+
+_cont_nll_jit = jax.jit(_cont_nll, static_argnames=("policy",))
+
+
+def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4) -> dict:
+    """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`."""
+    if not 0 < prefix_share < 1:
+        raise ValueError(f"prefix share {prefix_share} must be in (0, 1)")
+    graphdef, state = nnx.split(model)
+    with without_gates(model):
+        base_graph, base_state = nnx.split(model)
+    batches = [jnp.asarray(tokens[i : i + batch]) for i in range(0, len(tokens), batch)]
+    base_loss = np.mean([float(_losses(base_graph, base_state, t)[0]) for t in batches])
+    gated, flags = [], []
+    for t in batches:
+        loss, f = _losses(graphdef, state, t)
+        gated.append(float(loss))
+        flags.append([np.asarray(x) for x in f])
+    per_head = np.mean([eviction_ratios(f, np.ones(f[0].shape[::2], np.float32)) for f in flags], axis=0)
+    p = int(tokens.shape[1] * prefix_share)
+    # The gates' eviction over the prefix alone (what its cache drops): flags are causal, so
+    # the prefix's flags in a full-window forward are its flags.
+    prefix_evicted = float(np.mean([1 - np.mean([x[:, :, :p].mean() for x in f]) for f in flags]))
+    budget = max(sinks + 1, int(round((1 - prefix_evicted) * p)))
+    policies = {
+        "full": (make_policy("full"), base_graph, base_state),
+        "gate": (GateEviction(), graphdef, state),
+        "local": (make_policy("local", budget), base_graph, base_state),
+        "streaming": (make_policy("streaming", budget, sinks=sinks), base_graph, base_state),
+        "h2o": (make_policy("h2o", budget), base_graph, base_state),
+    }
+    cont = {}
+    for name, (policy, g, s) in tqdm(policies.items(), desc="continuations"):
+        cont[name] = float(np.mean([float(_cont_nll_jit(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))
+    return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
+            "heldout_loss": {"base": float(base_loss), "gated": float(np.mean(gated))},
+            "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
+            "baseline_budget": budget, "continuation_nll": cont}
+
+
+def write_report(out: Path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(r, indent=2))
+    ev = np.asarray(r["eviction"]["per_layer_head"])
+    (out / "eviction.json").write_text(json.dumps({"per_layer_head": ev.tolist()}, indent=1))
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * ev.shape[1], 1 + 0.35 * ev.shape[0]))
+    im = ax.imshow(ev, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set(xlabel="KV head", ylabel="layer", title="Attention-Gate eviction ratio")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out / "eviction.png", dpi=100)
+    plt.close(fig)
+    h, c = r["heldout_loss"], r["continuation_nll"]
+    lines = [f"# Attention-Gate, {r['windows']} held-out windows of {r['seq_len']} tokens", "",
+             f"Held-out LM loss: base {h['base']:.4f}, gated {h['gated']:.4f} ({h['gated'] - h['base']:+.4f}); "
+             f"mean eviction {r['eviction']['mean']:.1%}", "",
+             f"Continuation NLL after a {r['prefix']}-token prefix compressed by each policy (the gates evict "
+             f"{r['eviction']['prefix']:.1%} of it; baselines keep {r['baseline_budget']} tokens):", "",
+             "| policy | NLL | Δ vs full |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} |" for k, v in c.items()]
+    lines += ["", "Eviction per layer (mean over KV heads): "
+              + ", ".join(f"L{i} {x:.0%}" for i, x in enumerate(ev.mean(1)))]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.eval_gate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--gate-params", required=True)
+    p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--prefix", type=float, default=0.75)
+    p.add_argument("--out", help="default: --gate-params/eval")
+    args = p.parse_args(argv)
+    lm = load_with_tokenizer(p, args.model)
+    load_gates(lm.model, args.gate_params)
+    result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix)
+    write_report(Path(args.out or Path(args.gate_params) / "eval"), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

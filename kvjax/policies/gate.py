@@ -1,0 +1,71 @@
+"""Attention-Gate's cache: each KV head keeps only the prompt tokens its gate retained.
+
+The gate's flags (`kvjax.gate`) are computed inside prefill, layer by layer, so how many
+tokens a layer keeps is known only once the prompt has run. Prefill therefore writes the
+kept tokens, compacted in time order, to the front of a prompt-sized cache; then, on the
+host, `shrink` cuts every layer to the most any of its heads and rows kept, rounded up
+to a multiple of `bucket` (so a few shapes serve every prompt), plus a slot per token to
+decode. The memory saving is real for the whole decode; decoding appends normally (the
+gate does not run on decoded tokens, which are all kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.policies.base import LayerPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateEviction(LayerPolicy):
+    """Keeps, per KV head, the prompt tokens whose Attention-Gate flag is 1 (eq. 7).
+
+    `kept`: per-layer slots for the prompt, set by `shrink` after prefill (None: the whole prompt).
+    """
+
+    bucket: int = 64
+    kept: tuple[int, ...] | None = None
+    uses_gate = True  # class attributes, not fields
+    evicts_while_decoding = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.bucket < 1:
+            raise ValueError(f"GateEviction: bucket={self.bucket} must be >= 1")
+        if self.prefill_mode != "full" or self.positions != "absolute":
+            raise ValueError("GateEviction decides at prefill over the whole prompt: prefill_mode must be 'full' and "
+                             "positions 'absolute'")
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        if self.kept is None:
+            return max_len
+        return self.kept[layer] + (max_len - prompt_len)
+
+    def check(self, num_layers, num_kv_heads=None):
+        if self.kept is not None and len(self.kept) != num_layers:
+            raise ValueError(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        keep = stats["gate_keep"] & (pos >= 0)[:, None, :]
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        return kvcache.append(cache, k, v, pos)
+
+    def shrink(self, cache, room: int):
+        counts = [int(jnp.max(jnp.sum(c.pos >= 0, axis=-1))) for c in cache]
+        kept = tuple(min(max(1, -(-n // self.bucket) * self.bucket), c.capacity - room)
+                     for n, c in zip(counts, cache))
+        small = tuple(jax.tree.map(lambda x, n=n: x[:, :, : n + room], c) for n, c in zip(kept, cache))
+        return dataclasses.replace(self, kept=kept), small
+
+
+def kept_counts(cache) -> np.ndarray:
+    """`[layers, b, kv_heads]` prompt tokens each head kept (valid slots)."""
+    return np.stack([np.asarray(jnp.sum(c.pos >= 0, axis=-1)) for c in cache])

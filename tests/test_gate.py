@@ -1,0 +1,262 @@
+"""Attention-Gate: eq. 7 mask, the straight-through estimator, prefill eviction + decode, saving, errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax import attention
+from kvjax import cache as kvcache
+from kvjax.gate import GateConfig, PRESETS, attach_gates, eviction_loss, load_gates, save_gates, ste_flags
+from kvjax.generate import generate
+from kvjax.policies import FullCache, GateEviction, make_policy
+from models import load
+
+
+def _eq7_reference(q, k, v, pos, flags):
+    """Eq. 7 by loops: query s sees key t iff t <= s and (t == s or flag[t]); padding rows are zero."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    out = np.zeros((b, h, t, d))
+    for r in range(b):
+        for hh in range(h):
+            kh = hh // g
+            for s in range(t):
+                if pos[r, s] < 0:
+                    continue
+                seen = [j for j in range(t) if 0 <= pos[r, j] <= pos[r, s] and (j == s or flags[r, kh, j])]
+                logit = np.array([q[r, hh, s] @ k[r, kh, j] for j in seen]) / np.sqrt(d)
+                p = np.exp(logit - logit.max())
+                out[r, hh, s] = (p / p.sum()) @ v[r, kh, seen]
+    return out
+
+
+def test_forward_mask_is_eq7():
+    rng = np.random.default_rng(0)
+    b, h, kvh, t, d = 2, 4, 2, 13, 8
+    q, k, v = (rng.normal(size=s) for s in [(b, h, t, d), (b, kvh, t, d), (b, kvh, t, d)])
+    pos = np.stack([np.arange(t), np.arange(t) - 4]).clip(-1)  # the second row left-padded
+    flags = rng.random((b, kvh, t)) < 0.4
+    want = _eq7_reference(q, k, v, pos, flags)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)] + [jnp.asarray(pos, jnp.int32)] * 2
+    real = (pos >= 0)[:, None, :, None]
+    for keep in (jnp.asarray(flags), jnp.asarray(flags, jnp.float32)):  # bool mask and the STE's float flags
+        out, _ = attention.prefill_attention(*args, scale=d**-0.5, key_keep=keep)
+        np.testing.assert_allclose(np.where(real, out, 0), want, atol=1e-5)
+
+
+def test_gradient_reaches_evicted_flags():
+    """The product form gives evicted keys' flags a gradient (the -inf mask would give none)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 2, 9, 8)), jnp.float32) for _ in range(3))
+    pos = jnp.arange(9, dtype=jnp.int32)[None]
+    flags = jnp.asarray(rng.random((1, 2, 9)) < 0.5, jnp.float32)
+    grad = jax.grad(lambda f: jnp.sum(attention.prefill_attention(q, k, v, pos, pos, scale=0.3, key_keep=f)[0] ** 2))
+    g = np.asarray(grad(flags))
+    assert np.all(np.abs(g[..., :-1]) > 0)  # every key but the last has later queries, evicted or not
+
+
+def test_ste_forward_is_binary_and_backward_is_the_sigmoid():
+    x = jnp.linspace(-6, 6, 101)
+    c = jnp.cos(jnp.arange(101.0))
+    for gamma, tau in [(2.0, 0.5), (0.0, 0.3)]:
+        f = ste_flags(x, gamma, tau)
+        assert set(np.unique(np.asarray(f)).tolist()) == {0.0, 1.0}
+        np.testing.assert_array_equal(f, (jax.nn.sigmoid(x + gamma) > tau).astype(jnp.float32))
+        g_ste = jax.grad(lambda x: jnp.sum(ste_flags(x, gamma, tau) * c))(x)
+        g_sig = jax.grad(lambda x: jnp.sum(jax.nn.sigmoid(x + gamma) * c))(x)
+        np.testing.assert_allclose(g_ste, g_sig, rtol=1e-6)
+
+
+def test_eviction_loss():
+    flags = [jnp.asarray([[[1.0, 0.0, 1.0, 1.0]]]), jnp.asarray([[[0.0, 0.0, 1.0, 0.0]]])]
+    real = jnp.asarray([[0.0, 1.0, 1.0, 1.0]])  # the first token is padding
+    loss, kept = eviction_loss(flags, real, GateConfig(alpha=5.0, beta=0.4))
+    assert float(kept) == pytest.approx(3 / 6) and float(loss) == pytest.approx(5 * 0.1)
+
+
+def _gated(tiny_dir, cfg=GateConfig(gamma=0.0, tau=0.5), seed=3):
+    """A fresh tiny model with random gates that evict about half the tokens."""
+    model = load(tiny_dir).model
+    attach_gates(model, cfg, seed=seed)
+    for layer in model.layers:  # larger random output weights: decisive, varied flags
+        o = layer.self_attn.gate.o_proj.kernel
+        o.set_value(o[...] * 20)
+    return model
+
+
+def _eq7_forward(model, tokens, pos, n_prompt):
+    """Full forward in which prompt tokens follow their gate flags and later tokens are all kept."""
+    x = model.embed_tokens(tokens)
+    for layer in model.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = attn._qkv(h)
+        p = pos[:, None, :]
+        keep = jnp.where((pos >= n_prompt)[:, None, :], 1.0, attn.gate(h, pos))
+        o, _ = attention.prefill_attention(attn._rotate(q, p), attn._rotate(k, p), v, pos, pos,
+                                           scale=attn.cfg.head_dim**-0.5, key_keep=keep)
+        x = layer._finish(x, attn._out(o))
+    return model._logits(x)
+
+
+def test_prefill_evict_then_decode_equals_the_eq7_forward(tiny_dir):
+    model = _gated(tiny_dir)
+    rng = np.random.default_rng(0)
+    bucket, n_new = 24, 6
+    lengths = [24, 15]  # the second prompt left-padded
+    seqs = [rng.integers(4, model.cfg.vocab_size, n + n_new) for n in lengths]
+    toks = np.zeros((2, bucket), np.int32)
+    pos = np.full((2, bucket), -1, np.int32)
+    for r, (s, n) in enumerate(zip(seqs, lengths)):
+        toks[r, bucket - n:], pos[r, bucket - n:] = s[:n], np.arange(n)
+    policy = GateEviction(bucket=8)
+    logits, cache = model.prefill(jnp.asarray(toks), jnp.asarray(pos), policy, bucket + n_new)
+    small_policy, cache = policy.shrink(cache, n_new)
+    # Kept slots: exactly the real prompt tokens whose flag is 1, per KV head, in time order.
+    _, flags = model.forward(jnp.asarray(toks), jnp.asarray(pos))
+    for layer, (c, f) in enumerate(zip(cache, flags)):
+        for r in range(2):
+            for h in range(model.cfg.num_kv_heads):
+                want = [int(pos[r, j]) for j in range(bucket) if pos[r, j] >= 0 and f[r, h, j] > 0]
+                got = np.asarray(c.pos[r, h])
+                assert got[got >= 0].tolist() == want
+        assert c.capacity == small_policy.kept[layer] + n_new < bucket + n_new
+    evicted = 1 - np.mean([float(jnp.mean(f[1][:, -15:])) for f in flags])
+    assert 0.2 < evicted < 0.8, evicted  # the test really evicts
+    got = [np.asarray(logits)]
+    for i in range(n_new - 1):
+        tok = jnp.asarray([s[n + i] for s, n in zip(seqs, lengths)], jnp.int32)
+        step_logits, cache = model.decode(tok, jnp.asarray(lengths, jnp.int32) + i, cache, small_policy)
+        got.append(np.asarray(step_logits))
+    for r, (s, n) in enumerate(zip(seqs, lengths)):
+        full_pos = jnp.arange(n + n_new - 1, dtype=jnp.int32)[None]
+        ref = _eq7_forward(model, jnp.asarray(s[None, : n + n_new - 1]), full_pos, n)
+        want = np.asarray(ref[0, n - 1 :])
+        np.testing.assert_allclose(np.stack([g[r] for g in got]), want, atol=1e-5, rtol=0)
+
+
+def test_generate_with_the_gate_shrinks_the_cache(tiny_dir):
+    model = _gated(tiny_dir)
+    prompts = [list(np.random.default_rng(2).integers(4, model.cfg.vocab_size, 40))]
+    full = generate(model, prompts, FullCache(), max_new_tokens=5)
+    gated = generate(model, prompts, make_policy("gate", bucket=8), max_new_tokens=5)
+    assert kvcache.nbytes(gated.cache) < 0.8 * kvcache.nbytes(full.cache)
+    assert all((c.capacity - 5) % 8 == 0 or c.capacity - 5 == gated.prompt_bucket for c in gated.cache)
+
+
+def test_save_load_roundtrip_and_errors(tiny_dir, sharp_mha_dir, tmp_path):
+    model = _gated(tiny_dir)
+    save_gates(model, tmp_path / "g")
+    other = load_gates(load(tiny_dir).model, tmp_path / "g")
+    toks = jnp.asarray([[5, 6, 7, 8, 9]])
+    _, a = model.forward(toks)
+    _, b = other.forward(toks)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="trained for a model with"):
+        load_gates(load(sharp_mha_dir).model, tmp_path / "g")
+    with pytest.raises(FileNotFoundError, match="gate.json"):
+        load_gates(load(tiny_dir).model, tmp_path / "missing")
+    with pytest.raises(ValueError, match="tau=1.5"):
+        load_gates(load(tiny_dir).model, tmp_path / "g", tau=1.5)
+    with pytest.raises(ValueError, match="needs Attention-Gates"):
+        generate(load(tiny_dir).model, [[5, 6, 7]], GateEviction(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="no Attention-Gates to save"):
+        save_gates(load(tiny_dir).model, tmp_path / "h")
+
+
+@pytest.mark.parametrize("kw, bad", [(dict(tau=0.0), "tau=0.0"), (dict(tau=1.0), "tau=1.0"),
+                                     (dict(beta=0.6), "beta=0.6"), (dict(beta=-0.1), "beta=-0.1"),
+                                     (dict(gamma=-1.0), "gamma=-1.0"), (dict(heads=0), "heads=0")])
+def test_config_errors(kw, bad):
+    with pytest.raises(ValueError, match=bad):
+        GateConfig(**kw)
+
+
+def test_presets_are_the_papers():
+    assert (PRESETS["cpt"].tau, PRESETS["cpt"].gamma, PRESETS["cpt"].alpha, PRESETS["cpt"].beta) == (0.5, 2, 5, 0.4)
+    assert (PRESETS["sft"].tau, PRESETS["sft"].gamma, PRESETS["sft"].beta) == (0.3, 0, 0.28)
+
+
+def test_gates_are_off_for_other_policies(tiny_dir):
+    """A gated model under FullCache behaves as the base model (the gates run only for GateEviction)."""
+    base = load(tiny_dir).model
+    gated = _gated(tiny_dir)
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33]]
+    a = generate(base, prompts, FullCache(), max_new_tokens=4)
+    b = generate(gated, prompts, FullCache(), max_new_tokens=4)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert nnx.state(gated, nnx.Param)["layers"][0]["self_attn"]["gate"]  # the gates are there
+
+
+def test_lora_starts_at_the_base_model_and_merges_exactly(tiny_dir):
+    from kvjax.lora import LoRALinear, attach_lora, merge_lora
+
+    model = load(tiny_dir).model
+    toks = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    base = np.asarray(model(toks))
+    attach_lora(model, rank=4, alpha=8.0)
+    np.testing.assert_allclose(model(toks), base, atol=1e-6)  # B = 0: unchanged at step 0
+    rng = np.random.default_rng(0)
+    for layer in model.layers:
+        for name in ("q_proj", "v_proj", "o_proj"):
+            b = getattr(layer.self_attn, name).lora_b
+            b.set_value(jnp.asarray(rng.normal(size=b[...].shape) * 0.05, jnp.float32))
+    adapted = np.asarray(model(toks))
+    assert np.abs(adapted - base).max() > 1e-3
+    merge_lora(model)
+    assert not any(isinstance(getattr(layer.self_attn, n), LoRALinear) for layer in model.layers
+                   for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    np.testing.assert_allclose(model(toks), adapted, atol=1e-5)
+    with pytest.raises(ValueError, match="rank=0"):
+        attach_lora(model, rank=0)
+
+
+def test_train_gate_cli_cpt_then_generate(tiny_dir, tmp_path, capsys):
+    """CPT trains only the gates (base weights unchanged), lowers the kept share towards beta, writes
+    the gates, the eviction table / plot and the baseline comparison; generate runs on them."""
+    from experiments import generate as gen_cli
+    from experiments import train_gate
+
+    out = tmp_path / "gates"
+    argv = ["--model", str(tiny_dir), "--mode", "cpt", "--out", str(out), "--steps", "12", "--seq-len", "64",
+            "--eval-windows", "4", "--save-every", "6", "--lr", "1e-2"]
+    assert train_gate.main(argv) == 0
+    history = json.loads((out / "training" / "loss.json").read_text())
+    assert history[-1]["kept"] < history[0]["kept"] - 0.2
+    r = json.loads((out / "eval" / "results.json").read_text())
+    layers, kvh = load(tiny_dir).config.num_layers, load(tiny_dir).config.num_kv_heads
+    assert np.asarray(r["eviction"]["per_layer_head"]).shape == (layers, kvh)
+    assert set(r["continuation_nll"]) == {"full", "gate", "local", "streaming", "h2o"}
+    assert (out / "eval" / "eviction.png").stat().st_size > 0 and (out / "eval" / "results.md").is_file()
+    # Only the gates were trained: the gated model's base weights are the checkpoint's.
+    trained = load_gates(load(tiny_dir).model, out)
+    np.testing.assert_array_equal(trained.layers[0].self_attn.q_proj.kernel[...],
+                                  load(tiny_dir).model.layers[0].self_attn.q_proj.kernel[...])
+    capsys.readouterr()
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "gate", "--gate-params", str(out), "--bucket", "8",
+                         "--max-new-tokens", "3", "hello world, hello"]) == 0
+    assert "GateEviction" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --gate-params"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "gate", "hi"])
+
+
+def test_train_gate_cli_sft_merges_lora(tiny_dir, tmp_path):
+    from experiments import train_gate
+
+    out = tmp_path / "sft"
+    assert train_gate.main(["--model", str(tiny_dir), "--mode", "sft", "--out", str(out), "--steps", "3",
+                            "--seq-len", "256", "--sft-items", "8"]) == 0
+    merged = load(out / "model").model
+    assert not np.array_equal(merged.layers[0].self_attn.q_proj.kernel[...],
+                              load(tiny_dir).model.layers[0].self_attn.q_proj.kernel[...])
+    cfg = json.loads((out / "gate.json").read_text())["config"]
+    assert (cfg["tau"], cfg["gamma"], cfg["beta"]) == (0.3, 0.0, 0.28)
+    load_gates(merged, out)  # the gates fit the merged model
