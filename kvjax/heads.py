@@ -58,7 +58,7 @@ def _layers(model, tokens: Int[Array, "b t"]):
         attn = layer.self_attn
         q, k, _ = attn._qkv(layer.input_layernorm(x))
         yield i, attn._rotate(q, pos[:, None, :]), attn._rotate(k, pos[:, None, :]), attn._alibi()
-        x, _ = layer.prefill(x, pos, None, None)
+        x, _, _ = layer.prefill(x, pos, None, None)
 
 
 def _probs(q, k, q_pos, k_pos, scale, slopes, window):
