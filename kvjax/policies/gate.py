@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
@@ -65,7 +64,3 @@ class GateEviction(LayerPolicy):
         small = tuple(jax.tree.map(lambda x, n=n: x[:, :, : n + room], c) for n, c in zip(kept, cache))
         return dataclasses.replace(self, kept=kept), small
 
-
-def kept_counts(cache) -> np.ndarray:
-    """`[layers, b, kv_heads]` prompt tokens each head kept (valid slots)."""
-    return np.stack([np.asarray(jnp.sum(c.pos >= 0, axis=-1)) for c in cache])
