@@ -1,6 +1,7 @@
 """Shared training loop for the trainable methods (AnLLM, Attention-Gate): optax + orbax.
 
-* AdamW (paper defaults beta1 0.9, beta2 0.95), linear warmup then constant LR;
+* AdamW (paper defaults beta1 0.9, beta2 0.95), linear warmup then a constant LR (continual
+  pre-training) or a cosine decay to `min_lr_ratio * lr` (pre-training from scratch);
 * gradient accumulation over `accum` micro-batches;
 * `compute_dtype="bfloat16"`: forward/backward in bf16 over float32 master weights;
 * `trainable`: regexes over parameter paths (`layers/0/self_attn/q_proj/kernel`); the
@@ -32,6 +33,8 @@ class TrainConfig:
     steps: int
     lr: float = 2e-5  # AnLLM's continual pre-training
     warmup: int = 20
+    decay: str = "constant"  # or "cosine" (to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     weight_decay: float = 0.0
@@ -48,17 +51,21 @@ class TrainConfig:
                              f"{self.save_every} must be >= 1 and warmup={self.warmup} >= 0")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig: lr={self.lr} must be > 0")
+        if self.decay not in ("constant", "cosine"):
+            raise ValueError(f"TrainConfig: decay={self.decay!r}; expected 'constant' or 'cosine'")
         if self.compute_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"TrainConfig: compute_dtype={self.compute_dtype!r}; expected None, float32 or bfloat16")
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup` steps, then constant."""
+    """Linear warmup from 0 to `lr` over `warmup` steps, then constant or cosine-decayed."""
+    if cfg.decay == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, max(1, cfg.steps - cfg.warmup), alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.constant_schedule(cfg.lr)
     if cfg.warmup == 0:
-        return optax.constant_schedule(cfg.lr)
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.lr, cfg.warmup), optax.constant_schedule(cfg.lr)], [cfg.warmup]
-    )
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup), after], [cfg.warmup])
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
