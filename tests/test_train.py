@@ -77,3 +77,12 @@ def test_schedule_and_config_errors():
         TrainConfig(steps=1, lr=0)
     with pytest.raises(ValueError, match="compute_dtype='fp8'"):
         TrainConfig(steps=1, compute_dtype="fp8")
+    with pytest.raises(ValueError, match="decay='linear'"):
+        TrainConfig(steps=1, decay="linear")
+
+
+def test_cosine_schedule_decays_to_min_ratio_at_the_last_step():
+    s = schedule(TrainConfig(steps=110, lr=1e-3, warmup=10, decay="cosine", min_lr_ratio=0.1))
+    assert abs(float(s(10)) - 1e-3) < 1e-9                 # peak at the end of the warmup
+    assert abs(float(s(60)) - 1e-3 * (0.1 + 0.9 * 0.5)) < 1e-9  # half way through the cosine
+    assert abs(float(s(110)) - 1e-4) < 1e-9                # min_lr_ratio * lr at the last step
