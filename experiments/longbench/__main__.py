@@ -1,0 +1,139 @@
+"""LongBench (v1 and LongBench-E) under kvjax cache policies; by default, the embedded default model on
+kvjax's offline stdlib suite under FullCache and StreamingLLM.
+
+    python -m experiments.longbench                                  # default model + offline suite
+    python -m experiments.longbench --model DIR --data-dir LongBench/data --datasets qasper,lcc \\
+        --compare full,snapkv,slimkv --budget 1024
+    python -m experiments.longbench --e --data-dir LongBench/data   # LongBench-E length buckets
+
+Predictions are appended per sample (rerun the same command to resume); OUT/result.json holds
+every score, OUT/results.{md,csv,json,png} the table of datasets x policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.longbench import harness
+from experiments.longbench.suite import DATA_DIR
+
+DEFAULT_COMPARE = "full,streaming"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m experiments.longbench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--data-dir", default=str(DATA_DIR),
+                   help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite)")
+    p.add_argument("--datasets", help="comma-separated dataset names (default: every .jsonl in --data-dir)")
+    p.add_argument("--e", action="store_true", help="LongBench-E: read <dataset>_e.jsonl, score per length bucket")
+    p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: "
+                                     f"{DEFAULT_COMPARE})")
+    p.add_argument("--samples", type=int, help="first N samples of each dataset")
+    p.add_argument("--max-length", type=int,
+                   help="prompt tokens after middle truncation (default: max_position_embeddings - max new tokens)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="never apply the tokenizer's chat template (default: as pred.py, if the tokenizer has one)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
+    p.add_argument("--out", default="results/longbench")
+    add_policy_args(p, default=None)
+    p.set_defaults(budget=128)
+    args = p.parse_args(argv)
+    if args.samples is not None and args.samples < 1:
+        p.error(f"--samples {args.samples} must be >= 1")
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    return p, args
+
+
+def write_tables(out: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = list(result["policies"])
+    datasets = list(result["datasets"])
+    table = {d: {lab: result["scores"][lab][d]["score"] for lab in labels} for d in datasets}
+    avg = {lab: round(float(np.mean([table[d][lab] for d in datasets])), 2) for lab in labels}
+    header = "| dataset | metric | " + " | ".join(labels) + " |"
+    lines = [f"LongBench-format results: {result['model']} ({result['data_dir']})", "",
+             "Policies: " + "; ".join(f"**{lab}** = `{desc}`" for lab, desc in result["policies"].items()), "",
+             header, "|---|---|" + "---|" * len(labels)]
+    for d in datasets:
+        metric = result["scores"][labels[0]][d]["metric"]
+        lines.append(f"| {d} | {metric} | " + " | ".join(f"{table[d][lab]:.2f}" for lab in labels) + " |")
+    lines.append("| **average** | | " + " | ".join(f"**{avg[lab]:.2f}**" for lab in labels) + " |")
+    if result["e"]:
+        lines += ["", "LongBench-E buckets:", "", "| dataset | policy | 0-4k | 4-8k | 8k+ |", "|---|---|---|---|---|"]
+        for d in datasets:
+            for lab in labels:
+                b = result["scores"][lab][d]["buckets"]
+                lines.append(f"| {d} | {lab} | " + " | ".join(str(b.get(k, "")) for k in ("0-4k", "4-8k", "8k+"))
+                             + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["dataset", *labels])
+        for d in datasets:
+            w.writerow([d, *(table[d][lab] for lab in labels)])
+        w.writerow(["average", *(avg[lab] for lab in labels)])
+    (out / "results.json").write_text(json.dumps({"table": table, "average": avg}, indent=2))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(datasets), 3.2))
+    width = 0.8 / len(labels)
+    for i, lab in enumerate(labels):
+        ax.bar(np.arange(len(datasets)) + i * width, [table[d][lab] for d in datasets], width, label=lab)
+    ax.set_xticks(np.arange(len(datasets)) + 0.4 - width / 2, [d.replace("stdlib_", "") for d in datasets],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("score")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse(argv)
+    data_dir = Path(args.data_dir)
+    names = args.datasets.split(",") if args.datasets else harness.dataset_names(data_dir, args.e)
+    for n in names:
+        harness.check_dataset(n)
+    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
+    attach_gate_params(args, lm.model)
+    chosen = args.compare.split(",") if args.compare else [args.policy] if args.policy else DEFAULT_COMPARE.split(",")
+    policies = policies_from_args(args, chosen, num_layers=lm.config.num_layers)
+    labels = [n if chosen.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(chosen)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e)
+    scores: dict[str, dict] = {}
+    t0 = time.time()
+    from tqdm import tqdm
+
+    for label, policy in zip(labels, policies):
+        scores[label] = {}
+        for d in tqdm(names, desc=label):
+            preds = harness.predict(lm, policy, data_dir, d, out, opts)
+            scores[label][d] = harness.score_dataset(d, preds, args.e)
+    result = {"model": str(lm.path), "data_dir": str(data_dir), "datasets": names, "e": args.e,
+              "policies": {lab: pol.describe() for lab, pol in zip(labels, policies)},
+              "slugs": {lab: harness.policy_slug(pol) for lab, pol in zip(labels, policies)},
+              "scores": scores, "seconds": round(time.time() - t0, 1)}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    write_tables(out, result)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/result.json and results.{{md,csv,json,png}} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""LongBench v1 under a cache policy, following the official `pred.py` / `eval.py`.
+
+Per sample: the dataset's prompt template (`config.json`), middle truncation to `max_length`
+tokens done as the official code does (token ids cut to the first and last half, each half
+decoded, the text re-tokenised), the chat template unless the dataset is on the no-chat list
+(and only if the tokenizer has one), greedy decoding of the dataset's max new tokens (samsum
+also stops at a newline), the prediction decoded without special tokens. Scores follow
+`metrics.py`. Predictions are appended to OUT/preds/<policy>/<dataset>.jsonl as they finish,
+so an interrupted run resumes; results go to OUT/result.json, results.{md,csv,json,png}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from tqdm import tqdm
+
+from experiments.longbench import metrics
+from experiments.records import ResultLog
+from kvjax import Sampling, generate
+
+CONFIG_FILE = Path(__file__).resolve().parent / "config.json"
+REQUIRED = ("input", "context", "answers", "length")
+
+
+@lru_cache(maxsize=None)
+def config() -> dict:
+    return json.loads(CONFIG_FILE.read_text())
+
+
+def dataset_names(data_dir: Path, e: bool = False) -> list[str]:
+    """The datasets of `data_dir` (its *.jsonl files; `_e` files for LongBench-E)."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"--data-dir {data_dir} is not a directory")
+    stems = sorted(p.stem for p in data_dir.glob("*.jsonl"))
+    if not stems:
+        raise FileNotFoundError(f"--data-dir {data_dir} has no .jsonl files")
+    if e:
+        names = [s[:-2] for s in stems if s.endswith("_e")]
+        if not names:
+            raise FileNotFoundError(f"--e: --data-dir {data_dir} has no LongBench-E files (<dataset>_e.jsonl)")
+        return names
+    return [s for s in stems if not s.endswith("_e")]
+
+
+def check_dataset(name: str) -> None:
+    if name not in config()["prompts"]:
+        raise ValueError(f"unknown dataset {name!r}: kvjax has no prompt for it; known datasets: "
+                         f"{sorted(config()['prompts'])}")
+
+
+def load_rows(data_dir: Path, name: str, e: bool = False) -> list[dict]:
+    """A dataset's rows, each checked for the LongBench fields (the bad row is named)."""
+    check_dataset(name)
+    path = Path(data_dir) / f"{name}{'_e' if e else ''}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {name!r}: {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        missing = [f for f in REQUIRED if f not in row]
+        if missing:
+            raise ValueError(f"{path}:{n}: row is missing field {missing[0]!r} (a LongBench row has {list(REQUIRED)}, "
+                             "plus all_classes and _id)")
+        if not isinstance(row["answers"], list) or not row["answers"]:
+            raise ValueError(f"{path}:{n}: 'answers' must be a non-empty list, got {row['answers']!r}")
+        row.setdefault("all_classes", None)
+        row.setdefault("_id", f"{name}-{n}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    return rows
+
+
+def truncate_middle_text(tok, prompt: str, max_length: int) -> str:
+    """pred.py's truncation: the first and last `max_length // 2` tokens, decoded and joined."""
+    ids = tok(prompt, truncation=False)["input_ids"]
+    if len(ids) <= max_length:
+        return prompt
+    half = int(max_length / 2)
+    return tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
+
+
+def build_prompt(tok, dataset: str, row: dict, max_length: int, chat: bool) -> str:
+    prompt = config()["prompts"][dataset].format(**row)
+    prompt = truncate_middle_text(tok, prompt, max_length)
+    if chat and dataset not in config()["no_chat_template"] and getattr(tok, "chat_template", None):
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return prompt
+
+
+def policy_slug(policy) -> str:
+    """A directory name for a policy: its class, budget and a hash of its full description."""
+    desc = policy.describe()
+    budget = getattr(policy, "budget", None)
+    name = re.sub(r"[^A-Za-z0-9]+", "", type(policy).__name__)
+    return f"{name}{'-' + str(budget) if budget is not None else ''}-{hashlib.sha1(desc.encode()).hexdigest()[:6]}"
+
+
+@dataclass
+class Options:
+    max_length: int | None = None  # default: the model's max_position_embeddings - the dataset's max new tokens
+    batch: int = 8
+    samples: int | None = None  # first N rows of each dataset
+    chat: bool = True
+    e: bool = False
+
+
+def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, progress: bool = True) -> list[dict]:
+    """Predictions for every row not yet in OUT/preds/<policy>/<dataset>.jsonl; returns all of them."""
+    tok, cfg = lm.tokenizer, config()
+    rows = load_rows(data_dir, dataset, opts.e)[: opts.samples]
+    max_new = cfg["max_new_tokens"][dataset]
+    max_length = opts.max_length or lm.config.max_position_embeddings - max_new
+    log = ResultLog(out / "preds" / policy_slug(policy) / f"{dataset}{'_e' if opts.e else ''}.jsonl", key="_id")
+    todo = [r for r in rows if r["_id"] not in log]
+    eos = list(lm.config.eos_token_ids)
+    if dataset in cfg["stop_at_newline"]:
+        eos.append(tok.encode("\n", add_special_tokens=False)[-1])
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=dataset, disable=not progress, leave=False)
+    for s in range(0, len(todo), opts.batch):
+        chunk = todo[s : s + opts.batch]
+        prompts = [tok(build_prompt(tok, dataset, r, max_length, opts.chat), truncation=False)["input_ids"]
+                   for r in chunk]
+        gen = generate(lm.model, prompts, policy, max_new_tokens=max_new, sampling=Sampling(), eos_ids=eos,
+                       pad_id=tok.pad_token_id, truncate=True)
+        for r, p, seq in zip(chunk, prompts, gen.sequences()):
+            log.add({"_id": r["_id"], "pred": tok.decode(seq, skip_special_tokens=True), "answers": r["answers"],
+                     "all_classes": r["all_classes"], "length": r["length"], "prompt_tokens": len(p)})
+        bar.update(len(chunk))
+    bar.close()
+    ids = {r["_id"] for r in rows}
+    return [r for r in log if r["_id"] in ids]
+
+
+def score_dataset(dataset: str, preds: list[dict], e: bool = False) -> dict:
+    metric = config()["metrics"][dataset]
+    scores = [metrics.sample_score(dataset, metric, p["pred"], p["answers"], p["all_classes"]) for p in preds]
+    out = {"metric": metric, "score": metrics.score(scores), "samples": len(scores)}
+    if e:
+        out["buckets"] = metrics.score_e(scores, [p["length"] for p in preds])
+    return out

@@ -1,0 +1,191 @@
+"""kvjax's offline LongBench-format suite, generated deterministically from standard-library text.
+
+    python -m experiments.longbench.suite [--out experiments/longbench/data] [--samples 20]
+
+Six datasets in LongBench's jsonl schema (input, context, answers, length, dataset, language,
+all_classes, _id), sized for the default model's 512-token window:
+
+* stdlib_passkey: the LongLoRA passkey prompt, key at a random depth, 2-10 repeats of the garbage;
+* stdlib_kv_retrieval: a table of 4-digit keys and 5-digit values, one key asked;
+* stdlib_qa: three made-up facts hidden in a held-out reference topic, one asked (qa_f1);
+* stdlib_passage_retrieval: five held-out doc paragraphs, the opening sentence of one as the
+  "abstract", answered "Paragraph k" (retrieval);
+* stdlib_passage_count: 2-4 distinct one-sentence paragraphs with 1-3 repeats, count the distinct (count);
+* stdlib_lcc: the next line of a held-out standard-library module (code_sim).
+
+The committed files were generated with the Python named in each row's `corpus` field; another
+Python version has different library text, so regenerate only to change the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from experiments import corpus
+from experiments.tasks import (
+    ATTRIBUTES,
+    PASSKEY_GARBAGE,
+    PASSKEY_INTRO,
+    PASSKEY_QUESTION,
+    fact_sentence,
+    kv_line,
+    kv_question,
+    made_up_name,
+    passkey_needle,
+)
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CONTEXT_CHARS = 1000  # about 300-450 tokens of the default model's tokenizer
+
+
+def _row(dataset: str, i: int, context: str, inp: str, answers: list[str], all_classes=None) -> dict:
+    return {"input": inp, "context": context, "answers": answers, "length": len(context.split()),
+            "dataset": dataset, "language": "en", "all_classes": all_classes, "_id": f"{dataset}-{i}",
+            "corpus": corpus.fingerprint()}
+
+
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if len(s.strip()) > 20]
+
+
+def _prose(s: str) -> bool:
+    """A sentence of prose: not a table row or code, and short enough to leave room for others."""
+    return len(s) <= 240 and sum(c.isalpha() or c == " " for c in s) >= 0.9 * len(s)
+
+
+def _doc_sentences(split: str = "heldout") -> list[str]:
+    return [s for _, t in corpus.doc_documents(split) for s in _sentences(t) if _prose(s)]
+
+
+def passkey(rng, n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        key = str(int(rng.integers(10000, 100000)))
+        reps = int(rng.integers(2, 11))
+        cut = int(rng.integers(0, reps + 1))
+        context = (PASSKEY_INTRO + PASSKEY_GARBAGE * cut + passkey_needle(key) + PASSKEY_GARBAGE * (reps - cut))
+        rows.append(_row("stdlib_passkey", i, context, PASSKEY_QUESTION, [key]))
+    return rows
+
+
+def kv_retrieval(rng, n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        size = int(rng.integers(8, 33))
+        keys = rng.choice(np.arange(1000, 10000), size, replace=False)
+        values = rng.integers(10000, 100000, size)
+        ask = int(rng.integers(size))
+        context = "".join(kv_line(str(k), str(v)) for k, v in zip(keys, values))
+        rows.append(_row("stdlib_kv_retrieval", i, context, kv_question(str(keys[ask])), [str(values[ask])]))
+    return rows
+
+
+def _window(rng, sentences: list[str], chars: int) -> list[str]:
+    start = int(rng.integers(0, len(sentences)))
+    out, size = [], 0
+    while size < chars:
+        s = sentences[(start + len(out)) % len(sentences)]
+        out.append(s)
+        size += len(s) + 1
+    return out
+
+
+def qa(rng, n: int) -> list[dict]:
+    sentences, rows = _doc_sentences(), []
+    for i in range(n):
+        text = _window(rng, sentences, CONTEXT_CHARS)
+        facts = [(ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))], made_up_name(rng), made_up_name(rng))
+                 for _ in range(3)]
+        for f in facts:
+            text.insert(int(rng.integers(0, len(text) + 1)), fact_sentence(*f).strip())
+        attr, subj, value = facts[int(rng.integers(3))]
+        rows.append(_row("stdlib_qa", i, " ".join(text), f"What is the {attr} of {subj}?", [value]))
+    return rows
+
+
+def _paragraphs(rng, sentences: list[str], count: int, chars: int) -> list[str]:
+    out = []
+    while len(out) < count:
+        p = " ".join(_window(rng, sentences, chars))
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def passage_retrieval(rng, n: int) -> list[dict]:
+    sentences, rows = _doc_sentences(), []
+    for i in range(n):
+        paras = _paragraphs(rng, sentences, 5, CONTEXT_CHARS // 10)
+        k = int(rng.integers(5))
+        context = "\n\n".join(f"Paragraph {j + 1}: {p}" for j, p in enumerate(paras))
+        rows.append(_row("stdlib_passage_retrieval", i, context, _sentences(paras[k])[0], [f"Paragraph {k + 1}"]))
+    return rows
+
+
+def passage_count(rng, n: int) -> list[dict]:
+    sentences, rows = _doc_sentences(), []
+    for i in range(n):
+        unique = int(rng.integers(2, 5))
+        paras = _paragraphs(rng, sentences, unique, 1)  # one sentence each
+        shown = paras + [paras[int(j)] for j in rng.integers(0, unique, int(rng.integers(1, 4)))]
+        shown = [shown[int(j)] for j in rng.permutation(len(shown))]
+        context = "\n\n".join(f"Paragraph {j + 1}: {p}" for j, p in enumerate(shown))
+        rows.append(_row("stdlib_passage_count", i, context, "", [str(unique)]))
+    return rows
+
+
+def _is_target(line: str) -> bool:
+    s = line.strip()
+    return len(s) >= 12 and not s.startswith(("#", '"', "'")) and "`" not in s and "//" not in s and "#" not in s
+
+
+def lcc(rng, n: int) -> list[dict]:
+    modules = [lines for _, t in corpus.code_documents("heldout") if len(lines := t.split("\n")) > 60]
+    rows = []
+    while len(rows) < n:
+        lines = modules[int(rng.integers(len(modules)))]
+        at = int(rng.integers(30, len(lines)))
+        if not _is_target(lines[at]):
+            continue
+        start = at
+        while start > 0 and sum(len(x) + 1 for x in lines[start - 1 : at]) < CONTEXT_CHARS:
+            start -= 1
+        context = "\n".join(lines[start:at]) + "\n"
+        rows.append(_row("stdlib_lcc", len(rows), context, "", [lines[at]]))
+    return rows
+
+
+BUILDERS = {"stdlib_passkey": passkey, "stdlib_kv_retrieval": kv_retrieval, "stdlib_qa": qa,
+            "stdlib_passage_retrieval": passage_retrieval, "stdlib_passage_count": passage_count, "stdlib_lcc": lcc}
+
+
+def build(out: Path, samples: int, seed: int = 0) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, (name, fn) in enumerate(BUILDERS.items()):
+        rows = fn(np.random.default_rng([seed, k]), samples)
+        path = out / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.longbench.suite", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(DATA_DIR))
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for path in build(Path(args.out), args.samples, args.seed):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

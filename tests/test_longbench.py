@@ -1,0 +1,209 @@
+"""The LongBench harness: metrics against the official definitions, truncation, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from experiments.longbench import __main__ as lb_cli
+from experiments.longbench import harness, metrics
+from experiments.longbench.suite import BUILDERS, DATA_DIR
+
+# ---- metrics on hand-written cases (values worked out by hand from the official code) ----
+
+
+@pytest.mark.parametrize("pred, gt, want", [
+    ("The Eiffel Tower", "eiffel tower", 1.0),            # articles, case and punctuation normalised away
+    ("Paris, France.", "Paris", 2 * 0.5 * 1 / 1.5),       # P = 1/2, R = 1
+    ("", "Paris", 0.0),                                    # empty prediction
+    ("a the an", "the", 0.0),                              # only articles: nothing left to match
+    ("cat cat dog", "cat dog dog", 2 * (2 / 3) * (2 / 3) / (4 / 3)),  # multiset overlap = 2
+])
+def test_qa_f1(pred, gt, want):
+    assert metrics.qa_f1_score(pred, gt) == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("pred, gt, want", [
+    ("the cat sat on the mat", "the cat sat on the mat", 2 * 1 * 1 / (2 + 1e-8)),
+    # LCS words {the, cat, mat}; unique words: hyp {the, cat, is, on, mat} 5, ref {the, cat, sat, on, mat} 5 ...
+    ("the cat is on mat", "the cat sat on the mat", None),
+    ("", "anything", 0.0),                                # empty hypothesis: the rouge package raises -> 0
+    ("...", "anything", 0.0),                             # only sentence separators: empty too
+    ("a b. c d", "c d. a b", 2 * 1 * 1 / (2 + 1e-8)),     # summary level: sentence order does not matter
+])
+def test_rouge_l(pred, gt, want):
+    got = metrics.rouge_score(pred, gt)
+    if want is None:  # LCS(ref, hyp) = the cat on mat -> union {the, cat, on, mat} = 4; m = 5, n = 5
+        want = 2 * (4 / 5) * (4 / 5) / (8 / 5 + 1e-8)
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("pred, gt, classes, want", [
+    ("Type: LOC", "LOC", ["LOC", "NUM"], 1.0),
+    ("LOC or NUM", "LOC", ["LOC", "NUM"], 0.5),                 # two classes named: 1/2
+    ("nothing", "LOC", ["LOC", "NUM"], 0.0),
+    ("", "LOC", ["LOC", "NUM"], 0.0),                           # empty prediction
+    # The edge case: "abbreviation" contains "abb" (a class that is part of the truth) and is removed,
+    # but the removal makes the loop skip the next match, "ab", which stays: 1 / len([ab, abbreviation]).
+    ("abb ab abbreviation", "abbreviation", ["abb", "ab", "abbreviation"], 0.5),
+])
+def test_classification(pred, gt, classes, want):
+    assert metrics.classification_score(pred, gt, all_classes=classes) == want
+
+
+def test_retrieval_count_and_code_sim():
+    assert metrics.retrieval_score("Paragraph 3", "Paragraph 3") == 1.0
+    assert metrics.retrieval_score("Paragraph 3 or 4", "Paragraph 3") == 0.5
+    assert metrics.retrieval_score("", "Paragraph 3") == 0.0
+    assert metrics.retrieval_zh_score("段落5", "段落5") == 1.0
+    assert metrics.count_score("There are 7, not 8", "7") == 0.5
+    assert metrics.count_score("seven", "7") == 0.0
+    # code_sim: the first line without ` # or //, compared with fuzz.ratio / 100
+    assert metrics.code_sim_score("\n# comment\nx = 1\ny = 2", "x = 1") == 1.0
+    assert metrics.code_sim_score("# only a comment", "x = 1") == 0.0
+    assert metrics.code_sim_score("", "") == 1.0          # fuzz.ratio of two equal (empty) strings is 100
+    assert metrics.fuzz_ratio("abcd", "abce") == 75       # difflib: 2 * 3 / 8
+
+
+def test_zh_metrics_use_jieba():
+    assert metrics.qa_f1_zh_score("北京大学", "北京大学。") == 1.0
+    assert metrics.qa_f1_zh_score("", "北京") == 0.0
+    assert metrics.rouge_zh_score("我们在北京大学学习", "我们在北京大学学习") == pytest.approx(1.0, abs=1e-7)
+
+
+def test_scorer_rules():
+    # trec: the prediction is cut at its first line; max over the answers
+    assert metrics.sample_score("trec", "classification", "\nLOC\nNUM", ["LOC"], ["LOC", "NUM"]) == 1.0
+    assert metrics.sample_score("qasper", "qa_f1", "Paris", ["London", "Paris"], None) == 1.0
+    assert metrics.score([1.0, 0.0, 0.5]) == 50.0
+    assert metrics.score([1 / 3]) == 33.33
+    assert metrics.score_e([1.0, 0.0, 1.0], [100, 5000, 9000]) == {"0-4k": 100.0, "4-8k": 0.0, "8k+": 100.0}
+    with pytest.raises(ValueError, match="unknown metric 'bleu'"):
+        metrics.sample_score("x", "bleu", "a", ["a"], None)
+
+
+def test_metrics_match_the_official_packages_on_random_text():
+    """Parity with `rouge` 1.0.1 and `fuzzywuzzy` 0.18.0 (the packages LongBench imports)."""
+    rouge = pytest.importorskip("rouge")
+    fuzz = pytest.importorskip("fuzzywuzzy.fuzz")
+    rng = random.Random(0)
+    words = "the a cat dog sat on mat , and is . .".split()
+    for _ in range(500):
+        a = " ".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
+        b = " ".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
+        try:
+            want = rouge.Rouge().get_scores([a], [b], avg=True)["rouge-l"]["f"]
+        except Exception:  # noqa: BLE001 - the official code scores any exception 0
+            want = 0.0
+        assert metrics.rouge_score(a, b) == pytest.approx(want, abs=1e-12), (a, b)
+        s = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 250)))  # > 200 chars: difflib's autojunk
+        t = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 250)))
+        assert metrics.fuzz_ratio(s, t) == fuzz.ratio(s, t)
+
+
+# ---- prompts, truncation, data ----
+
+
+def test_middle_truncation_keeps_both_ends(tiny):
+    tok = tiny.tokenizer  # byte-level: one token per character, no BOS
+    text = "".join(chr(ord("a") + i % 26) for i in range(100))
+    assert harness.truncate_middle_text(tok, text, 100) == text
+    cut = harness.truncate_middle_text(tok, text, 10)
+    assert cut == text[:5] + text[-5:]
+
+
+def test_config_holds_every_official_dataset():
+    cfg = harness.config()
+    assert len(cfg["official"]) == 21
+    for d in cfg["official"] + list(BUILDERS):
+        assert {"prompts", "max_new_tokens", "metrics"} <= set(cfg) and d in cfg["metrics"]
+        assert cfg["metrics"][d] in metrics.METRICS
+    assert cfg["max_new_tokens"]["gov_report"] == 512 and cfg["max_new_tokens"]["hotpotqa"] == 32
+    assert cfg["prompts"]["lcc"] == "Please complete the code given below. \n{context}Next line of code:\n"
+
+
+def test_default_suite_is_committed_and_regenerates_identically(tmp_path):
+    from experiments import corpus
+    from experiments.longbench import suite
+
+    names = harness.dataset_names(DATA_DIR)
+    assert sorted(names) == sorted(BUILDERS)
+    rows = harness.load_rows(DATA_DIR, "stdlib_passkey")
+    if rows[0]["corpus"] != corpus.fingerprint():
+        pytest.skip(f"the suite was generated from {rows[0]['corpus']}, this is {corpus.fingerprint()}")
+    suite.build(tmp_path, samples=len(rows))
+    for n in names:
+        assert (tmp_path / f"{n}.jsonl").read_text() == (DATA_DIR / f"{n}.jsonl").read_text(), n
+
+
+def test_clear_errors(tmp_path, tiny_dir):
+    with pytest.raises(FileNotFoundError, match="has no .jsonl files"):
+        harness.dataset_names(tmp_path)
+    bad = tmp_path / "qasper.jsonl"
+    bad.write_text(json.dumps({"input": "q", "context": "c", "answers": ["a"], "length": 3}) + "\n"
+                   + json.dumps({"input": "q", "context": "c", "length": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"qasper.jsonl:2: row is missing field 'answers'"):
+        harness.load_rows(tmp_path, "qasper")
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        lb_cli.main(["--model", str(tiny_dir), "--data-dir", str(tmp_path), "--datasets", "nope"])
+    (tmp_path / "nope.jsonl").write_text(bad.read_text())
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        lb_cli.main(["--model", str(tiny_dir), "--data-dir", str(tmp_path)])
+
+
+# ---- running: predictions, resume, the table ----
+
+
+def _suite_dir(tmp_path, n=3):
+    d = tmp_path / "data"
+    d.mkdir()
+    for name in ("stdlib_kv_retrieval", "stdlib_passkey"):
+        rows = harness.load_rows(DATA_DIR, name)[:n]
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_resume_skips_finished_samples_and_loses_none(tmp_path, tiny, monkeypatch):
+    from kvjax.policies import StreamingLLM
+
+    data = _suite_dir(tmp_path, n=5)
+    policy = StreamingLLM(budget=64, sinks=4)
+    opts = harness.Options(batch=2)
+    ref = harness.predict(tiny, policy, data, "stdlib_passkey", tmp_path / "a", opts, progress=False)
+    # Interrupted run: two records written and a third torn mid-line by the crash.
+    log = tmp_path / "b" / "preds" / harness.policy_slug(policy) / "stdlib_passkey.jsonl"
+    log.parent.mkdir(parents=True)
+    lines = (tmp_path / "a" / "preds" / harness.policy_slug(policy) / "stdlib_passkey.jsonl").read_text().splitlines()
+    log.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:20])
+    seen = []
+    real = harness.generate
+
+    def counting(model, prompts, *a, **kw):
+        seen.append(len(prompts))
+        return real(model, prompts, *a, **kw)
+
+    monkeypatch.setattr(harness, "generate", counting)
+    got = harness.predict(tiny, policy, data, "stdlib_passkey", tmp_path / "b", opts, progress=False)
+    assert sum(seen) == 3  # only the torn one and the two never started
+    assert sorted(got, key=lambda r: r["_id"]) == sorted(ref, key=lambda r: r["_id"])
+    assert len(log.read_text().splitlines()) == 5
+
+
+def test_cli_compare_writes_one_table(tmp_path, tiny_dir):
+    data = _suite_dir(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--data-dir", str(data), "--compare", "full,streaming,snapkv",
+            "--budget", "64", "--window", "8", "--out", str(out)]
+    assert lb_cli.main(argv) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert set(result["scores"]) == {"full", "streaming", "snapkv"}
+    assert result["policies"]["snapkv"].startswith("SnapKV(budget=64") and "window=8" in result["policies"]["snapkv"]
+    assert result["scores"]["full"]["stdlib_passkey"]["samples"] == 3
+    md = (out / "results.md").read_text()
+    assert "| stdlib_passkey | first_number |" in md and "**average**" in md
+    assert (out / "results.png").is_file() and (out / "results.csv").read_text().startswith("dataset,full,")
+    with pytest.raises(ValueError, match=r"no policy of \['full', 'streaming'\] takes \['window'\]"):
+        lb_cli.main(["--model", str(tiny_dir), "--data-dir", str(data), "--compare", "full,streaming",
+                     "--window", "8", "--out", str(out)])
