@@ -1,0 +1,169 @@
+"""The passkey retrieval test (LongLoRA / landmark attention): a five-digit key hidden in repeated
+garbage text at a chosen depth, exact-match accuracy per prompt length and depth.
+
+    python -m experiments.passkey [--model DIR] [--policy streaming --budget 128] [--lengths 128,256,504]
+
+Prompts are built from token ids so each has exactly the requested length: BOS, the task
+description, garbage, the needle at a sentence boundary of the garbage nearest the depth, more
+garbage, and "What is the pass key? The pass key is". A sample is correct when the first integer
+of the greedy continuation equals the key. Results are appended to OUT/samples.jsonl as they
+finish (a rerun resumes) and summarised in OUT/results.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments.common import add_policy_args, attach_gate_params, policy_from_args, resolve_model
+from experiments.records import ResultLog
+from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
+from kvjax import Sampling, generate
+
+MAX_NEW_TOKENS = 8
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int | str) -> tuple[list[int], int]:
+    """(prompt ids of exactly `length` tokens, index of the needle's first token)."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} must be in [0, 1]")
+    head = [tok.bos_token_id] + _encode(tok, PASSKEY_INTRO)
+    needle, question = _encode(tok, passkey_needle(key)), _encode(tok, PASSKEY_QUESTION)
+    room = length - len(head) - len(needle) - len(question)
+    if room < 0:
+        raise ValueError(f"length={length} is shorter than the passkey prompt without garbage "
+                         f"({length - room} tokens)")
+    garbage = _encode(tok, PASSKEY_GARBAGE)
+    # The garbage's tail, so it ends with a whole sentence (a partial one, if any, follows the intro).
+    filler = (garbage * (room // len(garbage) + 1))[len(garbage) * (room // len(garbage) + 1) - room :]
+    # Sentence boundaries: the start, and after each token that ends with ".".
+    stops = [0] + [i + 1 for i, t in enumerate(filler) if tok.convert_ids_to_tokens(t).endswith(".")]
+    cut = min(stops, key=lambda s: abs(s - depth * room))
+    return head + filler[:cut] + needle + filler[cut:] + question, len(head) + cut
+
+
+def first_int(text: str) -> int | None:
+    m = re.search(r"\d+", text)
+    return int(m.group()) if m else None
+
+
+def run(model, tok, policy, lengths, depths, samples: int, log: ResultLog, *, seed: int = 0, batch: int = 8,
+        label: str = "", progress: bool = True) -> list[dict]:
+    """Appends a record per (length, depth, sample) not yet in `log`; returns this policy's records."""
+    todo = []
+    for length in lengths:
+        for depth in depths:
+            for i in range(samples):
+                rid = f"{label}|{length}|{depth}|{i}"
+                if rid not in log:
+                    rng = np.random.default_rng([seed, length, int(round(depth * 1000)), i])
+                    todo.append((rid, length, depth, int(rng.integers(10000, 100000))))
+    bar = tqdm(total=len(todo), desc=f"passkey {label}", disable=not progress)
+    for length in lengths:  # one compilation per length
+        rows = [t for t in todo if t[1] == length]
+        for s in range(0, len(rows), batch):
+            chunk = rows[s : s + batch]
+            prompts = [passkey_prompt(tok, length, d, k) for _, _, d, k in chunk]
+            out = generate(model, [p for p, _ in prompts], policy, max_new_tokens=MAX_NEW_TOKENS,
+                           sampling=Sampling())
+            for (rid, _, depth, key), (_, at), seq in zip(chunk, prompts, out.sequences()):
+                text = tok.decode(seq, skip_special_tokens=True)
+                log.add({"id": rid, "policy": label, "length": length, "depth": depth, "key": key,
+                         "needle_at": at, "output": text, "correct": first_int(text) == key})
+            bar.update(len(chunk))
+    bar.close()
+    return [r for r in log if r["policy"] == label]
+
+
+def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
+    """{length: {depth: accuracy}}."""
+    cells: dict[int, dict[float, list[bool]]] = {}
+    for r in records:
+        cells.setdefault(r["length"], {}).setdefault(r["depth"], []).append(r["correct"])
+    return {n: {d: float(np.mean(v)) for d, v in sorted(row.items())} for n, row in sorted(cells.items())}
+
+
+def write_report(out: Path, tables: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.json").write_text(json.dumps({p: {str(n): {str(d): a for d, a in row.items()}
+                                                      for n, row in t.items()} for p, t in tables.items()}, indent=2))
+    lines = []
+    for label, table in tables.items():
+        depths = sorted({d for row in table.values() for d in row})
+        lines += [f"### {label}", "", "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
+                  "|---|" + "---|" * (len(depths) + 1)]
+        for n, row in table.items():
+            cells = [f"{100 * row[d]:.0f}" if d in row else "" for d in depths]
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {100 * np.mean(list(row.values())):.1f} |")
+        lines.append("")
+    (out / "results.md").write_text("\n".join(lines))
+    fig, axes = plt.subplots(1, len(tables), figsize=(4 * len(tables), 3), squeeze=False)
+    for ax, (label, table) in zip(axes[0], tables.items()):
+        depths = sorted({d for row in table.values() for d in row})
+        grid = np.array([[row.get(d, np.nan) for d in depths] for row in table.values()])
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(table)), list(table))
+        ax.set_xlabel("depth")
+        ax.set_ylabel("length")
+        ax.set_title(label, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=100)
+    plt.close(fig)
+
+
+def floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.passkey", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--lengths", type=ints, help="prompt lengths in tokens (default: max/4, max/2, max - 8)")
+    p.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--samples", type=int, default=5, help="samples per (length, depth)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/passkey")
+    add_policy_args(p, default="full")
+    args = p.parse_args(argv)
+
+    lm = resolve_model(p, args.model)
+    attach_gate_params(args, lm.model)
+    policy = policy_from_args(args, num_layers=lm.config.num_layers)
+    n = lm.config.max_position_embeddings
+    lengths = args.lengths or [n // 4, n // 2, n - MAX_NEW_TOKENS]
+    out = Path(args.out)
+    label = policy.describe()
+    log = ResultLog(out / "samples.jsonl")
+    records = run(lm.model, lm.tokenizer, policy, lengths, args.depths, args.samples, log, seed=args.seed,
+                  batch=args.batch, label=label)
+    tables = {r["policy"]: None for r in log}
+    tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in tables}
+    write_report(out, tables)
+    print((out / "results.md").read_text())
+    print(f"{label}: {100 * np.mean([r['correct'] for r in records]):.1f} % over {len(records)} samples; "
+          f"wrote {out}/results.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Synthetic long-range tasks: their prompt texts (shared by training, the LongBench-format suite
+and the passkey suite) and a token-level row sampler for `experiments.train_tiny`.
+
+The passkey prompt is the LongLoRA / landmark one. Rows for training are built from token-id
+segments, so a row has an exact length without re-tokenising; each segment carries a loss
+weight, and answer tokens are up-weighted so the long-range signal is not drowned by filler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                 "I will quiz you about the important information there.")
+PASSKEY_GARBAGE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+
+
+def passkey_needle(key: int | str) -> str:
+    return f" The pass key is {key}. Remember it. {key} is the pass key."
+
+
+KV_INTRO = "Extract the value corresponding to the specified key in the table below.\n"
+
+
+def kv_line(key: str, value: str) -> str:
+    return f"{key}: {value}\n"
+
+
+def kv_question(key: str) -> str:
+    return f"The value of key {key} is"
+
+
+SYLLABLES = ("ka", "lo", "mi", "ra", "ven", "dor", "sa", "tu", "bel", "qui", "zan", "mo", "ri", "el", "thar", "un",
+             "po", "les", "gra", "fin", "do", "wen", "ix", "cor")
+ATTRIBUTES = ("capital", "founder", "river", "mountain", "festival", "guardian")
+
+
+def made_up_name(rng: np.random.Generator) -> str:
+    n = int(rng.integers(2, 4))
+    return "".join(SYLLABLES[i] for i in rng.integers(0, len(SYLLABLES), n)).capitalize()
+
+
+def fact_sentence(attribute: str, subject: str, value: str) -> str:
+    return f" The {attribute} of {subject} is {value}."
+
+
+def fact_question(attribute: str, subject: str) -> str:
+    return f"\nQuestion: What is the {attribute} of {subject}?\nAnswer:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Shares of the row kinds in a training batch (normalised)."""
+
+    text: float = 0.40
+    passkey: float = 0.20
+    kv: float = 0.15
+    facts: float = 0.10
+    copy: float = 0.15
+
+    def probabilities(self) -> tuple[tuple[str, ...], np.ndarray]:
+        names = tuple(f.name for f in dataclasses.fields(self))
+        p = np.array([getattr(self, n) for n in names], np.float64)
+        if (p < 0).any() or p.sum() <= 0:
+            raise ValueError(f"mixture shares must be >= 0 and not all 0: {self}")
+        return names, p / p.sum()
+
+
+class RowSampler:
+    """Training rows of exactly `seq_len` tokens: BOS, then natural text, then one task of `span` tokens.
+
+    `code` and `docs` are token streams of natural text; `answer_weight` is the loss weight of
+    the tokens a task asks for (everything else weighs 1).
+    """
+
+    def __init__(self, tokenizer, code: np.ndarray, docs: np.ndarray, seq_len: int, *,
+                 mixture: Mixture = Mixture(), answer_weight: float = 4.0, docs_share: float = 0.3):
+        self.tok, self.code, self.docs, self.seq_len = tokenizer, code, docs, seq_len
+        self.kinds, self.p = mixture.probabilities()
+        self.answer_weight, self.docs_share = answer_weight, docs_share
+        self.bos = tokenizer.bos_token_id
+        enc = self.encode
+        self.garbage = enc(PASSKEY_GARBAGE)
+        self.fixed = {"intro": enc(PASSKEY_INTRO), "question": enc(PASSKEY_QUESTION), "kv_intro": enc(KV_INTRO)}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _text(self, rng, n: int, stream: np.ndarray | None = None) -> list[int]:
+        if n <= 0:
+            return []
+        if stream is None:
+            stream = self.docs if rng.random() < self.docs_share else self.code
+        start = int(rng.integers(0, len(stream) - n))
+        return stream[start : start + n].tolist()
+
+    def _filler(self, rng, n: int) -> list[int]:
+        if rng.random() < 0.5:  # the landmark garbage, as in the passkey evaluation
+            reps = n // len(self.garbage) + 1
+            return (self.garbage * reps)[:n]
+        return self._text(rng, n, self.docs)
+
+    def row(self, rng: np.random.Generator, span: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One row: (tokens [seq_len] int32, loss weights [seq_len] float32)."""
+        span = self.seq_len - 1 if span is None else min(span, self.seq_len - 1)
+        kind = self.kinds[int(rng.choice(len(self.kinds), p=self.p))]
+        segments = getattr(self, f"_{kind}")(rng, span) if kind != "text" else [(self._text(rng, span), 1.0)]
+        used = sum(len(s) for s, _ in segments)
+        segments = [([self.bos], 1.0), (self._text(rng, self.seq_len - 1 - used), 1.0)] + segments
+        ids = np.concatenate([np.asarray(s, np.int32) for s, _ in segments])
+        w = np.concatenate([np.full(len(s), wt, np.float32) for s, wt in segments])
+        if len(ids) != self.seq_len:
+            raise AssertionError(f"row of {len(ids)} tokens, expected {self.seq_len}")
+        return ids, w
+
+    def _passkey(self, rng, span):
+        key = str(int(rng.integers(10000, 100000)))
+        needle, answer = self.encode(passkey_needle(key)), self.encode(" " + key)
+        head, q = self.fixed["intro"], self.fixed["question"]
+        room = span - len(head) - len(needle) - len(q) - len(answer)
+        filler = self._filler(rng, room)
+        cut = int(rng.integers(0, room + 1))
+        return [(head, 1.0), (filler[:cut], 1.0), (needle, 1.0), (filler[cut:], 1.0), (q, 1.0),
+                (answer, self.answer_weight)]
+
+    def _kv(self, rng, span):
+        queries = int(rng.integers(1, 4))
+        segments, table = [(self.fixed["kv_intro"], 1.0)], []
+        used, tail_room = len(self.fixed["kv_intro"]), 24 * queries
+        while True:
+            k, v = str(int(rng.integers(1000, 10000))), str(int(rng.integers(10000, 100000)))
+            line = self.encode(kv_line(k, v))
+            if used + len(line) > span - tail_room:
+                break
+            segments.append((line, 1.0))
+            table.append((k, v))
+            used += len(line)
+        for i in rng.choice(len(table), size=min(queries, len(table)), replace=False):
+            k, v = table[int(i)]
+            q, a = self.encode(kv_question(k)), self.encode(f" {v}.\n")
+            segments += [(q, 1.0), (a, self.answer_weight)]
+        return segments
+
+    def _facts(self, rng, span):
+        n = int(rng.integers(1, 4))
+        facts = [(ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))], made_up_name(rng), made_up_name(rng))
+                 for _ in range(n)]
+        attr, subj, value = facts[int(rng.integers(n))]
+        q, a = self.encode(fact_question(attr, subj)), self.encode(" " + value)
+        sentences = [self.encode(fact_sentence(*f)) for f in facts]
+        room = span - len(q) - len(a) - sum(map(len, sentences))
+        filler = self._text(rng, room, self.docs)
+        cuts = sorted(int(c) for c in rng.integers(0, room + 1, n))
+        segments, prev = [], 0
+        for c, s in zip(cuts, sentences):
+            segments += [(filler[prev:c], 1.0), (s, 1.0)]
+            prev = c
+        return segments + [(filler[prev:], 1.0), (q, 1.0), (a, self.answer_weight)]
+
+    def _copy(self, rng, span):
+        n = int(rng.integers(16, max(17, (span - 8) // 2)))
+        marker = self.encode("\n\n")
+        x = self._text(rng, n)
+        lead = self._text(rng, span - 2 * n - len(marker))
+        return [(lead, 1.0), (x, 1.0), (marker, 1.0), (x, 1.0)]

@@ -1,0 +1,57 @@
+"""The passkey suite: prompts of an exact length with the needle at a sentence boundary; scoring; resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import passkey
+from experiments.records import ResultLog
+from experiments.tasks import PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
+from kvjax.policies import FullCache
+
+
+@pytest.mark.parametrize("length", [300, 457, 600])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_prompt_has_exact_length_and_needle_at_a_sentence_boundary(tiny, length, depth):
+    tok = tiny.tokenizer  # byte level: a token per character
+    ids, at = passkey.passkey_prompt(tok, length, depth, 12345)
+    assert len(ids) == length
+    text = tok.decode(ids)
+    needle = passkey_needle(12345)
+    assert text.endswith(PASSKEY_QUESTION) and text.count(needle) == 1
+    assert tok.decode(ids[at : at + len(needle)]) == needle
+    before = tok.decode(ids[:at])
+    assert before.endswith((".", "them. I will quiz you about the important information there."))
+    # the boundary chosen is the one nearest the requested depth of the garbage
+    head = 1 + len(PASSKEY_INTRO)  # BOS + the task description, a token per character
+    room = length - head - len(needle) - len(PASSKEY_QUESTION)
+    assert abs((at - head) - depth * room) <= len(" There and back again.") / 2 + 1
+
+
+def test_prompt_too_short_and_bad_depth(tiny):
+    with pytest.raises(ValueError, match="length=50 is shorter than the passkey prompt"):
+        passkey.passkey_prompt(tiny.tokenizer, 50, 0.5, 1)
+    with pytest.raises(ValueError, match="depth=1.5"):
+        passkey.passkey_prompt(tiny.tokenizer, 300, 1.5, 1)
+
+
+def test_first_int():
+    assert passkey.first_int(" 68079. Remember") == 68079
+    assert passkey.first_int("no digits") is None
+
+
+def test_run_scores_and_resumes(tiny, tmp_path):
+    log = ResultLog(tmp_path / "s.jsonl")
+    recs = passkey.run(tiny.model, tiny.tokenizer, FullCache(), [300], [0.0, 1.0], 2, log, progress=False, label="f")
+    assert len(recs) == 4 and all(isinstance(r["correct"], bool) for r in recs)
+    for r in recs:  # a random model: correct exactly when its output starts with the key
+        assert r["correct"] == (passkey.first_int(r["output"]) == r["key"])
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    (tmp_path / "s.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    again = passkey.run(tiny.model, tiny.tokenizer, FullCache(), [300], [0.0, 1.0], 2, ResultLog(tmp_path / "s.jsonl"),
+                        progress=False, label="f")
+    assert sorted(json.dumps(r, sort_keys=True) for r in again) == sorted(json.dumps(r, sort_keys=True) for r in recs)
+    table = passkey.accuracy_table(again)
+    assert list(table) == [300] and set(table[300]) == {0.0, 1.0}
