@@ -9,6 +9,8 @@ import numpy as np
 
 from kvjax.policies import REGISTRY, Policy, make_policy
 
+# The embedded default: trained by `python -m experiments.train_tiny` and committed (see its README.md).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "default"
 RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 
@@ -66,6 +68,29 @@ def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) ->
     return make_policy(args.policy, args.budget, **options)
 
 
+def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None) -> list[Policy]:
+    """One policy per name (`--compare p1,p2`), each given the command-line options it takes.
+
+    An option that none of them takes is an error, as a typo must not be silently ignored."""
+    import inspect
+
+    options = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r} in --compare; available: {sorted(REGISTRY)}")
+    taken = {k for n in names for k in options if k in inspect.signature(REGISTRY[n]).parameters}
+    if options - taken:
+        raise ValueError(f"no policy of {names} takes {sorted(options - taken)}")
+    out = []
+    for n in names:
+        own = argparse.Namespace(**vars(args))
+        own.policy = n
+        for k in options - set(inspect.signature(REGISTRY[n]).parameters):
+            setattr(own, k, None)
+        out.append(policy_from_args(own, num_layers))
+    return out
+
+
 def attach_gate_params(args: argparse.Namespace, model) -> None:
     """Loads --gate-params into `model`; --policy gate without them is an error."""
     if getattr(args, "gate_params", None):
@@ -77,9 +102,14 @@ def attach_gate_params(args: argparse.Namespace, model) -> None:
 
 
 def default_model_dir() -> tuple[Path, bool]:
-    """The embedded default model: for now a tiny *randomly initialised* Llama, created on first use."""
+    """(directory, is random) of the embedded default model.
+
+    The trained default (models/default); if it is missing (a checkout without its weights), a
+    tiny *randomly initialised* Llama created on first use, flagged as random."""
     from models.tiny import is_random, make_random_checkpoint
 
+    if (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+        return DEFAULT_MODEL_DIR, False
     if not (RANDOM_DEFAULT_DIR / "model.safetensors").is_file():
         make_random_checkpoint(RANDOM_DEFAULT_DIR)
     return RANDOM_DEFAULT_DIR, is_random(RANDOM_DEFAULT_DIR)
@@ -88,14 +118,24 @@ def default_model_dir() -> tuple[Path, bool]:
 # ---- training text (offline) ----
 
 
-def load_with_tokenizer(p: argparse.ArgumentParser, path):
+def load_with_tokenizer(p: argparse.ArgumentParser, path, **load_kw):
     """`models.load(path)`, or a command-line error if the directory has no tokenizer."""
     from models import load
 
-    lm = load(path)
+    lm = load(path, **load_kw)
     if lm.tokenizer is None:
         p.error(f"{path} has no tokenizer files")
     return lm
+
+
+def resolve_model(p: argparse.ArgumentParser, path=None, **load_kw):
+    """`--model DIR` loaded with its tokenizer, or the embedded default model when `path` is None."""
+    if path is None:
+        path, random_weights = default_model_dir()
+        if random_weights:
+            print(f"NOTE: RANDOM WEIGHTS - {DEFAULT_MODEL_DIR} is missing, so the default model is a tiny "
+                  f"randomly initialised Llama ({path}); its results mean nothing.")
+    return load_with_tokenizer(p, path, **load_kw)
 
 
 def read_text(files: list[str] | None) -> str:

@@ -22,7 +22,9 @@ def test_generate_cli_on_a_local_model(tiny_dir, capsys):
     assert re.search(r"decode [\d.]+ tokens/s", out)
 
 
-def test_generate_cli_default_model_is_labelled_random(tmp_path, monkeypatch, capsys):
+def test_generate_cli_default_model_is_labelled_random_when_the_trained_one_is_missing(tmp_path, monkeypatch,
+                                                                                       capsys):
+    monkeypatch.setattr(common, "DEFAULT_MODEL_DIR", tmp_path / "no-such-model")
     monkeypatch.setattr(common, "RANDOM_DEFAULT_DIR", tmp_path / "random")
     assert gen_cli.main(["--max-new-tokens", "4", "--policy", "full"]) == 0
     out = capsys.readouterr().out

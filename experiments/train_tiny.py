@@ -1,0 +1,188 @@
+"""Trains kvjax's embedded default model from scratch: a small Llama (GQA, RoPE) on the Python
+standard library's source and English reference docs, mixed with synthetic long-range tasks.
+
+    python -m experiments.train_tiny [--out DIR] [--steps 2000]
+
+1. a byte-level BPE (`tokenizers`, digits split one by one so keys copy digit by digit) is
+   trained on the training split and saved as a `transformers` fast tokenizer;
+2. the corpus is tokenised once (cached in OUT/training/data.npz);
+3. the model trains with AdamW + cosine decay on rows of `--seq-len` tokens: natural text, and
+   passkey / key-value / fact-QA / copy tasks with up-weighted answers (`experiments.tasks`);
+   the tasks start short and grow to the full row (`--curriculum`), so retrieval is learnt
+   early and then stretched;
+4. OUT becomes a Hugging Face directory (config.json, tokenizer, model.safetensors) with a model
+   card (README.md), the loss curve and the evaluation numbers (`experiments.model_card`).
+
+Every batch is a pure function of (seed, step), and training resumes from OUT/training/checkpoints:
+rerunning the same command after a crash continues where it stopped, with the same result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import corpus
+from experiments.tasks import Mixture, RowSampler
+from kvjax.rope import RopeConfig
+from kvjax.train import TrainConfig, next_token_loss, train
+from models.llama import Llama, LlamaConfig
+from models.loading import save_pretrained
+from models.tiny import SPECIAL  # <unk> <s> </s> <pad>: ids 0..3, as the random test models
+
+
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE over `texts`, as a `transformers` fast tokenizer that prepends <s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < len(SPECIAL) + 256:
+        raise ValueError(f"vocab_size={vocab_size} must be >= {len(SPECIAL) + 256} (specials + 256 bytes)")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def model_config(args, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.ffn, num_layers=args.layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.seq_len, rope=RopeConfig(theta=10000.0), bos_token_id=1,
+        eos_token_ids=(2,), pad_token_id=3,
+    )
+
+
+def tokenize_corpus(tok, cache: Path) -> dict[str, np.ndarray]:
+    """Token streams {code, docs} x {train, heldout}, documents joined by a blank line; cached."""
+    if cache.is_file():
+        with np.load(cache) as f:
+            return dict(f)
+    out = {}
+    for split in corpus.SPLITS:
+        for name, docs in (("code", corpus.code_documents(split)), ("docs", corpus.doc_documents(split))):
+            ids = tok([t + "\n\n" for _, t in docs], add_special_tokens=False)["input_ids"]
+            out[f"{name}_{split}"] = np.concatenate([np.asarray(i, np.int32) for i in ids])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(cache, **out)
+    return out
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m experiments.train_tiny", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="models/default",
+                   help="output HF directory (default: the embedded default, models/default)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512, help="training length = max_position_embeddings")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
+    p.add_argument("--curriculum", type=float, default=0.3,
+                   help="fraction of the steps over which the tasks grow from 128 tokens to the full row")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
+    args = p.parse_args(argv)
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden {args.hidden} must divide by --heads {args.heads}, and --heads by --kv-heads "
+                f"{args.kv_heads}")
+    if args.seq_len < 256:
+        p.error(f"--seq-len {args.seq_len} is too short for the tasks (>= 256)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    work = out / "training"
+    tok_dir = work / "tokenizer"
+    t0 = time.time()
+    if (tok_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    else:
+        texts = [t for _, t in corpus.code_documents("train")] + [t for _, t in corpus.doc_documents("train")]
+        tok = train_bpe(texts, args.vocab)
+        tok.model_max_length = args.seq_len
+        tok.save_pretrained(tok_dir)
+    data = tokenize_corpus(tok, work / "data.npz")
+    print(f"data     {corpus.fingerprint()}: " + ", ".join(f"{k} {len(v):,}" for k, v in data.items())
+          + f" tokens ({time.time() - t0:.0f} s)")
+
+    sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, answer_weight=args.answer_weight,
+                         mixture=Mixture())
+    ramp = max(1, int(args.curriculum * args.steps))
+
+    def span_at(step: int) -> int:
+        return int(128 + (args.seq_len - 1 - 128) * min(1.0, step / ramp))
+
+    def batch(i: int) -> dict:  # a pure function of (seed, i): a resumed run sees the same data
+        rng = np.random.default_rng([args.seed, i])
+        rows = [sampler.row(rng, span_at(i)) for _ in range(args.batch)]
+        return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
+                "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
+
+    def loss(m, b):
+        return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}
+
+    cfg = model_config(args, len(tok))
+    model = Llama(cfg, rngs=nnx.Rngs(args.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"model    {n_params / 1e6:.2f} M parameters: {cfg.num_layers} layers, d={cfg.hidden_size}, "
+          f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, length {cfg.max_position_embeddings}")
+    tcfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, decay="cosine",
+                       weight_decay=args.weight_decay, save_every=args.save_every)
+    t1 = time.time()
+    result = train(model, batch, loss, tcfg, work)
+    train_s = time.time() - t1
+    save_pretrained(result.model, out, tokenizer=tok)
+    prev = json.loads((work / "run.json").read_text()) if (work / "run.json").is_file() else {}
+    minutes = prev.get("train_minutes", prev.get("train_seconds_this_run", 0.0) / 60) + train_s / 60
+    meta = {
+        "command": "python -m experiments.train_tiny " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "args": vars(args), "parameters": int(n_params), "corpus": corpus.fingerprint(),
+        "tokens_per_step": args.batch * args.seq_len, "train_seconds_this_run": round(train_s, 1),
+        "train_minutes": round(minutes, 1), "cores": os.cpu_count(),
+        "resumed_from": result.resumed_from, "final_loss": result.history[-1]["loss"],
+        "platform": jax.devices()[0].platform,
+    }
+    (work / "run.json").write_text(json.dumps(meta, indent=2))
+    print(f"trained  {len(result.history)} steps (from {result.resumed_from}) in {train_s / 60:.1f} min; "
+          f"loss {result.history[0]['loss']:.3f} -> {result.history[-1]['loss']:.3f}")
+    if not args.no_eval:
+        from experiments.model_card import write_card
+
+        write_card(out, data, meta)
+    print(f"wrote    {out} (HF directory; model card {out / 'README.md'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Training the default model: corpus split, tokenizer, task rows, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import corpus
+from experiments import train_tiny as tt
+from experiments.records import ResultLog
+from experiments.tasks import PASSKEY_QUESTION, RowSampler
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    texts = [t for _, t in corpus.code_documents("train")[:40]] + [t for _, t in corpus.doc_documents("train")[:10]]
+    return tt.train_bpe(texts, 400)
+
+
+def test_corpus_split_is_disjoint_and_stable():
+    train = {n for n, _ in corpus.code_documents("train")}
+    held = {n for n, _ in corpus.code_documents("heldout")}
+    assert train and held and not train & held
+    assert {n for n, _ in corpus.code_documents("heldout")} == held  # a pure function of the names
+    assert not any(n.startswith(("test/", "encodings/", "idlelib/")) for n in train | held)
+    docs = {n for n, _ in corpus.doc_documents("train")} | {n for n, _ in corpus.doc_documents("heldout")}
+    from pydoc_data.topics import topics
+
+    assert docs == set(topics)
+    with pytest.raises(ValueError, match="split='dev'"):
+        corpus.code_documents("dev")
+
+
+def test_bpe_splits_digits_round_trips_and_prepends_bos(bpe):
+    text = "def f(x):\n    return x + 12345  # é ✓"
+    ids = bpe(text)["input_ids"]
+    assert ids[0] == bpe.bos_token_id == 1 and bpe.pad_token_id == 3 and bpe.eos_token_id == 2
+    assert bpe.decode(ids, skip_special_tokens=True) == text
+    toks = bpe.convert_ids_to_tokens(bpe(" 12345", add_special_tokens=False)["input_ids"])
+    assert toks[-5:] == ["1", "2", "3", "4", "5"]  # one token per digit: keys are copied digit by digit
+    with pytest.raises(ValueError, match="vocab_size=100 must be >= 260"):
+        tt.train_bpe(["x"], 100)
+
+
+def test_rows_have_exact_length_weighted_answers_and_are_deterministic(bpe):
+    stream = np.asarray(bpe(" ".join(t for _, t in corpus.doc_documents("train")[:5]),
+                            add_special_tokens=False)["input_ids"], np.int32)
+    sampler = RowSampler(bpe, stream, stream, 256, answer_weight=4.0)
+    rows = [sampler.row(np.random.default_rng([0, i]), 200) for i in range(40)]
+    again = [sampler.row(np.random.default_rng([0, i]), 200) for i in range(40)]
+    for (ids, w), (ids2, w2) in zip(rows, again):
+        assert ids.shape == w.shape == (256,) and ids.dtype == np.int32
+        assert ids[0] == bpe.bos_token_id
+        np.testing.assert_array_equal(ids, ids2)
+        np.testing.assert_array_equal(w, w2)
+    question = bpe(PASSKEY_QUESTION, add_special_tokens=False)["input_ids"]
+    passkeys = 0
+    for ids, w in rows:
+        text = bpe.decode(ids)
+        if PASSKEY_QUESTION in text:  # a passkey row: the weighted tail is the key of the needle
+            passkeys += 1
+            assert set(np.unique(w)) == {1.0, 4.0}
+            key = bpe.decode(ids[w == 4.0]).strip()
+            assert f"The pass key is {key}. Remember it. {key} is the pass key." in text
+            n = int((w == 4.0).sum())  # " " + five digits, at the very end, right after the question
+            assert n == 6 and list(ids[-len(question) - n : -n]) == question
+    assert passkeys >= 3
+
+
+def test_train_tiny_writes_a_model_that_both_frameworks_load_and_resumes(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    from models import load
+
+    out = tmp_path / "m"
+    argv = ["--out", str(out), "--seq-len", "256", "--batch", "2", "--vocab", "300", "--hidden", "32", "--ffn",
+            "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--warmup", "1", "--save-every", "2",
+            "--no-eval"]
+    assert tt.main(argv + ["--steps", "2"]) == 0
+    assert json.loads((out / "training" / "run.json").read_text())["resumed_from"] == 0
+    assert tt.main(argv + ["--steps", "3"]) == 0  # resumes at step 2: the tokenizer and data are reused
+    run = json.loads((out / "training" / "run.json").read_text())
+    assert run["resumed_from"] == 2 and run["args"]["steps"] == 3
+    lm = load(out)
+    assert lm.config.max_position_embeddings == 256 and lm.config.num_kv_heads == 1
+    ids = lm.tokenizer("import os\nprint(1)")["input_ids"]
+    ours = np.asarray(lm.model(np.asarray([ids])))
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_train_tiny_rejects_bad_shapes(capsys):
+    with pytest.raises(SystemExit):
+        tt.main(["--hidden", "30", "--heads", "4"])
+    assert "--hidden 30 must divide by --heads 4" in capsys.readouterr().err
+
+
+def test_result_log_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"id": 1, "x": 1}\n{"id": 2, "x": 2}\n{"id": 3, "x"')
+    log = ResultLog(path)
+    assert len(log) == 2 and 3 not in log and 2 in log
+    log.add({"id": 3, "x": 3})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    path.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(ValueError, match="log.jsonl:2 is not valid JSON"):
+        ResultLog(path)
