@@ -1,0 +1,81 @@
+"""The perplexity suite: StreamingLLM's token-by-token protocol against a single forward."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import perplexity as ppl_cli
+from kvjax.policies import FullCache, StreamingLLM
+from kvjax.scoring import stream_logprobs
+from models.tiny import make_random_checkpoint, tiny_config
+
+
+def _full_forward_nll(model, ids):
+    logits = np.asarray(model(np.asarray([ids])), np.float64)[0]
+    m = logits.max(-1, keepdims=True)
+    lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    ids = np.asarray(ids)
+    return -lp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_full_cache_perplexity_equals_one_forward(sharp_dir):
+    from models import load
+
+    model = load(sharp_dir).model
+    ids = list(np.random.default_rng(0).integers(4, 260, 100))
+    got = ppl_cli.measure(model, ids, FullCache())
+    want = _full_forward_nll(model, ids)
+    # float32 against a float64 softmax of the same logits; NLLs here are 2-14 nats
+    np.testing.assert_allclose(-stream_logprobs(model, ids, FullCache()), want, rtol=1e-5)
+    assert got["ppl"] == pytest.approx(float(np.exp(want.mean())), rel=1e-5)
+
+
+def test_streaming_matches_full_cache_until_the_budget_fills(sharp_dir):
+    from models import load
+
+    model = load(sharp_dir).model
+    ids = list(np.random.default_rng(1).integers(4, 260, 80))
+    budget = 24
+    full = stream_logprobs(model, ids, FullCache())
+    stream = stream_logprobs(model, ids, StreamingLLM(budget=budget, sinks=4))
+    # token t + 1 is predicted from t + 1 tokens: identical while they all fit in the cache
+    np.testing.assert_allclose(stream[:budget], full[:budget], atol=1e-5)
+    assert np.abs(stream[budget + 4 :] - full[budget + 4 :]).max() > 1e-4  # and different once evicting
+
+
+def test_cli_in_and_out_of_window(tmp_path):
+    model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 10)
+    out = tmp_path / "out"
+    argv = ["--model", str(model_dir), "--text", str(text), "--lengths", "32,64,128", "--compare",
+            "full,streaming", "--budget", "16", "--out", str(out)]
+    assert ppl_cli.main(argv) == 0
+    res = json.loads((out / "results.json").read_text())["ppl"]
+    assert res["full"]["128"] is None and res["streaming"]["128"] is None  # absolute positions: not run
+    assert res["full"]["64"] is not None and res["streaming"]["32"] is not None
+    assert "n/a" in (out / "results.md").read_text() and (out / "perplexity.png").is_file()
+    # rolling positions run beyond the window; the finished cells are reused (resume)
+    lines_before = (out / "runs.jsonl").read_text().count("\n")
+    assert ppl_cli.main(argv[:-6] + ["--compare", "streaming", "--budget", "16", "--positions", "rolling",
+                                     "--out", str(out)]) == 0
+    runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    rolled = [r for r in runs if "rolling" in r["policy"]]
+    assert len(runs) == lines_before + 3 and all("ppl" in r for r in rolled)
+    assert np.isfinite([r["ppl"] for r in rolled]).all()
+
+
+def test_cli_errors(tmp_path, tiny_dir, capsys):
+    from kvjax.policies import SnapKV
+    from models import load
+
+    text = tmp_path / "t.txt"
+    text.write_text("short")
+    with pytest.raises(SystemExit):
+        ppl_cli.main(["--model", str(tiny_dir), "--text", str(text), "--lengths", "100"])
+    assert "the text has" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"does not evict|compresses a whole prompt once"):
+        ppl_cli.measure(load(tiny_dir).model, [1, 2, 3, 4], SnapKV(budget=64))
