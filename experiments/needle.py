@@ -1,0 +1,193 @@
+"""Needle in a haystack: a fact hidden at a depth of a long context, asked for at the end; a grid of
+context lengths x depths per cache policy, scored without a judge model.
+
+    python -m experiments.needle [--model DIR] [--haystack DIR] [--lengths 128,256,504]
+        [--depths 0,25,50,75,100] [--compare full,streaming,razor --heads heads.json] [--budget 128]
+
+Insertion follows the original harness (gkamradt/LLMTest_NeedleInAHaystack): the haystack's tokens
+are cut to the room left by the needle and the question, the insertion point is `depth %` of them,
+and it moves back until the token before it ends a sentence; the needle's tokens go there. Prompts
+are assembled from token ids, so every prompt has exactly the requested length. Scores: ROUGE-1
+recall of the needle's words in the answer, and exact match (the answer contains the key fact).
+Default haystack: the standard-library reference documentation; the default needle is a made-up
+fact of the kind the default model was trained to retrieve. Results: OUT/cells.jsonl (resumable),
+OUT/results.{json,md} and a heatmap per policy, OUT/heatmap_<policy>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.records import ResultLog
+from kvjax import Sampling, generate
+
+NEEDLE = " The founder of Kalomiven is Ravendor."
+QUESTION = "\nQuestion: What is the founder of Kalomiven?\nAnswer:"
+ANSWER = "Ravendor"
+MAX_NEW_TOKENS = 12
+
+
+def haystack_text(directory: str | None) -> str:
+    if directory is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    files = sorted(Path(directory).glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"--haystack {directory} has no .txt files")
+    return "\n\n".join(f.read_text() for f in files)
+
+
+def _ends_sentence(tok, token_id: int) -> bool:
+    return tok.convert_ids_to_tokens(int(token_id)).rstrip().endswith((".", "!", "?"))
+
+
+def needle_prompt(tok, haystack_ids: list[int], length: int, depth: float, needle: str, question: str
+                  ) -> tuple[list[int], int]:
+    """(prompt of exactly `length` tokens, index of the needle's first token) for `depth` in [0, 100]."""
+    if not 0 <= depth <= 100:
+        raise ValueError(f"depth={depth} must be a percentage in [0, 100]")
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    n_ids = tok(needle, add_special_tokens=False)["input_ids"]
+    q_ids = tok(question, add_special_tokens=False)["input_ids"]
+    room = length - len(bos) - len(n_ids) - len(q_ids)
+    if room < 1:
+        raise ValueError(f"length={length} leaves no room for the haystack (needle + question take "
+                         f"{length - room} tokens)")
+    if len(haystack_ids) < room:
+        raise ValueError(f"the haystack has {len(haystack_ids)} tokens; length={length} needs {room}")
+    context = list(haystack_ids[:room])
+    at = int(room * depth / 100)
+    while at > 0 and not _ends_sentence(tok, context[at - 1]):  # back to a sentence boundary
+        at -= 1
+    return bos + context[:at] + n_ids + context[at:] + q_ids, len(bos) + at
+
+
+def rouge1_recall(answer: str, reference: str) -> float:
+    """Share of the reference's (lower-cased, alphanumeric) words, with multiplicity, found in the answer."""
+    words = lambda s: re.findall(r"[a-z0-9]+", s.lower())  # noqa: E731
+    ref, ans = words(reference), words(answer)
+    if not ref:
+        raise ValueError("the reference has no words")
+    pool = {}
+    for w in ans:
+        pool[w] = pool.get(w, 0) + 1
+    hit = 0
+    for w in ref:
+        if pool.get(w, 0) > 0:
+            pool[w] -= 1
+            hit += 1
+    return hit / len(ref)
+
+
+def exact_match(answer: str, key: str) -> bool:
+    return key.strip().lower() in answer.lower()
+
+
+def write_report(out: Path, records: list[dict], labels: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, lines = {}, []
+    for lab in labels:
+        recs = [r for r in records if r["label"] == lab]
+        if not recs:
+            continue
+        lengths = sorted({r["length"] for r in recs})
+        depths = sorted({r["depth"] for r in recs})
+        grid = {(r["length"], r["depth"]): r for r in recs}
+        em = np.array([[grid[(n, d)]["exact"] if (n, d) in grid else np.nan for n in lengths] for d in depths], float)
+        rouge = np.array([[grid[(n, d)]["rouge1_recall"] if (n, d) in grid else np.nan for n in lengths]
+                          for d in depths])
+        summary[lab] = {"policy": recs[0]["policy"], "exact_match": float(np.nanmean(em)),
+                        "rouge1_recall": float(np.nanmean(rouge)), "lengths": lengths, "depths": depths,
+                        "exact_grid": em.tolist(), "rouge_grid": rouge.tolist()}
+        lines += [f"### {lab}: exact match {100 * np.nanmean(em):.1f} %, ROUGE-1 recall {np.nanmean(rouge):.3f}", "",
+                  "exact match (1/0) per depth (rows) and context length (columns):", "",
+                  "| depth % | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
+        for d, row in zip(depths, em):
+            lines.append(f"| {d:g} | " + " | ".join(f"{v:.0f}" for v in row) + " |")
+        lines.append("")
+        # The heatmap shows exact match of the key fact: a short correct answer ("Ravendor") has a low
+        # ROUGE-1 recall of the whole needle sentence, so recall alone would paint right answers red.
+        fig, ax = plt.subplots(figsize=(1.5 + 0.7 * len(lengths), 1 + 0.45 * len(depths)))
+        im = ax.imshow(em, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), lengths)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=lab)
+        fig.colorbar(im, ax=ax, label="exact match")
+        fig.tight_layout()
+        fig.savefig(out / f"heatmap_{re.sub(r'[^A-Za-z0-9_-]+', '_', lab)}.png", dpi=100)
+        plt.close(fig)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    (out / "results.md").write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.needle", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--haystack", help="directory of .txt files (default: Python's reference documentation)")
+    p.add_argument("--needle", default=NEEDLE)
+    p.add_argument("--question", default=QUESTION, help="appended after the context")
+    p.add_argument("--answer", default=ANSWER, help="the needle's key fact, for exact match")
+    p.add_argument("--lengths", help="comma-separated prompt lengths (default: 5 up to the model's window)")
+    p.add_argument("--depths", default="0,25,50,75,100", help="comma-separated percentages")
+    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming)")
+    p.add_argument("--batch", type=int, default=5)
+    p.add_argument("--out", default="results/needle")
+    add_policy_args(p, default=None)
+    p.set_defaults(budget=128)
+    args = p.parse_args(argv)
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+
+    lm = resolve_model(p, args.model)
+    attach_gate_params(args, lm.model)
+    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming"]
+    policies = policies_from_args(args, names, num_layers=lm.config.num_layers)
+    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    top = n - MAX_NEW_TOKENS
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
+        sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})
+    depths = [float(x) for x in args.depths.split(",")]
+    hay = tok(haystack_text(args.haystack), add_special_tokens=False)["input_ids"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = ResultLog(out / "cells.jsonl")
+    setting = f"{args.needle}|{args.question}"
+    for lab, pol in zip(labels, policies):
+        todo = [(L, d) for L in lengths for d in depths if f"{pol.describe()}|{setting}|{L}|{d}" not in log]
+        for L in tqdm(lengths, desc=f"needle {lab}"):
+            cells = [(L2, d) for L2, d in todo if L2 == L]
+            for s in range(0, len(cells), args.batch):
+                chunk = cells[s : s + args.batch]
+                prompts = [needle_prompt(tok, hay, L, d, args.needle, args.question) for _, d in chunk]
+                gen = generate(lm.model, [pr for pr, _ in prompts], pol, max_new_tokens=MAX_NEW_TOKENS,
+                               sampling=Sampling())
+                for (_, d), (_, at), seq in zip(chunk, prompts, gen.sequences()):
+                    text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
+                    log.add({"id": f"{pol.describe()}|{setting}|{L}|{d}", "label": lab, "policy": pol.describe(),
+                             "length": L, "depth": d, "needle_at": at, "answer": text,
+                             "rouge1_recall": rouge1_recall(text, args.needle), "exact": exact_match(text, args.answer)})
+    wanted = {f"{pol.describe()}|{setting}|{L}|{d}": lab for lab, pol in zip(labels, policies)
+              for L in lengths for d in depths}
+    records = [r | {"label": wanted[r["id"]]} for r in log if r["id"] in wanted]
+    write_report(out, records, labels)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/results.{{md,json}} and heatmap_*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
