@@ -1,0 +1,129 @@
+"""Zero-shot multiple choice, lm-evaluation-harness style, with the cache policy applied to the context.
+
+    python -m experiments.zeroshot [--model DIR] [--data items.jsonl] [--compare full,streaming,mat]
+
+An item is a context (a passage; may be empty), a query and choices. The context is prefilled
+under the policy (the compressed cache is what the query sees); each choice is then scored as the
+sum of its tokens' log-probs given cache + query (`kvjax.fewshot`: one parallel extension per
+item). `acc`: the highest sum is the gold choice; `acc_norm`: the sum divided by the choice's
+length in characters (lm-eval's definition). `--data` reads JSON lines {"context", "query",
+"choices", "gold"}; without it, a built-in task needing no download: made-up facts hidden in
+held-out reference text, one asked, the four facts' values as choices. Scores per item go to
+OUT/items.jsonl (resumable); OUT/results.{md,json} hold acc / acc_norm per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.records import ResultLog
+from kvjax import fewshot
+from kvjax.fewshot import Item
+
+FIELDS = ("context", "query", "choices", "gold")
+
+
+def builtin_task(n: int = 40, seed: int = 0) -> list[dict]:
+    """Four made-up facts in held-out reference text; the question asks one, the four values are the choices."""
+    from experiments.longbench.suite import _doc_sentences, _window
+    from experiments.tasks import ATTRIBUTES, fact_question, fact_sentence, made_up_name
+
+    rng = np.random.default_rng(seed)
+    sentences, items = _doc_sentences(), []
+    attr = ATTRIBUTES[0]
+    for _ in range(n):
+        text = _window(rng, sentences, 700)
+        facts = [(made_up_name(rng), made_up_name(rng)) for _ in range(4)]
+        for subj, value in facts:
+            text.insert(int(rng.integers(0, len(text) + 1)), fact_sentence(attr, subj, value).strip())
+        gold = int(rng.integers(4))
+        items.append({"context": " ".join(text), "query": fact_question(attr, facts[gold][0]),
+                      "choices": [" " + v for _, v in facts], "gold": gold})
+    return items
+
+
+def read_items(path: str) -> list[dict]:
+    items = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        missing = [f for f in FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"{path}:{n}: item is missing field {missing[0]!r} (an item has {list(FIELDS)})")
+        if not 0 <= int(row["gold"]) < len(row["choices"]):
+            raise ValueError(f"{path}:{n}: gold={row['gold']} is not an index into {len(row['choices'])} choices")
+        items.append(row)
+    if not items:
+        raise ValueError(f"{path} has no items")
+    return items
+
+
+def score_item(model, tok, row: dict, policy) -> dict:
+    """Option log-prob sums and the acc / acc_norm verdicts of one item."""
+    # BOS + passage (just BOS for an empty context), whether or not the tokenizer adds BOS itself
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    context = bos + tok(row["context"], add_special_tokens=False)["input_ids"]
+    if not context:
+        raise ValueError("an item with an empty context needs a tokenizer with a BOS token")
+    item = Item(tuple(tok(row["query"], add_special_tokens=False)["input_ids"]),
+                tuple(tuple(tok(c, add_special_tokens=False)["input_ids"]) for c in row["choices"]), int(row["gold"]))
+    cache = fewshot.prefix_cache(model, context, policy, fewshot.room_for([item]))
+    lp = fewshot.cached_scores(model, cache, len(context), item, policy)
+    norm = lp / np.asarray([len(c) for c in row["choices"]])
+    return {"logprobs": lp.tolist(), "acc": bool(np.argmax(lp) == item.answer),
+            "acc_norm": bool(np.argmax(norm) == item.answer)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
+    p.add_argument("--items", type=int, default=40, help="built-in task: number of items")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming)")
+    p.add_argument("--out", default="results/zeroshot")
+    add_policy_args(p, default=None)
+    p.set_defaults(budget=128)
+    args = p.parse_args(argv)
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    rows = read_items(args.data) if args.data else builtin_task(args.items, args.seed)
+    task = args.data or f"builtin(items={args.items}, seed={args.seed})"
+
+    lm = resolve_model(p, args.model)
+    attach_gate_params(args, lm.model)
+    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming"]
+    policies = policies_from_args(args, names, num_layers=lm.config.num_layers)
+    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    out = Path(args.out)
+    log = ResultLog(out / "items.jsonl")
+    summary = {}
+    for lab, pol in zip(labels, policies):
+        ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
+        for rid, row in tqdm(list(zip(ids, rows)), desc=f"zeroshot {lab}"):
+            if rid not in log:
+                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol)})
+        recs = [log.records[r] for r in ids]
+        summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
+                        "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs)}
+    lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance "
+             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %)", "", "| policy | acc | acc_norm |",
+             "|---|---|---|"]
+    lines += [f"| {lab} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"task": task, "results": summary}, indent=2))
+    print((out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

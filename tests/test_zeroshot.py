@@ -1,0 +1,79 @@
+"""Zero-shot multiple choice: scores equal a hand computation with a full forward."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import zeroshot
+from kvjax.policies import FullCache, StreamingLLM
+
+ITEMS = [
+    {"context": "The sky is blue. Grass is green.", "query": " The sky is", "choices": [" blue", " green", " red"],
+     "gold": 0},
+    {"context": "", "query": "Two plus two is", "choices": [" four", " five hundred"], "gold": 0},
+    {"context": "Cats purr.", "query": " Dogs", "choices": [" bark", " meow", " purr loudly"], "gold": 2},
+]
+
+
+def _by_hand(model, tok, row):
+    """log p(choice | BOS + context + query) from one causal forward per choice, in float64."""
+    out = []
+    for c in row["choices"]:
+        ctx = [tok.bos_token_id] + tok(row["context"] + row["query"], add_special_tokens=False)["input_ids"]
+        ch = tok(c, add_special_tokens=False)["input_ids"]
+        logits = np.asarray(model(np.asarray([ctx + ch])), np.float64)[0]
+        m = logits.max(-1, keepdims=True)
+        lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        out.append(sum(lp[len(ctx) - 1 + i, t] for i, t in enumerate(ch)))
+    return np.asarray(out)
+
+
+def test_scores_equal_a_hand_computation(sharp_dir):
+    from models import load
+
+    lm = load(sharp_dir)
+    tok = lm.tokenizer
+    for row in ITEMS:
+        got = zeroshot.score_item(lm.model, tok, row, FullCache())
+        want = _by_hand(lm.model, tok, row)
+        np.testing.assert_allclose(got["logprobs"], want, rtol=1e-5, atol=1e-5)
+        assert got["acc"] == (int(np.argmax(want)) == row["gold"])
+        norm = want / np.asarray([len(c) for c in row["choices"]])
+        assert got["acc_norm"] == (int(np.argmax(norm)) == row["gold"])
+
+
+def test_policy_is_applied_to_the_context(sharp_dir):
+    from models import load
+
+    lm = load(sharp_dir)
+    row = {"context": "x" * 200 + " The key is 42.", "query": " The key is", "choices": [" 42", " 17"], "gold": 0}
+    full = zeroshot.score_item(lm.model, lm.tokenizer, row, FullCache())["logprobs"]
+    small = zeroshot.score_item(lm.model, lm.tokenizer, row, StreamingLLM(budget=32, sinks=4))["logprobs"]
+    assert np.abs(np.asarray(full) - np.asarray(small)).max() > 1e-3
+
+
+def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir):
+    data = tmp_path / "task.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
+    out = tmp_path / "out"
+    assert zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--compare", "full,streaming",
+                          "--budget", "32", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert res["full"]["items"] == 3 and 0 <= res["streaming"]["acc"] <= 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"context": "", "query": "q", "choices": ["a", "b"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: item is missing field 'gold'"):
+        zeroshot.read_items(str(bad))
+    bad.write_text(json.dumps({"context": "", "query": "q", "choices": ["a", "b"], "gold": 2}) + "\n")
+    with pytest.raises(ValueError, match="gold=2 is not an index into 2 choices"):
+        zeroshot.read_items(str(bad))
+
+
+def test_builtin_task_is_deterministic():
+    a, b = zeroshot.builtin_task(5, seed=1), zeroshot.builtin_task(5, seed=1)
+    assert a == b and all(len(r["choices"]) == 4 and r["query"].startswith("\nQuestion:") for r in a)
+    for r in a:
+        assert r["choices"][r["gold"]].strip() in r["context"]
