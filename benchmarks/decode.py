@@ -10,7 +10,6 @@ for reading, never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import tempfile
@@ -18,14 +17,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
-from kvjax import FullCache, Sampling, StreamingLLM
-from kvjax.cache import nbytes
-from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
+from experiments.efficiency import time_policy
+from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
@@ -37,28 +33,8 @@ BENCH_CONFIG = dict(
 
 
 def time_kvjax(model, ids, policy, new, repeats=3):
-    """Prefill once (timed after compiling), then time the decode loop on fresh copies of the cache."""
-    graphdef, state = nnx.split(model)
-    n = len(ids)
-    bucket = bucket_length(n)
-    tokens, positions = pad_left([ids], bucket, 0)
-    key = jax.random.key(0)
-    pre = functools.partial(prefill_fn, graphdef, state, tokens, positions, key, policy=policy,
-                            max_len=bucket + new, sampling=Sampling())
-    jax.block_until_ready(pre())  # compile
-    t = time.perf_counter()
-    first, cache = jax.block_until_ready(pre())
-    prefill_s = time.perf_counter() - t
-    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), eos=(), max_new=new, pad_id=0)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run compiles
-        c = jax.tree.map(jnp.copy, cache)
-        jax.block_until_ready(c)
-        t = time.perf_counter()
-        out, steps, c = dec(c, first, jnp.asarray([n], jnp.int32), key)
-        jax.block_until_ready(out)
-        best = min(best, time.perf_counter() - t)
-    return dict(tok_s=(int(steps) - 1) / best, prefill_s=prefill_s, cache_bytes=nbytes(c))
+    r = time_policy(model, [ids], policy, new, repeats)
+    return dict(tok_s=r["decode_tok_s"], prefill_s=r["prefill_s"], cache_bytes=r["cache_bytes"])
 
 
 def time_torch(path, ids, new):

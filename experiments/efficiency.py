@@ -1,0 +1,147 @@
+"""Efficiency per cache policy vs context length (MAT's Table 6 protocol): decode tokens/s, prefill
+time, cache bytes and peak device memory.
+
+    python -m experiments.efficiency [--model DIR] [--lengths 128,256,480] [--new 32] [--batch 1]
+        [--compare full,streaming,mat] [--budget 128]
+
+Each cell compiles first, then times the prefill once and the decode loop (`lax.while_loop`, no
+early stop) as the best of `--repeats` runs on fresh copies of the cache. Peak device memory is the
+allocator's high-water mark (`memory_stats()["peak_bytes_in_use"]`, GPU/TPU); CPU backends do not
+report it, so there the column is empty and cache bytes are the memory figure. Prompts are random
+token ids: speed does not depend on the text. Cells go to OUT/cells.jsonl as they finish (a rerun
+keeps them); OUT/results.{json,md} and OUT/efficiency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.records import ResultLog
+from kvjax import Sampling
+from kvjax.cache import nbytes
+from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int = 3) -> dict:
+    """Prefill seconds, decode tokens/s (per row), cache bytes and peak device bytes for one batch."""
+    graphdef, state = nnx.split(model)
+    n = max(map(len, prompts))
+    bucket = bucket_length(n)
+    tokens, positions = pad_left(prompts, bucket, 0)
+    key = jax.random.key(0)
+    pre = functools.partial(prefill_fn, graphdef, state, tokens, positions, key, policy=policy,
+                            max_len=bucket + new, sampling=Sampling())
+    jax.block_until_ready(pre())  # compile
+    t = time.perf_counter()
+    first, cache = jax.block_until_ready(pre())
+    prefill_s = time.perf_counter() - t
+    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), eos=(), max_new=new,
+                            pad_id=0)
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    best, steps, c = float("inf"), 0, cache
+    for _ in range(repeats + 1):  # the first run compiles
+        c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+        t = time.perf_counter()
+        out, steps, c = dec(c, first, lengths, key)
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t)
+    return {"prefill_s": prefill_s, "decode_tok_s": (int(steps) - 1) / best, "cache_bytes": nbytes(c),
+            "peak_bytes": peak_bytes()}
+
+
+def write_report(out: Path, rows: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"Efficiency on {meta['device']} (jax {meta['jax']}): {meta['model']}, batch {meta['batch']}, "
+             f"{meta['new']} new tokens, greedy", "",
+             "| policy | context | prefill ms | decode tok/s | cache MiB | peak MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
+        lines.append(f"| {r['label']} | {r['length']} | {1e3 * r['prefill_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['cache_bytes'] / 2**20:.3f} | {peak} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for lab in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == lab]
+        x = [r["length"] for r in mine]
+        axes[0].plot(x, [r["decode_tok_s"] for r in mine], marker="o", label=lab)
+        axes[1].plot(x, [1e3 * r["prefill_s"] for r in mine], marker="o", label=lab)
+        axes[2].plot(x, [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=lab)
+    for ax, y in zip(axes, ["decode tokens/s", "prefill ms", "cache MiB"]):
+        ax.set(xlabel="context tokens", ylabel=y, xscale="log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "efficiency.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.efficiency", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--lengths", help="comma-separated context lengths (default: max/4, max/2, max - new)")
+    p.add_argument("--new", type=int, default=32, help="decoded tokens per timing")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
+    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming,mat)")
+    p.add_argument("--out", default="results/efficiency")
+    add_policy_args(p, default=None)
+    p.set_defaults(budget=128)
+    args = p.parse_args(argv)
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    if args.new < 2 or args.batch < 1:
+        p.error(f"--new {args.new} must be >= 2 and --batch {args.batch} >= 1")
+    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
+    attach_gate_params(args, lm.model)
+    cfg = lm.config
+    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming", "mat"]
+    policies = policies_from_args(args, names, num_layers=cfg.num_layers)
+    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    n = cfg.max_position_embeddings
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n // 4, n // 2, n - args.new]
+    too_long = [L for L in lengths if L + args.new > n]
+    if too_long:
+        p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n}")
+    out = Path(args.out)
+    log = ResultLog(out / "cells.jsonl")  # a rerun keeps the cells already timed
+    rows = []
+    for L in tqdm(lengths, desc="context lengths"):
+        prompts = np.random.default_rng(L).integers(4, cfg.vocab_size, (args.batch, L)).tolist()
+        for lab, pol in zip(labels, policies):
+            rid = f"{lm.path}|{args.dtype}|{args.attention_impl}|{pol.describe()}|{L}|{args.batch}|{args.new}"
+            if rid not in log:
+                log.add({"id": rid, "policy": pol.describe(), "length": L,
+                         **time_policy(lm.model, prompts, pol, args.new, args.repeats)})
+            rows.append(log.records[rid] | {"label": lab})
+    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": str(lm.path), "batch": args.batch,
+            "new": args.new, "dtype": args.dtype}
+    write_report(out, rows, meta)
+    print((out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
