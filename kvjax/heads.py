@@ -61,23 +61,31 @@ def _layers(model, tokens: Int[Array, "b t"]):
         x, _, _ = layer.prefill(x, pos, None, None)
 
 
-def _probs(q, k, q_pos, k_pos, scale, slopes, window):
-    """Attention probabilities `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`."""
+def _logits(q, k, q_pos, k_pos, scale, slopes, window):
+    """Scaled, biased attention logits `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`
+    (masked entries -inf)."""
     qg = attention._group(q, k.shape[1])
     s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
-    s = attention._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
-    return jax.nn.softmax(s, axis=-1)
+    return attention._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
 
 
-def attention_maps(model, tokens: Int[Array, "b t"]) -> list[Float[np.ndarray, "b h t t"]]:
-    """Every layer's dense attention probabilities (for short inputs: inspection, plots, tests)."""
+def _probs(q, k, q_pos, k_pos, scale, slopes, window):
+    """Attention probabilities `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`."""
+    return jax.nn.softmax(_logits(q, k, q_pos, k_pos, scale, slopes, window), axis=-1)
+
+
+def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) -> list[Float[np.ndarray, "b h t t"]]:
+    """Every layer's dense attention probabilities, or with `logits=True` the pre-softmax logits
+    `q.k / sqrt(d)` (+ ALiBi bias; -inf where masked), as MAT's Figure 1 / Table 1 read them.
+    For short inputs: inspection, plots, tests."""
     tokens = jnp.asarray(tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     c = model.cfg
     out = []
     for _, q, k, slopes in _layers(model, tokens):
-        p = _probs(q, k, pos, pos, c.head_dim**-0.5, slopes, c.sliding_window)
-        out.append(np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:])))
+        p = (_logits if logits else _probs)(q, k, pos, pos, c.head_dim**-0.5, slopes, c.sliding_window)
+        p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
+        out.append(np.where(p <= attention._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
 
 

@@ -158,3 +158,18 @@ def test_find_heads_cli_errors(tmp_path, tiny_dir, capsys):
     with pytest.raises(SystemExit):
         find_heads.main(["--model", str(tiny_dir), "--out", str(tmp_path / "h.json"), "--k", "5000"])
     assert "pass a smaller --k" in capsys.readouterr().err
+
+
+def test_attention_logits_are_q_dot_k_over_sqrt_d_and_softmax_to_the_maps(tiny):
+    tokens = jnp.asarray([[1, 50, 60, 70, 80, 90]])
+    logits = H.attention_maps(tiny.model, tokens, logits=True)
+    probs = H.attention_maps(tiny.model, tokens)
+    for lg, p in zip(logits, probs):
+        assert np.isneginf(lg[0, :, 0, 1:]).all()  # causal: masked
+        e = np.exp(lg - lg.max(-1, keepdims=True))
+        np.testing.assert_allclose(e / e.sum(-1, keepdims=True), p, atol=1e-6)
+    # layer 0 by hand: RMSNorm -> q/k projections -> RoPE, then q.k / sqrt(d)
+    _, q, k, _ = next(H._layers(tiny.model, tokens))
+    d = tiny.config.head_dim
+    want = np.einsum("hd,d->h", np.asarray(q[0, :, 5]), np.asarray(k[0, 0, 2])) / np.sqrt(d)
+    np.testing.assert_allclose(logits[0][0, :2, 5, 2], want[:2], rtol=1e-5)  # heads 0-1 share KV head 0
