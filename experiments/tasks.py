@@ -1,7 +1,8 @@
 """Synthetic long-range tasks: their prompt texts (shared by training, the LongBench-format suite
 and the passkey suite) and a token-level row sampler for `experiments.train_tiny`.
 
-The passkey prompt is the LongLoRA / landmark one. Rows for training are built from token-id
+The passkey prompt is the LongLoRA / landmark one. Besides natural text, rows hold passkey, key-value,
+fact-QA and copy tasks, and repeated random tokens (pure induction). Rows for training are built from token-id
 segments, so a row has an exact length without re-tokenising; each segment carries a loss
 weight, and answer tokens are up-weighted so the long-range signal is not drowned by filler.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+SPECIAL_IDS = range(4)  # <unk> <s> </s> <pad>: never drawn as random tokens
 
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
                  "I will quiz you about the important information there.")
@@ -55,11 +58,12 @@ def fact_question(attribute: str, subject: str) -> str:
 class Mixture:
     """Shares of the row kinds in a training batch (normalised)."""
 
-    text: float = 0.40
+    text: float = 0.30
     passkey: float = 0.20
     kv: float = 0.15
     facts: float = 0.10
-    copy: float = 0.15
+    copy: float = 0.10
+    induction: float = 0.15
 
     def probabilities(self) -> tuple[tuple[str, ...], np.ndarray]:
         names = tuple(f.name for f in dataclasses.fields(self))
@@ -82,6 +86,7 @@ class RowSampler:
         self.kinds, self.p = mixture.probabilities()
         self.answer_weight, self.docs_share = answer_weight, docs_share
         self.bos = tokenizer.bos_token_id
+        self.vocab = len(tokenizer)
         enc = self.encode
         self.garbage = enc(PASSKEY_GARBAGE)
         self.fixed = {"intro": enc(PASSKEY_INTRO), "question": enc(PASSKEY_QUESTION), "kv_intro": enc(KV_INTRO)}
@@ -159,6 +164,14 @@ class RowSampler:
             segments += [(filler[prev:c], 1.0), (s, 1.0)]
             prev = c
         return segments + [(filler[prev:], 1.0), (q, 1.0), (a, self.answer_weight)]
+
+    def _induction(self, rng, span):
+        """Random token ids repeated (RazorAttention's probe): only copying predicts the repeats, which
+        makes induction heads form early; the first occurrence is unpredictable and weighs 0."""
+        k = int(rng.integers(16, 65))
+        x = rng.integers(len(SPECIAL_IDS), self.vocab, k).tolist()
+        reps = span // k
+        return [(x, 0.0)] + [(x, 1.0)] * (reps - 1) + [(x[: span - reps * k], 1.0)]
 
     def _copy(self, rng, span):
         n = int(rng.integers(16, max(17, (span - 8) // 2)))

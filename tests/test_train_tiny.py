@@ -110,3 +110,15 @@ def test_result_log_drops_a_torn_last_line(tmp_path):
     path.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
     with pytest.raises(ValueError, match="log.jsonl:2 is not valid JSON"):
         ResultLog(path)
+
+
+def test_induction_rows_repeat_random_tokens_and_do_not_score_the_first_copy(bpe):
+    stream = np.arange(4, 300, dtype=np.int32).repeat(4)
+    sampler = RowSampler(bpe, stream, stream, 256)
+    segments = sampler._induction(np.random.default_rng(3), 200)
+    (first, w0), *rest = segments
+    assert w0 == 0.0 and all(w == 1.0 for _, w in rest)
+    assert sum(len(s) for s, _ in segments) == 200 and min(first) >= 4 and max(first) < len(bpe)
+    joined = [t for s, _ in segments for t in s]
+    k = len(first)
+    assert joined[k:] == (first * 10)[: 200 - k]  # every later token is the one k positions back
