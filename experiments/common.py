@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.policies import REGISTRY, Policy, make_policy
+from models import DEFAULT_DIR
 
 # The embedded default: trained by `python -m experiments.train_tiny` and committed (see its README.md).
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "default"
+DEFAULT_MODEL_DIR = DEFAULT_DIR
 RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 

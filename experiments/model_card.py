@@ -23,6 +23,7 @@ import numpy as np
 from experiments import passkey
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
+from models import DEFAULT_DIR
 
 SINK_SKIP = 16  # queries this early attend few keys, so any key gets a large share: left out
 
@@ -166,7 +167,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.model_card", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "default"))
+    p.add_argument("--model", default=str(DEFAULT_DIR))
     p.add_argument("--samples", type=int, default=4, help="passkey samples per (length, depth)")
     args = p.parse_args(argv)
     out = Path(args.model)

@@ -1,6 +1,20 @@
 """Model definitions and loading from local Hugging Face directories."""
 
+from pathlib import Path
+
 from models.llama import Llama, LlamaConfig
 from models.loading import LoadedModel, load, save_pretrained
 
-__all__ = ["Llama", "LlamaConfig", "LoadedModel", "load", "save_pretrained"]
+# The embedded default model (trained by `python -m experiments.train_tiny`; see its README.md).
+DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+
+
+def load_default(**kwargs) -> LoadedModel:
+    """`load(DEFAULT_DIR, **kwargs)`: the embedded default model with its tokenizer."""
+    if not (DEFAULT_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the default model is missing from {DEFAULT_DIR}; rebuild it with "
+                                "python -m experiments.train_tiny")
+    return load(DEFAULT_DIR, **kwargs)
+
+
+__all__ = ["DEFAULT_DIR", "Llama", "LlamaConfig", "LoadedModel", "load", "load_default", "save_pretrained"]
