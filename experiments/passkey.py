@@ -52,6 +52,22 @@ def passkey_prompt(tok, length: int, depth: float, key: int | str) -> tuple[list
     return head + filler[:cut] + needle + filler[cut:] + question, len(head) + cut
 
 
+def min_length(tok, key: int | str = 10000) -> int:
+    """Tokens of the passkey prompt without garbage (BOS, description, needle, question)."""
+    fixed = [tok.bos_token_id] + _encode(tok, PASSKEY_INTRO) + _encode(tok, passkey_needle(key))
+    return len(fixed) + len(_encode(tok, PASSKEY_QUESTION))
+
+
+def default_lengths(tok, max_position: int) -> list[int]:
+    """max/4, max/2 and max - MAX_NEW_TOKENS, those the prompt fits in (at least 16 tokens of garbage)."""
+    top = max_position - MAX_NEW_TOKENS
+    lengths = sorted({n for n in (max_position // 4, max_position // 2, top) if n >= min_length(tok) + 16})
+    if not lengths:
+        raise ValueError(f"max_position_embeddings={max_position} is too short for the passkey prompt "
+                         f"({min_length(tok)} tokens without garbage)")
+    return lengths
+
+
 def first_int(text: str) -> int | None:
     m = re.search(r"\d+", text)
     return int(m.group()) if m else None
@@ -137,7 +153,8 @@ def ints(s: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.passkey", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
-    p.add_argument("--lengths", type=ints, help="prompt lengths in tokens (default: max/4, max/2, max - 8)")
+    p.add_argument("--lengths", type=ints, help="prompt lengths in tokens (default: max/4, max/2, max - 8, "
+                                                "those the prompt fits in)")
     p.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--samples", type=int, default=5, help="samples per (length, depth)")
     p.add_argument("--batch", type=int, default=8)
@@ -150,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     attach_gate_params(args, lm.model)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
     n = lm.config.max_position_embeddings
-    lengths = args.lengths or [n // 4, n // 2, n - MAX_NEW_TOKENS]
+    lengths = args.lengths or default_lengths(lm.tokenizer, n)
     out = Path(args.out)
     label = policy.describe()
     log = ResultLog(out / "samples.jsonl")

@@ -55,3 +55,11 @@ def test_run_scores_and_resumes(tiny, tmp_path):
     assert sorted(json.dumps(r, sort_keys=True) for r in again) == sorted(json.dumps(r, sort_keys=True) for r in recs)
     table = passkey.accuracy_table(again)
     assert list(table) == [300] and set(table[300]) == {0.0, 1.0}
+
+
+def test_default_lengths_fit_the_prompt(tiny):
+    tok = tiny.tokenizer  # byte level: the fixed text alone is ~250 tokens
+    assert passkey.default_lengths(tok, 4096) == [1024, 2048, 4088]
+    assert passkey.default_lengths(tok, 512) == [504]  # 128 and 256 are too short
+    with pytest.raises(ValueError, match="max_position_embeddings=256 is too short"):
+        passkey.default_lengths(tok, 256)
