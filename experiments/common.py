@@ -69,6 +69,23 @@ def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) ->
     return make_policy(args.policy, args.budget, **options)
 
 
+def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
+    """--policy / --budget / every policy option, plus --compare p1,p2 (`default` when neither is given)."""
+    p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: {default})")
+    add_policy_args(p, default=None)
+    p.set_defaults(budget=budget, compare_default=default)
+
+
+def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_layers: int
+                    ) -> tuple[list[str], list[Policy]]:
+    """(labels, policies) of --compare, --policy or the default list; a name given twice is labelled name#i."""
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    names = (args.compare or args.policy or args.compare_default).split(",")
+    labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+    return labels, policies_from_args(args, names, num_layers=num_layers)
+
+
 def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None) -> list[Policy]:
     """One policy per name (`--compare p1,p2`), each given the command-line options it takes.
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
 from experiments.records import ResultLog
 from kvjax import Sampling
 from kvjax.cache import nbytes
@@ -105,21 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming,mat)")
     p.add_argument("--out", default="results/efficiency")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=128)
+    add_compare_args(p, default="full,streaming,mat")
     args = p.parse_args(argv)
-    if args.compare and args.policy:
-        p.error("give --policy or --compare, not both")
     if args.new < 2 or args.batch < 1:
         p.error(f"--new {args.new} must be >= 2 and --batch {args.batch} >= 1")
     lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
     attach_gate_params(args, lm.model)
     cfg = lm.config
-    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming", "mat"]
-    policies = policies_from_args(args, names, num_layers=cfg.num_layers)
-    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    labels, policies = chosen_policies(p, args, cfg.num_layers)
     n = cfg.max_position_embeddings
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n // 4, n // 2, n - args.new]
     too_long = [L for L in lengths if L + args.new > n]

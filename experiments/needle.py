@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
 from experiments.records import ResultLog
 from kvjax import Sampling, generate
 
@@ -142,21 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer", default=ANSWER, help="the needle's key fact, for exact match")
     p.add_argument("--lengths", help="comma-separated prompt lengths (default: 5 up to the model's window)")
     p.add_argument("--depths", default="0,25,50,75,100", help="comma-separated percentages")
-    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming)")
     p.add_argument("--batch", type=int, default=5)
     p.add_argument("--out", default="results/needle")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=128)
+    add_compare_args(p, default="full,streaming")
     args = p.parse_args(argv)
-    if args.compare and args.policy:
-        p.error("give --policy or --compare, not both")
 
     lm = resolve_model(p, args.model)
     attach_gate_params(args, lm.model)
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
-    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming"]
-    policies = policies_from_args(args, names, num_layers=lm.config.num_layers)
-    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    labels, policies = chosen_policies(p, args, lm.config.num_layers)
     top = n - MAX_NEW_TOKENS
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
         sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_policy_args, attach_gate_params, policies_from_args, read_text, resolve_model
+from experiments.common import add_compare_args, attach_gate_params, chosen_policies, read_text, resolve_model
 from experiments.records import ResultLog
 from kvjax.scoring import stream_logprobs
 
@@ -99,19 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--text", nargs="*", help="text files (default: held-out standard-library text)")
     p.add_argument("--lengths", help="comma-separated token counts (default: max/2, max, 2 max)")
-    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming,mat)")
     p.add_argument("--out", default="results/perplexity")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=128)
+    add_compare_args(p, default="full,streaming,mat")
     args = p.parse_args(argv)
-    if args.compare and args.policy:
-        p.error("give --policy or --compare, not both")
 
     lm = resolve_model(p, args.model)
     attach_gate_params(args, lm.model)
     cfg = lm.config
-    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming", "mat"]
-    policies = policies_from_args(args, names, num_layers=cfg.num_layers)
+    labels, policies = chosen_policies(p, args, cfg.num_layers)
     n = cfg.max_position_embeddings
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n // 2, n, 2 * n]
     if min(lengths) < 2:
@@ -122,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the text has {len(ids)} tokens, fewer than the longest --lengths {max(lengths)}")
     out = Path(args.out)
     log = ResultLog(out / "runs.jsonl")
-    labels = [f"{nm}" if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
     todo = [(lab, pol, L) for lab, pol in zip(labels, policies) for L in lengths
             if f"{pol.describe()}|{L}" not in log]
     for lab, pol, L in tqdm(todo, desc="perplexity"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
 from experiments.records import ResultLog
 from kvjax import fewshot
 from kvjax.fewshot import Item
@@ -88,21 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
     p.add_argument("--items", type=int, default=40, help="built-in task: number of items")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", help="comma-separated policies (default without --policy: full,streaming)")
     p.add_argument("--out", default="results/zeroshot")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=128)
+    add_compare_args(p, default="full,streaming")
     args = p.parse_args(argv)
-    if args.compare and args.policy:
-        p.error("give --policy or --compare, not both")
     rows = read_items(args.data) if args.data else builtin_task(args.items, args.seed)
     task = args.data or f"builtin(items={args.items}, seed={args.seed})"
 
     lm = resolve_model(p, args.model)
     attach_gate_params(args, lm.model)
-    names = args.compare.split(",") if args.compare else [args.policy] if args.policy else ["full", "streaming"]
-    policies = policies_from_args(args, names, num_layers=lm.config.num_layers)
-    labels = [nm if names.count(nm) == 1 else f"{nm}#{i}" for i, nm in enumerate(names)]
+    labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
     log = ResultLog(out / "items.jsonl")
     summary = {}

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import add_policy_args, attach_gate_params, policies_from_args, resolve_model
+from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR
 
@@ -33,8 +33,6 @@ def parse(argv):
                    help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every .jsonl in --data-dir)")
     p.add_argument("--e", action="store_true", help="LongBench-E: read <dataset>_e.jsonl, score per length bucket")
-    p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: "
-                                     f"{DEFAULT_COMPARE})")
     p.add_argument("--samples", type=int, help="first N samples of each dataset")
     p.add_argument("--max-length", type=int,
                    help="prompt tokens after middle truncation (default: max_position_embeddings - max new tokens)")
@@ -44,13 +42,10 @@ def parse(argv):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
     p.add_argument("--out", default="results/longbench")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=128)
+    add_compare_args(p, default=DEFAULT_COMPARE)
     args = p.parse_args(argv)
     if args.samples is not None and args.samples < 1:
         p.error(f"--samples {args.samples} must be >= 1")
-    if args.compare and args.policy:
-        p.error("give --policy or --compare, not both")
     return p, args
 
 
@@ -109,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.check_dataset(n)
     lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
     attach_gate_params(args, lm.model)
-    chosen = args.compare.split(",") if args.compare else [args.policy] if args.policy else DEFAULT_COMPARE.split(",")
-    policies = policies_from_args(args, chosen, num_layers=lm.config.num_layers)
-    labels = [n if chosen.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(chosen)]
+    labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e)
