@@ -22,7 +22,6 @@ import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-import numpy as np
 
 FIRST_LINE_DATASETS = ("trec", "triviaqa", "samsum", "lsht")
 ZH_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿"
@@ -70,16 +69,19 @@ def _lcs_words(ref: list[str], hyp: list[str]) -> list[str]:
     """The words of `ref` on one longest common subsequence with `hyp`, traced back as the `rouge`
     package does (diagonal on a match, else up when strictly longer, else left); iterative."""
     n, m = len(ref), len(hyp)
-    table = np.zeros((n + 1, m + 1), np.int32)
+    # Plain lists: this double loop runs per sentence pair of every summary, and numpy scalar
+    # indexing is several times slower than list indexing in pure Python.
+    table = [[0] * (m + 1) for _ in range(n + 1)]
     for i in range(1, n + 1):
+        row, prev = table[i], table[i - 1]
         for j in range(1, m + 1):
-            table[i, j] = table[i - 1, j - 1] + 1 if ref[i - 1] == hyp[j - 1] else max(table[i - 1, j], table[i, j - 1])
+            row[j] = prev[j - 1] + 1 if ref[i - 1] == hyp[j - 1] else max(prev[j], row[j - 1])
     out, i, j = [], n, m
     while i > 0 and j > 0:
         if ref[i - 1] == hyp[j - 1]:
             out.append(ref[i - 1])
             i, j = i - 1, j - 1
-        elif table[i - 1, j] > table[i, j - 1]:
+        elif table[i - 1][j] > table[i][j - 1]:
             i -= 1
         else:
             j -= 1
