@@ -8,7 +8,8 @@ standard library's source and English reference docs, mixed with synthetic long-
 2. the corpus is tokenised once (cached in OUT/training/data.npz);
 3. the model trains with AdamW + cosine decay on rows of `--seq-len` tokens: natural text, and
    passkey / key-value / fact-QA / copy tasks with up-weighted answers (`experiments.tasks`);
-   the tasks start short and grow to the full row (`--curriculum`), so retrieval is learnt
+   the tasks start short and grow to the full row, and an induction-heavy warm regime anneals to
+   the main mixture (`--curriculum`, `experiments.tasks.Curriculum`), so retrieval is learnt
    early and then stretched;
 4. OUT becomes a Hugging Face directory (config.json, tokenizer, model.safetensors) with a model
    card (README.md), the loss curve and the evaluation numbers (`experiments.model_card`).
@@ -32,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import corpus
-from experiments.tasks import Mixture, RowSampler
+from experiments.tasks import Curriculum, RowSampler
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.llama import Llama, LlamaConfig
@@ -94,17 +95,18 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512, help="training length = max_position_embeddings")
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=192)
-    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
-    p.add_argument("--curriculum", type=float, default=0.3,
-                   help="fraction of the steps over which the tasks grow from 128 tokens to the full row")
+    p.add_argument("--curriculum", type=float, default=0.5,
+                   help="fraction of the steps over which the tasks grow from 128 tokens to the full row and "
+                        "the induction-heavy warm regime anneals to the main mixture (experiments.tasks.Curriculum)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
@@ -136,16 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data     {corpus.fingerprint()}: " + ", ".join(f"{k} {len(v):,}" for k, v in data.items())
           + f" tokens ({time.time() - t0:.0f} s)")
 
+    curriculum = Curriculum()
     sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, answer_weight=args.answer_weight,
-                         mixture=Mixture())
+                         mixture=curriculum.main)
     ramp = max(1, int(args.curriculum * args.steps))
-
-    def span_at(step: int) -> int:
-        return int(128 + (args.seq_len - 1 - 128) * min(1.0, step / ramp))
 
     def batch(i: int) -> dict:  # a pure function of (seed, i): a resumed run sees the same data
         rng = np.random.default_rng([args.seed, i])
-        rows = [sampler.row(rng, span_at(i)) for _ in range(args.batch)]
+        p = min(1.0, i / ramp)
+        span, regime = int(128 + (args.seq_len - 1 - 128) * p), curriculum.at(p, sampler.vocab)
+        rows = [sampler.row(rng, span, regime) for _ in range(args.batch)]
         return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
                 "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
 

@@ -10,7 +10,7 @@ import pytest
 from experiments import corpus
 from experiments import train_tiny as tt
 from experiments.records import ResultLog
-from experiments.tasks import PASSKEY_QUESTION, RowSampler
+from experiments.tasks import Curriculum, PASSKEY_QUESTION, RowSampler
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,24 @@ def test_induction_rows_repeat_random_tokens_and_do_not_score_the_first_copy(bpe
     joined = [t for s, _ in segments for t in s]
     k = len(first)
     assert joined[k:] == (first * 10)[: 200 - k]  # every later token is the one k positions back
+
+
+def test_curriculum_opens_on_short_small_alphabet_induction_and_reaches_the_main_regime(bpe):
+    c = Curriculum()
+    assert c.at(0.0, 2048) == (c.warm, 64, (4, 16)) == c.at(c.hold, 2048)
+    assert c.at(1.0, 2048) == (c.main, 2048, (16, 64)) == c.at(3.0, 2048)
+    mid = c.at((c.hold + 1) / 2, 2048)
+    assert 64 < mid[1] < 2048 and mid[0].induction == pytest.approx((c.warm.induction + c.main.induction) / 2)
+
+    stream = np.arange(4, 300, dtype=np.int32).repeat(4)
+    sampler = RowSampler(bpe, stream, stream, 256)
+    for seed in range(20):
+        segments = sampler._induction(np.random.default_rng(seed), 200, alphabet=64, period=(4, 16))
+        first = segments[0][0]
+        assert 4 <= len(first) <= 16 and 4 <= min(first) and max(first) < 4 + 64
+    # the warm regime's rows are mostly induction: a row scores tokens that repeat one period back
+    with pytest.raises(ValueError, match="span=20 is too short"):
+        sampler._passkey(np.random.default_rng(0), 20)
+    rows = [sampler.row(np.random.default_rng([1, i]), 200, c.at(0.0, len(bpe))) for i in range(50)]
+    periodic = sum(any((ids[-64:] == np.roll(ids, k)[-64:]).all() for k in range(4, 17)) for ids, _ in rows)
+    assert 33 <= periodic <= 49  # 85 % expected
