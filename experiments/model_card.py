@@ -41,15 +41,17 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, windows: int, bos: int
 
 
 def sink_shares(model, tokens: np.ndarray) -> dict[str, list[float]]:
-    """Per layer: mean attention probability on position 0 over heads and queries >= SINK_SKIP, and the
-    same mean for uniform attention (1 / (query + 1)) as the no-sink reference."""
+    """Per layer: attention probability on position 0, averaged over queries >= SINK_SKIP (and rows), for
+    the mean head and for the head that gives it most; the same average for uniform attention
+    (1 / (query + 1)) is the no-sink reference."""
     from kvjax.heads import attention_maps
 
     maps = attention_maps(model, jnp.asarray(tokens))
     t = tokens.shape[1]
-    shares = [float(p[:, :, SINK_SKIP:, 0].mean()) for p in maps]
+    per_head = [np.asarray(p[:, :, SINK_SKIP:, 0].mean(axis=(0, 2))) for p in maps]  # p: [B, H, T, T]
     uniform = float(np.mean(1.0 / (np.arange(SINK_SKIP, t) + 1)))
-    return {"first_token_share": shares, "uniform_share": [uniform] * len(maps)}
+    return {"first_token_share": [float(h.mean()) for h in per_head],
+            "strongest_head_share": [float(h.max()) for h in per_head], "uniform_share": [uniform] * len(maps)}
 
 
 def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -> dict:
@@ -57,7 +59,7 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
     n = cfg.max_position_embeddings
     ev = {"heldout_loss": {name: heldout_loss(model, data[f"{name}_heldout"], n, 8, tok.bos_token_id)
                            for name in ("code", "docs")}}
-    lengths = [n // 4, n // 2, n - passkey.MAX_NEW_TOKENS]
+    lengths = passkey.default_lengths(tok, n)
     log = ResultLog(work / "passkey.jsonl")
     full = passkey.run(model, tok, FullCache(), lengths, [0.0, 0.25, 0.5, 0.75, 1.0], samples, log, label="full")
     # Budget n/4: at the longest length a key at depth <= 0.5 lies outside sinks + window.
@@ -81,7 +83,7 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
 
 CARD = """# kvjax-tiny-stdlib: the embedded default model
 
-A {params:.2f} M-parameter Llama (GQA, RoPE) trained **from scratch by kvjax** on the Python standard
+A {params:.2f} M-parameter Llama (RoPE) trained **from scratch by kvjax** on the Python standard
 library, so that cache policies can be compared on a model that actually uses its context, with no
 download. It is a research fixture, not a useful language model.
 
@@ -91,7 +93,7 @@ download. It is a research fixture, not a useful language model.
 | context | {ctx} tokens (the training length; `max_position_embeddings`) |
 | tokenizer | byte-level BPE, {vocab} tokens, digits split one by one, trained with `tokenizers` on the training split; prepends `<s>` |
 | data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`), 1 file / topic in 10 held out by a hash of its name; mixed with synthetic passkey, key-value, fact-QA and copy tasks (`experiments/tasks.py`) |
-| training | {steps} steps x {tokens_per_step} tokens, AdamW (lr {lr}, cosine to 10 %, weight decay {wd}), answer tokens weighted x{aw}, tasks grown from 128 tokens to the full row over the first {curriculum:.0%} of steps; {platform}, {minutes:.0f} min |
+| training | {steps} steps x {tokens_per_step} tokens, AdamW (lr {lr}, cosine to 10 %, weight decay {wd}), answer tokens weighted x{aw}; the first {warm_steps} steps are {warm_batch} x {warm_len}-token rows of short repeats (induction heads form there), then the tasks grow to the full row over {curriculum:.0%} of the rest; {platform}, {minutes:.0f} min |
 | final training loss | {final_loss:.3f} |
 
 Reproduce (deterministic given the seed and the corpus fingerprint; resumable):
@@ -114,16 +116,19 @@ Passkey (LongLoRA prompt, exact match, {samples} samples x 5 depths per length, 
 | full cache | {len_cells} |
 | {streaming_policy} at {last_len}, depths 0-0.5 (key outside the window) | {streaming:.0f} % |
 
-Attention-sink share: mean attention probability on the first token (`<s>`) over heads and
-queries {skip}..{ctx_m1} of held-out docs, against {uniform:.4f} for uniform attention:
+Attention-sink share: attention probability on the first token (`<s>`), averaged over queries
+{skip}..{ctx_m1} of held-out docs, for the mean head and the strongest head of each layer, against
+{uniform:.4f} for uniform attention:
 
 | layer | {layer_header} |
 |---|{layer_sep}
-| share on token 0 | {sink_cells} |
+| mean head | {sink_cells} |
 | x uniform | {ratio_cells} |
+| strongest head | {head_cells} |
+| x uniform | {head_ratio_cells} |
 
 ## Limitations
-Tiny, trained for about an hour on {corpus_short} text: it writes plausible Python-flavoured text, retrieves
+Tiny, trained for {minutes:.0f} minutes on {corpus_short} text: it writes plausible Python-flavoured text, retrieves
 keys and copies, and knows nothing else. Numbers on it show how a cache policy treats a model's use of
 context, in miniature; they are not predictions for 7B models.
 """
@@ -159,6 +164,9 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         layer_header=" | ".join(map(str, range(c.num_layers))), layer_sep="---|" * c.num_layers,
         sink_cells=" | ".join(f"{s:.3f}" for s in sink["first_token_share"]),
         ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["first_token_share"], sink["uniform_share"])),
+        head_cells=" | ".join(f"{s:.3f}" for s in sink["strongest_head_share"]),
+        head_ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["strongest_head_share"], sink["uniform_share"])),
+        warm_steps=a.get("warm_steps", 0), warm_batch=a.get("warm_batch", 0), warm_len=a.get("warm_len", 0),
         corpus_short="standard-library",
     )
     (out / "README.md").write_text(text)

@@ -1,16 +1,17 @@
-"""Trains kvjax's embedded default model from scratch: a small Llama (GQA, RoPE) on the Python
-standard library's source and English reference docs, mixed with synthetic long-range tasks.
+"""Trains kvjax's embedded default model from scratch: a small Llama (RoPE; MHA by default, any GQA
+grouping by flag) on the Python standard library's source and English reference docs, mixed with
+synthetic long-range tasks.
 
-    python -m experiments.train_tiny [--out DIR] [--steps 2000]
+    python -m experiments.train_tiny [--out DIR] [--steps 3000]
 
 1. a byte-level BPE (`tokenizers`, digits split one by one so keys copy digit by digit) is
    trained on the training split and saved as a `transformers` fast tokenizer;
 2. the corpus is tokenised once (cached in OUT/training/data.npz);
-3. the model trains with AdamW + cosine decay on rows of `--seq-len` tokens: natural text, and
-   passkey / key-value / fact-QA / copy tasks with up-weighted answers (`experiments.tasks`);
-   the tasks start short and grow to the full row, and an induction-heavy warm regime anneals to
-   the main mixture (`--curriculum`, `experiments.tasks.Curriculum`), so retrieval is learnt
-   early and then stretched;
+3. the model trains with AdamW + cosine decay in two stages: `--warm-steps` of short, wide rows of
+   pure short-period repeats, where induction heads form; then rows of `--seq-len` tokens: natural
+   text, and passkey / key-value / fact-QA / copy / induction tasks with up-weighted answers
+   (`experiments.tasks`), whose mixture anneals from the induction-heavy one to the main one while
+   the tasks grow to the full row (`--curriculum`, `experiments.tasks.Curriculum`);
 4. OUT becomes a Hugging Face directory (config.json, tokenizer, model.safetensors) with a model
    card (README.md), the loss curve and the evaluation numbers (`experiments.model_card`).
 
@@ -26,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import corpus
-from experiments.tasks import Curriculum, RowSampler
+from experiments.tasks import INDUCTION_ONLY, Curriculum, RowSampler
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.llama import Llama, LlamaConfig
@@ -87,25 +89,61 @@ def tokenize_corpus(tok, cache: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def batches(args, tok, data: dict[str, np.ndarray]) -> Callable[[int], dict]:
+    """Step i -> {"tokens", "weights"}: a pure function of (seed, i), so a resumed run sees the same data.
+
+    The first `--warm-steps` are a second, short and wide batch shape of pure short-period repeats:
+    induction heads form within a few hundred steps on such rows, and did not in that budget on
+    full-length mixed rows (see experiments.tasks). Then the main stage's regime anneals from the warm
+    one (`Curriculum`) while its tasks grow from the shortest span that fits them to the full row."""
+    curriculum = Curriculum()
+    sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, answer_weight=args.answer_weight,
+                         mixture=curriculum.main)
+    if sampler.min_span >= args.seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} is too short for the tasks with this tokenizer "
+                         f"(they need {sampler.min_span + 1} tokens)")
+    warm_sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.warm_len, mixture=INDUCTION_ONLY)
+    warm_regime = (INDUCTION_ONLY, curriculum.warm_alphabet, curriculum.warm_period)
+    ramp = max(1, int(args.curriculum * (args.steps - args.warm_steps)))
+
+    def batch(i: int) -> dict:
+        rng = np.random.default_rng([args.seed, i])
+        if i < args.warm_steps:
+            rows = [warm_sampler.row(rng, None, warm_regime) for _ in range(args.warm_batch)]
+        else:
+            p = min(1.0, (i - args.warm_steps) / ramp)
+            lo = sampler.min_span
+            span, regime = int(lo + (args.seq_len - 1 - lo) * p), curriculum.at(p, sampler.vocab)
+            rows = [sampler.row(rng, span, regime) for _ in range(args.batch)]
+        return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
+                "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
+
+    return batch
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.train_tiny", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/default",
                    help="output HF directory (default: the embedded default, models/default)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=3000, help="all steps, the warm stage's included")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512, help="training length = max_position_embeddings")
-    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--warm-steps", type=int, default=500,
+                   help="first steps: pure short-period repeats in short rows, until induction heads form")
+    p.add_argument("--warm-len", type=int, default=128, help="row length of the warm stage")
+    p.add_argument("--warm-batch", type=int, default=32, help="rows per warm step")
+    p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=384)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
     p.add_argument("--curriculum", type=float, default=0.5,
-                   help="fraction of the steps over which the tasks grow from 128 tokens to the full row and "
+                   help="fraction of the steps over which the tasks grow from the shortest span that fits them to the full row and "
                         "the induction-heavy warm regime anneals to the main mixture (experiments.tasks.Curriculum)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -116,6 +154,11 @@ def parse(argv):
                 f"{args.kv_heads}")
     if args.seq_len < 256:
         p.error(f"--seq-len {args.seq_len} is too short for the tasks (>= 256)")
+    if not 0 <= args.warm_steps < args.steps:
+        p.error(f"--warm-steps {args.warm_steps} must be in [0, --steps {args.steps})")
+    if not 2 * Curriculum().warm_period[1] < args.warm_len <= args.seq_len:
+        p.error(f"--warm-len {args.warm_len} must hold two periods of the warm repeats "
+                f"(> {2 * Curriculum().warm_period[1]}) and be <= --seq-len {args.seq_len}")
     return args
 
 
@@ -138,18 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data     {corpus.fingerprint()}: " + ", ".join(f"{k} {len(v):,}" for k, v in data.items())
           + f" tokens ({time.time() - t0:.0f} s)")
 
-    curriculum = Curriculum()
-    sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, answer_weight=args.answer_weight,
-                         mixture=curriculum.main)
-    ramp = max(1, int(args.curriculum * args.steps))
-
-    def batch(i: int) -> dict:  # a pure function of (seed, i): a resumed run sees the same data
-        rng = np.random.default_rng([args.seed, i])
-        p = min(1.0, i / ramp)
-        span, regime = int(128 + (args.seq_len - 1 - 128) * p), curriculum.at(p, sampler.vocab)
-        rows = [sampler.row(rng, span, regime) for _ in range(args.batch)]
-        return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
-                "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
+    batch = batches(args, tok, data)
 
     def loss(m, b):
         return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}

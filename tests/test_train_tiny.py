@@ -62,10 +62,11 @@ def test_rows_have_exact_length_weighted_answers_and_are_deterministic(bpe):
         if PASSKEY_QUESTION in text:  # a passkey row: the weighted tail is the key of the needle
             passkeys += 1
             assert set(np.unique(w)) == {1.0, 4.0}
-            key = bpe.decode(ids[w == 4.0]).strip()
-            assert f"The pass key is {key}. Remember it. {key} is the pass key." in text
-            n = int((w == 4.0).sum())  # " " + five digits, at the very end, right after the question
-            assert n == 6 and list(ids[-len(question) - n : -n]) == question
+            answer = bpe.decode(ids[w == 4.0])
+            key = answer.strip().removesuffix(".")
+            assert answer == f" {key}." and f"The pass key is {key}. Remember it. {key} is the pass key." in text
+            n = int((w == 4.0).sum())  # " ", five digits and ".", at the very end, right after the question
+            assert n == 7 and list(ids[-len(question) - n : -n]) == question
     assert passkeys >= 3
 
 
@@ -78,7 +79,7 @@ def test_train_tiny_writes_a_model_that_both_frameworks_load_and_resumes(tmp_pat
     out = tmp_path / "m"
     argv = ["--out", str(out), "--seq-len", "256", "--batch", "2", "--vocab", "300", "--hidden", "32", "--ffn",
             "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--warmup", "1", "--save-every", "2",
-            "--no-eval"]
+            "--warm-steps", "1", "--warm-len", "64", "--warm-batch", "3", "--no-eval"]
     assert tt.main(argv + ["--steps", "2"]) == 0
     assert json.loads((out / "training" / "run.json").read_text())["resumed_from"] == 0
     assert tt.main(argv + ["--steps", "3"]) == 0  # resumes at step 2: the tokenizer and data are reused
@@ -98,6 +99,33 @@ def test_train_tiny_rejects_bad_shapes(capsys):
     with pytest.raises(SystemExit):
         tt.main(["--hidden", "30", "--heads", "4"])
     assert "--hidden 30 must divide by --heads 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tt.main(["--steps", "100", "--warm-steps", "100"])
+    assert "--warm-steps 100 must be in [0, --steps 100)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tt.main(["--warm-len", "16"])
+    assert "--warm-len 16 must hold two periods" in capsys.readouterr().err
+
+
+def test_warm_stage_is_short_wide_rows_of_pure_repeats_then_the_main_rows(bpe):
+    stream = np.asarray(bpe(" ".join(t for _, t in corpus.doc_documents("train")[:5]),
+                            add_special_tokens=False)["input_ids"], np.int32)
+    data = {"code_train": stream, "docs_train": stream}
+    args = tt.parse(["--seq-len", "320", "--batch", "3", "--steps", "20", "--warm-steps", "5", "--warm-len", "64",
+                     "--warm-batch", "6"])
+    batch = tt.batches(args, bpe, data)
+    for i in range(5):
+        b = batch(i)
+        ids, w = np.asarray(b["tokens"]), np.asarray(b["weights"])
+        assert ids.shape == w.shape == (6, 64) and (ids[:, 0] == bpe.bos_token_id).all()
+        for row, wt in zip(ids, w):  # BOS, then one period of ids < 4 + 64 repeated to the end
+            k = next(k for k in range(4, 17) if (row[1 + k :] == row[1 : -k]).all())
+            assert 4 <= row[1:].min() and row[1:].max() < 4 + 64
+            assert (wt[1 : 1 + k] == 0).all() and (wt[1 + k :] == 1).all()
+    np.testing.assert_array_equal(batch(3)["tokens"], batch(3)["tokens"])  # a pure function of the step
+    assert batch(5)["tokens"].shape == batch(19)["tokens"].shape == (3, 320)
+    with pytest.raises(ValueError, match="--seq-len 256 is too short for the tasks with this tokenizer"):
+        tt.batches(tt.parse(["--seq-len", "256"]), tt.train_bpe(["a b"], 260), data)
 
 
 def test_result_log_drops_a_torn_last_line(tmp_path):
@@ -143,3 +171,24 @@ def test_curriculum_opens_on_short_small_alphabet_induction_and_reaches_the_main
     rows = [sampler.row(np.random.default_rng([1, i]), 200, c.at(0.0, len(bpe))) for i in range(50)]
     periodic = sum(any((ids[-64:] == np.roll(ids, k)[-64:]).all() for k in range(4, 17)) for ids, _ in rows)
     assert 33 <= periodic <= 49  # 85 % expected
+
+
+def test_sink_shares_are_the_mean_and_strongest_head_share_of_the_first_token():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from experiments import model_card
+    from kvjax.heads import attention_maps
+    from models.llama import Llama
+    from models.tiny import tiny_config
+
+    model = Llama(tiny_config(), rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(4, 200, (2, 40)).astype(np.int32)
+    sink = model_card.sink_shares(model, tokens)
+    maps = [np.asarray(p) for p in attention_maps(model, jnp.asarray(tokens))]
+    skip = model_card.SINK_SKIP
+    for p, mean, strongest in zip(maps, sink["first_token_share"], sink["strongest_head_share"]):
+        per_head = [p[:, h, skip:, 0].mean() for h in range(p.shape[1])]
+        assert mean == pytest.approx(np.mean(per_head), rel=1e-5)
+        assert strongest == pytest.approx(max(per_head), rel=1e-5)
+    assert sink["uniform_share"][0] == pytest.approx(np.mean([1 / (q + 1) for q in range(skip, 40)]))
