@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF directory (default: the default model)")
     p.add_argument("--budget", type=int, default=128, help="cache slots per layer and KV head for every policy")
+    p.add_argument("--shallow-layers", type=int,
+                   help="MAT's L_s (default: the paper's 2 of 32 layers scaled to the model, at least 1, so that "
+                        "a shallow model still has deep layers)")
     p.add_argument("--samples", type=int, default=20, help="LongBench-format samples per dataset")
     p.add_argument("--anllm", help="an experiments.eval_anllm output directory to include")
     p.add_argument("--gate", help="an experiments.eval_gate output directory to include")
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = read_config(Path(args.model))[0]
     n = cfg.max_position_embeddings
+    # mat()'s default L_s = 2 would make every layer of a 2-layer model shallow, i.e. MAT = StreamingLLM
+    shallow = args.shallow_layers if args.shallow_layers is not None else max(1, round(2 * cfg.num_layers / 32))
+    ls = ["--shallow-layers", str(shallow)]
     md = [f"# kvjax report: {args.model}", "", f"Every policy at a budget of {args.budget} slots per layer and KV "
-          f"head (the model's window is {n} tokens). Commands: `python -m experiments.report "
+          f"head (the model's window is {n} tokens); MAT's L_s = {shallow} of {cfg.num_layers} layers. Commands: `python -m experiments.report "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", ""]
     claims = []
 
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = f"{n // 2},{n},{2 * n}"
         _run(perplexity.main, m + b + ["--compare", "full", "--lengths", f"{n // 2},{n}", "--out", str(d / "full")])
         _run(perplexity.main, m + b + ["--compare", "streaming,mat", "--positions", "rolling", "--lengths", lengths,
-                                       "--out", str(d / "rolling")])
+                                       *ls, "--out", str(d / "rolling")])
         full, roll = _json(d / "full" / "results.json")["ppl"], _json(d / "rolling" / "results.json")["ppl"]
         md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
                (d / "full" / "results.md").read_text(), "StreamingLLM and MAT (rolling positions):", "",
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "zeroshot" not in skip:
         d = out / "zeroshot"
-        _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", "--window", "16", "--out", str(d)])
+        _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", "--window", "16", *ls, "--out", str(d)])
         res = _json(d / "results.json")["results"]
         md += ["## 4. Zero-shot multiple choice, policy on the context", "", (d / "results.md").read_text(), ""]
         claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
@@ -117,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     if "passkey" not in skip:
         d = out / "passkey"
         for pol in ("full", "streaming", "mat"):
-            _run(passkey.main, m + b + ["--policy", pol, "--out", str(d)])
+            _run(passkey.main, m + b + ["--policy", pol, *(ls if pol == "mat" else []), "--out", str(d)])
         md += ["## 5. Passkey retrieval (accuracy %)", "", (d / "results.md").read_text(), ""]
 
     if "efficiency" not in skip:
         d = out / "efficiency"
-        _run(efficiency.main, m + b + ["--compare", "full,streaming,mat", "--out", str(d)])
+        _run(efficiency.main, m + b + ["--compare", "full,streaming,mat", *ls, "--out", str(d)])
         md += ["## 6. Efficiency (MAT Table 6)", "", (d / "results.md").read_text(),
                "![efficiency](efficiency/efficiency.png)", ""]
 
