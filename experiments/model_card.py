@@ -83,7 +83,7 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
 
 CARD = """# kvjax-tiny-stdlib: the embedded default model
 
-A {params:.2f} M-parameter Llama (RoPE) trained **from scratch by kvjax** on the Python standard
+A {params:.2f} M-parameter Llama ({attention}, RoPE) trained **from scratch by kvjax** on the Python standard
 library, so that cache policies can be compared on a model that actually uses its context, with no
 download. It is a research fixture, not a useful language model.
 
@@ -92,8 +92,8 @@ download. It is a research fixture, not a useful language model.
 | architecture | Llama: {layers} layers, hidden {hidden}, {heads} query / {kv_heads} KV heads (head dim {head_dim}), SwiGLU {ffn}, RoPE theta 10000, untied head |
 | context | {ctx} tokens (the training length; `max_position_embeddings`) |
 | tokenizer | byte-level BPE, {vocab} tokens, digits split one by one, trained with `tokenizers` on the training split; prepends `<s>` |
-| data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`), 1 file / topic in 10 held out by a hash of its name; mixed with synthetic passkey, key-value, fact-QA and copy tasks (`experiments/tasks.py`) |
-| training | {steps} steps x {tokens_per_step} tokens, AdamW (lr {lr}, cosine to 10 %, weight decay {wd}), answer tokens weighted x{aw}; the first {warm_steps} steps are {warm_batch} x {warm_len}-token rows of short repeats (induction heads form there), then the tasks grow to the full row over {curriculum:.0%} of the rest; {platform}, {minutes:.0f} min |
+| data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`), 1 file / topic in 10 held out by a hash of its name; mixed with synthetic passkey, key-value, fact-QA, copy and induction tasks (`experiments/tasks.py`) |
+| training | {steps} steps x {tokens_per_step} tokens, AdamW (lr {lr}, weight decay {wd}; constant in the warm stage, then a fresh optimizer with cosine decay to 10 %), answer tokens weighted x{aw}; the first {warm_steps} steps are {warm_batch} x {warm_len}-token rows of short repeats with {warm_kv_heads} KV heads (induction heads form there){conversion}, then the tasks grow to the full row over {curriculum:.0%} of the rest; {platform}, {minutes:.0f} min |
 | final training loss | {final_loss:.3f} |
 
 Reproduce (deterministic given the seed and the corpus fingerprint; resumable):
@@ -166,6 +166,10 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["first_token_share"], sink["uniform_share"])),
         head_cells=" | ".join(f"{s:.3f}" for s in sink["strongest_head_share"]),
         head_ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["strongest_head_share"], sink["uniform_share"])),
+        attention="GQA" if c.num_kv_heads < c.num_heads else "MHA",
+        warm_kv_heads=a.get("warm_kv_heads") or c.num_kv_heads,
+        conversion=(f", mean-pooled to {c.num_kv_heads} KV heads (GQA's uptraining recipe, `models.gqa`)"
+                    if (a.get("warm_kv_heads") or c.num_kv_heads) != c.num_kv_heads else ""),
         warm_steps=a.get("warm_steps", 0), warm_batch=a.get("warm_batch", 0), warm_len=a.get("warm_len", 0),
         corpus_short="standard-library",
     )

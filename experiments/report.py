@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             md += [f"## {name}", "", (Path(path) / "results.md").read_text(), ""]
 
     md += ["## Which claims hold in miniature", ""] + [f"- {c}" for c in claims] + [
-        "", "A 1-4 M parameter model with a 512-token window is a miniature: a claim that fails here may hold on "
-        "7B models, and one that holds here is evidence about mechanism, not about scale."]
+        "", f"A {cfg.num_layers}-layer model with a {n}-token window is a miniature: a claim that fails here may "
+        "hold on 7B models, and one that holds here is evidence about mechanism, not about scale."]
     (out / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(f"- {c}" for c in claims))
     print(f"wrote {out / 'report.md'}")

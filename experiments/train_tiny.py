@@ -22,6 +22,7 @@ rerunning the same command after a crash continues where it stopped, with the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,7 +38,8 @@ from flax import nnx
 from experiments import corpus
 from experiments.tasks import INDUCTION_ONLY, Curriculum, RowSampler
 from kvjax.rope import RopeConfig
-from kvjax.train import TrainConfig, next_token_loss, train
+from kvjax.train import TrainConfig, next_token_loss, train, write_curve
+from models.gqa import to_grouped_query
 from models.llama import Llama, LlamaConfig
 from models.loading import save_pretrained
 from models.tiny import SPECIAL  # <unk> <s> </s> <pad>: ids 0..3, as the random test models
@@ -137,7 +139,10 @@ def parse(argv):
     p.add_argument("--ffn", type=int, default=384)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--warm-kv-heads", type=int,
+                   help="KV heads in the warm stage (default --heads: MHA, where induction heads form fast); "
+                        "mean-pooled to --kv-heads after it (models.gqa)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -152,6 +157,11 @@ def parse(argv):
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden {args.hidden} must divide by --heads {args.heads}, and --heads by --kv-heads "
                 f"{args.kv_heads}")
+    if args.warm_kv_heads is None:
+        args.warm_kv_heads = args.heads
+    if args.heads % args.warm_kv_heads or args.warm_kv_heads % args.kv_heads:
+        p.error(f"--warm-kv-heads {args.warm_kv_heads} must divide --heads {args.heads} and be a multiple of "
+                f"--kv-heads {args.kv_heads}")
     if args.seq_len < 256:
         p.error(f"--seq-len {args.seq_len} is too short for the tasks (>= 256)")
     if not 0 <= args.warm_steps < args.steps:
@@ -187,14 +197,25 @@ def main(argv: list[str] | None = None) -> int:
         return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}
 
     cfg = model_config(args, len(tok))
-    model = Llama(cfg, rngs=nnx.Rngs(args.seed))
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"model    {n_params / 1e6:.2f} M parameters: {cfg.num_layers} layers, d={cfg.hidden_size}, "
-          f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, length {cfg.max_position_embeddings}")
-    tcfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, decay="cosine",
-                       weight_decay=args.weight_decay, save_every=args.save_every)
+    model = Llama(dataclasses.replace(cfg, num_kv_heads=args.warm_kv_heads), rngs=nnx.Rngs(args.seed))
+    print(f"model    {cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads}/{args.warm_kv_heads} heads "
+          f"(warm stage) then {cfg.num_heads}/{cfg.num_kv_heads}, vocab {cfg.vocab_size}, length "
+          f"{cfg.max_position_embeddings}")
+    common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every)
     t1 = time.time()
-    result = train(model, batch, loss, tcfg, work)
+    history, resumed_from = [], 0
+    if args.warm_steps:  # at the peak rate: the main stage's cosine starts after it
+        warm = train(model, batch, loss, TrainConfig(steps=args.warm_steps, decay="constant", **common), work / "warm")
+        model, history, resumed_from = warm.model, warm.history, warm.resumed_from
+    if args.warm_kv_heads != cfg.num_kv_heads:
+        model = to_grouped_query(model, cfg.num_kv_heads)  # then uptrained by the main stage (GQA, sec. 2.1)
+    result = train(model, lambda i: batch(args.warm_steps + i), loss,
+                   TrainConfig(steps=args.steps - args.warm_steps, decay="cosine", **common), work)
+    history += [{**h, "step": h["step"] + args.warm_steps} for h in result.history]
+    write_curve(history, work)
+    if result.resumed_from:
+        resumed_from = args.warm_steps + result.resumed_from
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(result.model, nnx.Param)))
     train_s = time.time() - t1
     save_pretrained(result.model, out, tokenizer=tok)
     prev = json.loads((work / "run.json").read_text()) if (work / "run.json").is_file() else {}
@@ -204,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args), "parameters": int(n_params), "corpus": corpus.fingerprint(),
         "tokens_per_step": args.batch * args.seq_len, "train_seconds_this_run": round(train_s, 1),
         "train_minutes": round(minutes, 1), "cores": os.cpu_count(),
-        "resumed_from": result.resumed_from, "final_loss": result.history[-1]["loss"],
+        "resumed_from": resumed_from, "final_loss": history[-1]["loss"],
         "platform": jax.devices()[0].platform,
     }
     (work / "run.json").write_text(json.dumps(meta, indent=2))
-    print(f"trained  {len(result.history)} steps (from {result.resumed_from}) in {train_s / 60:.1f} min; "
-          f"loss {result.history[0]['loss']:.3f} -> {result.history[-1]['loss']:.3f}")
+    print(f"trained  {len(history)} steps (from {resumed_from}) in {train_s / 60:.1f} min; "
+          f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; {n_params / 1e6:.2f} M parameters")
     if not args.no_eval:
         from experiments.model_card import write_card
 
