@@ -28,7 +28,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog
+from experiments.records import ResultLog, claim_results_dir
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_long:
         p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n}")
     out = Path(args.out)
+    claim_results_dir(out, lm)  # no resuming over another model's records
     log = ResultLog(out / "cells.jsonl")  # a rerun keeps the cells already timed
     rows = []
     for L in tqdm(lengths, desc="context lengths"):

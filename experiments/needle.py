@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog
+from experiments.records import ResultLog, claim_results_dir
 from kvjax import Sampling, generate
 
 NEEDLE = " The founder of Kalomiven is Ravendor."
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     hay = tok(haystack_text(args.haystack), add_special_tokens=False)["input_ids"]
     out = Path(args.out)
+    claim_results_dir(out, lm, haystack=args.haystack)  # no resuming over another model's records
     out.mkdir(parents=True, exist_ok=True)
     log = ResultLog(out / "cells.jsonl")
     setting = f"{args.needle}|{args.question}"

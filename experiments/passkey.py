@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common import add_policy_args, attach_gate_params, policy_from_args, resolve_model
-from experiments.records import ResultLog
+from experiments.records import ResultLog, claim_results_dir
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax import Sampling, generate
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     n = lm.config.max_position_embeddings
     lengths = args.lengths or default_lengths(lm.tokenizer, n)
     out = Path(args.out)
+    claim_results_dir(out, lm)  # no resuming over another model's records
     label = policy.describe()
     log = ResultLog(out / "samples.jsonl")
     records = run(lm.model, lm.tokenizer, policy, lengths, args.depths, args.samples, log, seed=args.seed,

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common import add_compare_args, attach_gate_params, chosen_policies, read_text, resolve_model
-from experiments.records import ResultLog
+from experiments.records import ResultLog, claim_results_dir
 from kvjax.scoring import stream_logprobs
 
 
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < max(lengths):
         p.error(f"the text has {len(ids)} tokens, fewer than the longest --lengths {max(lengths)}")
     out = Path(args.out)
+    claim_results_dir(out, lm, text=args.text)  # no resuming over another model's records
     log = ResultLog(out / "runs.jsonl")
     todo = [(lab, pol, L) for lab, pol in zip(labels, policies) for L in lengths
             if f"{pol.describe()}|{L}" not in log]

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog
+from experiments.records import ResultLog, claim_results_dir
 from kvjax import fewshot
 from kvjax.fewshot import Item
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     attach_gate_params(args, lm.model)
     labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
+    claim_results_dir(out, lm, task=task)  # no resuming over another model's records
     log = ResultLog(out / "items.jsonl")
     summary = {}
     for lab, pol in zip(labels, policies):

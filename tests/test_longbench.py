@@ -207,3 +207,17 @@ def test_cli_compare_writes_one_table(tmp_path, tiny_dir):
     with pytest.raises(ValueError, match=r"no policy of \['full', 'streaming'\] takes \['window'\]"):
         lb_cli.main(["--model", str(tiny_dir), "--data-dir", str(data), "--compare", "full,streaming",
                      "--window", "8", "--out", str(out)])
+
+
+def test_cli_refuses_to_resume_over_another_models_predictions(tmp_path, tiny_dir):
+    from models.tiny import make_random_checkpoint
+
+    data = _suite_dir(tmp_path, n=2)
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(data), "--policy", "streaming", "--budget", "64", "--out", str(out)]
+    assert lb_cli.main(["--model", str(tiny_dir)] + argv) == 0
+    assert lb_cli.main(["--model", str(tiny_dir)] + argv) == 0  # the same model resumes
+    other = make_random_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(ValueError, match=r"out holds results of another run \(weights: '[0-9a-f]{16}' -> "):
+        lb_cli.main(["--model", str(other)] + argv)
+    assert lb_cli.main(["--model", str(other)] + argv[:-1] + [str(tmp_path / "out2")]) == 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR
+from experiments.records import claim_results_dir
 
 DEFAULT_COMPARE = "full,streaming"
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     attach_gate_params(args, lm.model)
     labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
+    claim_results_dir(out, lm, data_dir=data_dir.resolve(), e=args.e)  # no resuming over another model's records
     out.mkdir(parents=True, exist_ok=True)
     opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e)
     scores: dict[str, dict] = {}
