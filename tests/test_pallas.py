@@ -77,13 +77,25 @@ def _mask_kwargs(name, rng, pos, kvh):
     return {}
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    b=st.integers(1, 2), kvh=st.sampled_from([1, 2]), g=st.sampled_from([1, 4, 8]), t=st.integers(1, 70),
-    d=st.sampled_from([8, 16]), mask=st.sampled_from(MASKS), bf16=st.booleans(), seed=st.integers(0, 2**16),
-)
-def test_prefill_random_shapes(variant, b, kvh, g, t, d, mask, bf16, seed):
+# The random-shape sweeps cost 3-8 s an example in interpret mode (each shape compiles): the default
+# suite draws a few so CI stays within its time, `pytest -m slow` draws many (the *_thorough copies).
+SWEEP = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def sweep(strategies: dict, examples: int = 3, thorough: int = 20):
+    """(default test, slow thorough test) over `strategies`, both parametrized by the kernel variant."""
+
+    def make(body):
+        def build(n):
+            return pytest.mark.parametrize("variant", VARIANTS)(settings(max_examples=n, **SWEEP)(
+                given(**strategies)(body)))
+
+        return build(examples), pytest.mark.slow(build(thorough))
+
+    return make
+
+
+def _prefill_random_shapes(variant, b, kvh, g, t, d, mask, bf16, seed):
     rng = np.random.default_rng(seed)
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, dtype)
@@ -92,6 +104,12 @@ def test_prefill_random_shapes(variant, b, kvh, g, t, d, mask, bf16, seed):
     if mask == "alibi":
         kw["alibi"] = attention.alibi_slopes(kvh * g)
     _check_prefill(variant, q, k, v, pos, TOL[dtype], **kw)
+
+
+test_prefill_random_shapes, test_prefill_random_shapes_thorough = sweep(dict(
+    b=st.integers(1, 2), kvh=st.sampled_from([1, 2]), g=st.sampled_from([1, 4, 8]), t=st.integers(1, 70),
+    d=st.sampled_from([8, 16]), mask=st.sampled_from(MASKS), bf16=st.booleans(), seed=st.integers(0, 2**16),
+))(_prefill_random_shapes)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -155,11 +173,7 @@ def test_decode_empty_slots_and_compensation(variant, g, dtype):
                                atol=tol * 10, rtol=0)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(b=st.integers(1, 3), kvh=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 4, 8]), c=st.integers(1, 300),
-       seed=st.integers(0, 2**16))
-def test_decode_random_shapes(variant, b, kvh, g, c, seed):
+def _decode_random_shapes(variant, b, kvh, g, c, seed):
     rng = np.random.default_rng(seed)
     d = 16
     q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), jnp.float32)
@@ -170,6 +184,12 @@ def test_decode_random_shapes(variant, b, kvh, g, c, seed):
     ref, _ = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5)
     out, _ = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, **_run(variant), block=32)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+test_decode_random_shapes, test_decode_random_shapes_thorough = sweep(dict(
+    b=st.integers(1, 3), kvh=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 4, 8]), c=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+))(_decode_random_shapes)
 
 
 def test_bad_variant_and_impl():
