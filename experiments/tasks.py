@@ -134,7 +134,8 @@ class RowSampler:
         self.fixed = {"intro": enc(PASSKEY_INTRO), "question": enc(PASSKEY_QUESTION), "kv_intro": enc(KV_INTRO)}
         # the shortest span every task fits in (the passkey prompt is the longest fixed text), with some
         # room for filler; it grows with smaller vocabularies
-        passkey = sum(map(len, (self.fixed["intro"], enc(passkey_needle(12345)), self.fixed["question"], enc(" 12345."))))
+        passkey = sum(map(len, (self.fixed["intro"], enc(passkey_needle(12345)), self.fixed["question"],
+                                enc(" 12345."))))
         self.min_span = max(128, passkey + 32)
 
     def encode(self, text: str) -> list[int]:

@@ -1,6 +1,6 @@
-"""Trains kvjax's embedded default model from scratch: a small Llama (RoPE; MHA by default, any GQA
-grouping by flag) on the Python standard library's source and English reference docs, mixed with
-synthetic long-range tasks.
+"""Trains kvjax's embedded default model from scratch: a small Llama (GQA, RoPE; its warm stage is
+MHA, mean-pooled to --kv-heads after it) on the Python standard library's source and English
+reference docs, mixed with synthetic long-range tasks.
 
     python -m experiments.train_tiny [--out DIR] [--steps 3000]
 
@@ -148,8 +148,9 @@ def parse(argv):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
     p.add_argument("--curriculum", type=float, default=0.5,
-                   help="fraction of the steps over which the tasks grow from the shortest span that fits them to the full row and "
-                        "the induction-heavy warm regime anneals to the main mixture (experiments.tasks.Curriculum)")
+                   help="fraction of the main stage over which the tasks grow from the shortest span that fits "
+                        "them to the full row and the induction-heavy regime anneals to the main mixture "
+                        "(experiments.tasks.Curriculum)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
