@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from kvjax.errors import MissingFile
 from models.llama import Llama, LlamaConfig
 from models.loading import LoadedModel, load, save_pretrained
 
@@ -12,7 +13,7 @@ DEFAULT_DIR = Path(__file__).resolve().parent / "default"
 def load_default(**kwargs) -> LoadedModel:
     """`load(DEFAULT_DIR, **kwargs)`: the embedded default model with its tokenizer."""
     if not (DEFAULT_DIR / "model.safetensors").is_file():
-        raise FileNotFoundError(f"the default model is missing from {DEFAULT_DIR}; rebuild it with "
+        raise MissingFile(f"the default model is missing from {DEFAULT_DIR}; rebuild it with "
                                 "python -m experiments.train_tiny")
     return load(DEFAULT_DIR, **kwargs)
 

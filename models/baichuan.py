@@ -17,9 +17,9 @@ only `model_max_length` is the 13B layout. NormHead is on unless the vocabulary 
 
 from __future__ import annotations
 
-
 import numpy as np
 
+from kvjax.errors import InvalidInput
 from kvjax.rope import RopeConfig
 from models.llama import LlamaConfig
 
@@ -93,7 +93,7 @@ class BaichuanTensors:
         want = (3 * self.cfg.hidden_size, self.cfg.hidden_size)
         got = self.inner.shape(src)
         if got != want:
-            raise ValueError(f"weight {src!r} in {self.inner.file(src).name} has shape {got}, but config.json implies {want}")
+            raise InvalidInput(f"weight {src!r} in {self.inner.file(src).name} has shape {got}, but config.json implies {want}")
         return (self.cfg.hidden_size, self.cfg.hidden_size)
 
     def file(self, name: str):

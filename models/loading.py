@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pickle
+import zipfile
 from pathlib import Path
 
 import jax
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteError
 from models import baichuan, mistral, qwen2
 from models.llama import Llama, LlamaConfig
 
@@ -67,7 +70,7 @@ def resolve(path_or_id: str | Path) -> Path:
     if p.is_dir():
         return p
     if p.exists():
-        raise NotADirectoryError(f"model path {str(p)!r} is a file; pass the checkpoint directory")
+        raise InvalidInput(f"model path {str(p)!r} is a file; pass the checkpoint directory")
     name = str(path_or_id)
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
         from huggingface_hub import constants, snapshot_download
@@ -76,32 +79,56 @@ def resolve(path_or_id: str | Path) -> Path:
         try:
             return Path(snapshot_download(name, local_files_only=True, cache_dir=constants.HF_HUB_CACHE))
         except LocalEntryNotFoundError:
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"model {name!r} is not a local directory and is not in the local Hugging Face "
                 f"cache ({constants.HF_HUB_CACHE}); kvjax never downloads at run time. Download it "
                 "where there is network (e.g. `hf download " + name + "`) and pass the directory."
             ) from None
-    raise FileNotFoundError(f"model directory {name!r} does not exist")
+    raise MissingFile(f"model directory {name!r} does not exist")
 
 
 def read_config(path: Path):
     """(kvjax config, architecture, config.json dict); transformers' AutoConfig where it knows the type."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    raw = json.loads(cfg_file.read_text())
+        raise MissingFile(f"no config.json in {path}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidInput(f"{cfg_file} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
+        raise InvalidInput(
             f"unknown model_type {model_type!r} in {cfg_file}; kvjax supports {sorted(ARCHITECTURES)}"
         )
+    _note_remote_code(cfg_file, raw)
     arch = ARCHITECTURES[model_type]
-    if arch.from_json is not None:
-        return arch.from_json(raw), arch, raw
-    from transformers import AutoConfig
+    try:
+        if arch.from_json is not None:
+            return arch.from_json(raw), arch, raw
+        from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    return arch.from_hf(hf), arch, raw
+        hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        return arch.from_hf(hf), arch, raw
+    except (KeyError, TypeError, ValueError) as err:
+        if isinstance(err, InvalidInput):
+            raise
+        raise InvalidInput(f"{cfg_file} is not a valid {model_type} config ({type(err).__name__}: {err})") from err
+
+
+_remote_code_noted: set[Path] = set()
+
+
+def _note_remote_code(cfg_file: Path, raw: dict) -> None:
+    """Says once per checkpoint that its own code (`auto_map`) is never run: kvjax reads the
+    config and maps the weights itself, so the hint is not silently ignored either."""
+    if ("auto_map" in raw or raw.get("trust_remote_code")) and cfg_file not in _remote_code_noted:
+        _remote_code_noted.add(cfg_file)
+        log.warning("%s: this checkpoint ships its own code (auto_map %s); kvjax never runs it and reads "
+                    "the weights with its own %r implementation", cfg_file, sorted(raw.get("auto_map", {})),
+                    raw.get("model_type"))
 
 
 class _Tensors:
@@ -116,9 +143,12 @@ class _Tensors:
         self._st: dict[Path, object] = {}
         for f in files:
             if f.suffix == ".safetensors":
-                from safetensors import safe_open
+                from safetensors import SafetensorError, safe_open
 
-                h = self._st[f] = safe_open(str(f), framework="np")
+                try:
+                    h = self._st[f] = safe_open(str(f), framework="np")
+                except SafetensorError as err:  # truncated or not a safetensors file at all
+                    raise InvalidInput(f"{f} is not a readable safetensors file ({err})") from None
                 for k in h.keys():
                     self._where[k], self._shape[k] = f, tuple(h.get_slice(k).get_shape())
             else:
@@ -134,12 +164,12 @@ class _Tensors:
                 files = sorted({path / f for f in weight_map.values()})
                 missing = [str(f) for f in files if not f.is_file()]
                 if missing:
-                    raise FileNotFoundError(f"{path / index} names shard files that are missing: {missing}")
+                    raise MissingFile(f"{path / index} names shard files that are missing: {missing}")
                 return files
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (path / single).is_file():
                 return [path / single]
-        raise FileNotFoundError(
+        raise MissingFile(
             f"no weights in {path}: expected model.safetensors, model.safetensors.index.json, "
             "pytorch_model.bin or pytorch_model.bin.index.json"
         )
@@ -159,7 +189,12 @@ class _Tensors:
     def get(self, name: str) -> np.ndarray:
         f = self._where[name]
         if f in self._st:
-            return self._st[f].get_tensor(name)
+            from safetensors import SafetensorError
+
+            try:
+                return self._st[f].get_tensor(name)
+            except SafetensorError as err:  # the header is whole but the data was cut short
+                raise InvalidInput(f"{f}: tensor {name!r} cannot be read ({err})") from None
         return _torch_to_numpy(self._torch[f][name])
 
 
@@ -171,7 +206,11 @@ def _torch_load(f: Path) -> dict:
             f"{f.name} is a PyTorch checkpoint and torch is not installed; install "
             "`kvjax[torch]` or convert the checkpoint to safetensors"
         ) from None
-    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    # Memory mapping needs the zip format of torch >= 1.6; legacy pickled files load whole.
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+        raise InvalidInput(f"{f} is not a readable PyTorch checkpoint ({err})") from None
 
 
 def _torch_to_numpy(t) -> np.ndarray:
@@ -198,18 +237,21 @@ def hf_parameters(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
 
 
 def load(
-    path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla"
+    path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla",
+    allow_nonfinite: bool = False,
 ) -> LoadedModel:
     """Loads a model (and its tokenizer, if the directory has one) from a local HF directory.
 
-    `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`."""
+    `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`. A weight
+    holding NaN or inf is refused (`NonFiniteError`, naming the tensor) unless `allow_nonfinite`;
+    a checkpoint tensor the config does not use (e.g. a config with fewer layers) is refused too."""
     if isinstance(dtype, str):
         if dtype == "float64":  # for exactness tests against float64 references
             if not jax.config.jax_enable_x64:
-                raise ValueError("dtype='float64' needs jax_enable_x64 (e.g. `with jax.enable_x64(True):`)")
+                raise InvalidInput("dtype='float64' needs jax_enable_x64 (e.g. `with jax.enable_x64(True):`)")
             dtype = jnp.float64
         elif dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} not supported; use one of {list(DTYPES)}")
+            raise InvalidInput(f"dtype {dtype!r} not supported; use one of {list(DTYPES)}")
         else:
             dtype = DTYPES[dtype]
     path = resolve(path_or_id)
@@ -223,28 +265,52 @@ def load(
     available = tensors.names()
     for name, (var, transpose) in params.items():
         if name not in available:
-            raise KeyError(
+            raise MissingKey(
                 f"weight {tensors.source(name)!r} is missing from the checkpoint in {path} "
                 f"(files: {[f.name for f in tensors.files]})"
             )
         want = tuple(var.get_value().shape[::-1] if transpose else var.get_value().shape)
         got = tensors.shape(name)
         if got != want:
-            raise ValueError(
+            raise InvalidInput(
                 f"weight {name!r} in {tensors.file(name).name} has shape {got}, but config.json "
                 f"implies {want}"
             )
-        arr = tensors.get(name)
-        var.set_value(jnp.asarray(arr.T if transpose else arr, dtype=dtype))
     extra = sorted(n for n in available - params.keys() if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
-        log.warning("ignoring %d tensors the model does not use: %s", len(extra), extra[:5])
+        # Dropping weights silently runs another model than the checkpoint (e.g. a 1-layer config
+        # over a 2-layer checkpoint printed garbage): the config and the weights must agree.
+        raise InvalidInput(
+            f"{len(extra)} tensors of the checkpoint in {path} are not used by its config.json "
+            f"({cfg.num_layers} layers): {extra[:6]}{' ...' if len(extra) > 6 else ''}; fix config.json "
+            "or pass the directory the weights belong to")
+    for name, (var, transpose) in params.items():
+        arr = tensors.get(name)
+        if not allow_nonfinite:
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            if bad:
+                raise NonFiniteError(
+                    f"weight {tensors.source(name)!r} in {tensors.file(name)} holds {bad} non-finite values "
+                    "(NaN or inf); a model with broken weights gives meaningless results. Pass "
+                    "allow_nonfinite=True (--allow-nonfinite on the command line) to load it anyway")
+        var.set_value(jnp.asarray(arr.T if transpose else arr, dtype=dtype))
     tok = None
     if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tok = load_tokenizer(path)
     return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path)
+
+
+def load_tokenizer(path: Path):
+    """transformers' AutoTokenizer for a local directory; a broken tokenizer file is an
+    `InvalidInput` naming the directory (the tokenizers library's own message is cryptic)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
+        files = [f for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model") if (path / f).is_file()]
+        raise InvalidInput(f"the tokenizer in {path} ({', '.join(files)}) cannot be read: "
+                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
 
 
 def save_pretrained(model: nnx.Module, path: str | Path, tokenizer=None) -> Path:
