@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import Cache
+from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length, pad_left
 from kvjax.policies.base import Policy
 
@@ -42,11 +43,11 @@ class Item:
 
     def __post_init__(self):
         if not self.query:
-            raise ValueError("Item.query is empty: the first option token needs a query token to be scored from")
+            raise InvalidInput("Item.query is empty: the first option token needs a query token to be scored from")
         if len(self.options) < 2 or any(len(o) == 0 for o in self.options):
-            raise ValueError(f"Item needs >= 2 non-empty options, got lengths {[len(o) for o in self.options]}")
+            raise InvalidInput(f"Item needs >= 2 non-empty options, got lengths {[len(o) for o in self.options]}")
         if not 0 <= self.answer < len(self.options):
-            raise ValueError(f"Item.answer={self.answer} is not an index into {len(self.options)} options")
+            raise InvalidInput(f"Item.answer={self.answer} is not an index into {len(self.options)} options")
 
 
 def _rows(item: Item, start: int, length: int, prefix: Sequence[int] = ()):
@@ -97,7 +98,7 @@ def room_for(items: Sequence[Item]) -> int:
 def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: int) -> Cache:
     """The demonstrations prefilled under `policy`, with capacity for `room` more tokens."""
     if not demos:
-        raise ValueError("no demonstration tokens to cache")
+        raise InvalidInput("no demonstration tokens to cache")
     bucket = bucket_length(len(demos))
     tokens, positions = pad_left([list(demos)], bucket, 0)
     graphdef, state = nnx.split(model)
@@ -109,7 +110,8 @@ def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, pol
     length = bucket_length(len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, n_demos, length)
     graphdef, state = nnx.split(model)
-    return np.asarray(_cached_scores(graphdef, state, cache, tokens, positions, scored, policy=policy))
+    scores = np.asarray(_cached_scores(graphdef, state, cache, tokens, positions, scored, policy=policy))
+    return require_finite(scores, "option log-probabilities (row = option)")
 
 
 def full_scores(model: nnx.Module, demos: Sequence[int], item: Item) -> np.ndarray:
@@ -117,7 +119,8 @@ def full_scores(model: nnx.Module, demos: Sequence[int], item: Item) -> np.ndarr
     length = bucket_length(len(demos) + len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, 0, length, demos)
     graphdef, state = nnx.split(model)
-    return np.asarray(_full_scores(graphdef, state, tokens, positions, scored))
+    scores = np.asarray(_full_scores(graphdef, state, tokens, positions, scored))
+    return require_finite(scores, "option log-probabilities (row = option)")
 
 
 def cache_length(cache: Cache) -> int:

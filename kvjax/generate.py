@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from kvjax import sharding
 from kvjax.cache import Cache
+from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.policies.base import Policy
 
 MIN_BUCKET = 16
@@ -35,10 +36,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        # NaN fails every comparison, so test for what is valid rather than for what is not.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidInput(f"temperature={self.temperature} must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidInput(f"top_p={self.top_p} must be in (0, 1]")
 
 
 def sample(logits: Float[Array, "b V"], key: PRNGKeyArray, sampling: Sampling) -> Int[Array, "b"]:
@@ -89,17 +91,33 @@ class DecodeState:
     tokens: Int[Array, "b n"]
     pos: Int[Array, "b"]  # position of tokens[:, step - 1], the token decoded next
     done: Array  # [b] bool: EOS emitted
+    nonfinite: Int[Array, "b"]  # index of the first token whose logits were not finite, -1 if none
     key: PRNGKeyArray
     cache: Cache
+
+
+def _all_finite(logits: Float[Array, "b V"]) -> Array:
+    return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 def _prefill(graphdef, state, tokens, positions, key, *, policy, max_len, sampling):
     model = nnx.merge(graphdef, state)
     logits, cache = model.prefill(tokens, positions, policy, max_len)
-    return sample(logits, key, sampling), cache
+    return sample(logits, key, sampling), _all_finite(logits), cache
 
 
-def _decode(graphdef, state, cache, first, pos, key, *, policy, sampling, eos, max_new, pad_id):
+# The host-side reporter of the decode loop's progress (set by `generate(progress=...)`); the jitted
+# loop calls `_tick` through `jax.debug.callback` only when compiled with `progress=True`.
+_progress_hook = None
+
+
+def _tick(step) -> None:
+    if _progress_hook is not None:
+        _progress_hook(int(step))
+
+
+def _decode(graphdef, state, cache, first, first_finite, pos, key, *, policy, sampling, eos, max_new, pad_id,
+            progress=False):
     model = nnx.merge(graphdef, state)
     b = first.shape[0]
     eos_ids = jnp.asarray(eos, jnp.int32)
@@ -112,11 +130,15 @@ def _decode(graphdef, state, cache, first, pos, key, *, policy, sampling, eos, m
         logits, c = model.decode(last, s.pos, s.cache, policy)
         key, sub = jax.random.split(s.key)
         tok = jnp.where(s.done, pad_id, sample(logits, sub, sampling))
+        bad = ~s.done & ~_all_finite(logits) & (s.nonfinite < 0)
+        if progress:
+            jax.debug.callback(_tick, s.step)
         return DecodeState(
             step=s.step + 1,
             tokens=s.tokens.at[:, s.step].set(tok),
             pos=s.pos + 1,
             done=s.done | jnp.isin(tok, eos_ids),
+            nonfinite=jnp.where(bad, s.step, s.nonfinite),
             key=key,
             cache=c,
         )
@@ -126,17 +148,32 @@ def _decode(graphdef, state, cache, first, pos, key, *, policy, sampling, eos, m
         tokens=jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(first),
         pos=pos,
         done=jnp.isin(first, eos_ids),
+        nonfinite=jnp.where(first_finite, -1, 0).astype(jnp.int32),
         key=key,
         cache=cache,
     )
     out = jax.lax.while_loop(cond, body, init)
-    return out.tokens, out.step, out.cache
+    return out.tokens, out.step, out.nonfinite, out.cache
 
 
 prefill_fn = jax.jit(_prefill, static_argnames=("policy", "max_len", "sampling"))
 decode_fn = jax.jit(
-    _decode, static_argnames=("policy", "sampling", "eos", "max_new", "pad_id"), donate_argnames=("cache",)
+    _decode, static_argnames=("policy", "sampling", "eos", "max_new", "pad_id", "progress"),
+    donate_argnames=("cache",)
 )
+
+
+def check_finite_steps(nonfinite: np.ndarray, what: str = "logits", step_name: str = "generated token") -> None:
+    """Raises `NonFiniteError` naming the first row (and its step) whose `what` were not finite;
+    `nonfinite[b]` holds each row's first bad step, -1 for a clean row."""
+    rows = np.flatnonzero(np.asarray(nonfinite) >= 0)
+    if rows.size:
+        r = int(rows[0])
+        raise NonFiniteError(
+            f"non-finite {what} (NaN or inf) at {step_name} {int(nonfinite[r])} of row {r}"
+            + (f" ({rows.size} rows affected)" if rows.size > 1 else "")
+            + "; the model's numbers are broken (weights, dtype overflow): nothing was scored or returned"
+        )
 
 
 @dataclasses.dataclass
@@ -169,21 +206,24 @@ def generate(
     pad_id: int | None = None,
     truncate: bool = False,
     min_bucket: int = MIN_BUCKET,
+    progress=None,
 ) -> Generation:
     """Generates up to `max_new_tokens` per prompt (a batch of token-id lists) under `policy`.
 
     With `truncate=True`, prompts too long for the model are middle-truncated
-    (LongBench's rule); otherwise they are an error.
+    (LongBench's rule); otherwise they are an error. Non-finite logits raise `NonFiniteError`
+    naming the row and the generated token. `progress(step)`, if given, is called from the
+    decode loop after each generated token (a separate compilation of the loop).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        raise InvalidInput(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise InvalidInput("every prompt needs at least one token")
     prompts = [list(map(int, p)) for p in prompts]
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     # Absolute positions grow through generation; rolling ones stay below the cache size,
     # but the prompt itself is attended at its true positions.
     absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
@@ -191,11 +231,8 @@ def generate(
     longest = max(map(len, prompts))
     if longest > limit:
         if not truncate or limit < 2:
-            raise ValueError(
-                f"prompt of {longest} tokens{' + max_new_tokens=' + str(max_new_tokens) if absolute else ''} "
-                f"exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; pass "
-                "truncate=True (middle truncation), shorten the prompt, or use rolling positions"
-            )
+            raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=absolute,
+                                truncate=truncate)
         prompts = [truncate_middle(p, limit) for p in prompts]
         longest = limit
     eos = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
@@ -209,19 +246,28 @@ def generate(
     tokens, positions = sharding.shard_batch(tokens, mesh), sharding.shard_batch(positions, mesh)
 
     t0 = time.perf_counter()
-    first, cache = prefill_fn(
+    first, first_finite, cache = prefill_fn(
         graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + max_new_tokens, sampling=sampling
     )
     first.block_until_ready()
     policy, cache = policy.shrink(cache, max_new_tokens)  # Attention-Gate: cut the cache to what was kept
     t1 = time.perf_counter()
     next_pos = sharding.shard_batch(jnp.asarray([len(p) for p in prompts], jnp.int32), mesh)
-    out, steps, cache = decode_fn(
-        graphdef, state, cache, first, next_pos, k_decode,
-        policy=policy, sampling=sampling, eos=eos, max_new=max_new_tokens, pad_id=pad,
-    )
-    out = np.asarray(out)
+    global _progress_hook
+    _progress_hook = progress
+    try:
+        out, steps, nonfinite, cache = decode_fn(
+            graphdef, state, cache, first, first_finite, next_pos, k_decode,
+            policy=policy, sampling=sampling, eos=eos, max_new=max_new_tokens, pad_id=pad,
+            progress=progress is not None,
+        )
+        out = np.asarray(out)
+        if progress is not None:
+            jax.effects_barrier()  # every tick delivered before the hook is cleared
+    finally:
+        _progress_hook = None
     t2 = time.perf_counter()
+    check_finite_steps(np.asarray(nonfinite))
     is_eos = np.isin(out, eos)
     lengths = np.where(is_eos.any(1), is_eos.argmax(1) + 1, max_new_tokens)
     return Generation(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length
 from kvjax.policies.base import Policy
 
@@ -29,20 +30,23 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     steps), so lengths in one bucket share a compilation.
     """
     if not policy.evicts_while_decoding:
-        raise ValueError(
+        raise InvalidInput(
             f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
             "token it would never compress. Use a policy that evicts while decoding (streaming, mat, h2o, ...)"
         )
     n = len(ids)
     if n < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {n}")
+        raise InvalidInput(f"need at least 2 tokens to score, got {n}")
     t = bucket_length(n)
     tokens = np.zeros((1, t), np.int32)
     tokens[0, :n] = ids
     positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
     graphdef, state = nnx.split(model)
     out = _stream_logprobs(graphdef, state, tokens, positions, policy=policy, max_len=t)
-    return np.asarray(out[0, : n - 1])
+    # Column j scores token j + 1: name the token whose log-probability broke.
+    logp = np.asarray(out[0, : n - 1])
+    require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")
+    return logp
 
 
 def perplexity(model: nnx.Module, ids: Sequence[int], policy: Policy) -> float:
