@@ -1,13 +1,14 @@
 """Cache policies: frozen dataclasses of pure functions (see `base.Policy`)."""
 
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy
-from kvjax.policies.gate import GateEviction
 from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, by_head, by_layer
+from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
-from kvjax.policies.scored import KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, TOVA
+from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
 
 
 def _mat_anchors(budget, anchors):
@@ -80,13 +81,13 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
     import inspect
 
     if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; available: {sorted(REGISTRY)}")
+        raise InvalidInput(f"unknown policy {name!r}; available: {sorted(REGISTRY)}")
     if name not in NO_BUDGET and budget is None:
-        raise ValueError(f"policy {name!r} needs a budget")
+        raise InvalidInput(f"policy {name!r} needs a budget")
     accepted = set(inspect.signature(REGISTRY[name]).parameters) - {"budget"}
     unknown = set(options) - accepted
     if unknown:
-        raise ValueError(f"policy {name!r} does not take {sorted(unknown)}; it takes {sorted(accepted)}")
+        raise InvalidInput(f"policy {name!r} does not take {sorted(unknown)}; it takes {sorted(accepted)}")
     return REGISTRY[name](budget, **options)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.anchors import anchor_flags, anchor_mask
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 _HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
@@ -44,13 +45,13 @@ class AnchorReduction(LayerPolicy):
     def __post_init__(self):
         super().__post_init__()
         if not self.anchor_ids:
-            raise ValueError("AnchorReduction: anchor_ids is empty")
+            raise InvalidInput("AnchorReduction: anchor_ids is empty")
         if self.anchors < 1 or self.sequence < 1:
-            raise ValueError(f"AnchorReduction: anchors={self.anchors} and sequence={self.sequence} must be >= 1")
+            raise InvalidInput(f"AnchorReduction: anchors={self.anchors} and sequence={self.sequence} must be >= 1")
         if self.span is not None and not 0 <= self.span[0] < self.span[1]:
-            raise ValueError(f"AnchorReduction: span={self.span} must be (start, end) with 0 <= start < end")
+            raise InvalidInput(f"AnchorReduction: span={self.span} must be (start, end) with 0 <= start < end")
         if self.positions != "absolute":
-            raise ValueError("AnchorReduction: positions must be 'absolute' (eq. 4 keeps true positions)")
+            raise InvalidInput("AnchorReduction: positions must be 'absolute' (eq. 4 keeps true positions)")
 
     def _span_len(self) -> int:
         return 0 if self.span is None else self.span[1] - self.span[0]

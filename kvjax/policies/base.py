@@ -30,6 +30,7 @@ from typing import Literal
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 
 PositionMode = Literal["absolute", "rolling"]
 PrefillMode = Literal["full", "stream"]
@@ -149,9 +150,9 @@ class LayerPolicy(Policy):
 
     def __post_init__(self):
         if self.positions not in POSITION_MODES:
-            raise ValueError(f"positions={self.positions!r}; expected one of {POSITION_MODES}")
+            raise InvalidInput(f"positions={self.positions!r}; expected one of {POSITION_MODES}")
         if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode={self.prefill_mode!r}; expected one of {PREFILL_MODES}")
+            raise InvalidInput(f"prefill_mode={self.prefill_mode!r}; expected one of {PREFILL_MODES}")
 
     def position_mode(self, layer: int) -> PositionMode:
         return self.positions

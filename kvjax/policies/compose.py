@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy
 
 # `split` meaning "every layer is shallow", whatever the model's depth.
@@ -24,16 +25,16 @@ class ByLayer(Policy):
 
     def __post_init__(self):
         if self.split < 0:
-            raise ValueError(f"ByLayer: split={self.split} must be >= 0")
+            raise InvalidInput(f"ByLayer: split={self.split} must be >= 0")
         if self.shallow.prefill_mode != self.deep.prefill_mode:
-            raise ValueError(
+            raise InvalidInput(
                 f"ByLayer: shallow prefill_mode={self.shallow.prefill_mode!r} differs from deep "
                 f"prefill_mode={self.deep.prefill_mode!r}"
             )
 
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         if self.split != EVERY_LAYER and self.split > num_layers:
-            raise ValueError(
+            raise InvalidInput(
                 f"ByLayer: split (shallow layers L_s)={self.split} is out of range for a model with "
                 f"{num_layers} layers (0..{num_layers}, or EVERY_LAYER)"
             )
@@ -121,13 +122,13 @@ class ByHead(Policy):
             split = self.head_split(layer)
             heads = sorted(h for hs, _ in split for h in hs)
             if num_kv_heads is not None and heads != list(range(num_kv_heads)):
-                raise ValueError(
+                raise InvalidInput(
                     f"{type(self).__name__}: layer {layer} splits KV heads {heads}, but the model has "
                     f"{num_kv_heads} KV heads per layer (each must be in exactly one group)"
                 )
             modes = {sub.position_mode(layer) for _, sub in split} | {sub.prefill_mode for _, sub in split}
             if len(modes) != 2:
-                raise ValueError(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
+                raise InvalidInput(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
                                  f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
             for _, sub in split:
                 sub.check(num_layers)
@@ -175,17 +176,17 @@ class HeadSplit(ByHead):
 
     def __post_init__(self):
         if not self.layers:
-            raise ValueError("HeadSplit: no layers")
+            raise InvalidInput("HeadSplit: no layers")
         for layer, split in enumerate(self.layers):
             if not split or any(not heads for heads, _ in split):
-                raise ValueError(f"HeadSplit: layer {layer} has an empty group")
+                raise InvalidInput(f"HeadSplit: layer {layer} has an empty group")
 
     def _num_layers(self):
         return len(self.layers)
 
     def check(self, num_layers, num_kv_heads=None):
         if len(self.layers) != num_layers:
-            raise ValueError(f"HeadSplit: {len(self.layers)} layers given, the model has {num_layers}")
+            raise InvalidInput(f"HeadSplit: {len(self.layers)} layers given, the model has {num_layers}")
         super().check(num_layers, num_kv_heads)
 
     def head_split(self, layer):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 
@@ -36,9 +37,9 @@ class GateEviction(LayerPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.bucket < 1:
-            raise ValueError(f"GateEviction: bucket={self.bucket} must be >= 1")
+            raise InvalidInput(f"GateEviction: bucket={self.bucket} must be >= 1")
         if self.prefill_mode != "full" or self.positions != "absolute":
-            raise ValueError("GateEviction decides at prefill over the whole prompt: prefill_mode must be 'full' and "
+            raise InvalidInput("GateEviction decides at prefill over the whole prompt: prefill_mode must be 'full' and "
                              "positions 'absolute'")
 
     def capacity(self, layer, max_len, prompt_len=0):
@@ -48,7 +49,7 @@ class GateEviction(LayerPolicy):
 
     def check(self, num_layers, num_kv_heads=None):
         if self.kept is not None and len(self.kept) != num_layers:
-            raise ValueError(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
+            raise InvalidInput(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         keep = stats["gate_keep"] & (pos >= 0)[:, None, :]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 
@@ -30,9 +31,9 @@ class H2O(LayerPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.recent < 1:
-            raise ValueError(f"H2O: recent={self.recent} must be >= 1 (the current token)")
+            raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
         if self.budget <= self.recent:
-            raise ValueError(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
+            raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
 
     def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len)

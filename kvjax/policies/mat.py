@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy, PrefillMode
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
 from kvjax.policies.ring import StreamingLLM
@@ -55,14 +56,14 @@ class AnchorCache(LayerPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.anchors < 1:
-            raise ValueError(f"MAT: anchors (beta)={self.anchors} must be >= 1 (the first token is an anchor)")
+            raise InvalidInput(f"MAT: anchors (beta)={self.anchors} must be >= 1 (the first token is an anchor)")
         if self.anchors >= self.budget:
-            raise ValueError(
+            raise InvalidInput(
                 f"MAT: anchors (beta)={self.anchors} must be smaller than budget (c)={self.budget}, "
                 "leaving at least one window slot for the current token"
             )
         if self.group_agg not in GROUP_AGGREGATIONS:
-            raise ValueError(f"MAT: group_agg={self.group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+            raise InvalidInput(f"MAT: group_agg={self.group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
 
     @property
     def window(self) -> int:
@@ -123,9 +124,9 @@ def mat(
     `shallow_layers=EVERY_LAYER` is "MAT (w. sink)" (= StreamingLLM); `0` is "MAT (w. anchor)".
     """
     if not 0 <= shallow_layers:
-        raise ValueError(f"MAT: shallow_layers (L_s)={shallow_layers} must be >= 0")
+        raise InvalidInput(f"MAT: shallow_layers (L_s)={shallow_layers} must be >= 0")
     if sinks >= budget:
-        raise ValueError(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
+        raise InvalidInput(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
     shallow = StreamingLLM(budget=budget, sinks=sinks, positions=positions, prefill_mode=prefill_mode)
     deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, positions=positions, prefill_mode=prefill_mode)
     return ByLayer(split=shallow_layers, shallow=shallow, deep=deep)

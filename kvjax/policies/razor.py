@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
@@ -68,20 +69,20 @@ class CompensatedWindow(LayerPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:
-            raise ValueError(f"RazorAttention: sinks (N0)={self.sinks} must be >= 0")
+            raise InvalidInput(f"RazorAttention: sinks (N0)={self.sinks} must be >= 0")
         if self.buffer < 1:
-            raise ValueError(f"RazorAttention: buffer (S0)={self.buffer} must be >= 1")
+            raise InvalidInput(f"RazorAttention: buffer (S0)={self.buffer} must be >= 1")
         if not self.compression >= 1:
-            raise ValueError(f"RazorAttention: compression (C)={self.compression} must be >= 1")
+            raise InvalidInput(f"RazorAttention: compression (C)={self.compression} must be >= 1")
         if self.fold not in FOLDS:
-            raise ValueError(f"RazorAttention: fold={self.fold!r}; expected one of {FOLDS}")
+            raise InvalidInput(f"RazorAttention: fold={self.fold!r}; expected one of {FOLDS}")
         if self.positions != "absolute":
-            raise ValueError(
+            raise InvalidInput(
                 "RazorAttention: positions must be 'absolute' (the compensation token is a mean of "
                 f"keys after RoPE, eq. 4), got {self.positions!r}"
             )
         if self.scopes is not None and min(self.scopes) < 1:
-            raise ValueError(f"RazorAttention: scopes={self.scopes} must all be >= 1")
+            raise InvalidInput(f"RazorAttention: scopes={self.scopes} must all be >= 1")
 
     def _window(self, prompt_len: int) -> int:
         return max(self.scopes) if self.scopes is not None else buffer_length(prompt_len, self.buffer, self.compression)
@@ -198,10 +199,10 @@ class RazorAttention(ByHead):
 
     def __post_init__(self):
         if (self.retrieval is None) == (self.scopes is None):
-            raise ValueError("RazorAttention: give exactly one of retrieval (RoPE heads) or scopes (ALiBi)")
+            raise InvalidInput("RazorAttention: give exactly one of retrieval (RoPE heads) or scopes (ALiBi)")
         rows = self.retrieval if self.retrieval is not None else self.scopes
         if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
-            raise ValueError("RazorAttention: the head table must have the same non-zero number of heads per layer")
+            raise InvalidInput("RazorAttention: the head table must have the same non-zero number of heads per layer")
         # Validates the shared hyper-parameters once, with the paper's names in the messages.
         CompensatedWindow(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
                           compensate=self.compensate, fold=self.fold)
@@ -214,7 +215,7 @@ class RazorAttention(ByHead):
 
     def check(self, num_layers, num_kv_heads=None):
         if num_layers != self._num_layers() or (num_kv_heads is not None and num_kv_heads != self._num_kv_heads()):
-            raise ValueError(
+            raise InvalidInput(
                 f"RazorAttention: the heads table is {self._num_layers()} layers x {self._num_kv_heads()} KV heads, "
                 f"the model has {num_layers} layers x {num_kv_heads} KV heads"
             )
@@ -271,7 +272,7 @@ def razor_from_heads(
     from kvjax.heads import load_heads
 
     if heads is None:
-        raise ValueError("RazorAttention needs a heads file (--heads, from python -m experiments.find_heads)")
+        raise InvalidInput("RazorAttention needs a heads file (--heads, from python -m experiments.find_heads)")
     data = heads if isinstance(heads, dict) else load_heads(heads)
     alibi = "kv_scopes" in data
     common = dict(
@@ -281,7 +282,7 @@ def razor_from_heads(
     )
     table = data["kv_scopes"] if alibi else data["retrieval_kv_heads"]
     if len(table) != data["num_layers"] or any(len(r) != data["num_kv_heads"] for r in table):
-        raise ValueError(
+        raise InvalidInput(
             f"heads file: its table is not {data['num_layers']} layers x {data['num_kv_heads']} KV heads as it declares"
         )
     if alibi:

@@ -16,6 +16,7 @@ from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 
@@ -95,7 +96,7 @@ class LocalWindow(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.window < 1:
-            raise ValueError(f"LocalWindow: window={self.window} must be >= 1")
+            raise InvalidInput(f"LocalWindow: window={self.window} must be >= 1")
 
     def _layout(self, max_len):
         return 0, min(self.window, max_len)
@@ -115,9 +116,9 @@ class StreamingLLM(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:
-            raise ValueError(f"StreamingLLM: sinks={self.sinks} must be >= 0")
+            raise InvalidInput(f"StreamingLLM: sinks={self.sinks} must be >= 0")
         if self.budget < self.sinks + 1:
-            raise ValueError(
+            raise InvalidInput(
                 f"StreamingLLM: budget={self.budget} is smaller than sinks + 1 = {self.sinks + 1} "
                 "(the window must hold at least the current token)"
             )

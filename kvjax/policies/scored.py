@@ -34,6 +34,7 @@ import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 POOLS = ("max", "avg", "none")
@@ -70,15 +71,18 @@ class ScoredPolicy(LayerPolicy):
         super().__post_init__()
         name = type(self).__name__
         if (self.budget is None) == (self.ratio is None):
-            raise ValueError(f"{name}: give exactly one of budget (tokens) or ratio (fraction removed)")
+            raise InvalidInput(f"{name}: give exactly one of budget (tokens) or ratio (fraction removed)")
         if self.ratio is not None and not 0 <= self.ratio < 1:
-            raise ValueError(f"{name}: ratio={self.ratio} must be in [0, 1)")
+            raise InvalidInput(f"{name}: ratio={self.ratio} must be in [0, 1)")
         if self.window < 0:
-            raise ValueError(f"{name}: window={self.window} must be >= 0")
-        if self.budget is not None and self.budget < max(self.window, 1):
-            raise ValueError(f"{name}: budget={self.budget} is smaller than the observation window={self.window}")
+            raise InvalidInput(f"{name}: window={self.window} must be >= 0")
+        if self.budget is not None and self.budget < 1:
+            raise InvalidInput(f"{name}: budget={self.budget} must be >= 1 (tokens kept per KV head)")
+        if self.budget is not None and self.budget < self.window:
+            raise InvalidInput(f"{name}: budget={self.budget} must be at least window={self.window}: the last "
+                             "`window` prompt tokens are always kept, so a smaller budget cannot hold them")
         if self.prefill_mode != "full":
-            raise ValueError(f"{name} compresses a whole prompt: prefill_mode must be 'full'")
+            raise InvalidInput(f"{name} compresses a whole prompt: prefill_mode must be 'full'")
 
     # -- per-method parts -------------------------------------------------------------
     def score(self, layer, k, v, pos, stats) -> jax.Array:
@@ -125,9 +129,9 @@ class SnapKV(ScoredPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self, pool=self.pool, group_agg=self.group_agg)
+        _check(self, pool=self.pool, group_agg=self.group_agg, kernel=self.kernel)
         if self.window < 1:
-            raise ValueError(f"{type(self).__name__}: window={self.window} must be >= 1 (the observation window)")
+            raise InvalidInput(f"{type(self).__name__}: window={self.window} must be >= 1 (the observation window)")
 
     def prefill_stats(self, layer):
         return frozenset({f"window_probs:{self.window}"})
@@ -152,13 +156,13 @@ class PyramidKV(SnapKV):
     def __post_init__(self):
         super().__post_init__()
         if self.beta < 1:
-            raise ValueError(f"PyramidKV: beta={self.beta} must be >= 1")
+            raise InvalidInput(f"PyramidKV: beta={self.beta} must be >= 1")
         if self.num_layers < 2:
-            raise ValueError(f"PyramidKV: num_layers={self.num_layers} must be >= 2")
+            raise InvalidInput(f"PyramidKV: num_layers={self.num_layers} must be >= 2")
 
     def check(self, num_layers, num_kv_heads=None):
         if num_layers != self.num_layers:
-            raise ValueError(f"PyramidKV: num_layers={self.num_layers} but the model has {num_layers} layers")
+            raise InvalidInput(f"PyramidKV: num_layers={self.num_layers} but the model has {num_layers} layers")
 
     def keep_count(self, layer, length):
         xp = jnp if isinstance(length, jax.Array) else np
@@ -187,11 +191,11 @@ class SlimKV(ScoredPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self, pool=self.pool)
+        _check(self, pool=self.pool, kernel=self.kernel)
         if self.combine not in ("product", "sum"):
-            raise ValueError(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5) or 'sum' (Listing 1)")
+            raise InvalidInput(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5) or 'sum' (Listing 1)")
         if self.window < 1:
-            raise ValueError(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
+            raise InvalidInput(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
 
     def prefill_stats(self, layer):
         return frozenset({f"window_probs:{self.window}"})
@@ -247,12 +251,17 @@ class KNorm(ScoredPolicy):
         return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
 
 
-def _check(policy, pool=None, group_agg=None):
+def _check(policy, pool=None, group_agg=None, kernel=None):
     name = type(policy).__name__
+    # `pool1d` pads kernel // 2 on each side, which keeps the length only for odd kernels; an even
+    # kernel gives T + 1 scores (so does kvpress's F.avg_pool1d), i.e. no defined alignment.
+    if kernel is not None and (kernel < 1 or kernel % 2 == 0):
+        raise InvalidInput(f"{name}: kernel={kernel} must be a positive odd number (pooling pads kernel // 2 "
+                         "on each side, so only an odd kernel keeps one score per token)")
     if pool is not None and pool not in POOLS:
-        raise ValueError(f"{name}: pool={pool!r}; expected one of {POOLS}")
+        raise InvalidInput(f"{name}: pool={pool!r}; expected one of {POOLS}")
     if group_agg is not None and group_agg not in GROUP_AGGREGATIONS:
-        raise ValueError(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+        raise InvalidInput(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
 
 
 __all__ = ["KNorm", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
