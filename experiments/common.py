@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
+import re
 from pathlib import Path
 
 import numpy as np
 
-from kvjax.policies import REGISTRY, Policy, make_policy
+from kvjax.errors import InvalidInput
+from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 from models import DEFAULT_DIR
 
 # The embedded default: trained by `python -m experiments.train_tiny` and committed (see its README.md).
@@ -21,36 +25,135 @@ POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions"
                   "compensate", "fold", "bucket")
 
 
-def add_policy_args(p: argparse.ArgumentParser, default: str = "streaming") -> None:
+# ---- option types: a bad value is refused where it is parsed, naming the flag ----
+
+
+def _number(kind, text: str, what: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    # NaN fails every comparison, so `ok` states what is valid, never what is not.
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"{text} must be {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, ">= 1", lambda x: x >= 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return _number(int, text, ">= 0", lambda x: x >= 0)
+
+
+def odd_positive_int(text: str) -> int:
+    """A pooling kernel: odd, so that `kernel // 2` padding on each side keeps one score per token."""
+    return _number(int, text, "a positive odd number (pooling keeps the length only for odd kernels)",
+                   lambda x: x >= 1 and x % 2 == 1)
+
+
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, "a finite number >= 0", lambda x: x >= 0)
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, "a finite number > 0", lambda x: x > 0)
+
+
+def probability(text: str) -> float:
+    """top-p: in (0, 1]."""
+    return _number(float, text, "in (0, 1]", lambda x: 0 < x <= 1)
+
+
+def fraction_removed(text: str) -> float:
+    """--ratio: the fraction of the prompt removed, in [0, 1)."""
+    return _number(float, text, "in [0, 1) (the fraction of the prompt removed)", lambda x: 0 <= x < 1)
+
+
+def int_list(text: str) -> list[int]:
+    """`4096,8192`: positive integers."""
+    return [positive_int(x) for x in text.split(",") if x.strip()] or _empty(text)
+
+
+def float_list(text: str) -> list[float]:
+    return [_number(float, x, "a finite number", lambda v: True) for x in text.split(",") if x.strip()] or \
+        _empty(text)
+
+
+def _empty(text: str):
+    raise argparse.ArgumentTypeError(f"{text!r} holds no values")
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """--allow-nonfinite and --debug, for every command that loads a model."""
+    g = p.add_argument_group("run")
+    g.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a checkpoint even if a weight holds NaN or inf (results are still checked)")
+    g.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error (also KVJAX_DEBUG=1)")
+
+
+def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming", budget: int = 256) -> None:
     g = p.add_argument_group("cache policy")
     g.add_argument("--policy", default=default, choices=sorted(REGISTRY), help="cache policy")
-    g.add_argument("--budget", type=int, default=256, help="cache slots per layer and KV head (MAT's c)")
-    g.add_argument("--sinks", type=int, help="attention sinks (streaming, MAT's shallow layers: s); default 4")
-    g.add_argument("--anchors", type=int, help="MAT's anchor cache size beta; default budget // 4")
-    g.add_argument("--shallow-layers", type=int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
+    g.add_argument("--budget", type=positive_int,
+                   help=f"cache slots per layer and KV head (MAT's c); default {budget} for the policies "
+                        f"that take a budget ({', '.join(sorted(set(REGISTRY) - NO_BUDGET))})")
+    g.add_argument("--sinks", type=nonnegative_int, help="attention sinks (streaming, MAT's shallow layers: s); "
+                                                         "default 4")
+    g.add_argument("--anchors", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
+    g.add_argument("--shallow-layers", type=nonnegative_int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
     g.add_argument("--group-agg", choices=["mean", "max", "sum"],
                    help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
-    g.add_argument("--ratio", type=float, help="score-based policies: fraction of the prompt removed, instead of --budget")
-    g.add_argument("--window", type=int, help="observation window kept and scored from (SnapKV 32, kvpress 64)")
-    g.add_argument("--kernel", type=int, help="pooling kernel (SnapKV 7, kvpress 5)")
+    g.add_argument("--ratio", type=fraction_removed,
+                   help="score-based policies: fraction of the prompt removed, instead of --budget")
+    g.add_argument("--window", type=nonnegative_int, help="observation window kept and scored from (SnapKV 32, "
+                                                          "kvpress 64)")
+    g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
     g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
     g.add_argument("--combine", choices=["product", "sum"], help="SlimKV: S1*S2 (eq. 5) or S1+S2 (Listing 1)")
-    g.add_argument("--recent", type=int, help="H2O: recent window; default budget // 2")
-    g.add_argument("--beta", type=int, help="PyramidKV: steepness of the pyramid; default 20")
+    g.add_argument("--recent", type=nonnegative_int, help="H2O: recent window; default budget // 2")
+    g.add_argument("--beta", type=positive_int, help="PyramidKV: steepness of the pyramid; default 20")
     g.add_argument("--heads", help="RazorAttention: heads file from python -m experiments.find_heads")
-    g.add_argument("--compression", type=float, help="RazorAttention: C, local heads keep max(S0, N / C); default 5")
-    g.add_argument("--buffer", type=int, help="RazorAttention: S0, the least window of a local head; default 4000")
+    g.add_argument("--compression", type=positive_float,
+                   help="RazorAttention: C, local heads keep max(S0, N / C); default 5")
+    g.add_argument("--buffer", type=positive_int, help="RazorAttention: S0, the least window of a local head; "
+                                                       "default 4000")
     g.add_argument("--no-compensation", dest="compensate", action="store_const", const=False,
                    help="RazorAttention: drop tokens without the compensation token")
     g.add_argument("--fold", choices=["decode", "prefill"],
                    help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
                         "prompt only and append generated tokens (the paper's Algorithm 1)")
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
-    g.add_argument("--bucket", type=int, help="Attention-Gate: kept slots are rounded up to a multiple of this; "
-                                              "default 64")
+    g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
+                                                       "this; default 64")
     g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
     g.add_argument("--prefill-mode", choices=["full", "stream"],
                    help="attend the prompt whole then compress, or token by token (default: the policy's)")
+    p.set_defaults(default_budget=budget)
+
+
+def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
+    """--budget as given, or the command's default; an error when it cannot apply, so a budget the
+    policies ignore never looks like it was used."""
+    budgeted = [n for n in names if n not in NO_BUDGET]
+    if args.budget is not None:
+        if not budgeted:
+            raise InvalidInput(f"--budget {args.budget} does not apply to --policy {','.join(names)}: "
+                               + "; ".join(NO_BUDGET_WHY[n] for n in names))
+        if args.ratio is not None:
+            raise InvalidInput(f"--budget {args.budget} and --ratio {args.ratio} both size the cache: give one")
+        return args.budget
+    return args.default_budget  # with --ratio, the scored policies use the ratio instead
+
+
+# Why a policy takes no --budget (said in the error, with what sizes it instead).
+NO_BUDGET_WHY = {
+    "full": "full keeps every token",
+    "razor": "razor sizes its local heads with --compression and --buffer",
+    "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
+}
 
 
 def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) -> Policy:
@@ -59,21 +162,14 @@ def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) ->
     An option the policy does not take is an error (e.g. --anchors with --policy streaming).
     `num_layers` is passed to the policies that need the model's depth (PyramidKV).
     """
-    import inspect
-
-    from kvjax.policies import REGISTRY
-
-    options = {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
-    if num_layers is not None and "num_layers" in inspect.signature(REGISTRY[args.policy]).parameters:
-        options["num_layers"] = num_layers
-    return make_policy(args.policy, args.budget, **options)
+    return policies_from_args(args, [args.policy], num_layers)[0]
 
 
 def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
     """--policy / --budget / every policy option, plus --compare p1,p2 (`default` when neither is given)."""
     p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: {default})")
-    add_policy_args(p, default=None)
-    p.set_defaults(budget=budget, compare_default=default)
+    add_policy_args(p, default=None, budget=budget)
+    p.set_defaults(compare_default=default)
 
 
 def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_layers: int
@@ -89,24 +185,35 @@ def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_la
 def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None) -> list[Policy]:
     """One policy per name (`--compare p1,p2`), each given the command-line options it takes.
 
-    An option that none of them takes is an error, as a typo must not be silently ignored."""
-    import inspect
-
-    options = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+    An option that none of them takes is an error, as a typo must not be silently ignored; so is a
+    --budget that none of them takes, or one given with --ratio. A value a policy refuses is
+    reported with its command-line flag."""
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
-        raise ValueError(f"unknown policy {unknown[0]!r} in --compare; available: {sorted(REGISTRY)}")
+        raise InvalidInput(f"unknown policy {unknown[0]!r}; available: {sorted(REGISTRY)}")
+    budget = _budget(args, names)
+    options = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
     taken = {k for n in names for k in options if k in inspect.signature(REGISTRY[n]).parameters}
     if options - taken:
-        raise ValueError(f"no policy of {names} takes {sorted(options - taken)}")
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(options - taken))
+        raise InvalidInput(f"{flags}: no policy of {','.join(names)} takes it")
     out = []
     for n in names:
-        own = argparse.Namespace(**vars(args))
-        own.policy = n
-        for k in options - set(inspect.signature(REGISTRY[n]).parameters):
-            setattr(own, k, None)
-        out.append(policy_from_args(own, num_layers))
+        params = inspect.signature(REGISTRY[n]).parameters
+        kw = {k: getattr(args, k) for k in options if k in params}
+        if num_layers is not None and "num_layers" in params:
+            kw["num_layers"] = num_layers
+        try:
+            out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
+        except InvalidInput as err:
+            # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
+            raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None
     return out
+
+
+def _as_flags(message: str) -> str:
+    return re.sub(r"\b([a-z_]+)=", lambda m: f"--{m.group(1).replace('_', '-')} " if m.group(1) in
+                  (*POLICY_OPTIONS, "budget") else m.group(0), message)
 
 
 def attach_gate_params(args: argparse.Namespace, model) -> None:
@@ -170,5 +277,5 @@ def default_text() -> str:
 def windows(ids: list[int], seq_len: int) -> np.ndarray:
     n = len(ids) // seq_len
     if n == 0:
-        raise ValueError(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
+        raise InvalidInput(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
     return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)

@@ -15,6 +15,8 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
+from kvjax.errors import InvalidInput, MissingFile
+
 # Directories of the standard library left out: test suites (huge, repetitive), vendored or GUI
 # demo code, codec tables (encodings/), the build's config-* directory, and pydoc_data itself
 # (its topics are the English half of the corpus).
@@ -30,7 +32,7 @@ def _split_of(name: str) -> str:
 
 def _check(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"split={split!r}; expected one of {SPLITS}")
+        raise InvalidInput(f"split={split!r}; expected one of {SPLITS}")
 
 
 @lru_cache(maxsize=None)
@@ -44,7 +46,7 @@ def stdlib_files() -> tuple[tuple[str, Path], ...]:
             continue
         files.append((rel.as_posix(), f))
     if not files:
-        raise FileNotFoundError(f"no standard-library .py files under {root}")
+        raise MissingFile(f"no standard-library .py files under {root}")
     return tuple(sorted(files))
 
 

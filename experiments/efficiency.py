@@ -27,11 +27,20 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog, claim_results_dir
+from experiments import cli
+from experiments.common import (
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    int_list,
+    positive_int,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling
 from kvjax.cache import nbytes
-from kvjax.generate import bucket_length, decode_fn, pad_left, prefill_fn
+from kvjax.generate import bucket_length, check_finite_steps, decode_fn, pad_left, prefill_fn
 
 
 def peak_bytes() -> int | None:
@@ -50,7 +59,7 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
                             max_len=bucket + new, sampling=Sampling())
     jax.block_until_ready(pre())  # compile
     t = time.perf_counter()
-    first, cache = jax.block_until_ready(pre())
+    first, first_finite, cache = jax.block_until_ready(pre())
     prefill_s = time.perf_counter() - t
     dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), eos=(), max_new=new,
                             pad_id=0)
@@ -59,8 +68,9 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     for _ in range(repeats + 1):  # the first run compiles
         c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
         t = time.perf_counter()
-        out, steps, c = dec(c, first, lengths, key)
+        out, steps, nonfinite, c = dec(c, first, first_finite, lengths, key)
         jax.block_until_ready(out)
+        check_finite_steps(np.asarray(nonfinite))
         best = min(best, time.perf_counter() - t)
     return {"prefill_s": prefill_s, "decode_tok_s": (int(steps) - 1) / best, "cache_bytes": nbytes(c),
             "peak_bytes": peak_bytes()}
@@ -99,28 +109,31 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.efficiency", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
-    p.add_argument("--lengths", help="comma-separated context lengths (default: max/4, max/2, max - new)")
-    p.add_argument("--new", type=int, default=32, help="decoded tokens per timing")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lengths", type=int_list,
+                   help="comma-separated context lengths (default: max/4, max/2, max - new)")
+    p.add_argument("--new", type=positive_int, default=32, help="decoded tokens per timing (>= 2)")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
     p.add_argument("--out", default="results/efficiency")
     add_compare_args(p, default="full,streaming,mat")
+    add_run_args(p)
     args = p.parse_args(argv)
-    if args.new < 2 or args.batch < 1:
-        p.error(f"--new {args.new} must be >= 2 and --batch {args.batch} >= 1")
-    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
+    if args.new < 2:
+        p.error(f"argument --new: {args.new} must be >= 2 (one prefill token, then decoded ones)")
+    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+                       allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     cfg = lm.config
     labels, policies = chosen_policies(p, args, cfg.num_layers)
     n = cfg.max_position_embeddings
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n // 4, n // 2, n - args.new]
+    lengths = args.lengths or [n // 4, n // 2, n - args.new]
     too_long = [L for L in lengths if L + args.new > n]
     if too_long:
         p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n}")
     out = Path(args.out)
-    claim_results_dir(out, lm)  # no resuming over another model's records
+    claim_results_dir(out, lm, options_of(args, selection=("lengths",)))  # no resuming over another configuration's
     log = ResultLog(out / "cells.jsonl")  # a rerun keeps the cells already timed
     rows = []
     for L in tqdm(lengths, desc="context lengths"):
@@ -139,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -26,10 +26,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import load_with_tokenizer
+from experiments import cli
+from experiments.common import add_run_args, load_with_tokenizer, nonnegative_int, positive_int
+from experiments.records import ResultLog, claim_results_dir, options_of
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
 from kvjax.anchors import AC_TOKEN
+from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache
 from kvjax.policies.anllm import AnchorReduction
@@ -41,7 +44,7 @@ NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances
 def fact_task(n_items: int, shots: int, options: int, seed: int) -> tuple[list[str], list[dict]]:
     """Demonstrations (facts) and items asking for one fact's number among `options` of them."""
     if not 2 <= options <= shots <= len(NAMES):
-        raise ValueError(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}")
+        raise InvalidInput(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}")
     rng = np.random.default_rng(seed)
     names = list(rng.choice(NAMES, shots, replace=False))
     codes = [str(c) for c in rng.choice(np.arange(100, 1000), shots, replace=False)]
@@ -58,11 +61,11 @@ def fact_task(n_items: int, shots: int, options: int, seed: int) -> tuple[list[s
 def read_items(path: Path) -> tuple[list[str], list[dict]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows or "demos" not in rows[0]:
-        raise ValueError(f"{path}: the first line must carry 'demos' (a list of strings)")
+        raise InvalidInput(f"{path}: the first line must carry 'demos' (a list of strings)")
     for i, r in enumerate(rows):
         missing = {"query", "options", "answer"} - r.keys()
         if missing:
-            raise ValueError(f"{path}: line {i + 1} lacks {sorted(missing)}")
+            raise InvalidInput(f"{path}: line {i + 1} lacks {sorted(missing)}")
     return rows[0]["demos"], rows
 
 
@@ -72,7 +75,7 @@ def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, t
         return "ep", anchor_ids_of(tok, override)
     meta = json.loads((model_dir / "config.json").read_text()).get("kvjax_anllm")
     if meta is None:
-        raise ValueError(f"{model_dir}/config.json has no 'kvjax_anllm' entry (not from experiments.train_anllm); "
+        raise InvalidInput(f"{model_dir}/config.json has no 'kvjax_anllm' entry (not from experiments.train_anllm); "
                          "pass --anchors")
     return meta["variant"], tuple(meta["anchor_ids"])
 
@@ -123,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
     p.add_argument("--anchors", nargs="*", help="anchor token strings (default: from config.json)")
-    p.add_argument("--items", type=int, default=100)
-    p.add_argument("--shots", type=int, default=5)
-    p.add_argument("--options", type=int, default=4)
-    p.add_argument("--time-items", type=int, default=20, help="items timed for T⇑ (0: no timing)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--items", type=positive_int, default=100)
+    p.add_argument("--shots", type=positive_int, default=5)
+    p.add_argument("--options", type=positive_int, default=4)
+    p.add_argument("--time-items", type=nonnegative_int, default=20, help="items timed for T⇑ (0: no timing)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = load_with_tokenizer(p, args.model)
+    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     variant, anchor_ids = anchors_of(lm.path, tok, args.anchors)
     demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,
@@ -149,17 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     l_kv = fewshot.cache_length(anchor_cache)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "items.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    with log.open("a") as f:
-        for i in tqdm(range(len(records), len(items)), desc="items", initial=len(records), total=len(items)):
+    # Every option shapes the items or the anchors: no resuming over another configuration's records.
+    claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data",), selection=("time_items",)))
+    log = ResultLog(out / "items.jsonl", key="i")
+    for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
+        if i not in log:
             it = items[i]
-            rec = {"i": i, "answer": it.answer, "full": fewshot.full_scores(model, demo_ids, it).tolist(),
-                   "ansan": fewshot.cached_scores(model, anchor_cache, len(demo_ids), it, policy).tolist()}
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            records.append(rec)
+            log.add({"i": i, "answer": it.answer, "full": fewshot.full_scores(model, demo_ids, it).tolist(),
+                     "ansan": fewshot.cached_scores(model, anchor_cache, len(demo_ids), it, policy).tolist()})
+    records = [log.records[str(i)] for i in range(len(items))]
 
     timing = full_cache_s = None
     if args.time_items > 0:
@@ -175,4 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -29,7 +29,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments.common import load_with_tokenizer, read_text, windows
+from experiments import cli
+from experiments.common import add_run_args, load_with_tokenizer, positive_int, read_text, windows
+from experiments.records import claim_results_dir, dumps_finite, options_of
+from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, load_gates, without_gates
 from kvjax.policies import GateEviction, make_policy
 from kvjax.train import next_token_loss
@@ -39,7 +42,7 @@ def held_out(tok, data: list[str] | None, seq_len: int, n: int) -> np.ndarray:
     text = read_text(data)
     w = windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)
     if len(w) < n + 1:
-        raise ValueError(f"the data has {len(w)} windows of {seq_len} tokens; need more than --windows={n}")
+        raise InvalidInput(f"the data has {len(w)} windows of {seq_len} tokens; need more than --windows={n}")
     return w[-n:]
 
 
@@ -74,7 +77,7 @@ _cont_nll_jit = jax.jit(_cont_nll, static_argnames=("policy",))
 def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4) -> dict:
     """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`."""
     if not 0 < prefix_share < 1:
-        raise ValueError(f"prefix share {prefix_share} must be in (0, 1)")
+        raise InvalidInput(f"prefix share {prefix_share} must be in (0, 1)")
     graphdef, state = nnx.split(model)
     with without_gates(model):
         base_graph, base_state = nnx.split(model)
@@ -143,17 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--gate-params", required=True)
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
-    p.add_argument("--windows", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--prefix", type=float, default=0.75)
+    p.add_argument("--windows", type=positive_int, default=32)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--prefix", type=float, default=0.75, help="fraction of each window that is the prompt, in (0, 1)")
     p.add_argument("--out", help="default: --gate-params/eval")
+    add_run_args(p)
     args = p.parse_args(argv)
-    lm = load_with_tokenizer(p, args.model)
+    if not 0 < args.prefix < 1:
+        p.error(f"argument --prefix: {args.prefix} must be in (0, 1)")
+    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     load_gates(lm.model, args.gate_params)
+    out = Path(args.out or Path(args.gate_params) / "eval")
+    # Not resumable, but its results must not be mistaken for another configuration's either.
+    claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data", "gate_params")))
     result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix)
-    write_report(Path(args.out or Path(args.gate_params) / "eval"), result)
+    dumps_finite(result)  # a NaN loss is an error, not a number in the table
+    write_report(out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

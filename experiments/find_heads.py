@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import cli
+from experiments.common import add_run_args
 from kvjax import heads as H
+from kvjax.errors import require_finite
 from models import load
 
 
@@ -34,13 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", choices=H.BOUNDS, default="paper", help="ALiBi: eq. 2 as printed, or the repaired bound")
     p.add_argument("--plot", help="PNG heatmap of the scores (default: next to --out)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_run_args(p)
     args = p.parse_args(argv)
     for name in ("induction_ratio", "echo_ratio"):
         value = getattr(args, name)
         if not 0 <= value <= 1:
             p.error(f"--{name.replace('_', '-')}={value} must be in [0, 1]")
 
-    lm = load(args.model, dtype=args.dtype)
+    lm = load(args.model, dtype=args.dtype, allow_nonfinite=args.allow_nonfinite)
     cfg = lm.config
     length = 1 + args.k * args.repeats
     if length > cfg.max_position_embeddings:
@@ -49,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     specials = [i for i in (cfg.pad_token_id, *cfg.eos_token_ids) if i is not None]
     tokens = H.probe_tokens(cfg.vocab_size, args.k, args.repeats, cfg.bos_token_id, args.seed, exclude=specials)
     scores = H.head_scores(lm.model, tokens, progress=True)
+    # A NaN score would rank heads arbitrarily and silently pick the "retrieval" heads.
+    require_finite(np.asarray(scores.echo), "echo scores (row = layer)", step="head")
+    require_finite(np.asarray(scores.induction), "induction scores (row = layer)", step="head")
     q_mask, kv_mask = H.select_retrieval(scores, cfg.num_kv_heads, args.induction_ratio, args.echo_ratio)
     fields = dict(
         model=str(args.model), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -80,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

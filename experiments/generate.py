@@ -1,63 +1,100 @@
 """Generate a continuation under a cache policy and report cache size and speed.
 
-    python -m experiments.generate --model DIR --policy streaming --budget 256 "prompt"
+    python -m experiments.generate [--model DIR] --policy streaming --budget 256 "prompt"
 
-Without --model, a tiny randomly initialised Llama is created locally and used
-(its output is noise: it demonstrates the pipeline, not a language model).
+Without --model, the embedded default model (`models/default`, a 0.52 M-parameter Llama trained
+by `python -m experiments.train_tiny`) is used. The prompts are generated once: a progress bar
+follows the decode loop, and its ticks time the decoding (compilation excluded).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import jax
+from tqdm import tqdm
 
+from experiments import cli
 from experiments.common import (
     add_policy_args,
+    add_run_args,
     attach_gate_params,
     default_model_dir,
+    nonnegative_float,
+    nonnegative_int,
     policy_from_args,
+    positive_int,
+    probability,
 )
 from kvjax import FullCache, Sampling, generate
 from kvjax.cache import nbytes, num_slots
 from models import load
 
 
+class DecodeProgress:
+    """A tqdm bar over the generated tokens, fed by the decode loop; remembers when each tick came,
+    so decode speed is measured on the run itself rather than on a second, timed run."""
+
+    def __init__(self, total: int, rows: int):
+        self.total, self.rows, self.ticks, self.bar = total, rows, [], None
+
+    def __call__(self, step: int) -> None:
+        self.ticks.append((step, time.perf_counter()))
+        if self.bar is None:  # opened by the first token, so an error before decoding prints no bar
+            self.bar = tqdm(total=self.total, unit="tok", desc="decode", file=sys.stderr, leave=False)
+        self.bar.update(step + 1 - self.bar.n)
+
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second over the batch, between the first and the last tick."""
+        if len(self.ticks) < 2:
+            return None
+        (s0, t0), (s1, t1) = self.ticks[0], self.ticks[-1]
+        return self.rows * (s1 - s0) / max(t1 - t0, 1e-9)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.generate", description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="*", default=["The attention sink is"], help="one or more prompts (a batch)")
-    p.add_argument("--model", help="local Hugging Face directory (default: a tiny random model)")
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--truncate", action="store_true", help="middle-truncate prompts that are too long")
     add_policy_args(p)
+    add_run_args(p)
     args = p.parse_args(argv)
 
     if args.model:
         path, random_weights = args.model, False
     else:
         path, random_weights = default_model_dir()
-    lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl)
+    lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
     if random_weights:
-        print("NOTE: RANDOM WEIGHTS - the default model is a tiny randomly initialised Llama "
-              f"({path}); its text is noise. Pass --model DIR for a real checkpoint.\n")
+        print("NOTE: RANDOM WEIGHTS - the default model is missing, so this is a tiny randomly initialised "
+              f"Llama ({path}); its text is noise. Pass --model DIR for a real checkpoint.\n")
     if lm.tokenizer is None:
-        print(f"error: {path} has no tokenizer files", file=sys.stderr)
-        return 2
+        p.error(f"{path} has no tokenizer files")
     tok = lm.tokenizer
     prompts = [tok(t)["input_ids"] for t in args.prompt]
     sampling = Sampling(args.temperature, args.top_p)
-    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=jax.random.key(args.seed), truncate=args.truncate)
-    warm = generate(lm.model, prompts, policy, **kw)  # compiles
-    out = generate(lm.model, prompts, policy, **kw)  # timed, compiled
+    progress = DecodeProgress(args.max_new_tokens, len(prompts))
+    try:
+        out = generate(lm.model, prompts, policy, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                       key=jax.random.key(args.seed), truncate=args.truncate, progress=progress)
+    finally:
+        progress.close()
 
     max_len = out.prompt_bucket + args.max_new_tokens
     full_slots = lm.config.num_layers * lm.config.num_kv_heads * FullCache().capacity(0, max_len, out.prompt_bucket)
@@ -71,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         f"per sequence over layers x KV heads (full cache: {full_slots}); "
         f"{nbytes(out.cache) / 2**20:.3f} MiB for the batch of {len(prompts)}"
     )
+    speed = progress.tokens_per_s()
     print(
-        f"speed    first call (compile + run) {warm.prefill_s + warm.decode_s:.2f} s; "
-        f"prefill {out.prefill_s * 1e3:.1f} ms; decode {out.decode_tokens_per_s:.1f} tokens/s "
-        f"({out.decode_steps} steps x {len(prompts)} rows on {jax.devices()[0].platform})"
+        f"speed    prefill (first call: compile + run) {out.prefill_s:.2f} s; decode "
+        + (f"{speed:.1f} tokens/s" if speed is not None else "n/a (fewer than 3 tokens)")
+        + f" ({out.decode_steps} steps x {len(prompts)} rows on {jax.devices()[0].platform}, compilation excluded)"
     )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import passkey
+from experiments import cli, passkey
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from models import DEFAULT_DIR
@@ -202,4 +202,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

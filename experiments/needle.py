@@ -25,9 +25,20 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog, claim_results_dir
+from experiments import cli
+from experiments.common import (
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    float_list,
+    int_list,
+    positive_int,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling, generate
+from kvjax.errors import InvalidInput, MissingFile
 
 NEEDLE = " The founder of Kalomiven is Ravendor."
 QUESTION = "\nQuestion: What is the founder of Kalomiven?\nAnswer:"
@@ -42,7 +53,7 @@ def haystack_text(directory: str | None) -> str:
         return "\n\n".join(topics[k] for k in sorted(topics))
     files = sorted(Path(directory).glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"--haystack {directory} has no .txt files")
+        raise MissingFile(f"--haystack {directory} has no .txt files")
     return "\n\n".join(f.read_text() for f in files)
 
 
@@ -54,16 +65,16 @@ def needle_prompt(tok, haystack_ids: list[int], length: int, depth: float, needl
                   ) -> tuple[list[int], int]:
     """(prompt of exactly `length` tokens, index of the needle's first token) for `depth` in [0, 100]."""
     if not 0 <= depth <= 100:
-        raise ValueError(f"depth={depth} must be a percentage in [0, 100]")
+        raise InvalidInput(f"depth={depth} must be a percentage in [0, 100]")
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     n_ids = tok(needle, add_special_tokens=False)["input_ids"]
     q_ids = tok(question, add_special_tokens=False)["input_ids"]
     room = length - len(bos) - len(n_ids) - len(q_ids)
     if room < 1:
-        raise ValueError(f"length={length} leaves no room for the haystack (needle + question take "
+        raise InvalidInput(f"length={length} leaves no room for the haystack (needle + question take "
                          f"{length - room} tokens)")
     if len(haystack_ids) < room:
-        raise ValueError(f"the haystack has {len(haystack_ids)} tokens; length={length} needs {room}")
+        raise InvalidInput(f"the haystack has {len(haystack_ids)} tokens; length={length} needs {room}")
     context = list(haystack_ids[:room])
     at = int(room * depth / 100)
     while at > 0 and not _ends_sentence(tok, context[at - 1]):  # back to a sentence boundary
@@ -76,7 +87,7 @@ def rouge1_recall(answer: str, reference: str) -> float:
     words = lambda s: re.findall(r"[a-z0-9]+", s.lower())  # noqa: E731
     ref, ans = words(reference), words(answer)
     if not ref:
-        raise ValueError("the reference has no words")
+        raise InvalidInput("the reference has no words")
     pool = {}
     for w in ans:
         pool[w] = pool.get(w, 0) + 1
@@ -140,24 +151,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--needle", default=NEEDLE)
     p.add_argument("--question", default=QUESTION, help="appended after the context")
     p.add_argument("--answer", default=ANSWER, help="the needle's key fact, for exact match")
-    p.add_argument("--lengths", help="comma-separated prompt lengths (default: 5 up to the model's window)")
-    p.add_argument("--depths", default="0,25,50,75,100", help="comma-separated percentages")
-    p.add_argument("--batch", type=int, default=5)
+    p.add_argument("--lengths", type=int_list, help="comma-separated prompt lengths (default: 5 up to the model's "
+                                                    "window)")
+    p.add_argument("--depths", type=float_list, default=[0.0, 25.0, 50.0, 75.0, 100.0],
+                   help="comma-separated percentages")
+    p.add_argument("--batch", type=positive_int, default=5)
     p.add_argument("--out", default="results/needle")
     add_compare_args(p, default="full,streaming")
+    add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = resolve_model(p, args.model)
+    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
     labels, policies = chosen_policies(p, args, lm.config.num_layers)
     top = n - MAX_NEW_TOKENS
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
-        sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})
-    depths = [float(x) for x in args.depths.split(",")]
+    lengths = args.lengths or sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})
+    depths = args.depths
     hay = tok(haystack_text(args.haystack), add_special_tokens=False)["input_ids"]
     out = Path(args.out)
-    claim_results_dir(out, lm, haystack=args.haystack)  # no resuming over another model's records
+    # No resuming over another configuration's records.
+    claim_results_dir(out, lm, options_of(args, files=("haystack",), selection=("lengths", "depths")))
     out.mkdir(parents=True, exist_ok=True)
     log = ResultLog(out / "cells.jsonl")
     setting = f"{args.needle}|{args.question}"
@@ -185,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

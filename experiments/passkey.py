@@ -21,10 +21,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_policy_args, attach_gate_params, policy_from_args, resolve_model
-from experiments.records import ResultLog, claim_results_dir
+from experiments import cli
+from experiments.common import (
+    add_policy_args,
+    add_run_args,
+    attach_gate_params,
+    float_list,
+    int_list,
+    nonnegative_int,
+    policy_from_args,
+    positive_int,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, options_of
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax import Sampling, generate
+from kvjax.errors import InvalidInput
 
 MAX_NEW_TOKENS = 8
 
@@ -36,12 +48,12 @@ def _encode(tok, text: str) -> list[int]:
 def passkey_prompt(tok, length: int, depth: float, key: int | str) -> tuple[list[int], int]:
     """(prompt ids of exactly `length` tokens, index of the needle's first token)."""
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth={depth} must be in [0, 1]")
+        raise InvalidInput(f"depth={depth} must be in [0, 1]")
     head = [tok.bos_token_id] + _encode(tok, PASSKEY_INTRO)
     needle, question = _encode(tok, passkey_needle(key)), _encode(tok, PASSKEY_QUESTION)
     room = length - len(head) - len(needle) - len(question)
     if room < 0:
-        raise ValueError(f"length={length} is shorter than the passkey prompt without garbage "
+        raise InvalidInput(f"length={length} is shorter than the passkey prompt without garbage "
                          f"({length - room} tokens)")
     garbage = _encode(tok, PASSKEY_GARBAGE)
     # The garbage's tail, so it ends with a whole sentence (a partial one, if any, follows the intro).
@@ -63,7 +75,7 @@ def default_lengths(tok, max_position: int) -> list[int]:
     top = max_position - MAX_NEW_TOKENS
     lengths = sorted({n for n in (max_position // 4, max_position // 2, top) if n >= min_length(tok) + 16})
     if not lengths:
-        raise ValueError(f"max_position_embeddings={max_position} is too short for the passkey prompt "
+        raise InvalidInput(f"max_position_embeddings={max_position} is too short for the passkey prompt "
                          f"({min_length(tok)} tokens without garbage)")
     return lengths
 
@@ -142,34 +154,38 @@ def write_report(out: Path, tables: dict[str, dict]) -> None:
     plt.close(fig)
 
 
-def floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.passkey", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
-    p.add_argument("--lengths", type=ints, help="prompt lengths in tokens (default: max/4, max/2, max - 8, "
+    p.add_argument("--lengths", type=int_list, help="prompt lengths in tokens (default: max/4, max/2, max - 8, "
                                                 "those the prompt fits in)")
-    p.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--samples", type=int, default=5, help="samples per (length, depth)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths in [0, 1], comma-separated")
+    p.add_argument("--samples", type=positive_int, default=5, help="samples per (length, depth)")
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default="results/passkey")
     add_policy_args(p, default="full")
+    add_run_args(p)
     args = p.parse_args(argv)
+    if not all(0 <= d <= 1 for d in args.depths):
+        p.error(f"argument --depths: {args.depths} must each be in [0, 1]")
 
-    lm = resolve_model(p, args.model)
+    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
     n = lm.config.max_position_embeddings
     lengths = args.lengths or default_lengths(lm.tokenizer, n)
+    too_long = [L for L in lengths if L + MAX_NEW_TOKENS > n]
+    if too_long:
+        p.error(f"argument --lengths: {too_long} + {MAX_NEW_TOKENS} generated tokens exceed the model's "
+                f"max_position_embeddings={n}")
+    too_short = [L for L in lengths if L < min_length(lm.tokenizer)]
+    if too_short:
+        p.error(f"argument --lengths: {too_short} are shorter than the passkey prompt without garbage "
+                f"({min_length(lm.tokenizer)} tokens with this tokenizer)")
     out = Path(args.out)
-    claim_results_dir(out, lm)  # no resuming over another model's records
+    claim_results_dir(out, lm, options_of(args, selection=("lengths", "depths", "samples")))  # no resuming over another configuration's records
     label = policy.describe()
     log = ResultLog(out / "samples.jsonl")
     records = run(lm.model, lm.tokenizer, policy, lengths, args.depths, args.samples, log, seed=args.seed,
@@ -184,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -23,8 +23,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_compare_args, attach_gate_params, chosen_policies, read_text, resolve_model
-from experiments.records import ResultLog, claim_results_dir
+from experiments import cli
+from experiments.common import (
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    int_list,
+    read_text,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax.scoring import stream_logprobs
 
 
@@ -98,17 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.perplexity", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--text", nargs="*", help="text files (default: held-out standard-library text)")
-    p.add_argument("--lengths", help="comma-separated token counts (default: max/2, max, 2 max)")
+    p.add_argument("--lengths", type=int_list, help="comma-separated token counts (default: max/2, max, 2 max)")
     p.add_argument("--out", default="results/perplexity")
     add_compare_args(p, default="full,streaming,mat")
+    add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = resolve_model(p, args.model)
+    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     cfg = lm.config
     labels, policies = chosen_policies(p, args, cfg.num_layers)
     n = cfg.max_position_embeddings
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [n // 2, n, 2 * n]
+    lengths = args.lengths or [n // 2, n, 2 * n]
     if min(lengths) < 2:
         p.error(f"--lengths {lengths}: each must be >= 2 tokens")
     text = read_text(args.text) if args.text else heldout_text()
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < max(lengths):
         p.error(f"the text has {len(ids)} tokens, fewer than the longest --lengths {max(lengths)}")
     out = Path(args.out)
-    claim_results_dir(out, lm, text=args.text)  # no resuming over another model's records
+    # No resuming over another configuration's records.
+    claim_results_dir(out, lm, options_of(args, files=("text",), selection=("lengths",)))
     log = ResultLog(out / "runs.jsonl")
     todo = [(lab, pol, L) for lab, pol in zip(labels, policies) for L in lengths
             if f"{pol.describe()}|{L}" not in log]
@@ -136,4 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,36 +1,116 @@
-"""Append-only JSON-lines result logs: an interrupted evaluation resumes without losing finished work."""
+"""Crash-safe result records: an interrupted evaluation resumes without losing finished work, and
+never over the records of another configuration.
+
+* `ResultLog`: JSON lines, one record each, appended and fsynced as each finishes.
+* `claim_results_dir`: OUT/identity.json, the whole configuration that produced OUT's records.
+* `write_atomic`: every rewrite goes to a temporary file that replaces the old one only once
+  complete (fsync, then rename), so a kill or a full disk never leaves a half-written file.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterator
+import math
+import os
+import platform
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from kvjax.errors import InvalidInput, NonFiniteError
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replaces `path` with `text` all at once: readers (and a rerun after a kill) see the old
+    file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # not every platform opens directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def dumps_finite(record: dict) -> str:
+    """One record as a JSON line; a NaN or an infinity anywhere in it is an error naming the field."""
+    try:
+        return json.dumps(record, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in record.items() if _has_nonfinite(v)]
+        raise NonFiniteError(f"record {record.get('id', record.get('_id', ''))!r} has a non-finite value in "
+                             f"{bad}: it is not stored, so no table shows it as a number") from None
+
+
+def _has_nonfinite(v) -> bool:
+    if isinstance(v, float):
+        return not math.isfinite(v)
+    if isinstance(v, dict):
+        return any(_has_nonfinite(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_nonfinite(x) for x in v)
+    return False
+
+
+def _no_constants(name: str):
+    raise ValueError(name)
 
 
 class ResultLog:
     """Records keyed by `key` (a field every record has), one JSON object per line.
 
-    Each record is flushed as soon as it is added, so a crash loses at most the record being
-    written; a torn last line (the crash happened mid-write) is ignored and recomputed.
+    Each record is appended, flushed and fsynced as soon as it is added, so a crash loses at most
+    the record being written. A torn last line (the crash happened mid-write) is dropped on load,
+    by an atomic rewrite: the finished records are never at risk. A record holding NaN or
+    inf is refused, when added and when read back.
     """
 
     def __init__(self, path: str | Path, key: str = "id"):
         self.path, self.key = Path(path), key
         self.records: dict[str, dict] = {}
-        if self.path.is_file():
-            lines = self.path.read_text().splitlines()
-            for n, line in enumerate(lines):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    if n == len(lines) - 1:
-                        break  # torn by a crash: drop it, it will be recomputed
-                    raise ValueError(f"{self.path}:{n + 1} is not valid JSON") from None
-                self.records[str(rec[key])] = rec
-            # Rewrite without the torn line so appends start on a fresh line.
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records.values()))
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        torn = False
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line, parse_constant=_no_constants)
+            except json.JSONDecodeError:
+                if n == len(lines) - 1:
+                    torn = True  # torn by a crash: drop it, it will be recomputed
+                    break
+                raise InvalidInput(f"{self.path}:{n + 1} is not valid JSON; delete the line (or the file) "
+                                   "to recompute it") from None
+            except ValueError as err:  # NaN / Infinity written by an older kvjax
+                raise NonFiniteError(f"{self.path}:{n + 1} holds a non-finite number ({err}); delete that "
+                                     "line to recompute it") from None
+            if not isinstance(rec, dict) or key not in rec:
+                raise InvalidInput(f"{self.path}:{n + 1} is not a record with a {key!r} field")
+            self.records[str(rec[key])] = rec
+        if torn:  # so appends start on a fresh line
+            write_atomic(self.path, "".join(dumps_finite(r) + "\n" for r in self.records.values()))
 
     def __contains__(self, key) -> bool:
         return str(key) in self.records
@@ -44,23 +124,27 @@ class ResultLog:
     def add(self, record: dict) -> None:
         if self.key not in record:
             raise KeyError(f"record has no {self.key!r} field: {sorted(record)}")
+        line = dumps_finite(record) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
         self.records[str(record[self.key])] = record
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """A short hash of a HF directory's config.json and weight files (name, size, first and last MiB):
-    cheap for 7B checkpoints, and different for retrained or swapped weights."""
+def content_fingerprint(path: str | Path) -> str:
+    """A short hash of a file or a directory's files (relative name, size, first and last MiB of
+    each): cheap for 7B checkpoints and large corpora, and different for edited or swapped content."""
     import hashlib
 
-    model_dir = Path(model_dir)
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file()
+                                                 and not any(p.startswith(".") for p in f.relative_to(path).parts))
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("config.json")) + sorted(model_dir.glob("*.safetensors")) + sorted(
-            model_dir.glob("pytorch_model*.bin")):
+    for f in files:
         size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
+        h.update(f"{f.relative_to(path) if f != path else f.name}:{size}".encode())
         with f.open("rb") as fh:
             h.update(fh.read(1 << 20))
             if size > 1 << 20:
@@ -69,20 +153,87 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def claim_results_dir(out: str | Path, lm, **inputs) -> None:
-    """Ties OUT's resumable records to what produced them: the model's weights and dtype, and `inputs`
-    (data files, ...). A rerun with the same identity resumes; one with another is refused, so records
-    of two models (or datasets) are never mixed in one table."""
+def model_fingerprint(model_dir: str | Path) -> str:
+    """`content_fingerprint` of what defines a HF directory's model: config.json and the weights."""
+    import hashlib
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("config.json")) + sorted(model_dir.glob("*.safetensors")) + sorted(
+        model_dir.glob("pytorch_model*.bin"))
+    return hashlib.sha256("".join(f"{f.name}={content_fingerprint(f)}" for f in files).encode()).hexdigest()[:16]
+
+
+# Options that never change a result: where results go and how errors are shown. (--model is in
+# every identity as the weights' fingerprint: the same weights moved elsewhere are the same model.)
+PRESENTATION = frozenset({"out", "debug", "compare_default", "model"})
+
+
+def options_of(args: argparse.Namespace, *, policy_keyed: bool = True, files: Iterable[str] = (),
+               selection: Iterable[str] = ()) -> dict:
+    """The parsed options that change results, as `{"--flag": value}`, for `claim_results_dir`.
+
+    `policy_keyed`: the suite keys each record by its policy's full description
+    (`Policy.describe()`, every parameter), so `--policy`, `--compare`, `--budget` and the policy
+    options are in the records rather than here, and a `--compare` list may grow across reruns.
+    `files`: options naming files or directories whose *content* counts: each gets a fingerprint.
+    `selection`: options that only choose which records are computed or shown (lengths, depths,
+    sample counts) when each record's key names its own coordinates: a rerun asking for more of
+    them resumes rather than being refused.
+    """
+    from experiments.common import POLICY_OPTIONS
+
+    skip = set(PRESENTATION) | set(selection)
+    files = {*files, "gate_params"}  # trained gates change what the gate policy keeps
+    if policy_keyed:
+        skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget"}
+    out = {}
+    for name, value in sorted(vars(args).items()):
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        out[flag] = _plain(value)
+        if name in files and value is not None:
+            paths = value if isinstance(value, (list, tuple)) else [value]
+            out[flag + " content"] = [content_fingerprint(v) if Path(v).exists() else None for v in paths]
+    return out
+
+
+def _plain(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
+    """Ties OUT's resumable records to the whole configuration that produces them: kvjax's version,
+    the model (weights fingerprint, dtype, attention implementation) and `options` (from
+    `options_of`). A rerun with the same identity resumes; one that differs in anything is refused,
+    naming each differing option with both values, so one table never mixes two configurations."""
+    import kvjax
+
     out = Path(out)
-    identity = {"model": str(lm.path), "weights": model_fingerprint(lm.path),
-                "dtype": str(getattr(lm.model, "dtype", "")), **{k: str(v) for k, v in inputs.items()}}
+    # Python's version too: the default texts (pydoc topics, the stdlib corpus) come with it.
+    identity = {"kvjax": kvjax.__version__, "python": ".".join(platform.python_version_tuple()[:2]),
+                "model": str(lm.path), "weights": model_fingerprint(lm.path),
+                "model dtype": str(getattr(lm.model, "dtype", "")),
+                "attention impl": getattr(lm.config, "attention_impl", "xla"), **_plain(options)}
     path = out / "identity.json"
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            raise InvalidInput(f"{path} is unreadable ({err}); it was torn or edited: delete {out} or pass "
+                               "a new --out") from None
+        # The model's path may move; its weights fingerprint says whether it is the same model.
         diff = [k for k in sorted(old.keys() | identity.keys()) if k != "model" and old.get(k) != identity.get(k)]
         if diff:
-            changes = "; ".join(f"{k}: {old.get(k)!r} -> {identity.get(k)!r}" for k in diff)
-            raise ValueError(f"{out} holds results of another run ({changes}); pass a new --out or delete {out}")
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(identity, indent=2) + "\n")
+            changes = "; ".join(f"{k}: {_show(old, k)} -> {_show(identity, k)}" for k in diff)
+            raise InvalidInput(f"{out} holds results of another configuration ({changes}); pass a new --out "
+                               f"or delete {out}")
+        return old
+    write_atomic(path, json.dumps(identity, indent=2) + "\n")
+    return identity
+
+
+def _show(identity: dict, key: str) -> str:
+    return repr(identity[key]) if key in identity else "(not recorded)"

@@ -21,9 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from experiments import efficiency, needle, passkey, perplexity, zeroshot
-from experiments.longbench import __main__ as longbench
+from experiments import cli, efficiency, needle, passkey, perplexity, zeroshot
 from experiments.common import DEFAULT_MODEL_DIR
+from experiments.longbench import __main__ as longbench
 
 
 def _run(main, argv: list[str]) -> None:
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from kvjax.errors import InvalidInput
+
 SPECIAL_IDS = range(4)  # <unk> <s> </s> <pad>: never drawn as random tokens
 
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -74,7 +76,7 @@ class Mixture:
         names = tuple(f.name for f in dataclasses.fields(self))
         p = np.array([getattr(self, n) for n in names], np.float64)
         if (p < 0).any() or p.sum() <= 0:
-            raise ValueError(f"mixture shares must be >= 0 and not all 0: {self}")
+            raise InvalidInput(f"mixture shares must be >= 0 and not all 0: {self}")
         return names, p / p.sum()
 
 
@@ -189,7 +191,7 @@ class RowSampler:
         head, q = self.fixed["intro"], self.fixed["question"]
         room = span - len(head) - len(needle) - len(q) - len(answer)
         if room < 0:
-            raise ValueError(f"a passkey task needs {span - room} tokens with this tokenizer; span={span} is too short")
+            raise InvalidInput(f"a passkey task needs {span - room} tokens with this tokenizer; span={span} is too short")
         filler = self._filler(rng, room)
         cut = int(rng.integers(0, room + 1))
         return [(head, 1.0), (filler[:cut], 1.0), (needle, 1.0), (filler[cut:], 1.0), (q, 1.0),

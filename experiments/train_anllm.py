@@ -20,8 +20,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import load_with_tokenizer, read_text, windows
+from experiments import cli
+from experiments.common import add_run_args, load_with_tokenizer, read_text, windows
 from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, with_ac
+from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
 
@@ -31,7 +33,7 @@ def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
     for a in anchors:
         tok = tokenizer(a, add_special_tokens=False)["input_ids"]
         if len(tok) != 1:
-            raise ValueError(f"anchor {a!r} is {len(tok)} tokens for this tokenizer; an anchor must be one token")
+            raise InvalidInput(f"anchor {a!r} is {len(tok)} tokens for this tokenizer; an anchor must be one token")
         ids.append(tok[0])
     return tuple(ids)
 
@@ -54,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainable", nargs="*", default=[], help="regexes of parameter paths to train (default all)")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = load_with_tokenizer(p, args.model)
+    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     text = read_text(args.data)
     if args.variant == "ac":
@@ -94,4 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -29,9 +29,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import eval_gate
-from experiments.common import load_with_tokenizer
+from experiments import cli, eval_gate
+from experiments.common import add_run_args, load_with_tokenizer
 from experiments.eval_anllm import fact_task
+from kvjax.errors import InvalidInput
 from kvjax.gate import PRESETS, attach_gates, eviction_loss, save_gates, without_gates
 from kvjax.lora import LORA_PATTERN, attach_lora, merge_lora
 from kvjax.train import TrainConfig, next_token_loss, train
@@ -45,7 +46,7 @@ def sft_records(path: str | None, n: int, seed: int) -> list[dict]:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         bad = [i for i, r in enumerate(rows) if not {"prompt", "answer"} <= set(r)]
         if bad:
-            raise ValueError(f"{path}: line {bad[0] + 1} lacks 'prompt' or 'answer'")
+            raise InvalidInput(f"{path}: line {bad[0] + 1} lacks 'prompt' or 'answer'")
         return rows
     rows = []
     for i in range(n):
@@ -64,7 +65,7 @@ def sft_arrays(tok, rows: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndar
         p = tok(r["prompt"])["input_ids"]
         a = tok(r["answer"], add_special_tokens=False)["input_ids"]
         if len(p) + len(a) > seq_len:
-            raise ValueError(f"record {i} is {len(p) + len(a)} tokens, more than --seq-len={seq_len}")
+            raise InvalidInput(f"record {i} is {len(p) + len(a)} tokens, more than --seq-len={seq_len}")
         n = len(p) + len(a)
         toks[i, :n], pos[i, :n], w[i, len(p) : n] = p + a, np.arange(n), 1.0
     return toks, pos, w
@@ -93,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-items", type=int, default=256)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = load_with_tokenizer(p, args.model)
+    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     overrides = {k: getattr(args, k) for k in ("tau", "gamma", "alpha", "beta") if getattr(args, k) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset or args.mode], heads=args.gate_heads,
@@ -143,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import corpus
+from experiments import cli, corpus
 from experiments.tasks import INDUCTION_ONLY, Curriculum, RowSampler
+from kvjax.errors import InvalidInput
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models.gqa import to_grouped_query
@@ -51,7 +52,7 @@ def train_bpe(texts, vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < len(SPECIAL) + 256:
-        raise ValueError(f"vocab_size={vocab_size} must be >= {len(SPECIAL) + 256} (specials + 256 bytes)")
+        raise InvalidInput(f"vocab_size={vocab_size} must be >= {len(SPECIAL) + 256} (specials + 256 bytes)")
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -102,7 +103,7 @@ def batches(args, tok, data: dict[str, np.ndarray]) -> Callable[[int], dict]:
     sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, answer_weight=args.answer_weight,
                          mixture=curriculum.main)
     if sampler.min_span >= args.seq_len:
-        raise ValueError(f"--seq-len {args.seq_len} is too short for the tasks with this tokenizer "
+        raise InvalidInput(f"--seq-len {args.seq_len} is too short for the tasks with this tokenizer "
                          f"(they need {sampler.min_span + 1} tokens)")
     warm_sampler = RowSampler(tok, data["code_train"], data["docs_train"], args.warm_len, mixture=INDUCTION_ONLY)
     warm_regime = (INDUCTION_ONLY, curriculum.warm_alphabet, curriculum.warm_period)
@@ -241,4 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -22,9 +22,19 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
-from experiments.records import ResultLog, claim_results_dir
+from experiments import cli
+from experiments.common import (
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    nonnegative_int,
+    positive_int,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import fewshot
+from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 
 FIELDS = ("context", "query", "choices", "gold")
@@ -57,12 +67,12 @@ def read_items(path: str) -> list[dict]:
         row = json.loads(line)
         missing = [f for f in FIELDS if f not in row]
         if missing:
-            raise ValueError(f"{path}:{n}: item is missing field {missing[0]!r} (an item has {list(FIELDS)})")
+            raise InvalidInput(f"{path}:{n}: item is missing field {missing[0]!r} (an item has {list(FIELDS)})")
         if not 0 <= int(row["gold"]) < len(row["choices"]):
-            raise ValueError(f"{path}:{n}: gold={row['gold']} is not an index into {len(row['choices'])} choices")
+            raise InvalidInput(f"{path}:{n}: gold={row['gold']} is not an index into {len(row['choices'])} choices")
         items.append(row)
     if not items:
-        raise ValueError(f"{path} has no items")
+        raise InvalidInput(f"{path} has no items")
     return items
 
 
@@ -72,7 +82,7 @@ def score_item(model, tok, row: dict, policy) -> dict:
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     context = bos + tok(row["context"], add_special_tokens=False)["input_ids"]
     if not context:
-        raise ValueError("an item with an empty context needs a tokenizer with a BOS token")
+        raise InvalidInput("an item with an empty context needs a tokenizer with a BOS token")
     item = Item(tuple(tok(row["query"], add_special_tokens=False)["input_ids"]),
                 tuple(tuple(tok(c, add_special_tokens=False)["input_ids"]) for c in row["choices"]), int(row["gold"]))
     cache = fewshot.prefix_cache(model, context, policy, fewshot.room_for([item]))
@@ -86,19 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
-    p.add_argument("--items", type=int, default=40, help="built-in task: number of items")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--items", type=positive_int, default=40, help="built-in task: number of items")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default="results/zeroshot")
     add_compare_args(p, default="full,streaming")
+    add_run_args(p)
     args = p.parse_args(argv)
     rows = read_items(args.data) if args.data else builtin_task(args.items, args.seed)
     task = args.data or f"builtin(items={args.items}, seed={args.seed})"
 
-    lm = resolve_model(p, args.model)
+    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
-    claim_results_dir(out, lm, task=task)  # no resuming over another model's records
+    claim_results_dir(out, lm, options_of(args, files=("data",)))  # no resuming over another configuration's
     log = ResultLog(out / "items.jsonl")
     summary = {}
     for lab, pol in zip(labels, policies):
@@ -121,4 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -19,10 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import add_compare_args, attach_gate_params, chosen_policies, resolve_model
+from experiments import cli
+from experiments.common import (
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    positive_int,
+    resolve_model,
+)
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR
-from experiments.records import claim_results_dir
+from experiments.records import claim_results_dir, options_of
 
 DEFAULT_COMPARE = "full,streaming"
 
@@ -34,20 +42,18 @@ def parse(argv):
                    help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every .jsonl in --data-dir)")
     p.add_argument("--e", action="store_true", help="LongBench-E: read <dataset>_e.jsonl, score per length bucket")
-    p.add_argument("--samples", type=int, help="first N samples of each dataset")
-    p.add_argument("--max-length", type=int,
+    p.add_argument("--samples", type=positive_int, help="first N samples of each dataset")
+    p.add_argument("--max-length", type=positive_int,
                    help="prompt tokens after middle truncation (default: max_position_embeddings - max new tokens)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="never apply the tokenizer's chat template (default: as pred.py, if the tokenizer has one)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
     p.add_argument("--out", default="results/longbench")
     add_compare_args(p, default=DEFAULT_COMPARE)
-    args = p.parse_args(argv)
-    if args.samples is not None and args.samples < 1:
-        p.error(f"--samples {args.samples} must be >= 1")
-    return p, args
+    add_run_args(p)
+    return p, p.parse_args(argv)
 
 
 def write_tables(out: Path, result: dict) -> None:
@@ -103,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     names = args.datasets.split(",") if args.datasets else harness.dataset_names(data_dir, args.e)
     for n in names:
         harness.check_dataset(n)
-    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl)
+    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+                       allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     labels, policies = chosen_policies(p, args, lm.config.num_layers)
     out = Path(args.out)
-    claim_results_dir(out, lm, data_dir=data_dir.resolve(), e=args.e)  # no resuming over another model's records
+    # No resuming over another configuration's records (each policy's are in their own directory).
+    claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples")) | {"--data-dir": str(data_dir.resolve())})
     out.mkdir(parents=True, exist_ok=True)
     opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e)
     scores: dict[str, dict] = {}
@@ -131,4 +139,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from experiments.longbench import metrics
 from experiments.records import ResultLog
 from kvjax import Sampling, generate
+from kvjax.errors import InvalidInput, MissingFile
 
 CONFIG_FILE = Path(__file__).resolve().parent / "config.json"
 REQUIRED = ("input", "context", "answers", "length")
@@ -37,21 +38,21 @@ def dataset_names(data_dir: Path, e: bool = False) -> list[str]:
     """The datasets of `data_dir` (its *.jsonl files; `_e` files for LongBench-E)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data-dir {data_dir} is not a directory")
+        raise MissingFile(f"--data-dir {data_dir} is not a directory")
     stems = sorted(p.stem for p in data_dir.glob("*.jsonl"))
     if not stems:
-        raise FileNotFoundError(f"--data-dir {data_dir} has no .jsonl files")
+        raise MissingFile(f"--data-dir {data_dir} has no .jsonl files")
     if e:
         names = [s[:-2] for s in stems if s.endswith("_e")]
         if not names:
-            raise FileNotFoundError(f"--e: --data-dir {data_dir} has no LongBench-E files (<dataset>_e.jsonl)")
+            raise MissingFile(f"--e: --data-dir {data_dir} has no LongBench-E files (<dataset>_e.jsonl)")
         return names
     return [s for s in stems if not s.endswith("_e")]
 
 
 def check_dataset(name: str) -> None:
     if name not in config()["prompts"]:
-        raise ValueError(f"unknown dataset {name!r}: kvjax has no prompt for it; known datasets: "
+        raise InvalidInput(f"unknown dataset {name!r}: kvjax has no prompt for it; known datasets: "
                          f"{sorted(config()['prompts'])}")
 
 
@@ -60,7 +61,7 @@ def load_rows(data_dir: Path, name: str, e: bool = False) -> list[dict]:
     check_dataset(name)
     path = Path(data_dir) / f"{name}{'_e' if e else ''}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {name!r}: {path} does not exist")
+        raise MissingFile(f"dataset {name!r}: {path} does not exist")
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -68,18 +69,18 @@ def load_rows(data_dir: Path, name: str, e: bool = False) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+            raise InvalidInput(f"{path}:{n}: not valid JSON ({err.msg})") from None
         missing = [f for f in REQUIRED if f not in row]
         if missing:
-            raise ValueError(f"{path}:{n}: row is missing field {missing[0]!r} (a LongBench row has {list(REQUIRED)}, "
+            raise InvalidInput(f"{path}:{n}: row is missing field {missing[0]!r} (a LongBench row has {list(REQUIRED)}, "
                              "plus all_classes and _id)")
         if not isinstance(row["answers"], list) or not row["answers"]:
-            raise ValueError(f"{path}:{n}: 'answers' must be a non-empty list, got {row['answers']!r}")
+            raise InvalidInput(f"{path}:{n}: 'answers' must be a non-empty list, got {row['answers']!r}")
         row.setdefault("all_classes", None)
         row.setdefault("_id", f"{name}-{n}")
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path} has no rows")
+        raise InvalidInput(f"{path} has no rows")
     return rows
 
 

@@ -22,6 +22,7 @@ import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from kvjax.errors import InvalidInput
 
 FIRST_LINE_DATASETS = ("trec", "triviaqa", "samsum", "lsht")
 ZH_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿"
@@ -96,9 +97,9 @@ def rouge_l_f(prediction: str, ground_truth: str) -> float:
     """pltrdy `rouge`'s summary-level ROUGE-L F; raises ValueError where that package raises."""
     hyp, ref = _sentences(prediction), _sentences(ground_truth)
     if not hyp:
-        raise ValueError("Hypothesis is empty.")
+        raise InvalidInput("Hypothesis is empty.")
     if not ref:
-        raise ValueError("Reference is empty.")
+        raise InvalidInput("Reference is empty.")
     words = lambda sents: [w for s in sents for w in s.split(" ")]  # noqa: E731 - "" is a word there too
     m, n = len(set(words(ref))), len(set(words(hyp)))
     union: set[str] = set()
@@ -179,7 +180,7 @@ def sample_score(dataset: str, metric: str, prediction: str, answers: Sequence[s
                  all_classes: Sequence[str] | None) -> float:
     """One sample: the first-line cut where LongBench makes it, then the max over the answers."""
     if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; known: {sorted(METRICS)}")
+        raise InvalidInput(f"unknown metric {metric!r}; known: {sorted(METRICS)}")
     if dataset in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     fn = METRICS[metric]
@@ -192,7 +193,7 @@ def sample_score(dataset: str, metric: str, prediction: str, answers: Sequence[s
 def score(scores: Sequence[float]) -> float:
     """A dataset's score: `round(100 * mean, 2)`."""
     if not scores:
-        raise ValueError("no samples to score")
+        raise InvalidInput("no samples to score")
     return round(100 * sum(scores) / len(scores), 2)
 
 

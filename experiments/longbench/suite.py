@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import corpus
+from experiments import cli, corpus
 from experiments.tasks import (
     ATTRIBUTES,
     PASSKEY_GARBAGE,
@@ -188,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))
