@@ -12,7 +12,7 @@ from kvjax import cache as kvcache
 from kvjax import generate
 from kvjax.attention import prefill_attention
 from kvjax.cache import kept_sets, nbytes
-from kvjax.policies.scored import KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, TOVA
+from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
 from models import load
 from tests.conftest import random_ids
 
@@ -188,7 +188,7 @@ def test_errors():
         SnapKV()
     with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):
         SnapKV(ratio=1.0)
-    with pytest.raises(ValueError, match="budget=16 is smaller than the observation window=32"):
+    with pytest.raises(ValueError, match="budget=16 must be at least window=32"):
         SnapKV(budget=16)
     with pytest.raises(ValueError, match="pool='mean'"):
         SnapKV(budget=64, pool="mean")

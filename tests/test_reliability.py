@@ -1,0 +1,476 @@
+"""No silently wrong results (issue #21): the whole configuration in the resume identity, non-finite
+guards, options validated where parsed, true advice, one-line CLI errors, crash-safe records, loading.
+
+Test names carry the item they cover: `identity`, `nonfinite`, `cli_error`, `atomic`, `loading`,
+`progress` (`pytest -k "identity or nonfinite or cli_error or atomic"`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from experiments import cli, passkey, perplexity
+from experiments import generate as gen_cli
+from experiments.records import ResultLog, claim_results_dir, options_of
+from kvjax import FullCache, Sampling, StreamingLLM, generate
+from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong, UserError
+from kvjax.policies import SnapKV
+from kvjax.scoring import stream_logprobs
+from models import load
+from models.tiny import make_random_checkpoint, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(main, argv, capsys) -> tuple[int, str]:
+    """(exit status, stderr) of `python -m experiments.<name> argv`, run in this process."""
+    code = cli.run(main, argv)
+    return code, capsys.readouterr().err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("\r", "usage:", " "))]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def broken_dir(tmp_path_factory, tiny_dir):
+    """`tiny_dir` with token 200's embedding set to NaN (and nothing else changed)."""
+    d = tmp_path_factory.mktemp("nan_embed")
+    for f in tiny_dir.iterdir():
+        if f.is_file():
+            (d / f.name).write_bytes(f.read_bytes())
+    t = load_file(d / "model.safetensors")
+    t["model.embed_tokens.weight"][200] = np.nan
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+# ---- 1. the resume identity is the whole configuration ----
+
+
+def passkey_argv(tiny_dir, out, *extra):
+    return ["--model", str(tiny_dir), "--lengths", "300", "--depths", "0.5", "--samples", "1", "--out", str(out),
+            *extra]
+
+
+def test_identity_passkey_seed_is_refused_naming_both_values(tiny_dir, tmp_path, capsys):
+    # Seen before: --seed 1 over a seed-0 --out silently reused the seed-0 samples.
+    out = tmp_path / "pk"
+    assert cli.run(passkey.main, passkey_argv(tiny_dir, out)) == 0
+    first = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    code, err = run_cli(passkey.main, passkey_argv(tiny_dir, out, "--seed", "1"), capsys)
+    assert code == 2
+    assert "--seed: 0 -> 1" in one_error_line(err)
+    # The records were not touched.
+    assert [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()] == first
+
+
+def test_identity_longbench_max_length_is_refused(tiny_dir, tmp_path, capsys):
+    # Seen before: --max-length 64 over a default run's --out printed the default run's scores.
+    from experiments import longbench  # noqa: F401  (the package)
+    from experiments.longbench import __main__ as lb
+
+    out = tmp_path / "lb"
+    base = ["--model", str(tiny_dir), "--datasets", "stdlib_passkey", "--samples", "1", "--policy", "full",
+            "--out", str(out)]
+    assert cli.run(lb.main, base) == 0
+    capsys.readouterr()
+    code, err = run_cli(lb.main, base + ["--max-length", "64"], capsys)
+    assert code == 2 and "--max-length: None -> 64" in one_error_line(err)
+
+
+def test_identity_grows_with_the_compare_list_and_resumes(tiny_dir, tmp_path, capsys):
+    # Records are keyed by each policy's full description, so adding a policy resumes the others.
+    out = tmp_path / "pk"
+    assert cli.run(passkey.main, passkey_argv(tiny_dir, out)) == 0
+    done = (out / "samples.jsonl").read_text()
+    assert cli.run(passkey.main, passkey_argv(tiny_dir, out, "--policy", "streaming", "--budget", "32")) == 0
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert (out / "samples.jsonl").read_text().startswith(done) and len(lines) == 2
+    assert {json.loads(line)["policy"] for line in lines} == {
+        FullCache().describe(), StreamingLLM(budget=32, sinks=4).describe()}
+
+
+SUITES = {
+    # module: (argv beyond --model/--out, options that must be in the identity)
+    "passkey": (["--lengths", "300"], {"--seed", "--batch", "--allow-nonfinite", "--gate-params"}),
+    "longbench": ([], {"--max-length", "--chat", "--dtype", "--attention-impl", "--e", "--batch",
+                       "--data-dir", "--data-dir content"}),
+    "needle": ([], {"--needle", "--question", "--answer", "--haystack", "--batch"}),
+    "perplexity": ([], {"--text", "python"}),
+    "zeroshot": ([], {"--data", "--items", "--seed"}),
+    "efficiency": ([], {"--new", "--batch", "--repeats", "--dtype", "--attention-impl"}),
+    "eval_anllm": (["--anchors", "."], {"--items", "--shots", "--options", "--seed", "--anchors", "--data"}),
+}
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_identity_records_every_option_of_each_suite(suite, tiny_dir, tmp_path, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"experiments.{suite}" if suite != "longbench" else "experiments.longbench.__main__")
+    seen = {}
+
+    class Claimed(Exception):
+        pass
+
+    def claim(out, lm, options):
+        seen.update(claim_results_dir(out, lm, options))
+        raise Claimed
+
+    monkeypatch.setattr(mod, "claim_results_dir", claim)
+    extra, wanted = SUITES[suite]
+    with pytest.raises(Claimed):
+        mod.main(["--model", str(tiny_dir), "--out", str(tmp_path / suite), *extra])
+    assert wanted <= set(seen), sorted(wanted - set(seen))
+    import kvjax
+
+    assert seen["kvjax"] == kvjax.__version__ and seen["weights"] and seen["model dtype"] == "float32"
+    assert "--out" not in seen and "--debug" not in seen
+    if suite not in ("eval_anllm",):  # policies live in the records' keys, with every parameter
+        assert "--budget" not in seen and "--policy" not in seen
+
+
+def test_identity_changed_data_content_is_refused(tiny_dir, tmp_path):
+    lm = load(tiny_dir)
+    data = tmp_path / "items.jsonl"
+    data.write_text("one\n")
+    import argparse
+
+    args = argparse.Namespace(data=str(data), out="x", debug=False)
+    claim_results_dir(tmp_path / "out", lm, options_of(args, files=("data",)))
+    data.write_text("two\n")  # same path, edited content
+    with pytest.raises(InvalidInput, match=r"--data content: \['[0-9a-f]+'\] -> \['[0-9a-f]+'\]"):
+        claim_results_dir(tmp_path / "out", lm, options_of(args, files=("data",)))
+
+
+def test_identity_torn_file_is_a_cli_error(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "pk"
+    out.mkdir()
+    (out / "identity.json").write_text('{"kvjax": "0.1')  # torn by a crash
+    code, err = run_cli(passkey.main, passkey_argv(tiny_dir, out), capsys)
+    line = one_error_line(err)
+    assert code == 2 and line.startswith("error: ") and str(out / "identity.json") in line
+
+
+# ---- 2. non-finite numbers are errors ----
+
+
+def test_nonfinite_weight_is_refused_at_load_naming_the_tensor(broken_dir):
+    with pytest.raises(NonFiniteError, match=r"'model.embed_tokens.weight' .* holds 64 non-finite values"):
+        load(broken_dir)
+    lm = load(broken_dir, allow_nonfinite=True)
+    assert np.isnan(np.asarray(lm.model.embed_tokens.embedding[...])[200]).all()
+
+
+def test_nonfinite_weight_cli_error_and_allow_flag(broken_dir, tmp_path, capsys):
+    code, err = run_cli(passkey.main, passkey_argv(broken_dir, tmp_path / "a"), capsys)
+    assert code == 2 and "--allow-nonfinite" in one_error_line(err) and "model.embed_tokens.weight" in err
+    # Allowed at load, the broken logits are still an error rather than a 0 % score.
+    code, err = run_cli(passkey.main, passkey_argv(broken_dir, tmp_path / "b", "--allow-nonfinite"), capsys)
+    assert code == 0 or "non-finite logits" in one_error_line(err)
+
+
+def test_nonfinite_logits_in_generation_name_the_step_and_the_row(broken_dir, tmp_path):
+    model = load(broken_dir, allow_nonfinite=True).model
+    clean = list(range(10, 26))  # 16 tokens: one bucket, no padding
+    poisoned = clean[:8] + [200] + clean[9:]
+    with pytest.raises(NonFiniteError, match=r"at generated token 0 of row 1;"):
+        generate(model, [clean, poisoned], FullCache(), max_new_tokens=4)
+    # Clean prompts whose greedy continuation is a broken token: all-zero logits pick token 0,
+    # whose embedding is NaN, so the logits of generated token 1 are NaN in both rows.
+    d = copy_of(broken_dir, tmp_path / "zero_head")
+    t = load_file(d / "model.safetensors")
+    t["model.embed_tokens.weight"][0] = np.nan
+    t["lm_head.weight"][:] = 0.0
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model = load(d, allow_nonfinite=True).model
+    with pytest.raises(NonFiniteError, match=r"at generated token 1 of row 0 \(2 rows affected\)"):
+        generate(model, [clean, clean[::-1]], FullCache(), max_new_tokens=4)
+
+
+def test_nonfinite_logprobs_in_scoring_name_the_token(broken_dir):
+    model = load(broken_dir, allow_nonfinite=True).model
+    ids = list(range(10, 40))
+    ids[10] = 200  # from position 10 on, every logit sees a NaN key
+    with pytest.raises(NonFiniteError, match=r"row 0, token 11 "):
+        stream_logprobs(model, ids, StreamingLLM(budget=16, sinks=2))
+
+
+def test_nonfinite_record_is_refused_and_not_stored(tmp_path):
+    log = ResultLog(tmp_path / "r.jsonl")
+    log.add({"id": "a", "ppl": 1.5})
+    with pytest.raises(NonFiniteError, match=r"record 'b' has a non-finite value in \['ppl'\]"):
+        log.add({"id": "b", "ppl": float("nan")})
+    assert "b" not in log and len(ResultLog(tmp_path / "r.jsonl")) == 1
+    # A NaN written by an older kvjax is refused when read back, naming the line.
+    (tmp_path / "old.jsonl").write_text('{"id": "a", "ppl": NaN}\n')
+    with pytest.raises(NonFiniteError, match=r"old.jsonl:1 holds a non-finite number"):
+        ResultLog(tmp_path / "old.jsonl")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_nonfinite_temperature_and_top_p_are_rejected(value, tiny_dir, capsys):
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=float(value))
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=float(value))
+    # Seen before: --temperature nan printed eight <unk> and exited 0.
+    with pytest.raises(SystemExit) as e:
+        gen_cli.main(["--model", str(tiny_dir), "--temperature", value])
+    assert e.value.code == 2 and f"argument --temperature: {value} must be a finite number >= 0" in \
+        capsys.readouterr().err
+
+
+# ---- 3. options validated where they are parsed ----
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--kernel", "4", "argument --kernel: 4 must be a positive odd number"),
+    ("--kernel", "-3", "argument --kernel: -3 must be a positive odd number"),
+    ("--budget", "0", "argument --budget: 0 must be >= 1"),
+    ("--ratio", "1.5", "argument --ratio: 1.5 must be in [0, 1)"),
+    ("--top-p", "0", "argument --top-p: 0 must be in (0, 1]"),
+    ("--max-new-tokens", "0", "argument --max-new-tokens: 0 must be >= 1"),
+])
+def test_cli_error_bad_option_values_are_refused_at_parse(flag, value, message, tiny_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "snapkv", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_error_even_kernel_refused_by_the_api_too():
+    with pytest.raises(ValueError, match="kernel=4 must be a positive odd number"):
+        SnapKV(budget=64, kernel=4)
+    with pytest.raises(ValueError, match=r"budget=0 must be >= 1 \(tokens kept per KV head\)"):
+        SnapKV(budget=0, window=0)
+    with pytest.raises(ValueError, match="budget=8 must be at least window=32"):
+        SnapKV(budget=8)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--policy", "full", "--budget", "64"], "--budget 64 does not apply to --policy full: full keeps every token"),
+    (["--policy", "razor", "--budget", "64"], "razor sizes its local heads with --compression and --buffer"),
+    (["--policy", "snapkv", "--budget", "64", "--ratio", "0.5"], "--budget 64 and --ratio 0.5 both size the cache"),
+    (["--policy", "streaming", "--kernel", "5"], "--kernel: no policy of streaming takes it"),
+])
+def test_cli_error_budget_or_option_a_policy_ignores(argv, message, tiny_dir, capsys):
+    code, err = run_cli(gen_cli.main, ["--model", str(tiny_dir), *argv], capsys)
+    assert code == 2 and message in one_error_line(err)
+
+
+def test_loading_config_with_fewer_layers_than_the_checkpoint_is_refused(tiny_dir, tmp_path):
+    d = tmp_path / "short"
+    d.mkdir()
+    for f in tiny_dir.iterdir():
+        if f.is_file():
+            (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInput, match=r"tensors of the checkpoint .* are not used by its config.json "
+                                           r"\(1 layers\): \['model.layers.1."):
+        load(d)
+
+
+# ---- 4. advice in errors is true for the caller ----
+
+
+def test_cli_error_prompt_too_long_advice_names_the_flag_and_never_what_is_set(tiny_dir, capsys):
+    lm = load(tiny_dir)
+    n = lm.config.max_position_embeddings
+    with pytest.raises(PromptTooLong) as e:
+        generate(lm.model, [[5] * (n + 10)], FullCache(), max_new_tokens=4)
+    assert "pass truncate=True" in str(e.value) and "--truncate" not in str(e.value)
+    assert "rolling" not in str(e.value)  # the prompt alone is too long: rolling positions would not help
+    assert "pass --truncate" in e.value.cli_message()
+    # Fits alone, not with the new tokens: rolling positions are true advice.
+    with pytest.raises(PromptTooLong, match=r'use positions="rolling"'):
+        generate(lm.model, [[5] * (n - 2)], FullCache(), max_new_tokens=4)
+    # Truncation already on but no room left: never advise truncation again.
+    with pytest.raises(PromptTooLong) as e:
+        generate(lm.model, [[5] * (n + 10)], FullCache(), max_new_tokens=n - 1, truncate=True)
+    assert "truncate" not in str(e.value).split(";")[1] and "generate fewer tokens" in str(e.value)
+    code, err = run_cli(gen_cli.main, ["--model", str(tiny_dir), "--max-new-tokens", "8", "x" * (n + 10)], capsys)
+    assert code == 2 and "pass --truncate (LongBench's middle truncation)" in one_error_line(err)
+
+
+# ---- 5. user errors end as one line; internal errors keep their traceback ----
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("damage,named", [
+    ("missing", "does not exist"),
+    ("config", "config.json is not valid JSON"),
+    ("tokenizer", "tokenizer.json"),
+    ("safetensors", "model.safetensors"),
+    ("no_weights", "no weights in"),
+])
+def test_cli_error_broken_model_directory_is_one_line(damage, named, tiny_dir, tmp_path, capsys):
+    d = tmp_path / "m"
+    if damage != "missing":
+        copy_of(tiny_dir, d)
+    if damage == "config":
+        (d / "config.json").write_text('{"model_type": "llama", ')
+    elif damage == "tokenizer":
+        (d / "tokenizer.json").write_text("{not json")
+    elif damage == "safetensors":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "no_weights":
+        (d / "model.safetensors").unlink()
+    code, err = run_cli(passkey.main, passkey_argv(d, tmp_path / "out"), capsys)
+    line = one_error_line(err)
+    assert code == 2 and line.startswith("error: ") and named in line, line
+
+
+def test_cli_error_real_process_exit_code_and_debug_traceback(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = [sys.executable, "-m", "experiments.perplexity", "--model", str(tmp_path / "nope")]
+    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: model directory {str(tmp_path / 'nope')!r} does not exist"]
+    r = subprocess.run(args + ["--debug"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "MissingFile" in r.stderr
+
+
+def test_cli_error_internal_errors_keep_their_traceback():
+    def buggy(argv):
+        raise IndexError("a bug")
+
+    with pytest.raises(IndexError):
+        cli.run(buggy, [])
+    assert issubclass(NonFiniteError, UserError)
+
+
+# ---- 6. records are crash-safe ----
+
+
+def test_atomic_rewrite_killed_midway_loses_no_finished_record(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "v": i}) + "\n" for i in range(3)) + '{"id": 3, "v"')
+    before = path.read_text()
+
+    def killed(src, dst):  # the process dies after writing the temporary file, before the rename
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ResultLog(path)  # drops the torn line with an atomic rewrite
+    assert path.read_text() == before and not list(tmp_path.glob(".log.jsonl.*"))
+    monkeypatch.undo()
+    log = ResultLog(path)
+    assert sorted(log.records) == ["0", "1", "2"]
+    assert path.read_text().endswith('"v": 2}\n')
+
+
+def test_atomic_identity_write_is_all_or_nothing(tiny_dir, tmp_path, monkeypatch):
+    lm = load(tiny_dir)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        claim_results_dir(tmp_path / "out", lm, {"--seed": 0})
+    assert not (tmp_path / "out" / "identity.json").exists()
+    monkeypatch.undo()
+    claim_results_dir(tmp_path / "out", lm, {"--seed": 0})
+    assert json.loads((tmp_path / "out" / "identity.json").read_text())["--seed"] == 0
+
+
+def test_atomic_sigkill_while_appending_loses_no_acknowledged_record(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from experiments.records import ResultLog
+        log = ResultLog({str(tmp_path / 'log.jsonl')!r})
+        i = len(log)
+        while True:
+            log.add({{"id": i, "payload": "x" * 2000}})
+            print(i, flush=True)
+            i += 1
+    """)
+    acknowledged = []
+    for _ in range(3):  # killed three times at arbitrary moments, resumed each time
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(50):
+            acknowledged.append(int(proc.stdout.readline()))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    log = ResultLog(tmp_path / "log.jsonl")
+    assert set(acknowledged) <= {int(k) for k in log.records}
+
+
+# ---- 7. loading ----
+
+
+def test_loading_legacy_pytorch_bin_without_mmap(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tests.conftest import hf_llama
+
+    pt, d = hf_llama(tmp_path / "hf")
+    legacy = copy_of(d, tmp_path / "legacy")
+    (legacy / "model.safetensors").unlink()
+    torch.save(pt.state_dict(), legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    import zipfile
+
+    assert not zipfile.is_zipfile(legacy / "pytorch_model.bin")
+    ids = np.arange(5, 25)[None]
+    want = np.asarray(load(d).model(ids, np.arange(20)[None]))
+    np.testing.assert_array_equal(np.asarray(load(legacy).model(ids, np.arange(20)[None])), want)
+
+
+def test_loading_remote_code_hint_is_reported_once(tiny_dir, tmp_path, caplog):
+    d = copy_of(tiny_dir, tmp_path / "remote")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="models.loading"):
+        load(d, tokenizer=False)
+        load(d, tokenizer=False)
+    notes = [r for r in caplog.records if "ships its own code" in r.getMessage()]
+    assert len(notes) == 1 and "kvjax never runs it" in notes[0].getMessage()
+
+
+# ---- 8. long CLI runs show progress, and generate once ----
+
+
+def test_progress_generate_cli_shows_a_bar_and_generates_once(tiny_dir, capsys, monkeypatch):
+    calls = []
+    real = gen_cli.generate
+    monkeypatch.setattr(gen_cli, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "full", "--max-new-tokens", "24", "hi"]) == 0
+    out, err = capsys.readouterr()
+    assert calls == [1]
+    assert "decode" in err and "tok" in err  # the tqdm bar
+    assert "compilation excluded" in out
+
+
+def test_progress_hook_sees_every_step(tiny):
+    steps = []
+    out = generate(tiny.model, [[5, 6, 7]], FullCache(), max_new_tokens=9, progress=steps.append)
+    assert steps == list(range(1, 1 + out.decode_steps))
