@@ -106,6 +106,14 @@ def _prefill(graphdef, state, tokens, positions, key, *, policy, max_len, sampli
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
+def _question(graphdef, state, cache, tokens, positions, key, *, policy, sampling):
+    """A question extends the compressed context's cache token by token (the decode path), so the
+    context was compressed without it; returns the first generated token, as prefill does."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.stream(tokens, positions, cache, policy, all_logits=False)
+    return sample(logits, key, sampling), _all_finite(logits), cache
+
+
 # The host-side reporter of the decode loop's progress (set by `generate(progress=...)`); the jitted
 # loop calls `_tick` through `jax.debug.callback` only when compiled with `progress=True`.
 _progress_hook = None
@@ -157,6 +165,7 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, *, policy, sa
 
 
 prefill_fn = jax.jit(_prefill, static_argnames=("policy", "max_len", "sampling"))
+question_fn = jax.jit(_question, static_argnames=("policy", "sampling"), donate_argnames=("cache",))
 decode_fn = jax.jit(
     _decode, static_argnames=("policy", "sampling", "eos", "max_new", "pad_id", "progress"),
     donate_argnames=("cache",)
@@ -207,11 +216,18 @@ def generate(
     truncate: bool = False,
     min_bucket: int = MIN_BUCKET,
     progress=None,
+    questions: Sequence[Sequence[int]] | None = None,
 ) -> Generation:
     """Generates up to `max_new_tokens` per prompt (a batch of token-id lists) under `policy`.
 
+    With `questions` (one per prompt), the question-agnostic protocol (kvpress's default): each
+    prompt is a context compressed alone, then its question extends the compressed cache token by
+    token through the policy's decode rule (a policy that compresses only at prefill, e.g. SnapKV,
+    appends it whole; one that evicts while decoding, e.g. StreamingLLM, applies its rule), then
+    generation follows. Without them (question-aware), prompt and question are one prompt.
+
     With `truncate=True`, prompts too long for the model are middle-truncated
-    (LongBench's rule); otherwise they are an error. Non-finite logits raise `NonFiniteError`
+    (LongBench's rule; with questions, the contexts are); otherwise they are an error. Non-finite logits raise `NonFiniteError`
     naming the row and the generated token. `progress(step)`, if given, is called from the
     decode loop after each generated token (a separate compilation of the loop).
     """
@@ -221,20 +237,27 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidInput("every prompt needs at least one token")
     prompts = [list(map(int, p)) for p in prompts]
-    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if questions is not None:
+        questions = [list(map(int, q)) for q in questions]
+        if len(questions) != len(prompts) or any(len(q) == 0 for q in questions):
+            raise InvalidInput(f"questions: one non-empty question per prompt; got {len(questions)} for "
+                               f"{len(prompts)} prompts")
+    asked = questions or [[] for _ in prompts]
+    bad = [t for p in (*prompts, *asked) for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     # Absolute positions grow through generation; rolling ones stay below the cache size,
     # but the prompt itself is attended at its true positions.
     absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
     limit = cfg.max_position_embeddings - (max_new_tokens if absolute else 0)
-    longest = max(map(len, prompts))
+    longest = max(len(p) + len(q) for p, q in zip(prompts, asked))
     if longest > limit:
-        if not truncate or limit < 2:
+        room = limit - max(map(len, asked))  # truncation cuts contexts, never questions
+        if not truncate or room < 2:
             raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=absolute,
                                 truncate=truncate)
-        prompts = [truncate_middle(p, limit) for p in prompts]
-        longest = limit
+        prompts = [truncate_middle(p, room) for p in prompts]
+    longest = max(map(len, prompts))
     eos = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
     pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     bucket = bucket_length(longest, min_bucket)
@@ -245,14 +268,28 @@ def generate(
     mesh = sharding.mesh_of(state)  # parameters placed by kvjax.sharding.shard_model
     tokens, positions = sharding.shard_batch(tokens, mesh), sharding.shard_batch(positions, mesh)
 
+    q_bucket = bucket_length(max(map(len, asked)), min_bucket) if questions is not None else 0
+    room = q_bucket + max_new_tokens  # cache slots after the context: the question, then the new tokens
+
     t0 = time.perf_counter()
     first, first_finite, cache = prefill_fn(
-        graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + max_new_tokens, sampling=sampling
+        graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + room, sampling=sampling
     )
     first.block_until_ready()
-    policy, cache = policy.shrink(cache, max_new_tokens)  # Attention-Gate: cut the cache to what was kept
+    policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
+    ends = np.asarray([len(p) for p in prompts], np.int32)
+    if questions is not None:
+        # Left padded, so every row's last step is its question's last token; positions continue the context's.
+        q_tokens, q_pos = pad_left(questions, q_bucket, pad)
+        q_pos = np.where(q_pos >= 0, q_pos + ends[:, None], -1).astype(np.int32)
+        first, first_finite, cache = question_fn(
+            graphdef, state, cache, sharding.shard_batch(q_tokens, mesh), sharding.shard_batch(q_pos, mesh),
+            jax.random.fold_in(k_prefill, 1), policy=policy, sampling=sampling,
+        )
+        first.block_until_ready()
+        ends = ends + np.asarray([len(q) for q in questions], np.int32)
     t1 = time.perf_counter()
-    next_pos = sharding.shard_batch(jnp.asarray([len(p) for p in prompts], jnp.int32), mesh)
+    next_pos = sharding.shard_batch(jnp.asarray(ends), mesh)
     global _progress_hook
     _progress_hook = progress
     try:
