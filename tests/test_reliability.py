@@ -16,12 +16,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from experiments import cli, passkey, perplexity
+from experiments import cli, passkey
 from experiments import generate as gen_cli
 from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import FullCache, Sampling, StreamingLLM, generate
@@ -29,7 +28,6 @@ from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong, UserError
 from kvjax.policies import SnapKV
 from kvjax.scoring import stream_logprobs
 from models import load
-from models.tiny import make_random_checkpoint, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,281 @@
+"""RULER under kvjax cache policies: its synthetic tasks generated offline at any length with the
+model's own tokenizer, scored as RULER scores (string_match_all).
+
+    python -m experiments.ruler --model DIR --lengths 4096,16384 --compare full,snapkv --budget 1024
+    python -m experiments.ruler --model DIR --preset leaderboard --lengths 4096    # kvpress's leaderboard
+    python -m experiments.ruler --tasks niah_single_1,niah_multikey_2 --max-new-tokens 32 \\
+        --compare full,streaming,snapkv --budget 128                               # the default model
+
+`--protocol agnostic` (kvpress's protocol, the default) compresses each sample's context without
+its question, then appends the question (with RULER's answer prefix) to the compressed cache;
+`--protocol aware` compresses context and question together. Both read the same token ids.
+`--ratios` runs every policy at each compression ratio: a policy with a ratio mode (SnapKV & co)
+keeps that fraction of the context; one without gets a budget of (1 - ratio) x the cell's prompt
+room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
+per sample to OUT/preds.jsonl (a rerun resumes), scores in OUT/results.{md,csv,json} and the plots
+OUT/score_vs_length.png and (with --ratios) OUT/score_vs_ratio.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments import cli
+from experiments.common import (
+    POLICY_OPTIONS,
+    add_compare_args,
+    add_run_args,
+    attach_gate_params,
+    chosen_policies,
+    fraction_removed,
+    int_list,
+    nonnegative_int,
+    policies_from_args,
+    positive_int,
+    resolve_model,
+)
+from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.ruler import scoring
+from experiments.ruler import tasks as T
+from kvjax import Sampling, generate
+from kvjax.errors import InvalidInput
+from kvjax.policies import NO_BUDGET, REGISTRY
+
+# kvpress's public leaderboard: RULER at 4K, these compression ratios, the presses kvjax shares with
+# kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
+LEADERBOARD_RATIOS = (0.25, 0.5, 0.75, 0.875)
+LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "knorm", "h2o-prefill", "mat", "slimkv",
+                        "h2o")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m experiments.ruler", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--lengths", type=int_list, help="sequence lengths in tokens, prompt + generation "
+                                                    "(default: the model's max_position_embeddings)")
+    p.add_argument("--tasks", help=f"comma-separated (default: RULER's offline tasks {','.join(T.OFFICIAL)}); "
+                                   f"all: {','.join(T.TASKS)}")
+    p.add_argument("--samples", type=positive_int, default=10, help="samples per task and length")
+    p.add_argument("--seed", type=nonnegative_int, default=T.DEFAULT_SEED, help="RULER's random_seed")
+    p.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic",
+                   help="agnostic: compress the context without the question (kvpress); aware: with it")
+    p.add_argument("--max-new-tokens", type=positive_int,
+                   help="override RULER's tokens to generate (niah 128, vt 30, cwe 120, fwe 50), also in the fitting")
+    p.add_argument("--ratios", help="comma-separated compression ratios: every policy at each")
+    p.add_argument("--preset", choices=["leaderboard"],
+                   help="leaderboard: kvpress's ratios 0.25,0.5,0.75,0.875 and the policies kvjax shares with "
+                        "kvpress plus the papers' (razor with --heads, gate with --gate-params)")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
+    p.add_argument("--out", default="results/ruler")
+    add_compare_args(p, default="full,streaming,snapkv")
+    add_run_args(p)
+    args = p.parse_args(argv)
+    names = args.tasks.split(",") if args.tasks else list(T.OFFICIAL)
+    unknown = [n for n in names if n not in T.TASKS]
+    if unknown:
+        p.error(f"argument --tasks: unknown task {unknown[0]!r}; RULER's offline tasks: {', '.join(T.TASKS)}")
+    args.task_names = names
+    if args.preset:
+        if args.ratios or args.compare or args.policy:
+            p.error("--preset leaderboard sets --ratios and --compare itself")
+        extra = [n for n, given in (("razor", args.heads), ("gate", args.gate_params)) if given]
+        args.compare, args.ratios = ",".join(LEADERBOARD_POLICIES + tuple(extra)), LEADERBOARD_RATIOS
+    elif args.ratios:
+        args.ratios = tuple(fraction_removed(r) for r in args.ratios.split(","))
+        if args.budget is not None or args.ratio is not None:
+            p.error("--ratios sets each policy's size: leave out --budget and --ratio")
+    return p, args
+
+
+def cell_policies(p, args, num_layers: int, task: T.Task, length: int, gen: int) -> list[tuple[str, object]]:
+    """(label, policy) for one (task, length) cell: the command line's policies, or each at each ratio."""
+    if not args.ratios:
+        return list(zip(*chosen_policies(p, args, num_layers)))
+    names = (args.compare or args.policy or args.compare_default).split(",")
+    out = []
+    for n in names:
+        params = inspect.signature(REGISTRY[n]).parameters
+        own = argparse.Namespace(**vars(args))
+        for k in POLICY_OPTIONS:  # each policy takes its own options (that none takes is checked below)
+            if k not in params:
+                setattr(own, k, None)
+        if n in NO_BUDGET:  # sized by its own options: one entry, not one per ratio
+            out.append((n, policies_from_args(own, [n], num_layers)[0]))
+            continue
+        for r in args.ratios:
+            if "ratio" in params:
+                own.ratio, own.budget = r, None
+            else:  # no ratio mode: the same fraction of this cell's prompt room, as a token budget
+                own.ratio, own.budget = None, max(1, math.floor((1 - r) * (length - gen)))
+            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers)[0]))
+    given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
+    unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
+    if unused:
+        raise InvalidInput(f"{', '.join('--' + k.replace('_', '-') for k in sorted(unused))}: no policy of "
+                           f"{','.join(names)} takes it")
+    return out
+
+
+def cell_samples(out: Path, lm, task: T.Task, length: int, args, gen: int) -> list[T.Sample]:
+    """The cell's samples, generated once and kept in OUT/data (the identity ties them to the tokenizer)."""
+    path = out / "data" / f"{task.name}-{length}.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if len(rows) >= args.samples:
+            return [T.Sample(**{**r, "outputs": tuple(r["outputs"])}) for r in rows[: args.samples]]
+    samples = T.generate(task, length, args.samples, T.token_counter(lm.tokenizer), seed=args.seed,
+                         tokens_to_generate=gen)
+    write_atomic(path, "".join(json.dumps(s.__dict__ | {"outputs": list(s.outputs)}) + "\n" for s in samples))
+    return samples
+
+
+def encode(tok, sample: T.Sample) -> tuple[list[int], list[int]]:
+    """(context ids with BOS, question + answer prefix ids): one tokenisation for both protocols."""
+    return tok(sample.context)["input_ids"], tok(sample.question + sample.answer_prefix,
+                                                    add_special_tokens=False)["input_ids"]
+
+
+def predict(lm, policy, label: str, task: T.Task, length: int, samples, log: ResultLog, args, gen: int, bar):
+    tok = lm.tokenizer
+    key = lambda s: f"{policy.describe()}|{args.protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
+    todo = [s for s in samples if key(s) not in log]
+    bar.update(len(samples) - len(todo))
+    for i in range(0, len(todo), args.batch):
+        chunk = todo[i:i + args.batch]
+        ids = [encode(tok, s) for s in chunk]
+        if args.protocol == "agnostic":
+            gen_out = generate(lm.model, [c for c, _ in ids], policy, questions=[q for _, q in ids],
+                               max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
+        else:
+            gen_out = generate(lm.model, [c + q for c, q in ids], policy, max_new_tokens=gen, sampling=Sampling(),
+                               pad_id=tok.pad_token_id)
+        for s, seq in zip(chunk, gen_out.sequences()):
+            pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
+            log.add({"id": key(s), "label": label, "policy": policy.describe(), "task": task.name, "length": length,
+                     "index": s.index, "pred": pred, "outputs": list(s.outputs),
+                     "score": scoring.sample_match_all(pred, s.outputs)})
+        bar.update(len(chunk))
+    return [log.records[key(s)] for s in samples]
+
+
+def write_report(out: Path, rows: list[dict], meta: dict) -> dict:
+    """Scores per (label, task, length) as RULER reports them (string_match_all), + averages and plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    table = {}
+    for lab in labels:
+        for t in tasks:
+            for n in lengths:
+                cell = [r for r in rows if r["label"] == lab and r["task"] == t and r["length"] == n]
+                if cell:
+                    table.setdefault(lab, {}).setdefault(t, {})[n] = scoring.string_match_all(
+                        [r["pred"] for r in cell], [r["outputs"] for r in cell])
+    avg = {lab: {n: round(float(np.mean([table[lab][t][n] for t in tasks if n in table[lab].get(t, {})])), 2)
+                 for n in lengths} for lab in labels}
+    result = {**meta, "scores": {lab: {t: {str(n): v for n, v in row.items()} for t, row in ts.items()}
+                                 for lab, ts in table.items()},
+              "average": {lab: {str(n): v for n, v in row.items()} for lab, row in avg.items()}}
+    write_atomic(out / "results.json", dumps_finite(result))
+    lines = [f"RULER ({meta['protocol']} protocol, {meta['samples']} samples per cell, seed {meta['seed']}): "
+             f"{meta['model']}", "", "Policies: " + "; ".join(f"**{lab}** = `{meta['policies'][lab]}`" for lab in labels),
+             "", "| policy | length | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", "length", *tasks, "average"])
+        for lab in labels:
+            for n in lengths:
+                cells = [table[lab].get(t, {}).get(n) for t in tasks]
+                lines.append(f"| {lab} | {n} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells)
+                             + f" | **{avg[lab][n]:.2f}** |")
+                w.writerow([lab, n, *cells, avg[lab][n]])
+    unofficial = [t for t in tasks if not T.TASKS[t].official]
+    if unofficial:
+        lines += ["", f"`{'`, `'.join(unofficial)}`: RULER's essay tasks on standard-library text; not RULER's scores."]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for lab in labels:
+        ax.plot(lengths, [avg[lab][n] for n in lengths], marker="o", label=lab)
+    ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="string_match_all (mean over tasks)", ylim=(-2, 102))
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "score_vs_length.png", dpi=110)
+    plt.close(fig)
+    ratio_of = {lab: float(lab.rsplit("@", 1)[1]) for lab in labels if "@" in lab}
+    if ratio_of:  # the leaderboard's plot: score against compression ratio, one panel per task
+        methods = list(dict.fromkeys(lab.rsplit("@", 1)[0] for lab in ratio_of))
+        n = lengths[-1]
+        fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3), squeeze=False)
+        for ax, t in zip(axes[0], tasks):
+            for m in methods:
+                pts = sorted((ratio_of[lab], table[lab][t][n]) for lab in ratio_of
+                             if lab.rsplit("@", 1)[0] == m and n in table[lab].get(t, {}))
+                ax.plot(*zip(*pts), marker="o", label=m)
+            for lab in labels:
+                if lab not in ratio_of and n in table[lab].get(t, {}):
+                    ax.axhline(table[lab][t][n], ls="--", lw=0.8, color="k", label=lab)
+            ax.set(title=f"{t} @ {n}", xlabel="compression ratio", ylim=(-2, 102))
+        axes[0][0].set_ylabel("string_match_all")
+        axes[0][-1].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "score_vs_ratio.png", dpi=110)
+        plt.close(fig)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse(argv)
+    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+                       allow_nonfinite=args.allow_nonfinite)
+    attach_gate_params(args, lm.model)
+    n_pos = lm.config.max_position_embeddings
+    lengths = args.lengths or [n_pos]
+    too_long = [n for n in lengths if n > n_pos]
+    if too_long:
+        p.error(f"argument --lengths: {too_long} exceed the model's max_position_embeddings={n_pos}")
+    out = Path(args.out)
+    # No resuming over another configuration's records; lengths, tasks and samples only select records.
+    claim_results_dir(out, lm, options_of(args, selection=("lengths", "tasks", "samples", "task_names")))
+    log = ResultLog(out / "preds.jsonl")
+    rows, described = [], {}
+    for n in lengths:
+        for name in args.task_names:
+            task = T.TASKS[name]
+            gen = args.max_new_tokens or task.tokens_to_generate
+            try:
+                samples = cell_samples(out, lm, task, n, args, gen)
+            except InvalidInput as err:
+                raise InvalidInput(f"{err}; pass --tasks without {name}, a longer --lengths, or a smaller "
+                                   "--max-new-tokens") from None
+            for label, policy in cell_policies(p, args, lm.config.num_layers, task, n, gen):
+                described[label] = policy.describe()
+                with tqdm(total=len(samples), desc=f"{name} {n} {label}", leave=False) as bar:
+                    rows += predict(lm, policy, label, task, n, samples, log, args, gen, bar)
+    meta = {"model": str(lm.path), "protocol": args.protocol, "samples": args.samples, "seed": args.seed,
+            "policies": described}
+    write_report(out, rows, meta)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/results.{{md,csv,json}} and {out}/score_vs_length.png"
+          + (f", {out}/score_vs_ratio.png" if args.ratios else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
