@@ -106,23 +106,41 @@ def test_vt_chain_complete_and_consistent(count):
         assert all(re.fullmatch(r"[A-Z]{3}", n) for n in shown)
 
 
-@pytest.mark.parametrize("length,common,uncommon", [(1500, 6, 1), (4096, 30, 3)])
-def test_cwe_counts(length, common, uncommon):
-    count = T.token_counter(word_tokenizer())
+@pytest.mark.parametrize("long", [False, True])
+def test_cwe_counts(long, count):
+    # Below 4K: common words x 6, the others x 1; at 4K and above: x 30 and x 3.
+    bpe = count("The grass is green.") > 6
+    length = (8192 if bpe else 4096) if long else length_for(count, "cwe")
+    common, uncommon = (30, 3) if long else (6, 1)
     s = T.generate("cwe", length, 1, count)[0]
+    assert s.question == "Question: What are the 10 most common words in the above list?"
+    assert s.answer_prefix == " Answer: The top 10 words that appear most often in the list are:"
     main = s.context[s.context.rindex("Below is a numbered list"):]
+    assert main.startswith("Below is a numbered list of words. In these words, some appear more often than others. "
+                           "Memorize the ones that appear most often.\n1. ")
     listed = re.findall(r"\d+\. (\S+)", main)
     freq = Counter(listed)
     assert sorted(freq[w] for w in s.outputs) == [common] * 10
     assert {c for w, c in freq.items() if w not in s.outputs} == {uncommon}
     assert [int(n) for n in re.findall(r"(\d+)\. ", main)] == list(range(1, len(listed) + 1))
-    # The few-shot example before it: 40 words (10 x 10 + 30 x 3) at 4K and above, 20 (10 x 3 + 10 x 1) below.
-    example = re.findall(r"\d+\. (\S+)", s.context[: s.context.rindex("Below is a numbered list")].split("Question")[0])
-    assert len(example) == (10 * 10 + 30 * 3 if length >= 4096 else 10 * 3 + 10 * 1)
+    # The few-shot example before it, answered: 40 words (10 x 10 + 30 x 3) at 4K and above, 20 below.
+    example = s.context[: s.context.rindex("Below is a numbered list")]
+    listed = re.findall(r"\d+\. (\S+)", example.split("Question")[0])
+    assert len(listed) == (10 * 10 + 30 * 3 if long else 10 * 3 + 10 * 1)
+    top = [w for w, _ in Counter(listed).most_common(10)]
+    assert example.rstrip("\n").endswith(" ".join(f"{i + 1}. {w}" for i, w in enumerate(
+        re.findall(r"\d+\. (\S+)", example.split("are:")[-1]))))
+    assert set(re.findall(r"\d+\. (\S+)", example.split("are:")[-1])) == set(top)
 
 
 def test_fwe_counts_follow_zeta(count):
     for s in T.generate("fwe", 1024, 2, count):
+        assert s.context.startswith("Read the following coded text and track the frequency of each coded word. Find "
+                                    "the three most frequently appeared coded words. ")
+        assert s.question == ("Question: Do not provide any explanation. Please ignore the dots '....'. What are the "
+                              "three most frequently appeared words in the above coded text?")
+        assert s.answer_prefix == (" Answer: According to the coded text above, the three most frequently appeared "
+                                   "words are:")
         coded = s.context[s.context.index("coded words. ") + len("coded words. "):].split()
         freq = Counter(coded)
         ranked = [w for w, _ in freq.most_common()]
