@@ -28,13 +28,27 @@ from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
 
 
+# Sentences the anchor string is appended to, to see which id it gets at the end of a sentence.
+ANCHOR_PROBES = ("The sky is blue", "It ends here", "word", "A b c")
+
+
 def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
+    """The id each anchor string has where AnLLM-EP uses it: ending a sentence.
+
+    Tokenized alone, "." is not that token on SentencePiece / Metaspace tokenizers (Llama-2, the
+    paper's model): a bare "." becomes "▁.", while "blue." ends with ".". So the id is read off a
+    sentence with the anchor appended: the one token it adds after the sentence's own tokens."""
     ids = []
     for a in anchors:
-        tok = tokenizer(a, add_special_tokens=False)["input_ids"]
-        if len(tok) != 1:
-            raise InvalidInput(f"anchor {a!r} is {len(tok)} tokens for this tokenizer; an anchor must be one token")
-        ids.append(tok[0])
+        for probe in ANCHOR_PROBES:
+            base = tokenizer(probe, add_special_tokens=False)["input_ids"]
+            full = tokenizer(probe + a, add_special_tokens=False)["input_ids"]
+            if len(full) == len(base) + 1 and full[: len(base)] == base:
+                ids.append(full[-1])
+                break
+        else:
+            raise InvalidInput(f"anchor {a!r} is not one token at the end of a sentence for this tokenizer (e.g. "
+                               f"{probe + a!r} -> {tokenizer.convert_ids_to_tokens(full)}); an anchor must be one")
     return tuple(ids)
 
 

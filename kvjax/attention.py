@@ -296,7 +296,8 @@ def decode_attention(
     Optional statistics:
 
     * "probs": `[b, kvh, c]` attention probabilities summed over the group's query heads;
-    * "first_logit": `[b, kvh, g]` scaled logit to the slot holding position 0 (-inf-like if evicted).
+    * "first_logit": `[b, kvh, g]` `q.k_0 * scale` for the slot holding position 0, without its `log_w`
+      or ALiBi bias, as prefill's (-inf-like if evicted).
 
     `impl="pallas"` runs `kvjax.pallas.decode_attention`, except with ALiBi or a sliding
     window, which the kernel does not take (those models decode here).
@@ -309,8 +310,8 @@ def decode_attention(
     b, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, d)
-    s = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
-    s = s + log_w[:, :, None, :]
+    raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
+    s = raw + log_w[:, :, None, :]
     if alibi is not None or window is not None:
         s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1), alibi, window)[:, :, :, 0]
     s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)
@@ -320,8 +321,10 @@ def decode_attention(
     if "probs" in stats:
         out_stats["probs"] = p.sum(axis=2)
     if "first_logit" in stats:
+        # MAT's pi is q.k_0 / sqrt(d) (the paper's definition), the same quantity prefill returns:
+        # without the slot's log_w or an ALiBi bias, which would rank anchors by distance too.
         first = slot_pos == 0
-        out_stats["first_logit"] = jnp.max(jnp.where(first[:, :, None, :], s, _MASKED), axis=-1)
+        out_stats["first_logit"] = jnp.max(jnp.where(first[:, :, None, :], raw, _MASKED), axis=-1)
     unknown = stats - {"probs", "first_logit"}
     if unknown:
         raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")

@@ -147,7 +147,8 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
         assert meta["anchor_ids"] == [ac] and lm.config.vocab_size == 261
         assert lm.tokenizer("a.<AC>b", add_special_tokens=False)["input_ids"].count(ac) == 1
     else:
-        assert meta["anchor_ids"] == lm.tokenizer(".", add_special_tokens=False)["input_ids"]
+        # The id that ends the training text's sentences.
+        assert meta["anchor_ids"] == lm.tokenizer("The cache holds keys.", add_special_tokens=False)["input_ids"][-1:]
     assert (out / "training" / "loss.png").is_file()
 
     # The paper's metrics on the trained directory; the anchors come from its config.json.
@@ -189,3 +190,33 @@ def test_ac_embedding_init(tiny):
     model2, _, ac2 = add_ac_token(lm2.model, lm2.tokenizer, init="period")
     period = lm2.tokenizer(".", add_special_tokens=False)["input_ids"][0]
     np.testing.assert_array_equal(np.asarray(model2.embed_tokens.embedding[...])[ac2], emb[period])
+
+
+def metaspace_tokenizer():
+    """A Llama-2-style tokenizer built here: Metaspace marks word starts with "▁" (on the first piece
+    only) and punctuation is split off, so a bare "." is "▁." while "blue." ends with "."."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁.", ".", "▁The", "▁sky", "▁is", "▁blue", "▁It", "▁ends", "▁here", "▁word", "▁A", "▁b", "▁c",
+             "▁Rain", "▁falls", "▁Yes", "!", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Punctuation(behavior="isolated"),
+                                                 pre_tokenizers.Metaspace(prepend_scheme="first")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_anchor_id_is_the_sentence_final_period_on_a_metaspace_tokenizer():
+    from experiments.train_anllm import anchor_ids_of
+    from kvjax.anchors import anchor_flags
+
+    tok = metaspace_tokenizer()
+    assert tok.convert_ids_to_tokens(tok(".", add_special_tokens=False)["input_ids"]) == ["▁."]  # the old bug's id
+    (anchor,) = anchor_ids_of(tok, ["."])
+    assert tok.convert_ids_to_tokens(anchor) == "."
+    text = "The sky is blue. Rain falls. It ends here."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    flags = np.asarray(anchor_flags(jnp.asarray([ids]), (anchor,)))[0]
+    ends = [i for i, t in enumerate(tok.convert_ids_to_tokens(ids)) if t == "."]
+    assert flags.nonzero()[0].tolist() == ends and len(ends) == 3  # every sentence end, nothing else
+    assert ends[-1] == len(ids) - 1

@@ -206,3 +206,38 @@ def test_grid_search_anchors(sharp_dir):
     best, results = grid_search_anchors(C, lambda p: perplexity(model, ids, p), anchors=[1, 4, 8], shallow_layers=L_S, sinks=S)
     assert set(results) == {1, 4, 8} and all(np.isfinite(v) for v in results.values())
     assert results[best] == min(results.values())
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_pi_is_the_same_in_stream_and_full_prefill_on_an_alibi_model(impl):
+    """pi = q.k_0 / sqrt(d) (the paper) in both prefill paths: on an ALiBi model the decode-time logit
+    also carries the -m (t - 0) bias, which would make stream and full prefill rank anchors differently."""
+    import dataclasses
+
+    from flax import nnx
+
+    from models.llama import Llama
+    from models.tiny import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(position_embedding="alibi"), attention_impl=impl)
+    model = Llama(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3), init_std=0.3)
+    ids = random_ids(24, cfg.vocab_size, seed=5)
+
+    def run(budget, mode):
+        _, cache = stepper(model, mat_with_anchor(budget, BETA, prefill_mode=mode), 32)[0](*left_pad(ids, 32))
+        out = []
+        for layer in cache:
+            order = np.argsort(np.asarray(layer.pos), axis=-1)
+            out.append((np.take_along_axis(np.asarray(layer.pos), order, -1),
+                        np.take_along_axis(np.asarray(layer.score), order, -1)))
+        return out
+
+    # A budget that holds the prompt: both modes see the same hidden states, so pi must agree everywhere.
+    for (pos_f, pi_f), (pos_s, pi_s) in zip(run(32, "full"), run(32, "stream")):
+        np.testing.assert_array_equal(pos_f, pos_s)
+        np.testing.assert_allclose(pi_f, pi_s, rtol=1e-5, atol=1e-5)
+    # With eviction, layer 0 (same inputs in both modes) keeps the same anchors with the same pi.
+    (pos_f, pi_f), (pos_s, pi_s) = run(C, "full")[0], run(C, "stream")[0]
+    np.testing.assert_array_equal(pos_f, pos_s)
+    np.testing.assert_allclose(pi_f, pi_s, rtol=1e-5, atol=1e-5)
+    assert (pos_f[..., -1] == 23).all() and (pos_f[..., 0] == 0).all()  # window end and the first token

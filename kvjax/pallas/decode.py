@@ -183,5 +183,6 @@ def decode_attention(
     if "probs" in stats:
         out_stats["probs"] = jnp.sum(jnp.exp(s - lse[..., None]), axis=2)
     if "first_logit" in stats:
-        out_stats["first_logit"] = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], s, tiles.MASKED), axis=-1)
+        raw = s - log_w[:, :, None, :].astype(s.dtype)  # q.k_0 * scale, as the reference returns it
+        out_stats["first_logit"] = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], raw, tiles.MASKED), axis=-1)
     return out, out_stats

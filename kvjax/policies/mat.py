@@ -9,7 +9,10 @@ Our reading of Algorithm 1 and Figure 3 (the text leaves the order of events ope
 * Every token's π = q·k_0/√d (its attention logit to the first token, from its own
   query when it is processed) is stored with it: the attention logit cache A (eq. 3).
   With GQA a KV head's π aggregates its query heads' logits: mean by default
-  (every query head reads the slot equally), max as the option.
+  (every query head reads the slot equally), max as the option. π is exactly
+  q·k_0/√d in both prefill modes: on ALiBi models the bias −m·t of the real logit is
+  left out, and so is a slot's `log_w`, or stream and full prefill would rank
+  anchors by distance as well (tested on an ALiBi model).
 * While the cache has a free slot, the new token is simply appended.
 * When it is full, the new token enters the window and pushes out the window's
   oldest token, which joins the anchor candidates at once; the candidate with the
