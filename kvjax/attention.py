@@ -59,6 +59,17 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.concatenate([power_of_2(low), rest]).astype(np.float32)
 
 
+def _softcap(s, cap: float | None):
+    """Gemma 2's attention-logit soft-capping, `cap * tanh(s / cap)`, on the scaled scores."""
+    return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _no_softcap_kernel(softcap, impl):
+    if softcap is not None and impl == "pallas":
+        raise ValueError(f"attention_impl='pallas': the kernels do not implement attention-logit soft-capping "
+                         f"(softcap={softcap}, Gemma 2); load the model with attention_impl='xla'")
+
+
 def _bias_and_mask(s, q_pos, k_pos, alibi, window):
     """Adds ALiBi (slope * (k - q)) and masks invisible keys. s: [b, kvh, g, tq, tk];
     q_pos: [b, kvh | 1, tq]; k_pos: [b, kvh | 1, tk] (positions, or ranks in rolling mode)."""
@@ -121,14 +132,15 @@ def _softmax(s, q_pos, k_pos, key_keep):
     return e / jnp.where(z > 0, z, 1.0)  # a padding query (no visible key) gets zeros
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None, key_keep=None):
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None, key_keep=None,
+                   softcap=None):
     """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
 
     With `colsum`, also returns each key's probability mass summed over the block's real
     queries, from the same probabilities (H2O's score costs no second pass). `anchors`
     (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
     restricts the keys to eq. 4."""
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale
+    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
     s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
     if anchors is not None:
         seen = _eq4(q_anc[0], q_anc[1], anchors.segment, anchors.anchor, anchors.keep)
@@ -155,6 +167,7 @@ def prefill_attention(
     key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
     block: int = PREFILL_BLOCK,
     impl: str = "xla",
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
 
@@ -184,6 +197,7 @@ def prefill_attention(
     want_colsum = "colsum" in stats
     q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
     check_impl(impl)
+    _no_softcap_kernel(softcap, impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
         kw = dict(scale=scale, alibi=alibi, window=window, anchors=anchors, key_keep=key_keep, variant=variant,
@@ -193,7 +207,7 @@ def prefill_attention(
         out = _group(out, kvh)
     elif t <= block:
         out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors,
-                                     key_keep)
+                                     key_keep, softcap)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -205,7 +219,7 @@ def prefill_attention(
         qa = None if anchors is None else (blocks(anchors.segment), blocks(anchors.anchor))
         out, colsum = jax.lax.map(
             lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchors,
-                                      key_keep),
+                                      key_keep, softcap),
             (qg, qp, qa),
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
@@ -214,7 +228,7 @@ def prefill_attention(
     for w in windows:
         start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
         qw = _group(q[:, :, start:], kvh)
-        sw = jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale
+        sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
         sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
         if anchors is not None:
             sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
@@ -246,6 +260,7 @@ def prefix_attention(
     anchors: AnchorMask | None = None,
     alibi: np.ndarray | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "b h t d"]:
     """A chunk of `t` new tokens attending a read-only cache of `C` slots and, causally, itself.
 
@@ -258,11 +273,11 @@ def prefix_attention(
     qg = _group(q, kvh)
     b, _, g, t, d = qg.shape
     acc = _acc(q.dtype)
-    sc = jnp.einsum("bkgqd,bkcd->bkgqc", qg, cache_k, preferred_element_type=acc) * scale
+    sc = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, cache_k, preferred_element_type=acc) * scale, softcap)
     sc = _bias_and_mask(sc + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos, alibi, window)
     if slot_visible is not None:
         sc = jnp.where(slot_visible[:, :, None], sc, _MASKED)
-    sx = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=acc) * scale
+    sx = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=acc) * scale, softcap)
     sx = _bias_and_mask(sx, pos[:, None], pos[:, None], alibi, window)
     if anchors is not None:
         sx = jnp.where(anchors.visible()[:, None, None], sx, _MASKED)
@@ -287,6 +302,7 @@ def decode_attention(
     alibi: np.ndarray | None = None,
     window: int | None = None,
     impl: str = "xla",
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
     """One query per row against `C` cache slots (the query's own token already inserted).
 
@@ -303,6 +319,7 @@ def decode_attention(
     window, which the kernel does not take (those models decode here).
     """
     check_impl(impl)
+    _no_softcap_kernel(softcap, impl)
     if impl == "pallas" and alibi is None and window is None:
         variant, interpret = kernels.platform_variant()
         return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
@@ -311,7 +328,7 @@ def decode_attention(
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, d)
     raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
-    s = raw + log_w[:, :, None, :]
+    s = _softcap(raw, softcap) + log_w[:, :, None, :]
     if alibi is not None or window is not None:
         s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1), alibi, window)[:, :, :, 0]
     s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)

@@ -17,6 +17,7 @@ farther than `L_h = (2 ||W_Q W_K||_2 (||g||^2 + ||b||^2) - log eps) / l_h`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -51,27 +52,29 @@ def probe_tokens(
 
 
 def _layers(model, tokens: Int[Array, "b t"]):
-    """Yields `(layer, q, k, slopes)` with RoPE applied: q `[b, h, t, d]`, k `[b, kvh, t, d]`."""
+    """Yields `(layer, q, k, attn)` with RoPE applied: q `[b, h, t, d]`, k `[b, kvh, t, d]`; `attn` is the
+    layer's attention (its scale, window, soft-cap and ALiBi slopes)."""
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = model.embed_tokens(jnp.asarray(tokens))
+    x = model.embed(jnp.asarray(tokens))
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, _ = attn._qkv(layer.input_layernorm(x))
-        yield i, attn._rotate(q, pos[:, None, :]), attn._rotate(k, pos[:, None, :]), attn._alibi()
+        yield i, attn._rotate(q, pos[:, None, :]), attn._rotate(k, pos[:, None, :]), attn
         x, _, _ = layer.prefill(x, pos, None, None)
 
 
-def _logits(q, k, q_pos, k_pos, scale, slopes, window):
-    """Scaled, biased attention logits `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`
-    (masked entries -inf)."""
+def _logits(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
+    """Scaled, soft-capped, biased attention logits `[b, kvh, g, tq, tk]` of query block `q`
+    `[b, h, tq, d]` (masked entries -inf), as the layer's attention computes them."""
     qg = attention._group(q, k.shape[1])
-    s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = attention._softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale,
+                           softcap)
     return attention._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
 
 
-def _probs(q, k, q_pos, k_pos, scale, slopes, window):
+def _probs(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
     """Attention probabilities `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`."""
-    return jax.nn.softmax(_logits(q, k, q_pos, k_pos, scale, slopes, window), axis=-1)
+    return jax.nn.softmax(_logits(q, k, q_pos, k_pos, scale, slopes, window, softcap), axis=-1)
 
 
 def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) -> list[Float[np.ndarray, "b h t t"]]:
@@ -80,10 +83,9 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     For short inputs: inspection, plots, tests."""
     tokens = jnp.asarray(tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    c = model.cfg
     out = []
-    for _, q, k, slopes in _layers(model, tokens):
-        p = (_logits if logits else _probs)(q, k, pos, pos, c.head_dim**-0.5, slopes, c.sliding_window)
+    for _, q, k, attn in _layers(model, tokens):
+        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn._alibi(), attn.window, attn.softcap)
         p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
         out.append(np.where(p <= attention._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
@@ -108,9 +110,9 @@ def _targets(tokens: Int[Array, "b t"]):
     return jnp.any(echo, -1), jnp.any(ind, -1)
 
 
-def _block_mass(q, k, tok_q, tok, q_pos, k_pos, scale, slopes, window):
+def _block_mass(q, k, tok_q, tok, q_pos, k_pos, scale, slopes, window, softcap):
     """Echo and induction probability mass `[b, kvh, g, tq]` for one query block."""
-    p = _probs(q, k, q_pos, k_pos, scale, slopes, window)
+    p = _probs(q, k, q_pos, k_pos, scale, slopes, window, softcap)
     before = k_pos[:, None, :] < q_pos[:, :, None]  # [b, tq, tk]
     prev = jnp.pad(tok, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
     echo = (tok[:, None, :] == tok_q[:, :, None]) & before
@@ -140,12 +142,12 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
     pad = lambda x, v: jnp.pad(x, ((0, 0), (0, n * block - t)), constant_values=v).reshape(b, n, block).transpose(1, 0, 2)
     tok_blocks, pos_blocks = pad(tokens, -2), pad(pos, -1)
 
-    @jax.jit
-    def layer_scores(q, k, slopes):
+    @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
+    def layer_scores(q, k, slopes, scale, window, softcap):
         qb = jnp.pad(q, ((0, 0), (0, 0), (0, n * block - t), (0, 0)))
         qb = qb.reshape(b, c.num_heads, n, block, -1).transpose(2, 0, 1, 3, 4)
         mass = jax.lax.map(
-            lambda xs: _block_mass(xs[0], k, xs[1], tokens, xs[2], pos, c.head_dim**-0.5, slopes, c.sliding_window),
+            lambda xs: _block_mass(xs[0], k, xs[1], tokens, xs[2], pos, scale, slopes, window, softcap),
             (qb, tok_blocks, pos_blocks),
         )
         # [n, b, kvh, g, block] -> [b, h, t]
@@ -160,8 +162,9 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
         from tqdm import tqdm
 
         layers = tqdm(layers, total=c.num_layers, desc="probe layers", unit="layer")
-    for _, q, k, slopes in layers:
-        e, i = layer_scores(q, k, None if slopes is None else jnp.asarray(slopes))
+    for _, q, k, attn in layers:
+        slopes = attn._alibi()
+        e, i = layer_scores(q, k, None if slopes is None else jnp.asarray(slopes), attn.scale, attn.window, attn.softcap)
         echo.append(np.asarray(e))
         ind.append(np.asarray(i))
     return HeadScores(echo=np.stack(echo), induction=np.stack(ind))

@@ -1,4 +1,7 @@
-"""Llama in Flax NNX: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU, tied or untied head.
+"""Llama in Flax NNX: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU, tied or untied head;
+with the options of the Llama-family checkpoints kvjax loads (Mistral, Qwen2/3, Baichuan, Gemma 2/3):
+per-head q/k norms, Gemma's (1 + w) norms around attention and the MLP, GeGLU, scaled embeddings,
+`query_pre_attn_scalar`, soft-capped logits, and per-layer sliding windows and RoPE bases.
 
 Three entry points share one set of layers:
 
@@ -27,6 +30,8 @@ from kvjax import attention
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
 from kvjax.policies.base import Policy
+from kvjax.policies.compose import PerLayer
+from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 
 
@@ -51,6 +56,18 @@ class LlamaConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # Mistral: a query sees its `sliding_window` latest keys
     position_embedding: str = "rope"  # or "alibi" (Baichuan-13B)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
+    gemma_norm: bool = False  # Gemma: RMSNorm scales by (1 + w), in float32, then casts
+    sandwich_norm: bool = False  # Gemma 2/3: norms after attention, before and after the MLP
+    hidden_act: str = "silu"  # "gelu_pytorch_tanh": Gemma's GeGLU
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power instead of head_dim's
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    # Per layer "sliding_attention" (the `sliding_window` latest tokens) or "full_attention"
+    # (Gemma 2/3); None: every layer alike (`sliding_window` for all, as Mistral, or none).
+    layer_types: tuple[str, ...] | None = None
+    local_rope: RopeConfig | None = None  # Gemma 3: the RoPE of sliding layers, when it differs
     model_type: str = "llama"
     attention_impl: str = "xla"  # or "pallas" (kvjax.pallas); a run-time choice, not saved to config.json
 
@@ -60,11 +77,34 @@ class LlamaConfig:
             raise ValueError(f"position_embedding={self.position_embedding!r}; expected 'rope' or 'alibi'")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r}: kvjax supports {sorted(ACTIVATIONS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types={list(self.layer_types)}: one of {LAYER_TYPES} per layer "
+                                 f"({self.num_layers})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+
+    def window_of(self, layer: int) -> int | None:
+        """How far back `layer`'s queries see: `sliding_window`, or None (the whole context)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        if self.local_rope is not None and self.window_of(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
@@ -123,6 +163,10 @@ class LlamaConfig:
         )
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 @functools.lru_cache(maxsize=None)
 def _freq(rope: RopeConfig, head_dim: int, float64: bool = False) -> np.ndarray:
     return inv_freq(rope, head_dim, np.float64 if float64 else np.float32)
@@ -134,14 +178,24 @@ def _acc(dtype):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """Llama's `w * norm(x)` (w starts at 1), or with `plus_one` Gemma's `(1 + w) * norm(x)` computed
+    in float32 before the cast (w starts at 0), each as transformers computes it."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, plus_one: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
         x32 = x.astype(_acc(x.dtype))
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (y * (1.0 + self.weight[...].astype(y.dtype))).astype(x.dtype)
         return self.weight[...] * y.astype(x.dtype)
+
+
+def _norm(cfg: LlamaConfig, dim: int, dtype) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, plus_one=cfg.gemma_norm)
 
 
 def _linear(i, o, bias, dtype, rngs, std=0.02):
@@ -156,17 +210,26 @@ class Attention(nnx.Module):
         self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
         self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
         self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _norm(cfg, hd, dtype), _norm(cfg, hd, dtype)
         self.cfg = cfg
         self.layer = layer
+        # This layer's attention: how far back it sees, its scale, soft-cap and RoPE.
+        self.window = cfg.window_of(layer)
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_softcap
+        self.rope = cfg.rope_of(layer)
         self.gate = nnx.data(None)  # an Attention-Gate (kvjax.gate.attach_gates / load_gates), or None
 
     def _qkv(self, x: Float[Array, "b t D"]):
         b, t, _ = x.shape
         c = self.cfg
         split = lambda y, n: y.reshape(b, t, n, c.head_dim).transpose(0, 2, 1, 3)
-        return split(self.q_proj(x), c.num_heads), split(self.k_proj(x), c.num_kv_heads), split(
-            self.v_proj(x), c.num_kv_heads
-        )
+        q, k, v = split(self.q_proj(x), c.num_heads), split(self.k_proj(x), c.num_kv_heads), split(
+            self.v_proj(x), c.num_kv_heads)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def _out(self, o: Float[Array, "b h t d"]) -> Float[Array, "b t D"]:
         b, h, t, d = o.shape
@@ -193,8 +256,8 @@ class Attention(nnx.Module):
         if self.gate is not None and (policy is None or policy.uses_gate):
             keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.cfg.head_dim**-0.5, stats=wanted, alibi=self._alibi(),
-            window=self.cfg.sliding_window, anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl,
+            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
+            anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
@@ -216,9 +279,9 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         o = attention.prefix_attention(
-            q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.cfg.head_dim**-0.5,
+            q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
             slot_visible=policy.prefix_visible(self.layer, cache, anchors), anchors=anchors,
-            alibi=self._alibi(), window=self.cfg.sliding_window,
+            alibi=self._alibi(), window=self.window, softcap=self.softcap,
         )
         return self._out(o)
 
@@ -226,7 +289,7 @@ class Attention(nnx.Module):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
         if self.cfg.position_embedding != "rope":
             return x
-        return apply_rope(x, positions, _freq(self.cfg.rope, self.cfg.head_dim, x.dtype == jnp.float64))
+        return apply_rope(x, positions, _freq(self.rope, self.cfg.head_dim, x.dtype == jnp.float64))
 
     def _alibi(self):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
@@ -280,13 +343,14 @@ class Attention(nnx.Module):
             cache.v,
             cache.pos,
             cache.log_w,
-            scale=c.head_dim**-0.5,
+            scale=self.scale,
             stats=policy.decode_stats(self.layer),
             q_coord=q_coord,
             k_coord=k_coord,
             alibi=slopes,
-            window=c.sliding_window,
+            window=self.window,
             impl=c.attention_impl,
+            softcap=self.softcap,
         )
         return o, policy.observe(self.layer, cache, pos, stats)
 
@@ -297,19 +361,32 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
         self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
         self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs, std)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
+    """Llama: `x + attn(norm(x))`, then `x + mlp(post_attention_layernorm(x))`. Gemma 2/3 (`sandwich_norm`):
+    `x + post_attention_layernorm(attn(input_layernorm(x)))`, then
+    `x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))` (transformers' names)."""
+
     def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        d = cfg.hidden_size
+        self.input_layernorm = _norm(cfg, d, dtype)
         self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs, std=std)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = _norm(cfg, d, dtype)
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = _norm(cfg, d, dtype)
+            self.post_feedforward_layernorm = _norm(cfg, d, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, std=std)
+        self.sandwich = cfg.sandwich_norm
 
     def _finish(self, x, a):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -341,15 +418,24 @@ class Llama(nnx.Module):
         self.layers = nnx.List(
             [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, std=init_std) for i in range(cfg.num_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
         )
 
+    def embed(self, tokens: Int[Array, "..."]) -> Float[Array, "... D"]:
+        x = self.embed_tokens(tokens)
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden_size), rounded to the weights' dtype first
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        return x
+
     def _logits(self, h: Float[Array, "... D"]) -> Float[Array, "... V"]:
         h = self.norm(h)
         out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return out.astype(_acc(out.dtype))
+        out = out.astype(_acc(out.dtype))
+        if self.cfg.final_softcap is not None:
+            out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
+        return out
 
     def __call__(
         self,
@@ -369,7 +455,7 @@ class Llama(nnx.Module):
         """`__call__` that also returns each layer's Attention-Gate keep flags (None without gates)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         flags = []
         for layer in self.layers:
             x, _, keep = layer.prefill(x, positions, None, None, anchors)
@@ -377,8 +463,22 @@ class Llama(nnx.Module):
         return self._logits(x), (flags if flags[0] is not None else None)
 
     def native_policy(self, policy: Policy) -> Policy:
-        """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring."""
-        return policy if self.cfg.sliding_window is None else policy.with_window(self.cfg.sliding_window)
+        """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring.
+
+        With per-layer windows (Gemma 2/3's `layer_types`), the policy compresses the global layers
+        only, while each sliding layer keeps its W-slot ring, as kvpress does on Gemma 3: a local
+        layer never sees more than W tokens, so there is nothing there to compress. To choose every
+        layer's policy yourself, pass a `PerLayer` (its sliding layers are still bounded by W)."""
+        c = self.cfg
+        if c.layer_types is None:
+            return policy if c.sliding_window is None else policy.with_window(c.sliding_window)
+        if isinstance(policy, PerLayer):
+            return PerLayer(layers=tuple(p if c.window_of(i) is None else p.with_window(c.window_of(i))
+                                         for i, p in enumerate(policy.layers)))
+        return PerLayer(layers=tuple(
+            policy if c.window_of(i) is None else
+            FullCache(positions=policy.position_mode(i), prefill_mode=policy.prefill_mode).with_window(c.window_of(i))
+            for i in range(c.num_layers)))
 
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
         c = self.cfg
@@ -410,7 +510,7 @@ class Llama(nnx.Module):
         if policy.prefill_mode == "stream":
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         anchors = policy.prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
         out = []
         for layer, cache in zip(self.layers, caches):
@@ -433,7 +533,7 @@ class Llama(nnx.Module):
             if policy.head_split(i) is not None or policy.position_mode(i) != "absolute":
                 raise ValueError(f"extend needs one cache array per layer in absolute positions; {policy.describe()} "
                                  f"has head groups or rolling positions in layer {i}")
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         anchors = policy.prompt_mask(tokens, positions)
         for layer, c in zip(self.layers, cache):
             x = layer.extend(x, positions, policy, c, anchors)
@@ -472,7 +572,7 @@ class Llama(nnx.Module):
     ) -> tuple[Float[Array, "b V"], Cache]:
         """One token per row at `positions` through the cache."""
         policy = self.native_policy(policy)
-        x = self.embed_tokens(tokens[:, None])
+        x = self.embed(tokens[:, None])
         out = []
         for layer, c in zip(self.layers, cache):
             x, c = layer.decode(x, positions, policy, c, tokens)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteError
-from models import baichuan, mistral, qwen2
+from models import baichuan, gemma, mistral, qwen2, qwen3
 from models.llama import Llama, LlamaConfig
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(Llama, from_hf=LlamaConfig.from_hf),
     "mistral": Architecture(Llama, from_hf=mistral.config_from_hf),
     "qwen2": Architecture(Llama, from_hf=qwen2.config_from_hf),
+    "qwen3": Architecture(Llama, from_hf=qwen3.config_from_hf),
+    "gemma2": Architecture(Llama, from_hf=gemma.config_from_hf),
+    "gemma3_text": Architecture(Llama, from_hf=gemma.config_from_hf),
     "baichuan": Architecture(
         Llama,
         from_json=baichuan.config_from_json,
@@ -99,6 +102,8 @@ def read_config(path: Path):
     if not isinstance(raw, dict):
         raise InvalidInput(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise gemma.multimodal_error()
     if model_type not in ARCHITECTURES:
         raise InvalidInput(
             f"unknown model_type {model_type!r} in {cfg_file}; kvjax supports {sorted(ARCHITECTURES)}"

@@ -2,7 +2,7 @@
 
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy
-from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, by_head, by_layer
+from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, PerLayer, by_head, by_layer
 from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
@@ -94,6 +94,6 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 __all__ = [
     "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
-    "ObservedAttention", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
+    "ObservedAttention", "PerLayer", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
 ]

@@ -11,13 +11,67 @@ from kvjax.policies.base import Policy
 EVERY_LAYER = 2**31 - 1
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ByLayer(Policy):
-    """`shallow` for layers `0 .. split-1`, `deep` for the rest (MAT's split at L_s).
+class LayerDispatch(Policy):
+    """A policy that hands each layer to one of its member policies (`_at(layer)`).
 
-    Both must process prompts the same way (`prefill_mode`), since a prompt runs
-    through all layers at once.
+    All members must process prompts the same way (`prefill_mode`), since a prompt runs
+    through every layer at once; per-token hooks go to the layer's member only.
     """
+
+    def _at(self, layer: int) -> Policy:
+        raise NotImplementedError
+
+    def _members(self) -> tuple[Policy, ...]:
+        raise NotImplementedError
+
+    def _check_modes(self, name: str) -> None:
+        modes = {m.prefill_mode for m in self._members()}
+        if len(modes) > 1:
+            raise InvalidInput(f"{name}: its policies process prompts differently (prefill_mode {sorted(modes)}); "
+                               "give them one prefill_mode")
+
+    @property
+    def evicts_while_decoding(self):
+        return all(m.evicts_while_decoding for m in self._members())
+
+    @property
+    def uses_tokens(self):
+        return any(m.uses_tokens for m in self._members())
+
+    @property
+    def prefill_mode(self):
+        return self._members()[0].prefill_mode
+
+    def position_mode(self, layer):
+        return self._at(layer).position_mode(layer)
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return self._at(layer).capacity(layer, max_len, prompt_len)
+
+    def prefill(self, layer, cache, k, v, pos, stats, **kw):
+        sub = self._at(layer)
+        return sub.prefill(layer, cache, k, v, pos, stats, **(kw if sub.uses_tokens else {}))
+
+    def step(self, layer, cache, k, v, pos, **kw):
+        sub = self._at(layer)
+        return sub.step(layer, cache, k, v, pos, **(kw if sub.uses_tokens else {}))
+
+    def observe(self, layer, cache, pos, stats):
+        return self._at(layer).observe(layer, cache, pos, stats)
+
+    def prefill_stats(self, layer):
+        return self._at(layer).prefill_stats(layer)
+
+    def head_split(self, layer):
+        return self._at(layer).head_split(layer)
+
+    def decode_stats(self, layer):
+        return self._at(layer).decode_stats(layer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ByLayer(LayerDispatch):
+    """`shallow` for layers `0 .. split-1`, `deep` for the rest (MAT's split at L_s)."""
 
     split: int
     shallow: Policy
@@ -41,46 +95,55 @@ class ByLayer(Policy):
         self.shallow.check(num_layers, num_kv_heads)
         self.deep.check(num_layers, num_kv_heads)
 
-    @property
-    def evicts_while_decoding(self):
-        return self.shallow.evicts_while_decoding and self.deep.evicts_while_decoding
-
-    @property
-    def prefill_mode(self):
-        return self.shallow.prefill_mode
-
     def with_window(self, window):
         return dataclasses.replace(self, shallow=self.shallow.with_window(window), deep=self.deep.with_window(window))
 
     def _at(self, layer: int) -> Policy:
         return self.shallow if layer < self.split else self.deep
 
-    def position_mode(self, layer):
-        return self._at(layer).position_mode(layer)
-
-    def capacity(self, layer, max_len, prompt_len=0):
-        return self._at(layer).capacity(layer, max_len, prompt_len)
-
-    def prefill(self, layer, cache, k, v, pos, stats):
-        return self._at(layer).prefill(layer, cache, k, v, pos, stats)
-
-    def step(self, layer, cache, k, v, pos):
-        return self._at(layer).step(layer, cache, k, v, pos)
-
-    def observe(self, layer, cache, pos, stats):
-        return self._at(layer).observe(layer, cache, pos, stats)
-
-    def prefill_stats(self, layer):
-        return self._at(layer).prefill_stats(layer)
-
-    def head_split(self, layer):
-        return self._at(layer).head_split(layer)
-
-    def decode_stats(self, layer):
-        return self._at(layer).decode_stats(layer)
+    def _members(self):
+        return (self.shallow, self.deep)
 
     def describe(self):
         return f"ByLayer(split={self.split}, shallow={self.shallow.describe()}, deep={self.deep.describe()})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PerLayer(LayerDispatch):
+    """`layers[l]` caches layer `l`: one policy per layer (e.g. Gemma's sliding-window layers keep a
+    window ring while the global layers are compressed; see `models.llama.Llama.native_policy`)."""
+
+    layers: tuple[Policy, ...]
+
+    def __post_init__(self):
+        if not self.layers:
+            raise InvalidInput("PerLayer: layers is empty")
+        self._check_modes("PerLayer")
+
+    def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
+        if len(self.layers) != num_layers:
+            raise InvalidInput(f"PerLayer has {len(self.layers)} policies for a model with {num_layers} layers")
+        for m in set(self.layers):
+            m.check(num_layers, num_kv_heads)
+
+    def with_window(self, window):
+        return dataclasses.replace(self, layers=tuple(p.with_window(window) for p in self.layers))
+
+    def _at(self, layer: int) -> Policy:
+        return self.layers[layer]
+
+    def _members(self):
+        return self.layers
+
+    def describe(self):
+        # Runs of equal policies are named once: "0-5: FullCache(...); 6: SnapKV(...)".
+        runs, start = [], 0
+        for i in range(1, len(self.layers) + 1):
+            if i == len(self.layers) or self.layers[i] != self.layers[start]:
+                span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+                runs.append(f"{span}: {self.layers[start].describe()}")
+                start = i
+        return f"PerLayer({'; '.join(runs)})"
 
 
 def by_layer(shallow: Policy, deep: Policy, split: int) -> ByLayer:

@@ -1,0 +1,77 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences, read from config.json.
+
+Shared: embeddings times sqrt(hidden_size); RMSNorm as `(1 + w) * norm(x)` in float32; a norm after
+attention and around the MLP as well as before attention (`sandwich_norm`); GeGLU with the tanh
+approximation of gelu; scores scaled by `query_pre_attn_scalar ** -0.5`; tied embeddings; layers
+alternating sliding-window ("sliding_attention") and global attention as `layer_types` says.
+Gemma 2 also soft-caps attention and final logits; Gemma 3 normalises q and k per head and gives
+sliding layers their own RoPE (`rope_parameters["sliding_attention"]`, the old `rope_local_base_freq`).
+
+Under a cache policy, the sliding layers keep a `sliding_window`-slot ring and the policy
+compresses the global layers (`Llama.native_policy`), as kvpress does on Gemma 3.
+"""
+
+from __future__ import annotations
+
+from kvjax.errors import InvalidInput
+from kvjax.rope import RopeConfig
+from models.llama import LlamaConfig
+
+
+def _rope(params, theta_default: float) -> RopeConfig:
+    return RopeConfig.from_hf(params, theta_default)
+
+
+def config_from_hf(hf) -> LlamaConfig:
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise InvalidInput(f"hidden_activation={act!r}: kvjax's Gemma supports gelu_pytorch_tanh")
+    model_type = hf.model_type
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
+        global_rope = _rope(rope["full_attention"], getattr(hf, "rope_theta", 1_000_000.0))
+        local_rope = _rope(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 10_000.0))
+    else:
+        global_rope, local_rope = _rope(rope or getattr(hf, "rope_scaling", None), getattr(hf, "rope_theta", 10000.0)), None
+    eos = hf.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    types = tuple(hf.layer_types) if getattr(hf, "layer_types", None) else None
+    heads = hf.num_attention_heads
+    return LlamaConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope=global_rope,
+        local_rope=local_rope if local_rope != global_rope else None,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        o_bias=bool(getattr(hf, "attention_bias", False)),
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=eos,
+        pad_token_id=hf.pad_token_id,
+        sliding_window=getattr(hf, "sliding_window", None) if types and "sliding_attention" in types else None,
+        layer_types=types if types and "sliding_attention" in types else None,
+        qk_norm=model_type == "gemma3_text",
+        gemma_norm=True,
+        sandwich_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=True,
+        query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
+        attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+        final_softcap=getattr(hf, "final_logit_softcapping", None),
+        model_type=model_type,
+    )
+
+
+def multimodal_error() -> InvalidInput:
+    return InvalidInput("model_type 'gemma3' is Gemma 3's image-text checkpoint; kvjax loads the text models "
+                        "(model_type 'gemma3_text', e.g. gemma-3-1b) and Gemma 2")
+
+
+__all__ = ["config_from_hf", "multimodal_error"]

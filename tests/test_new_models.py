@@ -1,0 +1,170 @@
+"""Qwen3, Gemma 2 and Gemma 3 (text) against transformers' PyTorch models on tiny random configs:
+full-forward and prefill + decode logits, greedy generation through `experiments.generate`, and
+Gemma 3 under a policy (global layers compressed, local layers a window ring, bytes by formula)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import generate as gen_cli
+from kvjax import FullCache, StreamingLLM, generate, kept_positions
+from kvjax.cache import nbytes
+from kvjax.policies import SnapKV
+from models import load
+from models.tiny import byte_tokenizer
+from tests.conftest import random_ids
+from tests.test_models import decode_logits
+
+torch = pytest.importorskip("torch")
+
+VOCAB = 260  # the byte tokenizer's, so experiments.generate can run on these checkpoints
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=24, max_position_embeddings=512, initializer_range=0.1,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+
+
+def hf_model(arch: str):
+    """(transformers model class, config kwargs): sliding windows shorter than the test sequences."""
+    import transformers as tf
+
+    if arch == "qwen3":
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**BASE, tie_word_embeddings=False)
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **BASE, sliding_window=8, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"] * 2)
+    return tf.Gemma3ForCausalLM, tf.models.gemma3.Gemma3TextConfig(
+        **BASE, sliding_window=8, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3"])
+def checkpoint(request, tmp_path_factory):
+    cls, cfg = hf_model(request.param)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    # The eager attention is transformers' reference: its SDPA path drops Gemma 2's soft-capping.
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # norms start at 1 (Gemma: 0): make them matter
+                p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return request.param, model, path
+
+
+def test_logits_equal_transformers_full_and_decode(checkpoint):
+    arch, pt, path = checkpoint
+    lm = load(path)
+    ids = random_ids(40, VOCAB, seed=30, low=4)
+    with torch.no_grad():
+        ref = pt(torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(ref).max() > 0.5
+    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    ours, _ = decode_logits(lm.model, ids, 13, FullCache())
+    np.testing.assert_allclose(ours, ref[12:], atol=1e-4, rtol=0)
+    c = lm.config
+    if arch == "qwen3":
+        assert c.qk_norm and c.head_dim * c.num_heads != c.hidden_size
+    else:
+        assert c.window_of(0) == 8 and (c.window_of(1) is None) == (arch == "gemma2")
+        assert (c.attn_softcap, c.final_softcap) == ((2.0, 3.0) if arch == "gemma2" else (None, None))
+        assert (c.local_rope is not None) == (arch == "gemma3") and c.qk_norm == (arch == "gemma3")
+
+
+def test_greedy_generation_through_the_cli_equals_transformers(checkpoint, capsys):
+    arch, pt, path = checkpoint
+    prompt = "Attention sinks and windows"
+    assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", "24", prompt]) == 0
+    text = capsys.readouterr().out.split(f">>> {prompt}\n", 1)[1].split("\n\ncache")[0]
+    tok = byte_tokenizer()
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        out = pt.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=3)
+    assert text == tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert len(text) > 0
+
+
+def test_gemma_windows_matter(checkpoint):
+    """Guards the parity test: the same weights with every layer global give other logits."""
+    arch, pt, path = checkpoint
+    if arch == "qwen3":
+        pytest.skip("no sliding layers")
+    import dataclasses
+
+    from flax import nnx
+
+    from models.llama import Llama
+
+    lm = load(path)
+    ids = jnp.asarray([random_ids(40, VOCAB, seed=31, low=4)])
+    glob = Llama(dataclasses.replace(lm.config, layer_types=None, sliding_window=None), rngs=nnx.Rngs(0))
+    nnx.update(glob, nnx.state(lm.model))
+    assert np.abs(np.asarray(glob(ids)) - np.asarray(lm.model(ids)))[0, 8:].max() > 1e-3
+
+
+def test_gemma3_policy_compresses_the_global_layers_only(checkpoint):
+    arch, _, path = checkpoint
+    if arch != "gemma3":
+        pytest.skip("Gemma 3 only")
+    lm = load(path)
+    c = lm.config
+    prompt, new = random_ids(50, VOCAB, seed=3, low=4), 6
+    out = generate(lm.model, [prompt], StreamingLLM(budget=16, sinks=2), max_new_tokens=new)
+    caps = [layer.capacity for layer in out.cache]
+    assert caps == [8, 8, 16, 8]  # sliding layers: a W-slot ring; the global layer: the policy's budget
+    kept = kept_positions(out.cache)
+    total = len(prompt) + new - 1  # positions 0..total-1 have been written
+    for i, layer in enumerate(kept):
+        held = sorted(p for p in np.asarray(layer)[0, 0] if p >= 0)
+        if c.window_of(i) is not None:
+            assert held == list(range(total - 8, total))  # the window's latest tokens
+        else:
+            assert held == [0, 1] + list(range(total - 14, total))  # 2 sinks + 14 recent
+    # Bytes: per layer k and v [b, kvh, C, d] in float32, plus pos (int32), score and log_w (float32).
+    b, kvh, d = 1, c.num_kv_heads, c.head_dim
+    assert nbytes(out.cache) == sum(b * kvh * cap * (2 * d * 4 + 3 * 4) for cap in caps)
+    # A scored policy on Gemma 3: the same split, kept positions inspectable in both kinds of layer.
+    snap = generate(lm.model, [prompt], SnapKV(budget=20, window=4), max_new_tokens=new)
+    assert [layer.capacity for layer in snap.cache] == [8, 8, 20 + (64 + new) - 64, 8]
+    assert lm.model.native_policy(SnapKV(budget=20, window=4)).describe().startswith(
+        "PerLayer(0-1: LocalWindow(window=8")
+
+
+def test_gemma2_softcap_is_refused_by_the_kernels(checkpoint):
+    arch, _, path = checkpoint
+    if arch != "gemma2":
+        pytest.skip("Gemma 2 only")
+    lm = load(path, attention_impl="pallas")
+    with pytest.raises(ValueError, match=r"kernels do not implement attention-logit soft-capping \(softcap=2.0"):
+        lm.model(jnp.asarray([random_ids(8, VOCAB, low=4)]))
+
+
+def test_gemma3_multimodal_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3", "text_config": {}}')
+    with pytest.raises(ValueError, match=r"Gemma 3's image-text checkpoint; kvjax loads the text models"):
+        load(tmp_path)
+
+
+def test_every_policy_family_and_find_heads_run_on_the_new_models(checkpoint):
+    from kvjax.heads import head_scores, probe_tokens, select_retrieval
+    from kvjax.policies import H2O, PyramidKV, RazorAttention, SlimKV, mat
+
+    arch, _, path = checkpoint
+    lm = load(path)
+    c = lm.config
+    scores = head_scores(lm.model, probe_tokens(VOCAB, k=40, repeats=2, bos_id=1, exclude=(2, 3)))
+    assert scores.echo.shape == (c.num_layers, c.num_heads) and np.isfinite(scores.induction).all()
+    _, kv_mask = select_retrieval(scores, c.num_kv_heads, induction_ratio=0.25, echo_ratio=0.1)
+    prompt = random_ids(60, VOCAB, seed=4, low=4)
+    for policy in (H2O(budget=24, recent=12), PyramidKV(budget=24, window=4, num_layers=c.num_layers),
+                   SlimKV(budget=24, window=4), mat(24, 6, shallow_layers=1, sinks=2),
+                   RazorAttention(retrieval=tuple(map(tuple, kv_mask.tolist())), compression=4, buffer=16, sinks=2)):
+        out = generate(lm.model, [prompt, prompt[:40]], policy, max_new_tokens=5)
+        assert out.tokens.shape == (2, 5) and all(np.asarray(layer).size for layer in kept_positions(out.cache))
