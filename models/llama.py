@@ -168,8 +168,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @functools.lru_cache(maxsize=None)
-def _freq(rope: RopeConfig, head_dim: int, float64: bool = False) -> np.ndarray:
-    return inv_freq(rope, head_dim, np.float64 if float64 else np.float32)
+def _freq(rope: RopeConfig, head_dim: int, float64: bool = False, long: bool = False) -> np.ndarray:
+    return inv_freq(rope, head_dim, np.float64 if float64 else np.float32, long)
 
 
 def _acc(dtype):
@@ -289,7 +289,14 @@ class Attention(nnx.Module):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
         if self.cfg.position_embedding != "rope":
             return x
-        return apply_rope(x, positions, _freq(self.rope, self.cfg.head_dim, x.dtype == jnp.float64))
+        f64 = x.dtype == jnp.float64
+        if self.rope.rope_type != "longrope":
+            return apply_rope(x, positions, _freq(self.rope, self.cfg.head_dim, f64))
+        # LongRoPE switches to its long factors once a call reaches past the original context
+        # (transformers: max(position_ids) + 1 > original_max_position_embeddings), per call.
+        long = jnp.max(positions) + 1 > self.rope.original_max_position_embeddings
+        freq = jnp.where(long, _freq(self.rope, self.cfg.head_dim, f64, True), _freq(self.rope, self.cfg.head_dim, f64))
+        return apply_rope(x, positions, freq, self.rope.attention_factor)
 
     def _alibi(self):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteError
-from models import baichuan, gemma, mistral, qwen2, qwen3
+from models import baichuan, gemma, mistral, phi3, qwen2, qwen3
 from models.llama import Llama, LlamaConfig
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(Llama, from_hf=qwen3.config_from_hf),
     "gemma2": Architecture(Llama, from_hf=gemma.config_from_hf),
     "gemma3_text": Architecture(Llama, from_hf=gemma.config_from_hf),
+    "phi3": Architecture(Llama, from_hf=phi3.config_from_hf, tensors=lambda t, cfg, d: phi3.Phi3Tensors(t, cfg)),
     "baichuan": Architecture(
         Llama,
         from_json=baichuan.config_from_json,

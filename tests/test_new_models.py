@@ -168,3 +168,52 @@ def test_every_policy_family_and_find_heads_run_on_the_new_models(checkpoint):
                    RazorAttention(retrieval=tuple(map(tuple, kv_mask.tolist())), compression=4, buffer=16, sinks=2)):
         out = generate(lm.model, [prompt, prompt[:40]], policy, max_new_tokens=5)
         assert out.tokens.shape == (2, 5) and all(np.asarray(layer).size for layer in kept_positions(out.cache))
+
+
+@pytest.fixture(scope="module")
+def phi3_checkpoint(tmp_path_factory):
+    import transformers as tf
+
+    half = 16 // 2  # Phi-3's head_dim is hidden_size // heads
+    rng = np.random.default_rng(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": (1 + rng.random(half)).round(3).tolist(), "long_factor": (2 + 4 * rng.random(half)).round(3).tolist()}
+    cfg = tf.Phi3Config(**{**BASE, "max_position_embeddings": 256, "head_dim": 16}, original_max_position_embeddings=64,
+                        rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("phi3")
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("length,prompt_len", [(40, 13), (100, 70)])
+def test_phi3_fused_weights_and_longrope_equal_transformers(phi3_checkpoint, length, prompt_len):
+    """Short sequences use LongRoPE's short factors; past original_max_position_embeddings=64 every
+    call uses the long ones (a 70-token prefill, then decoding)."""
+    pt, path = phi3_checkpoint
+    lm = load(path)
+    assert lm.config.rope.rope_type == "longrope" and lm.config.rope.attention_factor > 1
+    ids = random_ids(length, VOCAB, seed=7, low=4)
+    with torch.no_grad():
+        ref = pt(torch.tensor([ids])).logits[0].float().numpy()
+    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    ours, _ = decode_logits(lm.model, ids, prompt_len, FullCache(), bucket=128)
+    np.testing.assert_allclose(ours, ref[prompt_len - 1:], atol=1e-4, rtol=0)
+
+
+def test_phi3_greedy_generation_equals_transformers(phi3_checkpoint, capsys):
+    pt, path = phi3_checkpoint
+    prompt = "Fused projections"
+    assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", "20", prompt]) == 0
+    text = capsys.readouterr().out.split(f">>> {prompt}\n", 1)[1].split("\n\ncache")[0]
+    tok = byte_tokenizer()
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        out = pt.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=3)
+    assert text == tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
