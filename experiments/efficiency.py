@@ -40,7 +40,7 @@ from experiments.common import (
 from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling
 from kvjax.cache import nbytes
-from kvjax.generate import bucket_length, check_finite_steps, decode_fn, pad_left, prefill_fn
+from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 
 
 def peak_bytes() -> int | None:
@@ -61,14 +61,14 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     t = time.perf_counter()
     first, first_finite, cache = jax.block_until_ready(pre())
     prefill_s = time.perf_counter() - t
-    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), eos=(), max_new=new,
-                            pad_id=0)
+    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), buffer=new)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     best, steps, c = float("inf"), 0, cache
     for _ in range(repeats + 1):  # the first run compiles
         c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
         t = time.perf_counter()
-        out, steps, nonfinite, c = dec(c, first, first_finite, lengths, key)
+        out, steps, nonfinite, c = dec(c, first, first_finite, lengths, key, jnp.asarray(eos_array(())),
+                                       jnp.int32(new), jnp.int32(0))
         jax.block_until_ready(out)
         check_finite_steps(np.asarray(nonfinite))
         best = min(best, time.perf_counter() - t)

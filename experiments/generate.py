@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
 
-    max_len = out.prompt_bucket + args.max_new_tokens
+    max_len = out.prompt_bucket + out.room  # what a full cache would hold in this compilation
     full_slots = lm.config.num_layers * lm.config.num_kv_heads * FullCache().capacity(0, max_len, out.prompt_bucket)
     print(f"model    {path}  ({lm.config.num_layers} layers, {lm.config.num_kv_heads} KV heads, {args.dtype})")
     print(f"policy   {policy.describe()}")

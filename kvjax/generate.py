@@ -124,11 +124,13 @@ def _tick(step) -> None:
         _progress_hook(int(step))
 
 
-def _decode(graphdef, state, cache, first, first_finite, pos, key, *, policy, sampling, eos, max_new, pad_id,
+def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, policy, sampling, buffer,
             progress=False):
+    """The decode loop. `eos` (ids, padded with -1), `max_new` and `pad_id` are arrays, so new values
+    never recompile; `buffer` (static) is the token buffer, `max_new` rounded up to a bucket."""
     model = nnx.merge(graphdef, state)
     b = first.shape[0]
-    eos_ids = jnp.asarray(eos, jnp.int32)
+    eos_ids = eos
 
     def cond(s: DecodeState):
         return (s.step < max_new) & ~jnp.all(s.done)
@@ -153,7 +155,7 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, *, policy, sa
 
     init = DecodeState(
         step=jnp.int32(1),
-        tokens=jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(first),
+        tokens=jnp.full((b, buffer), pad_id, jnp.int32).at[:, 0].set(first),
         pos=pos,
         done=jnp.isin(first, eos_ids),
         nonfinite=jnp.where(first_finite, -1, 0).astype(jnp.int32),
@@ -167,9 +169,18 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, *, policy, sa
 prefill_fn = jax.jit(_prefill, static_argnames=("policy", "max_len", "sampling"))
 question_fn = jax.jit(_question, static_argnames=("policy", "sampling"), donate_argnames=("cache",))
 decode_fn = jax.jit(
-    _decode, static_argnames=("policy", "sampling", "eos", "max_new", "pad_id", "progress"),
+    _decode, static_argnames=("policy", "sampling", "buffer", "progress"),
     donate_argnames=("cache",)
 )
+
+
+def eos_array(eos: Sequence[int]) -> np.ndarray:
+    """EOS ids as an int32 array padded with -1 (never a token) to a power of two >= 4, so one or two
+    stop ids (LongBench's extra newline) share a compilation."""
+    n = max(4, 1 << max(0, math.ceil(math.log2(max(len(eos), 1)))))
+    out = np.full((n,), -1, np.int32)
+    out[: len(eos)] = eos
+    return out
 
 
 def check_finite_steps(nonfinite: np.ndarray, what: str = "logits", step_name: str = "generated token") -> None:
@@ -191,6 +202,7 @@ class Generation:
     lengths: np.ndarray  # [b] tokens generated per row, EOS included
     cache: Cache  # the final cache (inspect with kvjax.cache.kept_positions)
     prompt_bucket: int
+    room: int  # cache slots reserved after the prompt bucket: the question bucket + the token buffer
     prefill_s: float
     decode_s: float
     decode_steps: int  # loop iterations run (tokens after the first)
@@ -269,7 +281,10 @@ def generate(
     tokens, positions = sharding.shard_batch(tokens, mesh), sharding.shard_batch(positions, mesh)
 
     q_bucket = bucket_length(max(map(len, asked)), min_bucket) if questions is not None else 0
-    room = q_bucket + max_new_tokens  # cache slots after the context: the question, then the new tokens
+    # Lengths that vary between calls stay out of the compiled shapes: the new tokens get a bucketed
+    # buffer (max_new_tokens 16 and 17 share one compilation), EOS ids a padded array.
+    buffer = bucket_length(max_new_tokens, min_bucket)
+    room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
     t0 = time.perf_counter()
     first, first_finite, cache = prefill_fn(
@@ -295,10 +310,11 @@ def generate(
     try:
         out, steps, nonfinite, cache = decode_fn(
             graphdef, state, cache, first, first_finite, next_pos, k_decode,
-            policy=policy, sampling=sampling, eos=eos, max_new=max_new_tokens, pad_id=pad,
+            jnp.asarray(eos_array(eos)), jnp.int32(max_new_tokens), jnp.int32(pad),
+            policy=policy, sampling=sampling, buffer=buffer,
             progress=progress is not None,
         )
-        out = np.asarray(out)
+        out = np.asarray(out)[:, :max_new_tokens]
         if progress is not None:
             jax.effects_barrier()  # every tick delivered before the hook is cleared
     finally:
@@ -312,6 +328,7 @@ def generate(
         lengths=lengths,
         cache=cache,
         prompt_bucket=bucket,
+        room=room,
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         decode_steps=int(steps) - 1,

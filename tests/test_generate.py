@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,3 +126,46 @@ def test_bad_inputs(tiny):
         generate(tiny.model, [[5]], FullCache(), max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature=-1"):
         Sampling(temperature=-1)
+
+
+@contextlib.contextmanager
+def compile_log():
+    """XLA compilations (jax's compile events) while the block runs."""
+    names = []
+
+    def listener(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_recompile_for_max_new_tokens_in_a_bucket_eos_ids_or_pad_id(tiny):
+    """Seen before: max_new_tokens 16 -> 17 recompiled prefill and decode (7-8 s each on a 16-layer
+    model), and so did LongBench's extra newline stop. Now they are arrays; the token buffer is
+    bucketed (17..32 share one), EOS ids padded."""
+    policy = StreamingLLM(budget=16, sinks=4)
+    prompt = random_ids(30, 260, seed=40)
+    generate(tiny.model, [prompt], policy, max_new_tokens=17, eos_ids=(2,))
+    with compile_log() as log:
+        a = generate(tiny.model, [prompt], policy, max_new_tokens=30, eos_ids=())
+        b = generate(tiny.model, [prompt], policy, max_new_tokens=23, eos_ids=(2, 10), pad_id=5)
+        c = generate(tiny.model, [prompt], policy, max_new_tokens=17, eos_ids=(), pad_id=0)
+    assert log == []
+    assert a.tokens.shape == (1, 30) and b.tokens.shape == (1, 23) and c.tokens.shape == (1, 17)
+    np.testing.assert_array_equal(a.tokens[:, :17], c.tokens)  # the same greedy tokens, whatever the buffer
+    with compile_log() as log:
+        generate(tiny.model, [prompt], policy, max_new_tokens=33, eos_ids=(2,))  # the next bucket
+    assert len(log) == 2  # prefill (its cache room) and decode (its buffer), once
+
+
+def test_eos_given_as_array_still_stops(tiny):
+    prompt = random_ids(20, 260, seed=41)
+    free = generate(tiny.model, [prompt], FullCache(), max_new_tokens=12, eos_ids=())
+    stop = free.sequences()[0][4]
+    out = generate(tiny.model, [prompt], FullCache(), max_new_tokens=12, eos_ids=(999_999, stop))
+    assert out.sequences()[0] == free.sequences()[0][: free.sequences()[0].index(stop) + 1]

@@ -36,7 +36,8 @@ def test_unknown_model_type(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*supports \['baichuan', 'llama', 'mistral', 'qwen2'\]"):
+    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*supports \['baichuan', 'gemma2', 'gemma3_text', 'llama', 'mistral', 'phi3', "
+                                         r"'qwen2', 'qwen3'\]"):
         load(ckpt)
 
 
