@@ -18,10 +18,6 @@ from kvjax.rope import RopeConfig
 from models.llama import LlamaConfig
 
 
-def _rope(params, theta_default: float) -> RopeConfig:
-    return RopeConfig.from_hf(params, theta_default)
-
-
 def config_from_hf(hf) -> LlamaConfig:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -29,34 +25,20 @@ def config_from_hf(hf) -> LlamaConfig:
     model_type = hf.model_type
     rope = getattr(hf, "rope_parameters", None) or {}
     if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
-        global_rope = _rope(rope["full_attention"], getattr(hf, "rope_theta", 1_000_000.0))
-        local_rope = _rope(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 10_000.0))
+        global_rope = RopeConfig.from_hf(rope["full_attention"], getattr(hf, "rope_theta", 1_000_000.0))
+        local_rope = RopeConfig.from_hf(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 10_000.0))
     else:
-        global_rope, local_rope = _rope(rope or getattr(hf, "rope_scaling", None), getattr(hf, "rope_theta", 10000.0)), None
-    eos = hf.eos_token_id
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        global_rope = RopeConfig.from_hf(rope or getattr(hf, "rope_scaling", None), getattr(hf, "rope_theta", 10000.0))
+        local_rope = None
     types = tuple(hf.layer_types) if getattr(hf, "layer_types", None) else None
-    heads = hf.num_attention_heads
-    return LlamaConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
+    sliding = bool(types) and "sliding_attention" in types
+    return LlamaConfig.from_hf(
+        hf,
         rope=global_rope,
         local_rope=local_rope if local_rope != global_rope else None,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
-        qkv_bias=bool(getattr(hf, "attention_bias", False)),
-        o_bias=bool(getattr(hf, "attention_bias", False)),
-        bos_token_id=hf.bos_token_id,
-        eos_token_ids=eos,
-        pad_token_id=hf.pad_token_id,
-        sliding_window=getattr(hf, "sliding_window", None) if types and "sliding_attention" in types else None,
-        layer_types=types if types and "sliding_attention" in types else None,
+        sliding_window=hf.sliding_window if sliding else None,
+        layer_types=types if sliding else None,
         qk_norm=model_type == "gemma3_text",
         gemma_norm=True,
         sandwich_norm=True,

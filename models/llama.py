@@ -107,16 +107,19 @@ class LlamaConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
-    def from_hf(cls, hf) -> "LlamaConfig":
-        """From a `transformers` config object (v4 `rope_scaling` or v5 `rope_parameters`)."""
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
+    def from_hf(cls, hf, **family) -> "LlamaConfig":
+        """From a `transformers` config object (v4 `rope_scaling` or v5 `rope_parameters`); `family`:
+        the fields a model family reads its own way (Gemma's activation and RoPE, Phi-3's LongRoPE)."""
+        act = family.get("hidden_act", getattr(hf, "hidden_act", "silu"))
+        if act != "silu" and "hidden_act" not in family:
             raise ValueError(f"hidden_act={act!r}: kvjax's Llama supports only 'silu'")
-        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+        if "rope" not in family:
+            rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+            family["rope"] = RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0))
         eos = hf.eos_token_id
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         heads = hf.num_attention_heads
-        return cls(
+        return cls(**{**dict(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
@@ -126,7 +129,6 @@ class LlamaConfig:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             max_position_embeddings=hf.max_position_embeddings,
             rms_norm_eps=hf.rms_norm_eps,
-            rope=RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf, "attention_bias", False)),
             o_bias=bool(getattr(hf, "attention_bias", False)),
@@ -134,7 +136,7 @@ class LlamaConfig:
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos,
             pad_token_id=hf.pad_token_id,
-        )
+        ), **family})
 
     def to_hf(self):
         """The equivalent `transformers.LlamaConfig` (for saving a checkpoint)."""

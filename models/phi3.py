@@ -11,8 +11,6 @@ config.json applies to every layer, as in Mistral. Partial rotary embeddings (Ph
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from kvjax.errors import InvalidInput
@@ -25,26 +23,13 @@ def config_from_hf(hf) -> LlamaConfig:
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise InvalidInput(f"partial_rotary_factor={partial}: kvjax's Phi-3 rotates whole heads only")
-    base = LlamaConfig.from_hf(_NoRope(hf))
-    return dataclasses.replace(
-        base,
+    return LlamaConfig.from_hf(
+        hf,
         rope=RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0), hf.max_position_embeddings,
                                 getattr(hf, "original_max_position_embeddings", None)),
         sliding_window=getattr(hf, "sliding_window", None),
         model_type="phi3",
     )
-
-
-class _NoRope:
-    """`hf` with its RoPE parameters hidden, for LlamaConfig.from_hf (which knows no LongRoPE)."""
-
-    def __init__(self, hf):
-        self._hf = hf
-
-    def __getattr__(self, name):
-        if name in ("rope_parameters", "rope_scaling"):
-            return None
-        return getattr(self._hf, name)
 
 
 class Phi3Tensors:
