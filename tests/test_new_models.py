@@ -217,3 +217,38 @@ def test_phi3_greedy_generation_equals_transformers(phi3_checkpoint, capsys):
     with torch.no_grad():
         out = pt.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=3)
     assert text == tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def test_gemma3_sharded_and_through_a_suite(tmp_path):
+    """Tensor and data parallel on a Gemma 3 checkpoint equal one device (tests/mesh_script.py), and a
+    suite (passkey) runs on it under a policy."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import transformers as tf
+
+    from experiments import cli, passkey
+
+    cfg = tf.models.gemma3.Gemma3TextConfig(**{**BASE, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                               "head_dim": 8}, sliding_window=8, query_pre_attn_scalar=20,
+                                            layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(1)
+    tf.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path / "g3")
+    byte_tokenizer().save_pretrained(tmp_path / "g3")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, str(root / "tests" / "mesh_script.py"), str(tmp_path / "g3")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("full", "streaming"):
+        assert report[name]["same_tokens"] and report[name]["max_logit_diff"] <= 1e-5, report[name]
+        assert report[name]["generate_cache_devices"] == 8
+    argv = ["--model", str(tmp_path / "g3"), "--lengths", "300", "--depths", "0.5", "--samples", "2",
+            "--policy", "streaming", "--budget", "64", "--out", str(tmp_path / "pk")]
+    assert cli.run(passkey.main, argv) == 0
+    assert len((tmp_path / "pk" / "samples.jsonl").read_text().splitlines()) == 2
