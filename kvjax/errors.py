@@ -35,6 +35,22 @@ class NonFiniteError(UserError, FloatingPointError):
     """A NaN or an infinity in weights, logits or scores: never an output, always an error."""
 
 
+class NonFiniteWeights(NonFiniteError):
+    """A checkpoint tensor holding NaN or inf; the advice names `allow_nonfinite=True` to API callers
+    and `--allow-nonfinite` on the command line."""
+
+    def __init__(self, tensor: str, file, count: int):
+        self.tensor, self.file, self.count = tensor, file, count
+        super().__init__(self._message("allow_nonfinite=True"))
+
+    def cli_message(self) -> str:
+        return self._message("--allow-nonfinite")
+
+    def _message(self, hint: str) -> str:
+        return (f"weight {self.tensor!r} in {self.file} holds {self.count} non-finite values (NaN or inf); a model "
+                f"with broken weights gives meaningless results. Pass {hint} to load it anyway")
+
+
 class PromptTooLong(InvalidInput):
     """A prompt (plus the tokens to generate) longer than the model's positions allow.
 
@@ -81,4 +97,5 @@ def require_finite(values, what: str, step: str = "token"):
     return values
 
 
-__all__ = ["InvalidInput", "MissingFile", "MissingKey", "NonFiniteError", "PromptTooLong", "UserError", "require_finite"]
+__all__ = ["InvalidInput", "MissingFile", "MissingKey", "NonFiniteError", "NonFiniteWeights", "PromptTooLong", "UserError",
+           "require_finite"]

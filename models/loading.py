@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteError
+from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteWeights
 from models import baichuan, gemma, mistral, phi3, qwen2, qwen3
 from models.llama import Llama, LlamaConfig
 
@@ -295,10 +295,7 @@ def load(
         if not allow_nonfinite:
             bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
             if bad:
-                raise NonFiniteError(
-                    f"weight {tensors.source(name)!r} in {tensors.file(name)} holds {bad} non-finite values "
-                    "(NaN or inf); a model with broken weights gives meaningless results. Pass "
-                    "allow_nonfinite=True (--allow-nonfinite on the command line) to load it anyway")
+                raise NonFiniteWeights(tensors.source(name), tensors.file(name), bad)
         var.set_value(jnp.asarray(arr.T if transpose else arr, dtype=dtype))
     tok = None
     if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

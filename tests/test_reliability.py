@@ -171,7 +171,8 @@ def test_identity_torn_file_is_a_cli_error(tiny_dir, tmp_path, capsys):
 
 
 def test_nonfinite_weight_is_refused_at_load_naming_the_tensor(broken_dir):
-    with pytest.raises(NonFiniteError, match=r"'model.embed_tokens.weight' .* holds 64 non-finite values"):
+    with pytest.raises(NonFiniteError, match=r"'model.embed_tokens.weight' .* holds 64 non-finite values .* Pass "
+                                             r"allow_nonfinite=True"):
         load(broken_dir)
     lm = load(broken_dir, allow_nonfinite=True)
     assert np.isnan(np.asarray(lm.model.embed_tokens.embedding[...])[200]).all()
@@ -179,7 +180,9 @@ def test_nonfinite_weight_is_refused_at_load_naming_the_tensor(broken_dir):
 
 def test_nonfinite_weight_cli_error_and_allow_flag(broken_dir, tmp_path, capsys):
     code, err = run_cli(passkey.main, passkey_argv(broken_dir, tmp_path / "a"), capsys)
-    assert code == 2 and "--allow-nonfinite" in one_error_line(err) and "model.embed_tokens.weight" in err
+    line = one_error_line(err)
+    assert code == 2 and "Pass --allow-nonfinite to load it anyway" in line and "model.embed_tokens.weight" in line
+    assert "allow_nonfinite=True" not in line  # advice in the caller's terms
     # Allowed at load, the broken logits are still an error rather than a 0 % score.
     code, err = run_cli(passkey.main, passkey_argv(broken_dir, tmp_path / "b", "--allow-nonfinite"), capsys)
     assert code == 0 or "non-finite logits" in one_error_line(err)
