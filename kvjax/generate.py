@@ -130,7 +130,6 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new,
     never recompile; `buffer` (static) is the token buffer, `max_new` rounded up to a bucket."""
     model = nnx.merge(graphdef, state)
     b = first.shape[0]
-    eos_ids = eos
 
     def cond(s: DecodeState):
         return (s.step < max_new) & ~jnp.all(s.done)
@@ -147,7 +146,7 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new,
             step=s.step + 1,
             tokens=s.tokens.at[:, s.step].set(tok),
             pos=s.pos + 1,
-            done=s.done | jnp.isin(tok, eos_ids),
+            done=s.done | jnp.isin(tok, eos),
             nonfinite=jnp.where(bad, s.step, s.nonfinite),
             key=key,
             cache=c,
@@ -157,7 +156,7 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new,
         step=jnp.int32(1),
         tokens=jnp.full((b, buffer), pad_id, jnp.int32).at[:, 0].set(first),
         pos=pos,
-        done=jnp.isin(first, eos_ids),
+        done=jnp.isin(first, eos),
         nonfinite=jnp.where(first_finite, -1, 0).astype(jnp.int32),
         key=key,
         cache=cache,
@@ -238,10 +237,10 @@ def generate(
     appends it whole; one that evicts while decoding, e.g. StreamingLLM, applies its rule), then
     generation follows. Without them (question-aware), prompt and question are one prompt.
 
-    With `truncate=True`, prompts too long for the model are middle-truncated
-    (LongBench's rule; with questions, the contexts are); otherwise they are an error. Non-finite logits raise `NonFiniteError`
-    naming the row and the generated token. `progress(step)`, if given, is called from the
-    decode loop after each generated token (a separate compilation of the loop).
+    With `truncate=True`, prompts too long for the model are middle-truncated (LongBench's rule;
+    with questions, the contexts are); otherwise they are an error. Non-finite logits raise
+    `NonFiniteError` naming the row and the generated token. `progress(step)`, if given, is called
+    from the decode loop after each generated token (a separate compilation of the loop).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
@@ -264,11 +263,11 @@ def generate(
     limit = cfg.max_position_embeddings - (max_new_tokens if absolute else 0)
     longest = max(len(p) + len(q) for p, q in zip(prompts, asked))
     if longest > limit:
-        room = limit - max(map(len, asked))  # truncation cuts contexts, never questions
-        if not truncate or room < 2:
+        fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
+        if not truncate or fit < 2:
             raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=absolute,
                                 truncate=truncate)
-        prompts = [truncate_middle(p, room) for p in prompts]
+        prompts = [truncate_middle(p, fit) for p in prompts]
     longest = max(map(len, prompts))
     eos = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
     pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
