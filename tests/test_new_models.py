@@ -78,17 +78,21 @@ def test_logits_equal_transformers_full_and_decode(checkpoint):
         assert (c.local_rope is not None) == (arch == "gemma3") and c.qk_norm == (arch == "gemma3")
 
 
-def test_greedy_generation_through_the_cli_equals_transformers(checkpoint, capsys):
-    arch, pt, path = checkpoint
-    prompt = "Attention sinks and windows"
-    assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", "24", prompt]) == 0
+def cli_and_transformers_greedy(pt, path, prompt: str, new: int, capsys) -> tuple[str, str]:
+    """(text of `python -m experiments.generate --policy full`, text of transformers' greedy `generate`)."""
+    assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", str(new), prompt]) == 0
     text = capsys.readouterr().out.split(f">>> {prompt}\n", 1)[1].split("\n\ncache")[0]
     tok = byte_tokenizer()
     ids = tok(prompt)["input_ids"]
     with torch.no_grad():
-        out = pt.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=3)
-    assert text == tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
-    assert len(text) > 0
+        out = pt.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=2, pad_token_id=3)
+    return text, tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def test_greedy_generation_through_the_cli_equals_transformers(checkpoint, capsys):
+    _, pt, path = checkpoint
+    ours, theirs = cli_and_transformers_greedy(pt, path, "Attention sinks and windows", 24, capsys)
+    assert ours == theirs and len(ours) > 0
 
 
 def test_gemma_windows_matter(checkpoint):
@@ -209,14 +213,8 @@ def test_phi3_fused_weights_and_longrope_equal_transformers(phi3_checkpoint, len
 
 def test_phi3_greedy_generation_equals_transformers(phi3_checkpoint, capsys):
     pt, path = phi3_checkpoint
-    prompt = "Fused projections"
-    assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", "20", prompt]) == 0
-    text = capsys.readouterr().out.split(f">>> {prompt}\n", 1)[1].split("\n\ncache")[0]
-    tok = byte_tokenizer()
-    ids = tok(prompt)["input_ids"]
-    with torch.no_grad():
-        out = pt.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=3)
-    assert text == tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    ours, theirs = cli_and_transformers_greedy(pt, path, "Fused projections", 20, capsys)
+    assert ours == theirs and len(ours) > 0
 
 
 def test_gemma3_sharded_and_through_a_suite(tmp_path):
