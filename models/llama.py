@@ -250,6 +250,7 @@ class Attention(nnx.Module):
         (eq. 7) when a gate runs: in the plain forward, and at prefill under a policy that uses it."""
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
+        policy = None if policy is None else policy.at_layer(self.layer)  # this layer's rule
         wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
         keep = None
         if policy is not None and policy.uses_gate and self.gate is None:
@@ -282,7 +283,7 @@ class Attention(nnx.Module):
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         o = attention.prefix_attention(
             q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
-            slot_visible=policy.prefix_visible(self.layer, cache, anchors), anchors=anchors,
+            slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchors), anchors=anchors,
             alibi=self._alibi(), window=self.window, softcap=self.softcap,
         )
         return self._out(o)
@@ -309,6 +310,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
         slopes = self._alibi()
+        policy = policy.at_layer(self.layer)  # this layer's rule
         split = policy.head_split(self.layer)
         if split is None:
             o, cache = self._decode_heads(q, k, v, pos, policy, cache, slopes, tokens)
@@ -520,9 +522,9 @@ class Llama(nnx.Module):
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
         x = self.embed(tokens)
-        anchors = policy.prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
         out = []
-        for layer, cache in zip(self.layers, caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            anchors = policy.at_layer(i).prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
             x, cache, _ = layer.prefill(x, positions, policy, cache, anchors, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
@@ -543,9 +545,8 @@ class Llama(nnx.Module):
                 raise ValueError(f"extend needs one cache array per layer in absolute positions; {policy.describe()} "
                                  f"has head groups or rolling positions in layer {i}")
         x = self.embed(tokens)
-        anchors = policy.prompt_mask(tokens, positions)
-        for layer, c in zip(self.layers, cache):
-            x = layer.extend(x, positions, policy, c, anchors)
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            x = layer.extend(x, positions, policy, c, policy.at_layer(i).prompt_mask(tokens, positions))
         return self._logits(x)
 
     def stream(

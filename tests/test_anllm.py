@@ -220,3 +220,37 @@ def test_anchor_id_is_the_sentence_final_period_on_a_metaspace_tokenizer():
     ends = [i for i, t in enumerate(tok.convert_ids_to_tokens(ids)) if t == "."]
     assert flags.nonzero()[0].tolist() == ends and len(ends) == 3  # every sentence end, nothing else
     assert ends[-1] == len(ids) - 1
+
+
+def test_by_layer_anchors_in_layer_0_and_streaming_in_layer_1(tiny):
+    """Seen before: ByLayer did not forward `prompt_mask`, so AnLLM inside it attended its prompt
+    without eq. 4 (and kept what the mask hides) while nothing said so. Now each layer follows its
+    own rule: the logits equal the model's layers run with eq. 4 in layer 0 and causally in layer 1,
+    layer 0 keeps REDUCTION's tokens and layer 1 StreamingLLM's."""
+    from kvjax.policies import StreamingLLM, by_layer
+
+    model, n, p = tiny.model, 50, 24
+    ids = _with_anchors(n, seed=8)
+    flags = jnp.asarray([[t == ANCHOR for t in ids]])
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    x = model.embed(jnp.asarray([ids]))
+    x = model.layers[0].prefill(x, pos, None, None, anchor_mask(flags))[0]
+    x = model.layers[1].prefill(x, pos, None, None, None)[0]
+    ref = np.asarray(model._logits(x))[0]
+    everywhere = np.asarray(model(jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
+    assert np.abs(ref - everywhere)[p:].max() > 1e-3  # the layers' rules really differ
+
+    reduction = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12)
+    for budget in (64, 16):  # 64: StreamingLLM never evicts, so the logits are the reference's
+        prefill, decode = stepper(model, by_layer(reduction, StreamingLLM(budget=budget, sinks=4), split=1), 64)
+        logits, cache = prefill(jnp.asarray([ids[:p]]), pos[:, :p])
+        ours = [np.asarray(logits[0])]
+        for t in range(p, n):
+            logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+            ours.append(np.asarray(logits[0]))
+        if budget == 64:
+            np.testing.assert_allclose(np.stack(ours), ref[p - 1:], atol=1e-5, rtol=0)
+        last = max(i for i in range(n) if ids[i] == ANCHOR)
+        held = [sorted(int(q) for q in np.asarray(c.pos[0, 0]) if q >= 0) for c in cache]
+        assert held[0] == [i for i in range(n) if ids[i] == ANCHOR or i > last]
+        assert held[1] == (list(range(n)) if budget == 64 else [0, 1, 2, 3] + list(range(n - 12, n)))

@@ -12,7 +12,7 @@ from flax import nnx
 
 from kvjax import attention
 from kvjax import cache as kvcache
-from kvjax.gate import GateConfig, PRESETS, attach_gates, eviction_loss, load_gates, save_gates, ste_flags
+from kvjax.gate import PRESETS, GateConfig, attach_gates, eviction_loss, load_gates, save_gates, ste_flags
 from kvjax.generate import generate
 from kvjax.policies import FullCache, GateEviction, make_policy
 from models import load
@@ -91,15 +91,17 @@ def _gated(tiny_dir, cfg=GateConfig(gamma=0.0, tau=0.5), seed=3):
     return model
 
 
-def _eq7_forward(model, tokens, pos, n_prompt):
-    """Full forward in which prompt tokens follow their gate flags and later tokens are all kept."""
+def _eq7_forward(model, tokens, pos, n_prompt, gated=None):
+    """Full forward in which prompt tokens follow their gate flags and later tokens are all kept;
+    layers not in `gated` (default: all are) attend causally, their gates unused."""
     x = model.embed_tokens(tokens)
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = attn._qkv(h)
         p = pos[:, None, :]
-        keep = jnp.where((pos >= n_prompt)[:, None, :], 1.0, attn.gate(h, pos))
+        flags = attn.gate(h, pos) if gated is None or i in gated else jnp.ones(k.shape[:3])
+        keep = jnp.where((pos >= n_prompt)[:, None, :], 1.0, flags)
         o, _ = attention.prefill_attention(attn._rotate(q, p), attn._rotate(k, p), v, pos, pos,
                                            scale=attn.cfg.head_dim**-0.5, key_keep=keep)
         x = layer._finish(x, attn._out(o))
@@ -261,3 +263,51 @@ def test_train_gate_cli_sft_merges_lora(tiny_dir, tmp_path):
     cfg = json.loads((out / "gate.json").read_text())["config"]
     assert (cfg["tau"], cfg["gamma"], cfg["beta"]) == (0.3, 0.0, 0.28)
     load_gates(merged, out)  # the gates fit the merged model
+
+
+def test_gate_inside_by_layer_gates_its_layers_only(tiny_dir):
+    """Seen before: ByLayer did not forward `uses_gate` or `shrink`, so a gate policy inside it never ran
+    its gates (nothing evicted, no error). Now the gate layer keeps exactly its flagged prompt tokens,
+    the other layer keeps everything and attends causally, and the logits are the eq. 7 forward's with
+    the gate in layer 0 only."""
+    from kvjax.policies import by_layer
+
+    model = _gated(tiny_dir)
+    rng = np.random.default_rng(5)
+    n, n_new = 24, 5
+    seq = rng.integers(4, model.cfg.vocab_size, n + n_new)
+    toks, pos = jnp.asarray(seq[None, :n], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
+    policy = by_layer(GateEviction(bucket=8), FullCache(), split=1)
+    logits, cache = model.prefill(toks, pos, policy, n + n_new)
+    small, cache = policy.shrink(cache, n_new)
+    _, flags = model.forward(toks, pos)
+    for h in range(model.cfg.num_kv_heads):
+        got = np.asarray(cache[0].pos[0, h])
+        assert got[got >= 0].tolist() == [j for j in range(n) if flags[0][0, h, j] > 0]
+        assert np.asarray(cache[1].pos[0, h])[:n].tolist() == list(range(n))  # FullCache: every token
+    assert cache[0].capacity < n + n_new == cache[1].capacity  # only the gate layer shrank
+    got = [np.asarray(logits[0])]
+    for i in range(n_new - 1):
+        step, cache = model.decode(jnp.asarray([seq[n + i]], jnp.int32), jnp.asarray([n + i], jnp.int32), cache, small)
+        got.append(np.asarray(step[0]))
+    ref = _eq7_forward(model, jnp.asarray(seq[None, : n + n_new - 1]), jnp.arange(n + n_new - 1)[None], n, gated={0})
+    np.testing.assert_allclose(np.stack(got), np.asarray(ref[0, n - 1:]), atol=1e-5, rtol=0)
+    everywhere = _eq7_forward(model, jnp.asarray(seq[None, :n]), pos, n)
+    assert np.abs(np.asarray(everywhere[0, -1]) - got[0]).max() > 1e-3  # layer 1's gate would change them
+
+
+def test_gate_prompts_with_different_kept_counts_in_one_bucket_share_a_compiled_decode(tiny_dir):
+    """Capacities are bucketed globally (one size for every layer), so two prompts whose layers keep
+    different counts, all within one bucket, decode with one compiled program."""
+    from tests.test_generate import compile_log
+
+    model = _gated(tiny_dir)
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(4, model.cfg.vocab_size, 40)) for _ in range(2)]
+    policy = make_policy("gate", bucket=64)
+    first = generate(model, [prompts[0]], policy, max_new_tokens=4)
+    with compile_log() as log:
+        second = generate(model, [prompts[1]], policy, max_new_tokens=4)
+    kept = [[int(np.max(np.sum(np.asarray(c.pos) >= 0, -1))) for c in g.cache] for g in (first, second)]
+    assert kept[0] != kept[1]  # the prompts' layers keep different counts
+    assert log == []

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import FullCache, generate
-from kvjax import attention
+from kvjax import FullCache, attention, generate
 from kvjax.cache import HeadwiseCache
 from kvjax.heads import alibi_scopes, attention_maps, kv_scopes, save_heads
 from kvjax.policies import RazorAttention, make_policy, razor_from_heads
@@ -333,3 +332,36 @@ def test_alibi_razor_keeps_each_heads_scope():
     full_logits, full_cache = stepper(model, FullCache(), bucket + 4)[0](jnp.asarray(toks), jnp.asarray(pos))
     assert sum(c.nbytes for c in cache) < sum(c.nbytes for c in full_cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits), atol=1e-2)
+
+
+def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
+    """Seen before: RazorAttention inherited `with_window` as the identity, so on a sliding-window
+    model (Mistral) its retrieval heads kept the whole context, which the model can no longer see.
+    Now they keep a ring of the window's size: bytes of a window, and with every head a retrieval
+    head the logits equal the sliding-window model's full forward."""
+    import dataclasses
+
+    w, n = 8, 30
+    model = Llama(dataclasses.replace(tiny.model.cfg, sliding_window=w), rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(tiny.model, nnx.Param))
+    ids = random_ids(n, 260, seed=12)
+    full = np.asarray(model(jnp.asarray([ids])))[0]
+    assert np.abs(full - np.asarray(tiny.model(jnp.asarray([ids])))[0]).max() > 1e-3  # the window matters
+
+    every = RazorAttention(retrieval=((True, True), (True, True)), buffer=4, sinks=2)
+    p = 12
+    prefill, decode = stepper(model, every, n + 4)
+    logits, cache = prefill(jnp.asarray([ids[:p]]), jnp.asarray([np.arange(p)]))
+    ours = [np.asarray(logits[0])]
+    for t in range(p, n):
+        logits, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        ours.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(ours), full[p - 1:], atol=1e-5, rtol=0)
+    assert [g.capacity for g in cache[0].groups] == [w]
+
+    mixed = model.init_cache(RazorAttention(retrieval=RETRIEVAL, buffer=4, compression=8, sinks=2), 1, 1000, 900)
+    for layer in mixed:
+        # the retrieval ring, then the local heads' sinks + max(S0, N / C) + compensation (as without a window)
+        assert [g.capacity for g in layer.groups] == [w, 2 + math.ceil(900 / 8) + 1]
+        k = layer.groups[0].k
+        assert layer.groups[0].nbytes == k.dtype.itemsize * k.shape[0] * k.shape[1] * w * (2 * k.shape[3] + 3)

@@ -98,6 +98,15 @@ class Policy(abc.ABC):
         del layer
         return frozenset()
 
+    def at_layer(self, layer: int) -> "Policy":
+        """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.
+
+        The model resolves each layer's rule once, here, and then calls only that rule's methods; so
+        a combinator forwards nothing by hand, and a member's hooks (AnLLM's prompt mask, the gate)
+        act in its own layers only."""
+        del layer
+        return self
+
     def prompt_mask(self, tokens, pos):
         """An `attention.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
         del tokens, pos

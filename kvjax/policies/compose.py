@@ -30,6 +30,9 @@ class LayerDispatch(Policy):
             raise InvalidInput(f"{name}: its policies process prompts differently (prefill_mode {sorted(modes)}); "
                                "give them one prefill_mode")
 
+    def at_layer(self, layer: int) -> Policy:
+        return self._at(layer).at_layer(layer)
+
     @property
     def evicts_while_decoding(self):
         return all(m.evicts_while_decoding for m in self._members())
@@ -39,34 +42,45 @@ class LayerDispatch(Policy):
         return any(m.uses_tokens for m in self._members())
 
     @property
+    def uses_gate(self):
+        return any(m.uses_gate for m in self._members())
+
+    @property
     def prefill_mode(self):
         return self._members()[0].prefill_mode
 
+    # Per-layer questions asked of the whole policy (cache allocation, the decode loop's setup).
     def position_mode(self, layer):
-        return self._at(layer).position_mode(layer)
+        return self.at_layer(layer).position_mode(layer)
 
     def capacity(self, layer, max_len, prompt_len=0):
-        return self._at(layer).capacity(layer, max_len, prompt_len)
-
-    def prefill(self, layer, cache, k, v, pos, stats, **kw):
-        sub = self._at(layer)
-        return sub.prefill(layer, cache, k, v, pos, stats, **(kw if sub.uses_tokens else {}))
-
-    def step(self, layer, cache, k, v, pos, **kw):
-        sub = self._at(layer)
-        return sub.step(layer, cache, k, v, pos, **(kw if sub.uses_tokens else {}))
-
-    def observe(self, layer, cache, pos, stats):
-        return self._at(layer).observe(layer, cache, pos, stats)
-
-    def prefill_stats(self, layer):
-        return self._at(layer).prefill_stats(layer)
+        return self.at_layer(layer).capacity(layer, max_len, prompt_len)
 
     def head_split(self, layer):
-        return self._at(layer).head_split(layer)
+        return self.at_layer(layer).head_split(layer)
 
-    def decode_stats(self, layer):
-        return self._at(layer).decode_stats(layer)
+    # Layers are processed by `at_layer(layer)`'s own methods; these only say so loudly if called.
+    def prefill(self, layer, cache, k, v, pos, stats, **kw):
+        raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).prefill(...)")
+
+    def step(self, layer, cache, k, v, pos, **kw):
+        raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).step(...)")
+
+    def shrink(self, cache, room: int):
+        """Each member that sizes its cache after prefill (the gate) shrinks its own layers."""
+        members, cache = list(self._members()), list(cache)
+        for m in dict.fromkeys(members):
+            own = [self._at(i) == m for i in range(len(cache))]
+            # the member sees its own layers only (None elsewhere), so its sizes depend on them alone
+            new, small = m.shrink(tuple(c if o else None for c, o in zip(cache, own)), room)
+            if new is m:
+                continue
+            cache = [s if o else c for c, s, o in zip(cache, small, own)]
+            members = [new if x == m else x for x in members]
+        return self._with_members(tuple(members)), tuple(cache)
+
+    def _with_members(self, members: tuple[Policy, ...]) -> "LayerDispatch":
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +118,9 @@ class ByLayer(LayerDispatch):
     def _members(self):
         return (self.shallow, self.deep)
 
+    def _with_members(self, members):
+        return dataclasses.replace(self, shallow=members[0], deep=members[1])
+
     def describe(self):
         return f"ByLayer(split={self.split}, shallow={self.shallow.describe()}, deep={self.deep.describe()})"
 
@@ -134,6 +151,9 @@ class PerLayer(LayerDispatch):
 
     def _members(self):
         return self.layers
+
+    def _with_members(self, members):
+        return dataclasses.replace(self, layers=members)
 
     def describe(self):
         # Runs of equal policies are named once: "0-5: FullCache(...); 6: SnapKV(...)".

@@ -3,9 +3,9 @@
 The gate's flags (`kvjax.gate`) are computed inside prefill, layer by layer, so how many
 tokens a layer keeps is known only once the prompt has run. Prefill therefore writes the
 kept tokens, compacted in time order, to the front of a prompt-sized cache; then, on the
-host, `shrink` cuts every layer to the most any of its heads and rows kept, rounded up
-to a multiple of `bucket` (so a few shapes serve every prompt), plus a slot per token to
-decode. The memory saving is real for the whole decode; decoding appends normally (the
+host, `shrink` cuts every layer to the most any layer, head and row kept, rounded up
+to a multiple of `bucket` (one size for all layers, so a few shapes serve every prompt), plus a
+slot per token to decode. The memory saving is real for the whole decode; decoding appends normally (the
 gate does not run on decoded tokens, which are all kept).
 """
 
@@ -59,9 +59,13 @@ class GateEviction(LayerPolicy):
         return kvcache.append(cache, k, v, pos)
 
     def shrink(self, cache, room: int):
-        counts = [int(jnp.max(jnp.sum(c.pos >= 0, axis=-1))) for c in cache]
-        kept = tuple(min(max(1, -(-n // self.bucket) * self.bucket), c.capacity - room)
-                     for n, c in zip(counts, cache))
-        small = tuple(jax.tree.map(lambda x, n=n: x[:, :, : n + room], c) for n, c in zip(kept, cache))
+        """Every layer to the most any layer, head and row kept, rounded up to `bucket`: one size for
+        all layers, so two prompts whose largest kept count falls in one bucket share a compiled
+        decode. Layers given as None (another policy's, inside a combinator) are left alone."""
+        mine = [c for c in cache if c is not None]
+        most = max(int(jnp.max(jnp.sum(c.pos >= 0, axis=-1))) for c in mine)
+        n = min(max(1, -(-most // self.bucket) * self.bucket), min(c.capacity for c in mine) - room)
+        kept = tuple(0 if c is None else n for c in cache)
+        small = tuple(None if c is None else jax.tree.map(lambda x: x[:, :, : n + room], c) for c in cache)
         return dataclasses.replace(self, kept=kept), small
 

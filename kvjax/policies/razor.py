@@ -196,8 +196,13 @@ class RazorAttention(ByHead):
     sinks: int = 4  # N0
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
+    # The model's sliding window (`with_window`): its retrieval heads then keep a ring of that many
+    # slots, all such a model can still attend to, instead of the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise InvalidInput(f"RazorAttention: sliding_window={self.sliding_window} must be >= 1")
         if (self.retrieval is None) == (self.scopes is None):
             raise InvalidInput("RazorAttention: give exactly one of retrieval (RoPE heads) or scopes (ALiBi)")
         rows = self.retrieval if self.retrieval is not None else self.scopes
@@ -230,7 +235,8 @@ class RazorAttention(ByHead):
         heads = range(self._num_kv_heads())
         full = tuple(h for h in heads if self.is_retrieval(layer, h))
         local = [h for h in heads if not self.is_retrieval(layer, h)]
-        split = [(full, FullCache())] if full else []
+        whole = FullCache() if self.sliding_window is None else FullCache().with_window(self.sliding_window)
+        split = [(full, whole)] if full else []
         common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
                       compensate=self.compensate, fold=self.fold)
         if self.scopes is None:
@@ -244,13 +250,18 @@ class RazorAttention(ByHead):
             split.append((tuple(hs), CompensatedWindow(**common, scopes=tuple(self.scopes[layer][h] for h in hs))))
         return tuple(split)
 
+    def with_window(self, window):
+        return dataclasses.replace(self, sliding_window=window if self.sliding_window is None
+                                   else min(window, self.sliding_window))
+
     def describe(self):
         table = self.retrieval if self.retrieval is not None else self.scopes
         n_ret = sum(self.is_retrieval(i, h) for i in range(len(table)) for h in range(len(table[0])))
         kind = "retrieval" if self.retrieval is not None else "ALiBi scopes"
         return (f"RazorAttention({kind}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
                 f"compression={self.compression}, buffer={self.buffer}, sinks={self.sinks}, "
-                f"compensate={self.compensate}, fold={self.fold!r})")
+                f"compensate={self.compensate}, fold={self.fold!r}"
+                + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}") + ")")
 
 
 def razor_from_heads(
