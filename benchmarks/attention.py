@@ -69,7 +69,7 @@ def bench_decode(c, variant, interpret, block=None, splits=None, h=32, kvh=8, d=
     ker = jax.jit(lambda *a: kernels.decode_attention(*a, scale=scale, variant=variant, interpret=interpret,
                                                       block=block, splits=splits)[0])
     bytes_read = 2 * kvh * c * d * jnp.dtype(dtype).itemsize
-    row = {"C": c, "block": block or kernels.decode.BLOCK[variant or "gpu"], "splits": splits or "auto",
+    row = {"C": c, "block": block or kernels.blocks.DECODE[variant or "gpu"].block_k, "splits": splits or "auto",
            "xla_us": 1e6 * best_time(ref, q, k, v, pos, log_w)}
     if variant is not None:
         row["pallas_us"] = 1e6 * best_time(ker, q, k, v, pos, log_w)

@@ -6,6 +6,8 @@ compiled and run natively, so `pytest tests/test_pallas.py` there checks the rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,3 +231,34 @@ def test_colsum_of_the_last_w_queries(variant):
     _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, **_run(variant), **SMALL)
     col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, **_run(variant), **SMALL)
     np.testing.assert_allclose(col, stats[f"window_probs:{w}"].sum(axis=3), atol=1e-5, rtol=0)
+
+
+def test_block_sizes_are_validated_and_shapes_quoted():
+    """Tiles follow the variant's rules (Triton: powers of two >= 16; Mosaic: (8, 128) multiples) unless
+    interpreted, and a wrapper given inconsistent shapes names them all instead of failing inside
+    the kernel."""
+    from kvjax.pallas.blocks import DECODE, PREFILL, BlockSizes, resolve
+
+    assert resolve(PREFILL, "gpu", False) == BlockSizes(64, 64) and resolve(DECODE, "tpu", False).block_k == 512
+    assert resolve(PREFILL, "gpu", False, block_q=16) == BlockSizes(16, 64)
+    with pytest.raises(ValueError, match="powers of two"):
+        resolve(PREFILL, "gpu", False, block_k=48)
+    with pytest.raises(ValueError, match=r"multiples of \(8, 128\)"):
+        resolve(PREFILL, "tpu", False, block_q=16, block_k=64)
+    assert resolve(PREFILL, "tpu", True, block_q=16, block_k=16) == BlockSizes(16, 16)  # interpreted: any size
+    with pytest.raises(ValueError, match="variant='cuda'"):
+        resolve(DECODE, "cuda", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BlockSizes(16, 16).block_q = 32
+
+    q, k, v = (jnp.zeros(s) for s in [(1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)])
+    pos = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"axis s of k_pos is 7, elsewhere 8.*k_pos \(1, 7\)"):
+        pprefill.prefill_attention(q, k, v, pos, pos[:, :7], scale=0.25, **_run("gpu"))
+    with pytest.raises(ValueError, match=r"pallas colsum: axis t of lse is 5"):
+        pprefill.colsum(q, k, jnp.zeros((1, 4, 5)), pos, pos, scale=0.25, **_run("gpu"))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        pprefill.prefill_attention(q[:, :3], k, v, pos, pos, scale=0.25, **_run("gpu"))
+    with pytest.raises(ValueError, match=r"pallas decode_attention: axis c of log_w is 6"):
+        pdecode.decode_attention(q[:, :, 0], k, v, pos[:, None].repeat(2, 1), jnp.zeros((1, 2, 6)), scale=0.25,
+                                 **_run("gpu"))

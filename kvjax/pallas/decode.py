@@ -30,8 +30,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kvjax.pallas import tiles
+from kvjax.pallas.blocks import DECODE, check_shapes, resolve
 
-BLOCK = {"gpu": 128, "tpu": 512}
 GPU_PROGRAMS = 256  # ~2 waves on an H100 (132 SMs); 32 splits per KV head measured best at C = 16K-64K
 
 
@@ -172,13 +172,19 @@ def decode_attention(
 
     `block`: slots per tile; `splits` (GPU): slot ranges per (sequence, KV head), merged after
     the kernel; by default enough for ~`GPU_PROGRAMS` programs. TPU ignores it."""
-    if variant not in BLOCK:
-        raise ValueError(f"variant={variant!r}; expected one of {sorted(BLOCK)}")
+    blocks = resolve(DECODE, variant, interpret, None, block)
+    check_shapes("pallas decode_attention", q=(q, "bhd"), k=(k, "bgcd"), v=(v, "bgcd"), slot_pos=(slot_pos, "bgc"),
+                 log_w=(log_w, "bgc"))
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"pallas decode_attention: query heads ({q.shape[1]}) must be a multiple of KV heads "
+                         f"({k.shape[1]}); shapes q {q.shape}, k {k.shape}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"pallas decode_attention: splits={splits} must be >= 1")
     unknown = stats - {"probs", "first_logit"}
     if unknown:
         raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")
     out, lse, s = _decode(q, k, v, slot_pos, log_w, scale=scale, logits=bool(stats), variant=variant,
-                          interpret=interpret, block=block or BLOCK[variant], splits=splits)
+                          interpret=interpret, block=blocks.block_k, splits=splits)
     out_stats = {}
     if "probs" in stats:
         out_stats["probs"] = jnp.sum(jnp.exp(s - lse[..., None]), axis=2)

@@ -37,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.pallas import tiles
+from kvjax.pallas.blocks import PREFILL, check_shapes, resolve
 
-BLOCKS = {"gpu": (64, 64), "tpu": (128, 128)}
 
 
 def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, lse_ref, *,
@@ -193,14 +193,25 @@ def prefill_attention(
     block_k: int | None = None,
 ) -> tuple[Float[Array, "b h t d"], Float[Array, "b h t"]]:
     """Attention output and each query's log-sum-exp (MASKED for padding queries)."""
-    if variant not in BLOCKS:
-        raise ValueError(f"variant={variant!r}; expected one of {sorted(BLOCKS)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
-    bq, bk = BLOCKS[variant]
+    blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
+    _check(q, k, v, q_pos, k_pos, key_keep, name="pallas prefill_attention")
     return _forward(q, k, v, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchors, key_keep,
                     scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
-                    block_q=block_q or bq, block_k=block_k or bk)
+                    block_q=blocks.block_q, block_k=blocks.block_k)
+
+
+def _check(q, k, v, q_pos, k_pos, key_keep, *, name, lse=None):
+    arrays = dict(q=(q, "bhtd"), k=(k, "bgsd"), q_pos=(q_pos, "bt"), k_pos=(k_pos, "bs"))
+    if v is not None:
+        arrays["v"] = (v, "bgsd")
+    if key_keep is not None:
+        arrays["key_keep"] = (key_keep, "bgs")
+    if lse is not None:
+        arrays["lse"] = (lse, "bht")
+    check_shapes(name, **arrays)
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]}); "
+                         f"shapes q {q.shape}, k {k.shape}")
 
 
 # ---- colsum: a second pass over the probabilities, keys outer ----
@@ -307,7 +318,8 @@ def colsum(q, k, lse, q_pos, k_pos, *, scale, alibi=None, window=None, anchors=N
            variant="gpu", interpret=False, block_q=None, block_k=None) -> Float[Array, "b kvh g s"]:
     """Each key's attention probability summed over the queries with index >= `q_start`, per
     query head; `lse` from `prefill_attention`. Query blocks before `q_start` are skipped."""
-    bq, bk = BLOCKS[variant]
+    blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
+    _check(q, k, None, q_pos, k_pos, key_keep, name="pallas colsum", lse=lse)
     return _colsum(q, k, lse, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchors, key_keep,
                    scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
-                   q_start=q_start, block_q=block_q or bq, block_k=block_k or bk)
+                   q_start=q_start, block_q=blocks.block_q, block_k=blocks.block_k)
