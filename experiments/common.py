@@ -172,12 +172,19 @@ def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128
     p.set_defaults(compare_default=default)
 
 
-def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_layers: int
+def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_layers: int, model_dir=None
                     ) -> tuple[list[str], list[Policy]]:
-    """(labels, policies) of --compare, --policy or the default list; a name given twice is labelled name#i."""
+    """(labels, policies) of --compare, --policy or the default list; a name given twice is labelled name#i.
+
+    RazorAttention without --heads reads `model_dir/heads.json` when the model ships one (kvjax-small
+    does); its description names the head table, so the records say which heads were used."""
     if args.compare and args.policy:
         p.error("give --policy or --compare, not both")
     names = (args.compare or args.policy or args.compare_default).split(",")
+    if "razor" in names and getattr(args, "heads", None) is None and model_dir is not None:
+        shipped = Path(model_dir) / "heads.json"
+        if shipped.is_file():
+            args.heads = str(shipped)
     labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
     return labels, policies_from_args(args, names, num_layers=num_layers)
 

@@ -66,6 +66,7 @@ class Mixture:
     facts: float = 0.10
     copy: float = 0.10
     induction: float = 0.15
+    suite: float = 0.0  # whole evaluation prompts with their answers (`RowSampler(prompts=...)`)
 
     def blend(self, other: "Mixture", t: float) -> "Mixture":
         """(1 - t) * self + t * other, share by share."""
@@ -125,8 +126,12 @@ class RowSampler:
     """
 
     def __init__(self, tokenizer, code: np.ndarray, docs: np.ndarray, seq_len: int, *,
-                 mixture: Mixture = Mixture(), answer_weight: float = 4.0, docs_share: float = 0.3):
+                 mixture: Mixture = Mixture(), answer_weight: float = 4.0, docs_share: float = 0.3,
+                 prompts: list[tuple[list[int], list[int]]] = ()):
         self.tok, self.code, self.docs, self.seq_len = tokenizer, code, docs, seq_len
+        # (prompt ids, answer ids) in the evaluation suites' own templates, shortest first
+        self.prompts = sorted(prompts, key=lambda pa: len(pa[0]) + len(pa[1]))
+        self.prompt_sizes = np.array([len(p) + len(a) for p, a in self.prompts], np.int64)
         self.kinds, self.p = mixture.probabilities()
         self.answer_weight, self.docs_share = answer_weight, docs_share
         self.bos = tokenizer.bos_token_id
@@ -177,12 +182,22 @@ class RowSampler:
         else:  # repeats have no length curriculum (their difficulty is alphabet and period): whole rows
             segments = self._induction(rng, self.seq_len - 1, **induction)
         used = sum(len(s) for s, _ in segments)
-        segments = [([self.bos], 1.0), (self._text(rng, self.seq_len - 1 - used), 1.0)] + segments
+        fill = (self._text(rng, self.seq_len - 1 - used), 1.0)
+        # a suite prompt opens the row, as it opens the model's input when evaluated, and text follows it;
+        # the other tasks close the row, after their filler
+        segments = [([self.bos], 1.0)] + (segments + [fill] if kind == "suite" else [fill] + segments)
         ids = np.concatenate([np.asarray(s, np.int32) for s, _ in segments])
         w = np.concatenate([np.full(len(s), wt, np.float32) for s, wt in segments])
         if len(ids) != self.seq_len:
             raise AssertionError(f"row of {len(ids)} tokens, expected {self.seq_len}")
         return ids, w
+
+    def _suite(self, rng, span):
+        fits = int(np.searchsorted(self.prompt_sizes, span, side="right"))
+        if fits == 0:  # spans shorter than every suite prompt: the passkey task, whose fixed text is shortest
+            return self._passkey(rng, span)
+        prompt, answer = self.prompts[int(rng.integers(fits))]
+        return [(prompt, 1.0), (answer, self.answer_weight)]
 
     def _passkey(self, rng, span):
         key = str(int(rng.integers(10000, 100000)))

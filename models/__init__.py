@@ -8,6 +8,9 @@ from models.loading import LoadedModel, load, save_pretrained
 
 # The embedded default model (trained by `python -m experiments.train_tiny`; see its README.md).
 DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+# kvjax-small: the default grown to 6 layers and a 2048-token context (`python -m experiments.train_small`);
+# the main job's model.
+SMALL_DIR = Path(__file__).resolve().parent / "small"
 
 
 def load_default(**kwargs) -> LoadedModel:
@@ -18,4 +21,4 @@ def load_default(**kwargs) -> LoadedModel:
     return load(DEFAULT_DIR, **kwargs)
 
 
-__all__ = ["DEFAULT_DIR", "Llama", "LlamaConfig", "LoadedModel", "load", "load_default", "save_pretrained"]
+__all__ = ["DEFAULT_DIR", "SMALL_DIR", "Llama", "LlamaConfig", "LoadedModel", "load", "load_default", "save_pretrained"]

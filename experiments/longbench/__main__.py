@@ -1,7 +1,8 @@
-"""LongBench (v1 and LongBench-E) under kvjax cache policies; by default, the embedded default model on
-kvjax's offline stdlib suite under FullCache and StreamingLLM.
+"""LongBench (v1 and LongBench-E) under kvjax cache policies; by default (the main job), kvjax-small on
+kvjax's offline stdlib suite sized for its 2048-token context, under eight policies at a budget of 256
+(8x compression): full, StreamingLLM, SnapKV, PyramidKV, SlimKV, MAT, RazorAttention and H2O.
 
-    python -m experiments.longbench                                  # default model + offline suite
+    python -m experiments.longbench                                  # the main job
     python -m experiments.longbench --model DIR --data-dir LongBench/data --datasets qasper,lcc \\
         --compare full,snapkv,slimkv --budget 1024
     python -m experiments.longbench --e --data-dir LongBench/data   # LongBench-E length buckets
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,17 +29,19 @@ from experiments.common import (
     resolve_model,
 )
 from experiments.longbench import harness
-from experiments.longbench.suite import DATA_DIR
-from experiments.records import claim_results_dir, options_of
+from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
+from experiments.records import claim_results_dir, dumps_finite, options_of, write_atomic
+from models import SMALL_DIR
 
-DEFAULT_COMPARE = "full,streaming"
+DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
+MAIN_BUDGET = 256  # 8x compression of kvjax-small's contexts (about 2000 tokens)
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.longbench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
-    p.add_argument("--data-dir", default=str(DATA_DIR),
-                   help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite)")
+    p.add_argument("--model", help="local Hugging Face directory (default: kvjax-small, models/small)")
+    p.add_argument("--data-dir", help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite, "
+                                      f"{SMALL_DATA_DIR.name}/ for a model of >= 2048 tokens, else {DATA_DIR.name}/)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every .jsonl in --data-dir)")
     p.add_argument("--e", action="store_true", help="LongBench-E: read <dataset>_e.jsonl, score per length bucket")
     p.add_argument("--samples", type=positive_int, help="first N samples of each dataset")
@@ -51,7 +53,7 @@ def parse(argv):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
     p.add_argument("--out", default="results/longbench")
-    add_compare_args(p, default=DEFAULT_COMPARE)
+    add_compare_args(p, default=DEFAULT_COMPARE, budget=MAIN_BUDGET)
     add_run_args(p)
     return p, p.parse_args(argv)
 
@@ -89,7 +91,7 @@ def write_tables(out: Path, result: dict) -> None:
         for d in datasets:
             w.writerow([d, *(table[d][lab] for lab in labels)])
         w.writerow(["average", *(avg[lab] for lab in labels)])
-    (out / "results.json").write_text(json.dumps({"table": table, "average": avg}, indent=2))
+    write_atomic(out / "results.json", dumps_finite({"table": table, "average": avg}))
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(datasets), 3.2))
     width = 0.8 / len(labels)
     for i, lab in enumerate(labels):
@@ -105,14 +107,22 @@ def write_tables(out: Path, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
+    model = args.model or (SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else None)
+    lm = resolve_model(p, model, dtype=args.dtype, attention_impl=args.attention_impl,
+                       allow_nonfinite=args.allow_nonfinite)
+    if args.data_dir is None:
+        args.data_dir = str(SMALL_DATA_DIR if lm.config.max_position_embeddings >= 2048 else DATA_DIR)
     data_dir = Path(args.data_dir)
     names = args.datasets.split(",") if args.datasets else harness.dataset_names(data_dir, args.e)
     for n in names:
         harness.check_dataset(n)
-    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
-                       allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    chosen = (args.compare or args.policy or args.compare_default).split(",")
+    if "razor" in chosen and args.buffer is None and args.compression is None:
+        # RazorAttention's S0 = 4000 (the paper's, for 7B models at long contexts) would keep these whole
+        # prompts: its local heads keep the budget instead (the description records it)
+        args.buffer = args.budget or args.default_budget
+    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     out = Path(args.out)
     # No resuming over another configuration's records (each policy's are in their own directory).
     claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples")) | {"--data-dir": str(data_dir.resolve())})
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               "policies": {lab: pol.describe() for lab, pol in zip(labels, policies)},
               "slugs": {lab: harness.policy_slug(pol) for lab, pol in zip(labels, policies)},
               "scores": scores, "seconds": round(time.time() - t0, 1)}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    write_atomic(out / "result.json", dumps_finite(result))
     write_tables(out, result)
     print((out / "results.md").read_text())
     print(f"wrote {out}/result.json and results.{{md,csv,json,png}} ({result['seconds']:.0f} s)")

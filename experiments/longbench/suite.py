@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, corpus
+from experiments.common import positive_int
 from experiments.tasks import (
     ATTRIBUTES,
     PASSKEY_GARBAGE,
@@ -40,7 +41,8 @@ from experiments.tasks import (
     passkey_needle,
 )
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # scale 1: the default model's 512-token window
+SMALL_DATA_DIR = Path(__file__).resolve().parent / "data_small"  # scale 4: kvjax-small's 2048 tokens
 CONTEXT_CHARS = 1000  # about 300-450 tokens of the default model's tokenizer
 
 
@@ -63,21 +65,21 @@ def _doc_sentences(split: str = "heldout") -> list[str]:
     return [s for _, t in corpus.doc_documents(split) for s in _sentences(t) if _prose(s)]
 
 
-def passkey(rng, n: int) -> list[dict]:
+def passkey(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
     rows = []
     for i in range(n):
         key = str(int(rng.integers(10000, 100000)))
-        reps = int(rng.integers(2, 11))
+        reps = int(rng.integers(2 * scale, 9 * scale + 2))  # 2-10 at scale 1
         cut = int(rng.integers(0, reps + 1))
         context = (PASSKEY_INTRO + PASSKEY_GARBAGE * cut + passkey_needle(key) + PASSKEY_GARBAGE * (reps - cut))
         rows.append(_row("stdlib_passkey", i, context, PASSKEY_QUESTION, [key]))
     return rows
 
 
-def kv_retrieval(rng, n: int) -> list[dict]:
+def kv_retrieval(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
     rows = []
     for i in range(n):
-        size = int(rng.integers(8, 33))
+        size = int(rng.integers(8 * scale, 32 * scale + 1))
         keys = rng.choice(np.arange(1000, 10000), size, replace=False)
         values = rng.integers(10000, 100000, size)
         ask = int(rng.integers(size))
@@ -96,10 +98,10 @@ def _window(rng, sentences: list[str], chars: int) -> list[str]:
     return out
 
 
-def qa(rng, n: int) -> list[dict]:
-    sentences, rows = _doc_sentences(), []
+def qa(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
+    sentences, rows = _doc_sentences(split), []
     for i in range(n):
-        text = _window(rng, sentences, CONTEXT_CHARS)
+        text = _window(rng, sentences, CONTEXT_CHARS * (3 * scale + 1) // 4)  # its facts add the rest
         facts = [(ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))], made_up_name(rng), made_up_name(rng))
                  for _ in range(3)]
         for f in facts:
@@ -118,21 +120,22 @@ def _paragraphs(rng, sentences: list[str], count: int, chars: int) -> list[str]:
     return out
 
 
-def passage_retrieval(rng, n: int) -> list[dict]:
-    sentences, rows = _doc_sentences(), []
+def passage_retrieval(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
+    sentences, rows = _doc_sentences(split), []
     for i in range(n):
-        paras = _paragraphs(rng, sentences, 5, CONTEXT_CHARS // 10)
+        paras = _paragraphs(rng, sentences, 5, CONTEXT_CHARS // 10 * scale)
         k = int(rng.integers(5))
         context = "\n\n".join(f"Paragraph {j + 1}: {p}" for j, p in enumerate(paras))
         rows.append(_row("stdlib_passage_retrieval", i, context, _sentences(paras[k])[0], [f"Paragraph {k + 1}"]))
     return rows
 
 
-def passage_count(rng, n: int) -> list[dict]:
-    sentences, rows = _doc_sentences(), []
+def passage_count(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
+    sentences, rows = _doc_sentences(split), []
     for i in range(n):
         unique = int(rng.integers(2, 5))
-        paras = _paragraphs(rng, sentences, unique, 1)  # one sentence each
+        # one sentence each at scale 1; about 100 characters more per step of scale
+        paras = _paragraphs(rng, sentences, unique, 1 + CONTEXT_CHARS // 10 * (scale - 1))
         shown = paras + [paras[int(j)] for j in rng.integers(0, unique, int(rng.integers(1, 4)))]
         shown = [shown[int(j)] for j in rng.permutation(len(shown))]
         context = "\n\n".join(f"Paragraph {j + 1}: {p}" for j, p in enumerate(shown))
@@ -145,8 +148,8 @@ def _is_target(line: str) -> bool:
     return len(s) >= 12 and not s.startswith(("#", '"', "'")) and "`" not in s and "//" not in s and "#" not in s
 
 
-def lcc(rng, n: int) -> list[dict]:
-    modules = [lines for _, t in corpus.code_documents("heldout") if len(lines := t.split("\n")) > 60]
+def lcc(rng, n: int, split: str = "heldout", scale: int = 1) -> list[dict]:
+    modules = [lines for _, t in corpus.code_documents(split) if len(lines := t.split("\n")) > 60]
     rows = []
     while len(rows) < n:
         lines = modules[int(rng.integers(len(modules)))]
@@ -154,7 +157,7 @@ def lcc(rng, n: int) -> list[dict]:
         if not _is_target(lines[at]):
             continue
         start = at
-        while start > 0 and sum(len(x) + 1 for x in lines[start - 1 : at]) < CONTEXT_CHARS:
+        while start > 0 and sum(len(x) + 1 for x in lines[start - 1 : at]) < CONTEXT_CHARS * scale:
             start -= 1
         context = "\n".join(lines[start:at]) + "\n"
         rows.append(_row("stdlib_lcc", len(rows), context, "", [lines[at]]))
@@ -165,11 +168,13 @@ BUILDERS = {"stdlib_passkey": passkey, "stdlib_kv_retrieval": kv_retrieval, "std
             "stdlib_passage_retrieval": passage_retrieval, "stdlib_passage_count": passage_count, "stdlib_lcc": lcc}
 
 
-def build(out: Path, samples: int, seed: int = 0) -> list[Path]:
+def build(out: Path, samples: int, seed: int = 0, scale: int = 1) -> list[Path]:
+    """The six datasets' jsonl files in `out`; `scale` multiplies every context's size (1: about 300-450
+    tokens of the default model's tokenizer; 4: about 1200-1900, for kvjax-small's 2048-token window)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for k, (name, fn) in enumerate(BUILDERS.items()):
-        rows = fn(np.random.default_rng([seed, k]), samples)
+        rows = fn(np.random.default_rng([seed, k]), samples, scale=scale)
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         paths.append(path)
@@ -181,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(DATA_DIR))
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=positive_int, default=1,
+                   help="context size multiplier (1: the default model's 512-token window; 4: kvjax-small's 2048)")
     args = p.parse_args(argv)
-    for path in build(Path(args.out), args.samples, args.seed):
+    for path in build(Path(args.out), args.samples, args.seed, args.scale):
         print(f"wrote {path}")
     return 0
 

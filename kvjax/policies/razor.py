@@ -24,6 +24,7 @@ eps), so ALiBi local heads default to no sinks and no compensation.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Literal
 
@@ -258,7 +259,9 @@ class RazorAttention(ByHead):
         table = self.retrieval if self.retrieval is not None else self.scopes
         n_ret = sum(self.is_retrieval(i, h) for i in range(len(table)) for h in range(len(table[0])))
         kind = "retrieval" if self.retrieval is not None else "ALiBi scopes"
-        return (f"RazorAttention({kind}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
+        # which heads, not only how many: two head tables must never share a description (records are keyed by it)
+        digest = hashlib.sha1(repr(table).encode()).hexdigest()[:8]
+        return (f"RazorAttention({kind} {digest}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
                 f"compression={self.compression}, buffer={self.buffer}, sinks={self.sinks}, "
                 f"compensate={self.compensate}, fold={self.fold!r}"
                 + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}") + ")")

@@ -1,0 +1,220 @@
+"""kvjax-small's card: its targets measured on the trained model.
+
+    python -m experiments.small_card [--model models/small] [--samples 4]
+
+Measures held-out loss at the full context, passkey with the full cache at three lengths and with
+StreamingLLM(256) whose window excludes the key, RULER's niah_single_1 at 2048 tokens, every dataset
+of the LongBench-format suite sized for the context (`experiments/longbench/data_small`) with the
+full cache, the attention-sink share of the first token per layer, and which KV heads RazorAttention's
+probe ranks as retrieval heads (written to MODEL/heads.json for the suites' `--heads`). Writes
+README.md (the card) and eval.json next to the weights. `experiments.train_small` calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from experiments import cli, passkey
+from experiments.common import positive_int
+from experiments.model_card import heldout_loss, sink_shares
+from experiments.records import ResultLog, dumps_finite, write_atomic
+
+SMALL_DIR = Path(__file__).resolve().parent.parent / "models" / "small"
+SUITE_DIR = Path(__file__).resolve().parent / "longbench" / "data_small"
+STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
+
+
+def _main_json(main, argv: list[str], result: Path) -> dict:
+    code = main(argv)
+    if code:
+        raise RuntimeError(f"{main.__module__} {' '.join(argv)} exited with {code}")
+    return json.loads(result.read_text())
+
+
+def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -> dict:
+    from experiments import find_heads
+    from experiments.longbench import __main__ as longbench
+    from experiments.ruler import __main__ as ruler
+    from kvjax.policies import FullCache, StreamingLLM
+
+    model, tok, n = lm.model, lm.tokenizer, lm.config.max_position_embeddings
+    ev = {"heldout_loss": {name: heldout_loss(model, data[f"{name}_heldout"], n, 4, tok.bos_token_id)
+                           for name in ("code", "docs")}}
+    log = ResultLog(work / "passkey.jsonl")
+    lengths = [n // 4, n // 2, n - passkey.MAX_NEW_TOKENS]
+    full = passkey.run(model, tok, FullCache(), lengths, [0.0, 0.25, 0.5, 0.75, 1.0], samples, log, label="full")
+    stream = StreamingLLM(budget=STREAMING_BUDGET, sinks=4)
+    st = passkey.run(model, tok, stream, [lengths[-1]], [0.0, 0.25, 0.5], samples, log, label="streaming")
+    ev["passkey"] = {
+        "full": {str(k): float(np.mean(list(v.values()))) for k, v in passkey.accuracy_table(full).items()},
+        "streaming": float(np.mean([r["correct"] for r in st])),
+        "streaming_policy": stream.describe(),
+        "streaming_key_outside_window": all(r["needle_at"] + 20 < r["length"] - (STREAMING_BUDGET - 4) for r in st),
+        "samples_per_cell": samples,
+    }
+    m = ["--model", str(lm.path)]
+    r = _main_json(ruler.main, m + ["--lengths", str(n), "--tasks", "niah_single_1", "--samples",
+                                             str(5 * samples), "--compare", "full", "--out", str(work / "ruler")],
+                   work / "ruler" / "results.json")
+    ev["ruler_niah_single_1"] = {"length": n, "score": r["scores"]["full"]["niah_single_1"][str(n)],
+                                 "samples": 5 * samples}
+    lb = _main_json(longbench.main, m + ["--data-dir", str(SUITE_DIR), "--compare", "full", "--samples",
+                                         str(5 * samples), "--out", str(work / "longbench")],
+                    work / "longbench" / "result.json")
+    ev["longbench_full"] = {d: s["score"] for d, s in lb["scores"]["full"].items()}
+    rows = np.stack([np.concatenate([[tok.bos_token_id], data["docs_heldout"][s : s + n - 1]])
+                     for s in (0, len(data["docs_heldout"]) // 2)]).astype(np.int32)
+    ev["sink"] = sink_shares(model, rows)
+    heads = Path(lm.path) / "heads.json"
+    if find_heads.main(m + ["--out", str(heads), "--k", str(n // 8), "--repeats", "4"]):
+        raise RuntimeError("experiments.find_heads failed")
+    table = json.loads(heads.read_text())["retrieval_kv_heads"]
+    ev["retrieval_heads"] = {"kv_heads": table, "count": int(sum(map(sum, table))),
+                             "of": len(table) * len(table[0])}
+    return ev
+
+
+CARD = """# kvjax-small: the embedded model for long-context comparisons
+
+A {params:.2f} M-parameter Llama (GQA, RoPE) made **by kvjax** from its embedded default
+(`models/default`): grown from {init_layers} to {layers} layers by block expansion and taught a
+{ctx}-token context on the Python standard library and synthetic tasks, so that cache policies at
+budgets of 128-512 tokens compress a real context 4-16x, on a model deep enough for per-layer methods
+(MAT's shallow/deep split, PyramidKV's schedule, RazorAttention's head choice). A research fixture,
+not a useful language model.
+
+| | |
+|---|---|
+| architecture | Llama: {layers} layers, hidden {hidden}, {heads} query / {kv_heads} KV heads (head dim {head_dim}), SwiGLU {ffn}, RoPE theta {theta:.0f}, untied head |
+| context | {ctx} tokens (`max_position_embeddings`) |
+| tokenizer | the default model's: byte-level BPE, {vocab} tokens, digits split one by one |
+| initialisation | `models/default` (2 layers, 512 tokens) grown by block expansion (`models.grow`, LLaMA Pro): each layer followed by copies whose output projections are zero, so training starts from the default's function; RoPE base raised NTK-aware from 10000 to {theta:.0f} for {ctx} / 512 = {stretch:.0f}x the context |
+| data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`, training split), passkey / key-value / fact-QA / copy / induction rows, and {prompts} whole prompts of the evaluation suites in their own templates with their answers: the LongBench-format datasets built from the training split, RULER's niah / vt / cwe / fwe drawn with seeds the evaluation never uses |
+| training | {short_steps} steps of {short_batch} x 512-token rows, then {long_steps} steps of {long_batch} x {ctx}-token rows (each row one task of a random span after text), AdamW (lr {lr}, weight decay {wd}, cosine decay to 10 % per stage), answer tokens weighted x{aw}; {platform}, {minutes:.0f} min |
+| final training loss | {final_loss:.3f} |
+
+Reproduce (deterministic given the seed, the corpus fingerprint and `models/default`; resumable):
+
+```
+{command}
+```
+
+![loss curve](loss.png)
+
+## Evaluation (`python -m experiments.small_card`)
+
+Held-out next-token loss (windows of {ctx} tokens never trained on): code {loss_code:.3f} (ppl {ppl_code:.1f}),
+docs {loss_docs:.3f} (ppl {ppl_docs:.1f}).
+
+Passkey (LongLoRA prompt, exact match, {samples} samples x 5 depths per length, greedy):
+
+| policy | {len_header} |
+|---|{len_sep}
+| full cache | {len_cells} |
+| `{streaming_policy}` at {last_len}, depths 0-0.5 (key outside the window: {outside}) | {streaming:.0f} % |
+
+RULER niah_single_1 at {ctx} tokens, full cache: **{niah:.0f} %** ({niah_samples} samples, RULER's
+seed 42, string_match_all).
+
+LongBench-format suite sized for the context (`experiments/longbench/data_small`, {lb_samples} samples per
+dataset), full cache:
+
+| dataset | {lb_header} |
+|---|{lb_sep}
+| score | {lb_cells} |
+
+Attention-sink share: attention probability on the first token (`<s>`), averaged over queries
+{skip}..{ctx_m1} of held-out docs, for the mean head and the strongest head of each layer, against
+{uniform:.4f} for uniform attention:
+
+| layer | {layer_header} |
+|---|{layer_sep}
+| mean head | {sink_cells} |
+| x uniform | {ratio_cells} |
+| strongest head | {head_cells} |
+| x uniform | {head_ratio_cells} |
+
+Retrieval heads (RazorAttention's probe, `heads.json`): {n_ret} of {n_kv} KV heads,
+{ret_layout}.
+
+## Limitations
+Trained for {minutes:.0f} minutes on 2 CPU cores: it follows the suites' task formats because it saw
+them in training, retrieves and copies, and knows nothing else. Numbers on it show how a cache policy
+treats a model's use of its context, in miniature; they are not predictions for 7B models.
+"""
+
+
+def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:
+    from experiments.model_card import SINK_SKIP
+    from models import load
+
+    out = Path(out)
+    work = out / "training" / "eval"
+    lm = load(out)
+    ev = evaluate(lm, data, work, samples=samples)
+    write_atomic(out / "eval.json", dumps_finite({"eval": ev, "training": meta}))
+    if (out / "training" / "loss.png").is_file():
+        shutil.copy(out / "training" / "loss.png", out / "loss.png")
+    c, a = lm.config, meta["args"]
+    lengths = list(ev["passkey"]["full"])
+    sink, lb = ev["sink"], ev["longbench_full"]
+    ret = ev["retrieval_heads"]
+    layout = "; ".join(f"layer {i}: {[h for h, x in enumerate(row) if x]}" for i, row in enumerate(ret["kv_heads"])
+                       if any(row))
+    text = CARD.format(
+        params=meta["parameters"] / 1e6, init_layers=2, layers=c.num_layers, hidden=c.hidden_size,
+        heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn=c.intermediate_size,
+        theta=c.rope.theta, ctx=c.max_position_embeddings, stretch=c.max_position_embeddings / 512,
+        vocab=c.vocab_size, corpus=meta["corpus"], prompts=meta["suite_prompts"], short_steps=a["short_steps"],
+        short_batch=a["short_batch"], long_steps=a["long_steps"], long_batch=a["long_batch"], lr=a["lr"],
+        wd=a["weight_decay"], aw=a["answer_weight"],
+        platform=f"{meta['platform'].upper()} ({meta.get('cores', '?')} cores)", minutes=meta["train_minutes"],
+        final_loss=meta["final_loss"], command=meta["command"],
+        loss_code=ev["heldout_loss"]["code"], ppl_code=np.exp(ev["heldout_loss"]["code"]),
+        loss_docs=ev["heldout_loss"]["docs"], ppl_docs=np.exp(ev["heldout_loss"]["docs"]), samples=samples,
+        len_header=" | ".join(f"{n} tokens" for n in lengths), len_sep="---|" * len(lengths),
+        len_cells=" | ".join(f"{100 * ev['passkey']['full'][n]:.0f} %" for n in lengths),
+        streaming_policy=ev["passkey"]["streaming_policy"], last_len=lengths[-1],
+        outside="yes" if ev["passkey"]["streaming_key_outside_window"] else "NO",
+        streaming=100 * ev["passkey"]["streaming"], niah=ev["ruler_niah_single_1"]["score"],
+        niah_samples=ev["ruler_niah_single_1"]["samples"], lb_samples=5 * samples,
+        lb_header=" | ".join(d.removeprefix("stdlib_") for d in lb), lb_sep="---|" * len(lb),
+        lb_cells=" | ".join(f"{v:.1f}" for v in lb.values()),
+        skip=SINK_SKIP, ctx_m1=c.max_position_embeddings - 1, uniform=sink["uniform_share"][0],
+        layer_header=" | ".join(map(str, range(c.num_layers))), layer_sep="---|" * c.num_layers,
+        sink_cells=" | ".join(f"{s:.3f}" for s in sink["first_token_share"]),
+        ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["first_token_share"], sink["uniform_share"])),
+        head_cells=" | ".join(f"{s:.3f}" for s in sink["strongest_head_share"]),
+        head_ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["strongest_head_share"], sink["uniform_share"])),
+        n_ret=ret["count"], n_kv=ret["of"], ret_layout=layout or "none",
+    )
+    (out / "README.md").write_text(text)
+    return ev
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.small_card", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(SMALL_DIR))
+    p.add_argument("--samples", type=positive_int, default=4, help="passkey samples per (length, depth); RULER and "
+                                                                   "LongBench take 5x as many")
+    args = p.parse_args(argv)
+    out = Path(args.model)
+    run_file, data_file = out / "training" / "run.json", out / "training" / "data.npz"
+    for f in (run_file, data_file):
+        if not f.is_file():
+            p.error(f"{f} is missing: rerun python -m experiments.train_small --out {out} (it resumes)")
+    with np.load(data_file) as f:
+        data = dict(f)
+    ev = write_card(out, data, json.loads(run_file.read_text()), samples=args.samples)
+    print(json.dumps(ev, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

@@ -1,0 +1,191 @@
+"""Trains kvjax-small: the embedded default grown deeper and taught a 2048-token context.
+
+    python -m experiments.train_small [--out models/small] [--init models/default]
+
+1. the trained default model (`--init`, 2 layers, 512 tokens) is grown to `--layers` by block
+   expansion (`models.grow`: copies with zeroed output projections, so training starts from a model
+   that retrieves), and its RoPE base is raised for the longer context (NTK-aware: theta * s^(d/(d-2))
+   for s = seq_len / 512, so the slowest dimensions turn no further at 2048 than they did at 512);
+2. a short stage trains all layers on 512-token rows, a long stage on `--seq-len` rows, each row
+   one task of a random span (so every length up to the row is seen) after natural text;
+3. besides the default's tasks, a share of rows (`--suite-share`) are whole prompts of the
+   evaluation suites in their own templates, with their answers: the LongBench-format datasets
+   built from the *training* split of the library text, and RULER's niah / vt / cwe / fwe tasks
+   drawn with seeds the evaluation never uses; this is how a 1 M-parameter model learns task formats
+   a large model follows from instructions.
+
+Every batch is a pure function of (seed, step); each stage resumes from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from experiments import cli, corpus
+from experiments.common import positive_int
+from experiments.tasks import Mixture, RowSampler
+from experiments.train_tiny import tokenize_corpus
+from kvjax.rope import RopeConfig
+from kvjax.train import TrainConfig, next_token_loss, train, write_curve
+from models import load
+from models.grow import grow_depth
+from models.loading import save_pretrained
+
+MIXTURE = Mixture(text=0.20, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.40)
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+TRAIN_SEED = 1_000_003  # RULER samples for training: never the evaluation's seed (42)
+
+
+def ntk_theta(theta: float, scale: float, head_dim: int) -> float:
+    """The RoPE base that stretches the slowest frequency by `scale` (NTK-aware scaling, bloc97 2023)."""
+    return theta * scale ** (head_dim / (head_dim - 2))
+
+
+def suite_examples(tok, seq_len: int, samples: int, seed: int):
+    """(task, prompt text, answer text, references) of the evaluation suites' tasks, from training text and
+    seeds: the LongBench-format datasets at every scale that fits `seq_len`, RULER's tasks at its lengths."""
+    from experiments.longbench import suite
+    from experiments.longbench.harness import build_prompt
+    from experiments.ruler import tasks as ruler
+
+    scales = [s for s in (1, 2, 4, 8) if s * 512 <= seq_len]
+    for k, (name, build) in enumerate(tqdm(suite.BUILDERS.items(), desc="suite prompts")):
+        for scale in scales:
+            for row in build(np.random.default_rng([seed, k, scale]), samples, split="train", scale=scale):
+                # the model's answer as the metric reads it: the number after "is", the name after "Answer:",
+                # "Paragraph k" or the count after "is: ", the next line of code
+                answer = row["answers"][0]
+                answer = {"stdlib_passkey": f" {answer}.", "stdlib_kv_retrieval": f" {answer}.",
+                          "stdlib_qa": f" {answer}", "stdlib_lcc": f"{answer}\n"}.get(name, answer)
+                yield name, build_prompt(tok, name, row, 10**9, chat=False), answer, row["answers"]
+    count = ruler.token_counter(tok)
+    lengths = [n for n in (768, 1024, 1536, 2048, 3072, 4096) if n <= seq_len]
+    for k, name in enumerate(tqdm(RULER_TASKS, desc="RULER prompts")):
+        for n in lengths:
+            try:
+                drawn = ruler.generate(name, n, samples, count, seed=TRAIN_SEED + 1000 * k + n)
+            except ValueError:  # does not fit at this length with this tokenizer (vt, cwe below 2048)
+                continue
+            for s in drawn:
+                yield name, s.prompt, " " + " ".join(s.outputs) + ("." if name.startswith("niah") else ""), s.outputs
+
+
+def suite_prompts(tok, seq_len: int, samples: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """`suite_examples` as (prompt ids, answer ids + EOS): the model learns to stop after its answer,
+    as F1-scored answers need."""
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return [(enc(prompt), enc(answer) + [tok.eos_token_id])
+            for _, prompt, answer, _ in suite_examples(tok, seq_len, samples, seed)]
+
+
+def batches(args, sampler: RowSampler, short: RowSampler, lo: int):
+    """Step i -> {"tokens", "weights"}: the short stage's rows for i < --short-steps, then the long stage's."""
+
+    def batch(i: int) -> dict:
+        rng = np.random.default_rng([args.seed, i])
+        s, n = (short, args.short_batch) if i < args.short_steps else (sampler, args.long_batch)
+        rows = [s.row(rng, int(rng.integers(lo, s.seq_len))) for _ in range(n)]
+        return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
+                "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
+
+    return batch
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="models/small")
+    p.add_argument("--init", default="models/default", help="the trained model to grow (an HF directory)")
+    p.add_argument("--layers", type=positive_int, default=4, help="a multiple of --init's layers")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="the long stage's rows = the context")
+    p.add_argument("--rope-theta", type=float, help="default: NTK-aware for --seq-len over --init's context")
+    p.add_argument("--short-steps", type=positive_int, default=1000)
+    p.add_argument("--short-batch", type=positive_int, default=8)
+    p.add_argument("--long-steps", type=positive_int, default=400)
+    p.add_argument("--long-batch", type=positive_int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--answer-weight", type=float, default=4.0)
+    p.add_argument("--suite-samples", type=positive_int, default=48, help="pool prompts per (task, size)")
+    p.add_argument("--save-every", type=positive_int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-eval", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out, work = Path(args.out), Path(args.out) / "training"
+    init = load(args.init)
+    tok, cfg0 = init.tokenizer, init.config
+    short_len = cfg0.max_position_embeddings
+    theta = args.rope_theta or ntk_theta(cfg0.rope.theta, args.seq_len / short_len, cfg0.head_dim)
+    model = grow_depth(init.model, args.layers, rope=RopeConfig(theta=theta), max_position_embeddings=args.seq_len)
+    tok.model_max_length = args.seq_len
+    print(f"model    {args.layers} layers grown from {args.init} ({cfg0.num_layers}), RoPE theta "
+          f"{cfg0.rope.theta:g} -> {theta:.0f}, context {short_len} -> {args.seq_len}")
+
+    data = tokenize_corpus(tok, work / "data.npz")
+    pool_file = work / "prompts.json"
+    if pool_file.is_file():
+        pool = json.loads(pool_file.read_text())
+    else:
+        pool = suite_prompts(tok, args.seq_len, args.suite_samples, args.seed)
+        work.mkdir(parents=True, exist_ok=True)
+        pool_file.write_text(json.dumps(pool))
+    print(f"prompts  {len(pool)} suite prompts of {min(len(p) + len(a) for p, a in pool)}-"
+          f"{max(len(p) + len(a) for p, a in pool)} tokens")
+    make = lambda n: RowSampler(tok, data["code_train"], data["docs_train"], n, mixture=MIXTURE,  # noqa: E731
+                                answer_weight=args.answer_weight, prompts=pool)
+    long, short = make(args.seq_len), make(short_len)
+    batch = batches(args, long, short, short.min_span)
+
+    def loss(m, b):
+        return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}
+
+    common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every,
+                  decay="cosine")
+    t0 = time.time()
+    first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short")
+    result = train(first.model, lambda i: batch(args.short_steps + i), loss,
+                   TrainConfig(steps=args.long_steps, **common), work)
+    history = first.history + [{**h, "step": h["step"] + args.short_steps} for h in result.history]
+    write_curve(history, work)
+    train_s = time.time() - t0
+    save_pretrained(result.model, out, tokenizer=tok)
+    prev = json.loads((work / "run.json").read_text()) if (work / "run.json").is_file() else {}
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(result.model, nnx.Param)))
+    meta = {
+        "command": "python -m experiments.train_small " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "args": vars(args), "parameters": int(n_params), "corpus": corpus.fingerprint(), "rope_theta": theta,
+        "tokens_per_step": {"short": args.short_batch * short_len, "long": args.long_batch * args.seq_len},
+        "train_minutes": round(prev.get("train_minutes", 0.0) + train_s / 60, 1), "cores": os.cpu_count(),
+        "final_loss": history[-1]["loss"], "platform": jax.devices()[0].platform,
+        "init": str(args.init), "suite_prompts": len(pool),
+    }
+    (work / "run.json").write_text(json.dumps(meta, indent=2))
+    print(f"trained  {len(history)} steps in {train_s / 60:.1f} min; loss {history[0]['loss']:.3f} -> "
+          f"{history[-1]['loss']:.3f}; {n_params / 1e6:.2f} M parameters; wrote {out}")
+    if not math.isfinite(history[-1]["loss"]):
+        raise FloatingPointError(f"the final loss is {history[-1]['loss']}")
+    if not args.no_eval:
+        from experiments.small_card import write_card
+
+        write_card(out, data, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

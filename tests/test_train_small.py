@@ -1,0 +1,58 @@
+"""kvjax-small's training data: suite prompts in their own templates, with answers the suites score 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments.longbench.harness import config
+from experiments.longbench.metrics import sample_score
+from experiments.ruler.scoring import sample_match_all
+from experiments.tasks import Mixture, RowSampler
+from experiments.train_small import ntk_theta, suite_examples, suite_prompts
+from models import DEFAULT_DIR
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_DIR / "tokenizer.json").is_file(), reason="no default tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from models.loading import load_tokenizer
+
+    return load_tokenizer(DEFAULT_DIR)
+
+
+def test_every_trained_answer_scores_full_marks_under_its_suites_metric(tok):
+    examples = list(suite_examples(tok, 1024, 2, seed=5))
+    seen = {name for name, *_ in examples}
+    assert {"stdlib_passkey", "stdlib_qa", "stdlib_passage_count", "niah_single_1", "fwe"} <= seen
+    cfg = config()
+    for name, prompt, answer, refs in examples:
+        if name.startswith("stdlib_"):
+            template = cfg["prompts"][name]
+            assert prompt.startswith(template.split("{")[0])  # LongBench's template, verbatim
+            assert sample_score(name, cfg["metrics"][name], answer, refs, None) == 1.0, (name, answer, refs)
+        else:
+            assert sample_match_all(answer, refs) == 1.0
+    ids = suite_prompts(tok, 1024, 1, seed=5)
+    assert all(a[-1] == tok.eos_token_id for _, a in ids)
+
+
+def test_suite_rows_open_with_the_prompt_and_weigh_its_answer(tok):
+    rng = np.random.default_rng(0)
+    code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
+    prompts = [([7] * 150, [8, 9, 2]), ([5] * 300, [6, 2])]
+    s = RowSampler(tok, code, docs, 512, mixture=Mixture(text=0, passkey=0, kv=0, facts=0, copy=0, induction=0,
+                                                         suite=1.0), answer_weight=4.0, prompts=prompts)
+    ids, w = s.row(rng, 200)  # only the 153-token prompt fits a 200-token span
+    assert ids[0] == tok.bos_token_id and ids[1:151].tolist() == [7] * 150 and ids[151:154].tolist() == [8, 9, 2]
+    assert w[151:154].tolist() == [4.0] * 3 and w[:151].max() == 1.0 and w[154:].max() == 1.0
+    ids, _ = s.row(rng, 140)  # no suite prompt fits: the passkey task, whose fixed text is the shortest
+    assert "pass key" in tok.decode(ids)
+
+
+def test_ntk_theta_stretches_the_slowest_rotation_by_the_scale():
+    d, scale = 32, 4.0
+    theta = ntk_theta(10000.0, scale, d)
+    slowest = lambda base: base ** (-(d - 2) / d)  # noqa: E731  (the last RoPE frequency)
+    assert slowest(10000.0) / slowest(theta) == pytest.approx(scale)
