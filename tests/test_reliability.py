@@ -108,7 +108,7 @@ def test_identity_grows_with_the_compare_list_and_resumes(tiny_dir, tmp_path, ca
 SUITES = {
     # module: (argv beyond --model/--out, options that must be in the identity)
     "passkey": (["--lengths", "300"], {"--seed", "--batch", "--allow-nonfinite", "--gate-params"}),
-    "longbench": ([], {"--max-length", "--chat", "--dtype", "--attention-impl", "--e", "--batch",
+    "longbench": (["--compare", "full"], {"--max-length", "--chat", "--dtype", "--attention-impl", "--e", "--batch",
                        "--data-dir", "--data-dir content"}),
     "needle": ([], {"--needle", "--question", "--answer", "--haystack", "--batch"}),
     "perplexity": ([], {"--text", "python"}),
