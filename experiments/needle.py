@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
-    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     top = n - MAX_NEW_TOKENS
     lengths = args.lengths or sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})
     depths = args.depths

@@ -1,17 +1,25 @@
 """The papers' main tables in miniature on one model: runs the suites x policies and writes one report.
 
-    python -m experiments.report [--model DIR] [--budget 128] [--out results/report]
+    python -m experiments.report [--model DIR] [--budget 256] [--budgets 128,256,512] [--out results/report]
 
-Sections (each a suite run into OUT/<section>/, so an interrupted report resumes cell by cell):
-1. MAT vs StreamingLLM perplexity at equal budget, in and beyond the trained window (MAT Table 3);
-2. RazorAttention vs StreamingLLM vs H2O on needle in a haystack (RazorAttention Fig. / Table),
-   with retrieval heads found by `experiments.find_heads` on the same model;
-3. SlimKV vs SnapKV (and the baselines) on the LongBench-format suite (SlimKV Table 1);
+By default the model is kvjax-small (models/small; the 0.52 M default if it is missing). Sections
+(each a suite run into OUT/<section>/, so an interrupted report resumes cell by cell), each with the
+protocol that makes its comparison fair:
+1. MAT vs StreamingLLM perplexity at equal budget, at every budget of --budgets, in and beyond the
+   trained window, both with rolling positions (MAT Table 3);
+2. RazorAttention vs StreamingLLM vs H2O on needle in a haystack **at equal cache bytes**: Razor's
+   local heads keep --budget tokens, and StreamingLLM and H2O get the token budget that holds as many
+   slots as Razor's cache at the longest length (`kvjax.cache.equal_bytes_budget`), since Razor's
+   retrieval heads keep the whole prompt; retrieval heads from the model's heads.json or
+   `experiments.find_heads`;
+3. SlimKV vs SnapKV (and the baselines) on the LongBench-format suite at every budget of --budgets
+   (SlimKV Table 1);
 4. zero-shot multiple choice with the policy applied to the context (MAT's lm-eval table);
 5. passkey retrieval; 6. efficiency (MAT Table 6).
 Then OUT/report.md: every table, the plots, and which claims hold in miniature, computed from the
 numbers. AnLLM and Attention-Gate need trained variants of the model: pass `--anllm DIR` (from
-`experiments.eval_anllm`) or `--gate DIR` (from `experiments.eval_gate`) to include their results.
+`experiments.eval_anllm`) or `--gate DIR` (from `experiments.eval_gate`) to include their results;
+without them the report says they were not run.
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ import sys
 from pathlib import Path
 
 from experiments import cli, efficiency, needle, passkey, perplexity, zeroshot
-from experiments.common import DEFAULT_MODEL_DIR
+from experiments.common import DEFAULT_MODEL_DIR, int_list, positive_int
 from experiments.longbench import __main__ as longbench
+from models import SMALL_DIR
 
 
 def _run(main, argv: list[str]) -> None:
@@ -42,8 +51,12 @@ def _verdict(holds: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF directory (default: the default model)")
-    p.add_argument("--budget", type=int, default=128, help="cache slots per layer and KV head for every policy")
+    small = SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else DEFAULT_MODEL_DIR
+    p.add_argument("--model", default=str(small), help="local HF directory (default: kvjax-small)")
+    p.add_argument("--budget", type=positive_int, default=256,
+                   help="cache slots per layer and KV head of every policy outside the sweeps")
+    p.add_argument("--budgets", type=int_list, default=[128, 256, 512],
+                   help="the budgets of the sweeps: MAT vs StreamingLLM perplexity, SlimKV vs SnapKV")
     p.add_argument("--shallow-layers", type=int,
                    help="MAT's L_s (default: the paper's 2 of 32 layers scaled to the model, at least 1, so that "
                         "a shallow model still has deep layers)")
@@ -65,55 +78,78 @@ def main(argv: list[str] | None = None) -> int:
     # mat()'s default L_s = 2 would make every layer of a 2-layer model shallow, i.e. MAT = StreamingLLM
     shallow = args.shallow_layers if args.shallow_layers is not None else max(1, round(2 * cfg.num_layers / 32))
     ls = ["--shallow-layers", str(shallow)]
-    md = [f"# kvjax report: {args.model}", "", f"Every policy at a budget of {args.budget} slots per layer and KV "
-          f"head (the model's window is {n} tokens); MAT's L_s = {shallow} of {cfg.num_layers} layers. Commands: `python -m experiments.report "
+    md = [f"# kvjax report: {args.model}", "", f"Budgets are cache slots per layer and KV head: {args.budget} outside "
+          f"the sweeps, {', '.join(map(str, args.budgets))} in them (the model's window is {n} tokens); MAT's L_s = "
+          f"{shallow} of {cfg.num_layers} layers. Command: `python -m experiments.report "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", ""]
     claims = []
 
     if "perplexity" not in skip:
         d = out / "perplexity"
         lengths = f"{n // 2},{n},{2 * n}"
-        _run(perplexity.main, m + b + ["--compare", "full", "--lengths", f"{n // 2},{n}", "--out", str(d / "full")])
-        _run(perplexity.main, m + b + ["--compare", "streaming,mat", "--positions", "rolling", "--lengths", lengths,
-                                       *ls, "--out", str(d / "rolling")])
-        full, roll = _json(d / "full" / "results.json")["ppl"], _json(d / "rolling" / "results.json")["ppl"]
+        _run(perplexity.main, m + ["--compare", "full", "--lengths", f"{n // 2},{n}", "--out", str(d / "full")])
+        full = _json(d / "full" / "results.json")["ppl"]
         md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
-               (d / "full" / "results.md").read_text(), "StreamingLLM and MAT (rolling positions):", "",
-               (d / "rolling" / "results.md").read_text(), "![perplexity](perplexity/rolling/perplexity.png)", ""]
-        mat_better = all(roll["mat"][k] <= roll["streaming"][k] for k in roll["mat"] if roll["mat"][k] is not None)
-        claims.append(f"MAT's perplexity <= StreamingLLM's at equal budget at every length: {_verdict(mat_better)} "
-                      f"(MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in window {full['full']})")
+               (d / "full" / "results.md").read_text()]
+        for budget in args.budgets:
+            run = d / f"rolling-{budget}"
+            _run(perplexity.main, m + ["--budget", str(budget), "--compare", "streaming,mat", "--positions",
+                                       "rolling", "--lengths", lengths, *ls, "--out", str(run)])
+            roll = _json(run / "results.json")["ppl"]
+            md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", (run / "results.md").read_text(),
+                   f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
+            better = all(roll["mat"][k] <= roll["streaming"][k] for k in roll["mat"] if roll["mat"][k] is not None)
+            claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: {_verdict(better)} "
+                          f"(MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in window {full['full']})")
 
     if "needle" not in skip:
-        d = out / "needle"
-        heads = out / "heads.json"
-        if not heads.is_file():
-            from experiments import find_heads
+        from kvjax.cache import equal_bytes_budget
+        from kvjax.policies import razor_from_heads
+        from models import load
 
-            k = max(16, (n - 1) // 4)
-            _run(find_heads.main, ["--model", args.model, "--out", str(heads), "--k", str(k), "--repeats", "4"])
-        _run(needle.main, m + b + ["--compare", "full,streaming,h2o,razor", "--heads", str(heads),
-                                   "--buffer", str(args.budget), "--out", str(d)])
+        d = out / "needle"
+        heads = Path(args.model) / "heads.json"
+        if not heads.is_file():
+            heads = out / "heads.json"
+            if not heads.is_file():
+                from experiments import find_heads
+
+                k = max(16, (n - 1) // 4)
+                _run(find_heads.main, ["--model", args.model, "--out", str(heads), "--k", str(k), "--repeats", "4"])
+        longest = n - needle.MAX_NEW_TOKENS
+        razor = razor_from_heads(str(heads), buffer=args.budget)
+        same_bytes = equal_bytes_budget(load(args.model, tokenizer=False).model, razor, longest, needle.MAX_NEW_TOKENS)
+        _run(needle.main, m + ["--compare", "full,streaming,h2o,razor", "--heads", str(heads), "--buffer",
+                               str(args.budget), "--budget", str(same_bytes), "--out", str(d)])
         res = _json(d / "results.json")
-        md += ["## 2. Needle in a haystack (RazorAttention)", "", (d / "results.md").read_text(), ""]
+        md += ["## 2. Needle in a haystack (RazorAttention) at equal cache bytes", "",
+               f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
+               f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
+               f"many slots as a {same_bytes}-token budget per layer and KV head, the budget StreamingLLM and H2O "
+               "get here.", "", (d / "results.md").read_text(), ""]
         md += [f"![{lab}](needle/heatmap_{lab}.png)" for lab in res] + [""]
         em = {lab: r["exact_match"] for lab, r in res.items()}
-        claims.append("RazorAttention retrieves at least as well as StreamingLLM and H2O at equal budget: "
-                      f"{_verdict(em['razor'] >= max(em['streaming'], em['h2o']))} (exact match {em})")
+        claims.append(f"RazorAttention retrieves at least as well as StreamingLLM and H2O at equal cache bytes "
+                      f"(budget {same_bytes}): {_verdict(em['razor'] >= max(em['streaming'], em['h2o']))} "
+                      f"(exact match {em})")
 
     if "longbench" not in skip:
-        d = out / "longbench"
-        _run(longbench.main, m + b + ["--compare", "full,streaming,h2o-prefill,snapkv,slimkv", "--samples",
-                                      str(args.samples), "--window", "16", "--out", str(d)])
-        avg = _json(d / "results.json")["average"]
-        md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", "", (d / "results.md").read_text(),
-               "![longbench](longbench/results.png)", ""]
-        claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite: "
-                      f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
+        md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
+        window = ["--window", "16"] if n < 2048 else []  # SnapKV's 32 is a sixteenth of a 512-token window
+        for budget in args.budgets:
+            d = out / "longbench" / f"budget-{budget}"
+            _run(longbench.main, m + ["--budget", str(budget), "--compare", "full,streaming,h2o-prefill,snapkv,slimkv",
+                                      "--samples", str(args.samples), *window, "--out", str(d)])
+            avg = _json(d / "results.json")["average"]
+            md += [f"Budget {budget}:", "", (d / "results.md").read_text(),
+                   f"![longbench](longbench/budget-{budget}/results.png)", ""]
+            claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite at budget {budget}: "
+                          f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
 
     if "zeroshot" not in skip:
         d = out / "zeroshot"
-        _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", "--window", "16", *ls, "--out", str(d)])
+        window = ["--window", "16"] if n < 2048 else []
+        _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", *window, *ls, "--out", str(d)])
         res = _json(d / "results.json")["results"]
         md += ["## 4. Zero-shot multiple choice, policy on the context", "", (d / "results.md").read_text(), ""]
         claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
@@ -132,9 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         md += ["## 6. Efficiency (MAT Table 6)", "", (d / "results.md").read_text(),
                "![efficiency](efficiency/efficiency.png)", ""]
 
-    for name, path in (("AnLLM", args.anllm), ("Attention-Gate", args.gate)):
+    for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
+                                                    "experiments.eval_anllm"),
+                            ("Attention-Gate", args.gate, "experiments.train_gate (CPT) then experiments.eval_gate "
+                                                          "(baselines at the gates' own eviction ratio)")):
+        md += [f"## {name}", ""]
         if path:
-            md += [f"## {name}", "", (Path(path) / "results.md").read_text(), ""]
+            md += [(Path(path) / "results.md").read_text(), ""]
+        else:
+            md += [f"Not run: {name} needs a trained variant of the model ({how}); pass its output with "
+                   f"--{'anllm' if name == 'AnLLM' else 'gate'} DIR.", ""]
+            claims.append(f"{name}'s claims: **not run** (no trained variant given)")
 
     md += ["## Which claims hold in miniature", ""] + [f"- {c}" for c in claims] + [
         "", f"A {cfg.num_layers}-layer model with a {n}-token window is a miniature: a claim that fails here may "

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     out = Path(args.out)
     claim_results_dir(out, lm, options_of(args, files=("data",)))  # no resuming over another configuration's
     log = ResultLog(out / "items.jsonl")

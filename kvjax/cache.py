@@ -17,6 +17,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 EMPTY = -1
+# A slot its row may not use: a ratio budget gives each row its own slot count inside one array
+# (`kvjax.policies.ring`). Invalid to attention (pos < 0), never filled by `append`.
+DISABLED = -2
 
 
 @jax.tree_util.register_dataclass
@@ -194,7 +197,7 @@ def write(
 def append(cache: LayerCache, k: Float[Array, "b kvh d"], v: Float[Array, "b kvh d"], pos: Int[Array, "b"]):
     """Writes one token per row into the first free slot: the decode step of the policies that
     compress at prefill only and size the cache with a slot for every decoded token."""
-    return write(cache, jnp.argmax(cache.pos < 0, axis=-1), k, v, pos)
+    return write(cache, jnp.argmax(cache.pos == EMPTY, axis=-1), k, v, pos)
 
 
 def ranks(pos: Int[Array, "... c"]) -> Int[Array, "... c"]:
@@ -237,3 +240,13 @@ def num_slots(cache: Cache) -> int:
     """Slots per sequence, summed over layers and KV heads."""
     groups = [g for layer in cache for g in (layer.groups if isinstance(layer, HeadwiseCache) else (layer,))]
     return sum(g.k.shape[1] * g.capacity for g in groups)
+
+
+def equal_bytes_budget(model, policy, prompt_len: int, new_tokens: int) -> int:
+    """The token budget per (layer, KV head) at which a one-array-per-layer policy (StreamingLLM, H2O,
+    SnapKV, ...) holds as many slots as `policy` does for one `prompt_len`-token prompt and
+    `new_tokens` generated; every slot of every policy has the same fields, so equal slots are equal
+    bytes. This is how RazorAttention, whose retrieval heads keep the whole prompt, is compared with
+    the token-budget policies at the same memory. Shapes only: nothing is allocated."""
+    cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len + new_tokens, prompt_len))
+    return max(1, num_slots(cache) // (model.cfg.num_layers * model.cfg.num_kv_heads))

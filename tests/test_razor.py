@@ -365,3 +365,22 @@ def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
         assert [g.capacity for g in layer.groups] == [w, 2 + math.ceil(900 / 8) + 1]
         k = layer.groups[0].k
         assert layer.groups[0].nbytes == k.dtype.itemsize * k.shape[0] * k.shape[1] * w * (2 * k.shape[3] + 3)
+
+
+def test_equal_bytes_budget_matches_razors_bytes_and_names_its_heads(tiny):
+    """At the equal-bytes budget a StreamingLLM cache takes RazorAttention's bytes (within one slot per
+    head); two head tables with the same count have different descriptions (records key on them)."""
+    from kvjax.cache import equal_bytes_budget, nbytes
+    from kvjax.policies import StreamingLLM
+
+    razor = RazorAttention(retrieval=RETRIEVAL, buffer=16, compression=8, sinks=2)
+    prompt, new = 200, 8
+    budget = equal_bytes_budget(tiny.model, razor, prompt, new)
+    # by hand: per layer one retrieval head of 208 slots and one local head of 2 + max(16, 25) + 1
+    assert budget == (2 * (208 + 2 + 25 + 1)) // 4
+    rz = nbytes(tiny.model.init_cache(razor, 1, prompt + new, prompt))
+    st = nbytes(tiny.model.init_cache(StreamingLLM(budget=budget, sinks=4), 1, prompt + new, prompt))
+    per_slot = st // (2 * 2 * budget)
+    assert abs(rz - st) < 2 * 2 * per_slot
+    other = RazorAttention(retrieval=((False, True), (True, False)), buffer=16, compression=8, sinks=2)
+    assert other.describe() != razor.describe()

@@ -289,8 +289,8 @@ def test_cli_ratios_sweep_and_task_that_does_not_fit(tmp_path, capsys):
     result = json.loads((out / "results.json").read_text())
     assert set(result["scores"]) == {"full", "snapkv@0.5", "snapkv@0.75", "streaming@0.5", "streaming@0.75"}
     assert "ratio=0.5" in result["policies"]["snapkv@0.5"]
-    # No ratio mode: (1 - ratio) x (512 - 8 generated) tokens.
-    assert result["policies"]["streaming@0.75"].startswith("StreamingLLM(budget=126,")
+    # StreamingLLM has a ratio mode too now: each row keeps floor(n * (1 - ratio)) of its prompt
+    assert result["policies"]["streaming@0.75"].startswith("StreamingLLM(budget=None, sinks=4, ratio=0.75,")
     assert (out / "score_vs_ratio.png").is_file()
     capsys.readouterr()
     code = cli.run(ruler_cli.main, ["--tasks", "vt", "--out", str(tmp_path / "vt")])

@@ -135,3 +135,47 @@ def test_policies_are_hashable_static_arguments():
     assert len({a, b, StreamingLLM(budget=64, sinks=2), FullCache(), LocalWindow(window=64)}) == 4
     for x, y in itertools.combinations([FullCache(), LocalWindow(window=8), StreamingLLM(budget=8, sinks=0)], 2):
         assert x != y
+
+
+@pytest.mark.parametrize("make", [
+    lambda r: StreamingLLM(budget=None, ratio=r, sinks=4),
+    lambda r: LocalWindow(window=None, ratio=r),
+], ids=["streaming", "local"])
+def test_ratio_budget_keeps_floor_of_each_rows_prompt_and_holds_it_while_decoding(tiny, make):
+    """kvpress's compression_ratio for the ring policies: a row of n prompt tokens keeps
+    floor(n * (1 - ratio)) slots, rows of different lengths in one batch each their own, and decoding
+    keeps that count (the ring evicts), the positions those of sinks + the most recent tokens."""
+    ratio, lengths, bucket, new = 0.6, [60, 37, 50], 64, 6
+    policy = make(ratio)
+    sinks = getattr(policy, "sinks", 0)
+    toks = np.zeros((3, bucket), np.int32)
+    pos = np.full((3, bucket), -1, np.int32)
+    for r, n in enumerate(lengths):
+        toks[r, bucket - n:] = random_ids(n, 260, seed=r)
+        pos[r, bucket - n:] = np.arange(n)
+    prefill, decode = stepper(tiny.model, policy, bucket + new)
+    _, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    assert cache[0].capacity == int(64 * (1 - ratio))  # the bucket's longest possible prompt
+    for step in range(new + 1):
+        for r, n in enumerate(lengths):
+            total = n + step
+            kept = int(np.floor(n * (1 - ratio)))  # the rule, per row, from its own prompt
+            want = list(range(sinks)) + list(range(total - (kept - sinks), total))
+            for layer in cache:
+                for h in range(layer.pos.shape[1]):
+                    held = sorted(int(p) for p in np.asarray(layer.pos[r, h]) if p >= 0)
+                    assert held == want, (r, step, held)
+        if step < new:
+            _, cache = decode(jnp.asarray(random_ids(3, 260, seed=50 + step), jnp.int32),
+                              jnp.asarray(lengths, jnp.int32) + step, cache)
+
+
+def test_ratio_and_budget_are_exclusive_and_ratio_needs_the_whole_prompt():
+    with pytest.raises(ValueError, match="exactly one of budget"):
+        StreamingLLM(budget=128, ratio=0.5)
+    with pytest.raises(ValueError, match="exactly one of window"):
+        LocalWindow(window=None)
+    with pytest.raises(ValueError, match="prefill_mode must be 'full'"):
+        StreamingLLM(budget=None, ratio=0.5, prefill_mode="stream")
+    with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):
+        StreamingLLM(budget=None, ratio=1.0)

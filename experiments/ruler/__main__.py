@@ -9,7 +9,8 @@ model's own tokenizer, scored as RULER scores (string_match_all).
 `--protocol agnostic` (kvpress's protocol, the default) compresses each sample's context without
 its question, then appends the question (with RULER's answer prefix) to the compressed cache;
 `--protocol aware` compresses context and question together. Both read the same token ids.
-`--ratios` runs every policy at each compression ratio: a policy with a ratio mode (SnapKV & co)
+`--ratios` runs every policy at each compression ratio: a policy with a ratio mode (SnapKV & co,
+StreamingLLM, LocalWindow)
 keeps that fraction of the context; one without gets a budget of (1 - ratio) x the cell's prompt
 room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
 per sample to OUT/preds.jsonl (a rerun resumes), scores in OUT/results.{md,csv,json} and the plots

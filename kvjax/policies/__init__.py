@@ -21,11 +21,13 @@ REGISTRY = {
     "full": lambda budget, positions="absolute", prefill_mode="full": FullCache(
         positions=positions, prefill_mode=prefill_mode
     ),
-    "local": lambda budget, positions="absolute", prefill_mode="full": LocalWindow(
-        window=budget, positions=positions, prefill_mode=prefill_mode
+    # --ratio replaces the token budget here too: each row keeps floor(n * (1 - ratio)) of its n prompt tokens
+    "local": lambda budget, ratio=None, positions="absolute", prefill_mode="full": LocalWindow(
+        window=None if ratio is not None else budget, ratio=ratio, positions=positions, prefill_mode=prefill_mode
     ),
-    "streaming": lambda budget, sinks=4, positions="absolute", prefill_mode="full": StreamingLLM(
-        budget=budget, sinks=sinks, positions=positions, prefill_mode=prefill_mode
+    "streaming": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="full": StreamingLLM(
+        budget=None if ratio is not None else budget, sinks=sinks, ratio=ratio, positions=positions,
+        prefill_mode=prefill_mode
     ),
     "mat": lambda budget, anchors=None, shallow_layers=2, sinks=4, group_agg="mean", positions="absolute",
     prefill_mode="stream": mat(

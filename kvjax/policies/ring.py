@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
@@ -26,44 +28,86 @@ def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "
     return jnp.where(pos < sinks, pos, sinks + (pos - sinks) % window)
 
 
-def ring_holder(length: Int[Array, "b"], sinks: int, capacity: int) -> Int[Array, "b c"]:
+def ring_holder(length: Int[Array, "b"], sinks: int, capacity, slots: int | None = None) -> Int[Array, "b c"]:
     """Position held by each slot after positions `0..length-1` were written, -1 if none.
 
     The closed form of writing a prompt token by token with `ring_slot`: a
-    window slot holds the latest position that maps to it.
+    window slot holds the latest position that maps to it. `capacity` may be a
+    per-row array `[b]` (ratio budgets) within an array of `slots` slots; slots at or
+    past a row's capacity hold nothing.
     """
+    slots = capacity if slots is None else slots
+    capacity = jnp.asarray(capacity)[..., None] if jnp.ndim(capacity) else capacity
     window = capacity - sinks
-    j = jnp.arange(capacity)[None, :]
+    j = jnp.arange(slots)[None, :]
     length = length[:, None]
     sink_pos = jnp.where(j < length, j, -1)
     last = length - 1 - sinks  # offset of the newest token inside the window sequence
     q = last - jnp.mod(last - (j - sinks), window)
-    win_pos = jnp.where((last >= 0) & (q >= 0), sinks + q, -1)
+    win_pos = jnp.where((last >= 0) & (q >= 0) & (j < capacity), sinks + q, -1)
     return jnp.where(j < sinks, sink_pos, win_pos).astype(jnp.int32)
 
 
 class RingPolicy(LayerPolicy):
-    """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`."""
+    """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`.
+
+    With a `ratio` (the fraction of the prompt removed, kvpress's `compression_ratio`) a row whose
+    prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))` slots (at least sinks + 1), the
+    cache array being as large as its bucket's longest prompt needs: prefill marks a row's slots
+    past its own count `kvjax.cache.DISABLED`, which attention never sees and the ring never writes,
+    so each row keeps its own budget through decoding."""
+
+    ratio: float | None = None
 
     def _layout(self, max_len: int) -> tuple[int, int]:
         """(sinks, capacity) for sequences of at most `max_len` tokens."""
         raise NotImplementedError
 
+    def describe(self) -> str:
+        # A token budget's description stays what it was before ratios existed (records are keyed by it).
+        text = super().describe()
+        return text.replace(", ratio=None", "").replace("(ratio=None, ", "(")
+
+    def _check_budget(self, budget, name: str) -> None:
+        cls = type(self).__name__
+        if (budget is None) == (self.ratio is None):
+            raise InvalidInput(f"{cls}: give exactly one of {name} (tokens) or ratio (fraction removed); "
+                               f"got {name}={budget}, ratio={self.ratio}")
+        if self.ratio is not None and not 0 <= self.ratio < 1:
+            raise InvalidInput(f"{cls}: ratio={self.ratio} must be in [0, 1)")
+        if self.ratio is not None and self.prefill_mode != "full":
+            raise InvalidInput(f"{cls}: a ratio budget is a share of each row's prompt, known when the prompt is "
+                               "attended whole: prefill_mode must be 'full'")
+
+    def row_slots(self, length):
+        """Slots a row keeps for a `length`-token prompt under `ratio` (numpy or jnp lengths)."""
+        xp = jnp if isinstance(length, jax.Array) else np
+        return xp.maximum(self._sinks() + 1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
+
     def capacity(self, layer: int, max_len: int, prompt_len: int = 0) -> int:
-        return self._layout(max_len)[1]
+        if self.ratio is None:
+            return self._layout(max_len)[1]
+        return int(min(self.row_slots(np.int64(max(prompt_len, 1))), max_len))
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         sinks, cap = self._layout_for(cache)
         t = k.shape[2]
         length = jnp.max(pos, axis=1) + 1  # real tokens per row; prompts are left padded
-        held = ring_holder(length, sinks, cap)  # [b, c] positions
+        rows = cap if self.ratio is None else jnp.minimum(self.row_slots(length), cap)
+        held = ring_holder(length, sinks, rows, cap)  # [b, c] positions
         src = jnp.where(held >= 0, held + (t - length)[:, None], -1)  # time index of that position
         src = jnp.broadcast_to(src[:, None, :], (k.shape[0], k.shape[1], cap))
-        return kvcache.gather_prompt(cache, k, v, pos, src)
+        out = kvcache.gather_prompt(cache, k, v, pos, src)
+        if self.ratio is None:
+            return out
+        beyond = jnp.arange(cap)[None, None, :] >= jnp.asarray(rows)[:, None, None]
+        return dataclasses.replace(out, pos=jnp.where(beyond, kvcache.DISABLED, out.pos))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         sinks, cap = self._layout_for(cache)
-        slot = jnp.broadcast_to(ring_slot(pos, sinks, cap)[:, None], k.shape[:2])
+        # each row's own slot count: the array's, less the slots its prompt's ratio left unused
+        rows = cap - jnp.sum(cache.pos == kvcache.DISABLED, axis=-1)  # [b, kvh]
+        slot = ring_slot(pos[:, None], sinks, rows)
         return kvcache.write(cache, slot, k, v, pos)
 
     def _layout_for(self, cache: LayerCache) -> tuple[int, int]:
@@ -91,11 +135,13 @@ class FullCache(RingPolicy):
 class LocalWindow(RingPolicy):
     """Keeps the `window` most recent tokens (the current one included)."""
 
-    window: int = 256
+    window: int | None = 256
+    ratio: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        if self.window < 1:
+        self._check_budget(self.window, "window")
+        if self.window is not None and self.window < 1:
             raise InvalidInput(f"LocalWindow: window={self.window} must be >= 1")
 
     def _layout(self, max_len):
@@ -110,14 +156,16 @@ class StreamingLLM(RingPolicy):
     window: keys are cached unrotated and rotated by their rank in the cache.
     """
 
-    budget: int = 256
+    budget: int | None = 256
     sinks: int = 4
+    ratio: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_budget(self.budget, "budget")
         if self.sinks < 0:
             raise InvalidInput(f"StreamingLLM: sinks={self.sinks} must be >= 0")
-        if self.budget < self.sinks + 1:
+        if self.budget is not None and self.budget < self.sinks + 1:
             raise InvalidInput(
                 f"StreamingLLM: budget={self.budget} is smaller than sinks + 1 = {self.sinks + 1} "
                 "(the window must hold at least the current token)"
