@@ -81,6 +81,22 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
     return ev
 
 
+def sink_table(sink: dict, ctx: int) -> str:
+    """The card's attention-sink paragraph and table, from `sink_shares`."""
+    first, strongest, uniform = sink["first_token_share"], sink["strongest_head_share"], sink["uniform_share"]
+    cells = lambda xs, fmt: " | ".join(format(x, fmt) for x in xs)  # noqa: E731
+    return "\n".join([
+        "Attention-sink share: attention probability on the first token (`<s>`), averaged over queries",
+        f"{SINK_SKIP}..{ctx - 1} of held-out docs, for the mean head and the strongest head of each layer, against",
+        f"{uniform[0]:.4f} for uniform attention:", "",
+        f"| layer | {' | '.join(map(str, range(len(first))))} |", "|---|" + "---|" * len(first),
+        f"| mean head | {cells(first, '.3f')} |",
+        f"| x uniform | {cells([a / u for a, u in zip(first, uniform)], '.1f')} |",
+        f"| strongest head | {cells(strongest, '.3f')} |",
+        f"| x uniform | {cells([a / u for a, u in zip(strongest, uniform)], '.1f')} |",
+    ])
+
+
 CARD = """# kvjax-tiny-stdlib: the embedded default model
 
 A {params:.2f} M-parameter Llama ({attention}, RoPE) trained **from scratch by kvjax** on the Python standard
@@ -116,16 +132,7 @@ Passkey (LongLoRA prompt, exact match, {samples} samples x 5 depths per length, 
 | full cache | {len_cells} |
 | {streaming_policy} at {last_len}, depths 0-0.5 (key outside the window) | {streaming:.0f} % |
 
-Attention-sink share: attention probability on the first token (`<s>`), averaged over queries
-{skip}..{ctx_m1} of held-out docs, for the mean head and the strongest head of each layer, against
-{uniform:.4f} for uniform attention:
-
-| layer | {layer_header} |
-|---|{layer_sep}
-| mean head | {sink_cells} |
-| x uniform | {ratio_cells} |
-| strongest head | {head_cells} |
-| x uniform | {head_ratio_cells} |
+{sink_table}
 
 ## Limitations
 Tiny, trained for {minutes:.0f} minutes on {corpus_short} text: it writes plausible Python-flavoured text, retrieves
@@ -159,13 +166,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         len_header=" | ".join(f"{n} tokens" for n in lengths), len_sep="---|" * len(lengths),
         len_cells=" | ".join(f"{100 * ev['passkey']['full'][n]:.0f} %" for n in lengths),
         streaming_policy=ev["passkey"]["streaming_policy"], last_len=lengths[-1],
-        streaming=100 * ev["passkey"]["streaming"], skip=SINK_SKIP, ctx_m1=c.max_position_embeddings - 1,
-        uniform=sink["uniform_share"][0],
-        layer_header=" | ".join(map(str, range(c.num_layers))), layer_sep="---|" * c.num_layers,
-        sink_cells=" | ".join(f"{s:.3f}" for s in sink["first_token_share"]),
-        ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["first_token_share"], sink["uniform_share"])),
-        head_cells=" | ".join(f"{s:.3f}" for s in sink["strongest_head_share"]),
-        head_ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["strongest_head_share"], sink["uniform_share"])),
+        streaming=100 * ev["passkey"]["streaming"],
+        sink_table=sink_table(sink, c.max_position_embeddings),
         attention="GQA" if c.num_kv_heads < c.num_heads else "MHA",
         warm_kv_heads=a.get("warm_kv_heads") or c.num_kv_heads,
         conversion=(f", mean-pooled to {c.num_kv_heads} KV heads (GQA's uptraining recipe, `models.gqa`)"

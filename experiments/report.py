@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if "passkey" not in skip:
         d = out / "passkey"
         for pol in ("full", "streaming", "mat"):
-            _run(passkey.main, m + b + ["--policy", pol, *(ls if pol == "mat" else []), "--out", str(d)])
+            _run(passkey.main, m + ([] if pol == "full" else b) + ["--policy", pol, *(ls if pol == "mat" else []),
+                                                                   "--out", str(d)])
         md += ["## 5. Passkey retrieval (accuracy %)", "", (d / "results.md").read_text(), ""]
 
     if "efficiency" not in skip:

@@ -22,7 +22,7 @@ import numpy as np
 
 from experiments import cli, passkey
 from experiments.common import positive_int
-from experiments.model_card import heldout_loss, sink_shares
+from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, write_atomic
 
 SMALL_DIR = Path(__file__).resolve().parent.parent / "models" / "small"
@@ -129,16 +129,7 @@ dataset), full cache:
 |---|{lb_sep}
 | score | {lb_cells} |
 
-Attention-sink share: attention probability on the first token (`<s>`), averaged over queries
-{skip}..{ctx_m1} of held-out docs, for the mean head and the strongest head of each layer, against
-{uniform:.4f} for uniform attention:
-
-| layer | {layer_header} |
-|---|{layer_sep}
-| mean head | {sink_cells} |
-| x uniform | {ratio_cells} |
-| strongest head | {head_cells} |
-| x uniform | {head_ratio_cells} |
+{sink_table}
 
 Retrieval heads (RazorAttention's probe, `heads.json`): {n_ret} of {n_kv} KV heads,
 {ret_layout}.
@@ -151,7 +142,6 @@ treats a model's use of its context, in miniature; they are not predictions for 
 
 
 def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:
-    from experiments.model_card import SINK_SKIP
     from models import load
 
     out = Path(out)
@@ -186,12 +176,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         niah_samples=ev["ruler_niah_single_1"]["samples"], lb_samples=5 * samples,
         lb_header=" | ".join(d.removeprefix("stdlib_") for d in lb), lb_sep="---|" * len(lb),
         lb_cells=" | ".join(f"{v:.1f}" for v in lb.values()),
-        skip=SINK_SKIP, ctx_m1=c.max_position_embeddings - 1, uniform=sink["uniform_share"][0],
-        layer_header=" | ".join(map(str, range(c.num_layers))), layer_sep="---|" * c.num_layers,
-        sink_cells=" | ".join(f"{s:.3f}" for s in sink["first_token_share"]),
-        ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["first_token_share"], sink["uniform_share"])),
-        head_cells=" | ".join(f"{s:.3f}" for s in sink["strongest_head_share"]),
-        head_ratio_cells=" | ".join(f"{s / u:.1f}" for s, u in zip(sink["strongest_head_share"], sink["uniform_share"])),
+        sink_table=sink_table(sink, c.max_position_embeddings),
         n_ret=ret["count"], n_kv=ret["of"], ret_layout=layout or "none",
     )
     (out / "README.md").write_text(text)
