@@ -21,13 +21,13 @@ from tqdm import tqdm
 from benchmarks.decode import BENCH_CONFIG
 from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
-from kvjax.policies import H2O, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM, TOVA
+from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
 
 def time_prefill(graphdef, state, tokens, positions, policy, max_len, repeats):
-    run = lambda: jax.block_until_ready(prefill_fn(graphdef, state, tokens, positions, jax.random.key(0),
+    run = lambda: jax.block_until_ready(prefill_fn.pure(graphdef, state, tokens, positions, jax.random.key(0),
                                                    policy=policy, max_len=max_len, sampling=Sampling()))
     run()  # compile
     best = float("inf")

@@ -55,13 +55,13 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     bucket = bucket_length(n)
     tokens, positions = pad_left(prompts, bucket, 0)
     key = jax.random.key(0)
-    pre = functools.partial(prefill_fn, graphdef, state, tokens, positions, key, policy=policy,
+    pre = functools.partial(prefill_fn.pure, graphdef, state, tokens, positions, key, policy=policy,
                             max_len=bucket + new, sampling=Sampling())
     jax.block_until_ready(pre())  # compile
     t = time.perf_counter()
     first, first_finite, cache = jax.block_until_ready(pre())
     prefill_s = time.perf_counter() - t
-    dec = functools.partial(decode_fn, graphdef, state, policy=policy, sampling=Sampling(), buffer=new)
+    dec = functools.partial(decode_fn.pure, graphdef, state, policy=policy, sampling=Sampling(), buffer=new)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     best, steps, c = float("inf"), 0, cache
     for _ in range(repeats + 1):  # the first run compiles

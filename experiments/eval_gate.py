@@ -32,6 +32,7 @@ from tqdm import tqdm
 from experiments import cli
 from experiments.common import add_run_args, load_with_tokenizer, positive_int, read_text, windows
 from experiments.records import claim_results_dir, dumps_finite, options_of
+from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, load_gates, without_gates
 from kvjax.policies import GateEviction, make_policy
@@ -52,16 +53,15 @@ def split_train(tok, data, seq_len: int, n_eval: int) -> np.ndarray:
     return windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)[:-n_eval]
 
 
-@jax.jit
-def _losses(graphdef, state, tokens):
-    model = nnx.merge(graphdef, state)
+@compiled()
+def _losses(model, tokens):
     logits, flags = model.forward(tokens)
     return next_token_loss(logits, tokens), flags
 
 
-def _cont_nll(graphdef, state, prefix, cont, *, policy):
+@compiled(static=("policy",))
+def _cont_nll(model, prefix, cont, *, policy):
     """Mean NLL of `cont` given `prefix` compressed by `policy` (the continuation reads the cache)."""
-    model = nnx.merge(graphdef, state)
     b, p = prefix.shape
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
     last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
@@ -71,21 +71,19 @@ def _cont_nll(graphdef, state, prefix, cont, *, policy):
     return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1))
 
 
-_cont_nll_jit = jax.jit(_cont_nll, static_argnames=("policy",))
-
-
 def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4) -> dict:
     """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`."""
     if not 0 < prefix_share < 1:
         raise InvalidInput(f"prefix share {prefix_share} must be in (0, 1)")
+    # the gated model and the same weights without gates: two structures, two compiled programs
     graphdef, state = nnx.split(model)
     with without_gates(model):
         base_graph, base_state = nnx.split(model)
     batches = [jnp.asarray(tokens[i : i + batch]) for i in range(0, len(tokens), batch)]
-    base_loss = np.mean([float(_losses(base_graph, base_state, t)[0]) for t in batches])
+    base_loss = np.mean([float(_losses.pure(base_graph, base_state, t)[0]) for t in batches])
     gated, flags = [], []
     for t in batches:
-        loss, f = _losses(graphdef, state, t)
+        loss, f = _losses.pure(graphdef, state, t)
         gated.append(float(loss))
         flags.append([np.asarray(x) for x in f])
     per_head = np.mean([eviction_ratios(f, np.ones(f[0].shape[::2], np.float32)) for f in flags], axis=0)
@@ -103,7 +101,7 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     }
     cont = {}
     for name, (policy, g, s) in tqdm(policies.items(), desc="continuations"):
-        cont[name] = float(np.mean([float(_cont_nll_jit(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))
+        cont[name] = float(np.mean([float(_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))
     return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
             "heldout_loss": {"base": float(base_loss), "gated": float(np.mean(gated))},
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},

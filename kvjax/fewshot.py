@@ -16,7 +16,6 @@ and the prediction the highest-scoring option (lm-evaluation-harness's `acc`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Sequence
 
@@ -27,7 +26,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
+from kvjax import engine
 from kvjax.cache import Cache
+from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length, pad_left
 from kvjax.policies.base import Policy
@@ -72,21 +73,15 @@ def _option_logprob(logits: Float[Array, "n t V"], tokens: Int[Array, "n t"], sc
     return jnp.sum(jnp.where(scored[:, 1:], tok, 0.0), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "max_len"))
-def _prefill(graphdef, state, tokens, positions, *, policy, max_len):
-    return nnx.merge(graphdef, state).prefill(tokens, positions, policy, max_len)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("policy",))
-def _cached_scores(graphdef, state, cache, tokens, positions, scored, *, policy):
-    model = nnx.merge(graphdef, state)
+@compiled(static=("policy",))
+def _cached_scores(model, cache, tokens, positions, scored, *, policy):
     rows = jax.tree.map(lambda x: jnp.repeat(x, tokens.shape[0], axis=0), cache)
     return _option_logprob(model.extend(tokens, positions, rows, policy), tokens, scored)
 
 
-@jax.jit
-def _full_scores(graphdef, state, tokens, positions, scored):
-    logits = nnx.merge(graphdef, state)(tokens, positions)  # padding: position -1, never seen
+@compiled()
+def _full_scores(model, tokens, positions, scored):
+    logits = model(tokens, positions)  # padding: position -1, never seen
     return _option_logprob(logits, tokens, scored)
 
 
@@ -101,16 +96,14 @@ def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: 
         raise InvalidInput("no demonstration tokens to cache")
     bucket = bucket_length(len(demos))
     tokens, positions = pad_left([list(demos)], bucket, 0)
-    graphdef, state = nnx.split(model)
-    return _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), policy=policy, max_len=bucket + room)
+    return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), policy=policy, max_len=bucket + room)[1]
 
 
 def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, policy: Policy) -> np.ndarray:
     """Option log-probs `[n_options]` given the cached demonstrations (the cache is not changed)."""
     length = bucket_length(len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, n_demos, length)
-    graphdef, state = nnx.split(model)
-    scores = np.asarray(_cached_scores(graphdef, state, cache, tokens, positions, scored, policy=policy))
+    scores = np.asarray(_cached_scores(model, cache, tokens, positions, scored, policy=policy))
     return require_finite(scores, "option log-probabilities (row = option)")
 
 
@@ -118,8 +111,7 @@ def full_scores(model: nnx.Module, demos: Sequence[int], item: Item) -> np.ndarr
     """Option log-probs `[n_options]` from a full causal forward over demonstrations + query + option."""
     length = bucket_length(len(demos) + len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, 0, length, demos)
-    graphdef, state = nnx.split(model)
-    scores = np.asarray(_full_scores(graphdef, state, tokens, positions, scored))
+    scores = np.asarray(_full_scores(model, tokens, positions, scored))
     return require_finite(scores, "option log-probabilities (row = option)")
 
 

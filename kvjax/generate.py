@@ -1,7 +1,6 @@
 """Generation: a jitted prefill and a decode loop in one `lax.while_loop`.
 
-The model is split with `nnx.split` outside and merged inside `jax.jit`, so the
-compiled functions are pure in `(graphdef, state)`. Prompts are left padded to
+The compiled functions are written with `kvjax.engine.compiled`, pure in `(graphdef, state)`. Prompts are left padded to
 a bucket length (positions -1 on padding): every prompt length in a bucket
 reuses one compilation of prefill and one of the decode loop. The cache is
 donated to the decode loop, so the loop updates it in place.
@@ -22,6 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from kvjax import sharding
 from kvjax.cache import Cache
+from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.policies.base import Policy
 
@@ -100,16 +100,16 @@ def _all_finite(logits: Float[Array, "b V"]) -> Array:
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
-def _prefill(graphdef, state, tokens, positions, key, *, policy, max_len, sampling):
-    model = nnx.merge(graphdef, state)
+@compiled(static=("policy", "max_len", "sampling"))
+def prefill_fn(model, tokens, positions, key, *, policy, max_len, sampling):
     logits, cache = model.prefill(tokens, positions, policy, max_len)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
-def _question(graphdef, state, cache, tokens, positions, key, *, policy, sampling):
+@compiled(static=("policy", "sampling"), donate=("cache",))
+def question_fn(model, cache, tokens, positions, key, *, policy, sampling):
     """A question extends the compressed context's cache token by token (the decode path), so the
     context was compressed without it; returns the first generated token, as prefill does."""
-    model = nnx.merge(graphdef, state)
     logits, cache = model.stream(tokens, positions, cache, policy, all_logits=False)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
@@ -124,11 +124,11 @@ def _tick(step) -> None:
         _progress_hook(int(step))
 
 
-def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, policy, sampling, buffer,
-            progress=False):
+@compiled(static=("policy", "sampling", "buffer", "progress"), donate=("cache",))
+def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, policy, sampling, buffer,
+              progress=False):
     """The decode loop. `eos` (ids, padded with -1), `max_new` and `pad_id` are arrays, so new values
     never recompile; `buffer` (static) is the token buffer, `max_new` rounded up to a bucket."""
-    model = nnx.merge(graphdef, state)
     b = first.shape[0]
 
     def cond(s: DecodeState):
@@ -164,13 +164,6 @@ def _decode(graphdef, state, cache, first, first_finite, pos, key, eos, max_new,
     out = jax.lax.while_loop(cond, body, init)
     return out.tokens, out.step, out.nonfinite, out.cache
 
-
-prefill_fn = jax.jit(_prefill, static_argnames=("policy", "max_len", "sampling"))
-question_fn = jax.jit(_question, static_argnames=("policy", "sampling"), donate_argnames=("cache",))
-decode_fn = jax.jit(
-    _decode, static_argnames=("policy", "sampling", "buffer", "progress"),
-    donate_argnames=("cache",)
-)
 
 
 def eos_array(eos: Sequence[int]) -> np.ndarray:
@@ -286,7 +279,7 @@ def generate(
     room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
     t0 = time.perf_counter()
-    first, first_finite, cache = prefill_fn(
+    first, first_finite, cache = prefill_fn.pure(
         graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + room, sampling=sampling
     )
     first.block_until_ready()
@@ -296,7 +289,7 @@ def generate(
         # Left padded, so every row's last step is its question's last token; positions continue the context's.
         q_tokens, q_pos = pad_left(questions, q_bucket, pad)
         q_pos = np.where(q_pos >= 0, q_pos + ends[:, None], -1).astype(np.int32)
-        first, first_finite, cache = question_fn(
+        first, first_finite, cache = question_fn.pure(
             graphdef, state, cache, sharding.shard_batch(q_tokens, mesh), sharding.shard_batch(q_pos, mesh),
             jax.random.fold_in(k_prefill, 1), policy=policy, sampling=sampling,
         )
@@ -307,7 +300,7 @@ def generate(
     global _progress_hook
     _progress_hook = progress
     try:
-        out, steps, nonfinite, cache = decode_fn(
+        out, steps, nonfinite, cache = decode_fn.pure(
             graphdef, state, cache, first, first_finite, next_pos, k_decode,
             jnp.asarray(eos_array(eos)), jnp.int32(max_new_tokens), jnp.int32(pad),
             policy=policy, sampling=sampling, buffer=buffer,

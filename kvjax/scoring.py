@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length
 from kvjax.policies.base import Policy
 
 
-@jax.jit(static_argnames=("policy", "max_len"))
-def _stream_logprobs(graphdef, state, tokens, positions, *, policy, max_len):
-    model = nnx.merge(graphdef, state)
+@compiled(static=("policy", "max_len"))
+def _stream_logprobs(model, tokens, positions, *, policy, max_len):
     cache = model.init_cache(policy, tokens.shape[0], max_len)
     logits, _ = model.stream(tokens, positions, cache, policy)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -41,8 +41,7 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     tokens = np.zeros((1, t), np.int32)
     tokens[0, :n] = ids
     positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
-    graphdef, state = nnx.split(model)
-    out = _stream_logprobs(graphdef, state, tokens, positions, policy=policy, max_len=t)
+    out = _stream_logprobs(model, tokens, positions, policy=policy, max_len=t)
     # Column j scores token j + 1: name the token whose log-probability broke.
     logp = np.asarray(out[0, : n - 1])
     require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")

@@ -15,9 +15,9 @@ devices), and feed each process the same prompts.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from flax import nnx
-import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-import functools
+import contextlib
 import gc
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import Phase, settings
 
 from models.tiny import make_random_checkpoint, tiny_config
@@ -88,16 +87,14 @@ def tiny(tiny_dir):
 
 
 def stepper(model, policy, max_len):
-    """Jitted prefill / decode of `model` under `policy`, for teacher-forced tests."""
-    graphdef, state = nnx.split(model)
+    """Jitted prefill / decode of `model` under `policy` (`kvjax.engine`), for teacher-forced tests."""
+    from kvjax import engine
 
-    @functools.partial(jax.jit, static_argnums=())
     def prefill(tokens, positions):
-        return nnx.merge(graphdef, state).prefill(tokens, positions, policy, max_len)
+        return engine.prefill(model, tokens, positions, policy=policy, max_len=max_len)
 
-    @jax.jit
     def decode(tokens, positions, cache):
-        return nnx.merge(graphdef, state).decode(tokens, positions, cache, policy)
+        return engine.decode(model, tokens, positions, cache, policy=policy)
 
     return prefill, decode
 
@@ -115,3 +112,19 @@ def left_pad(ids, bucket):
     toks[0, bucket - len(ids) :] = ids
     pos[0, bucket - len(ids) :] = np.arange(len(ids))
     return jnp.asarray(toks), jnp.asarray(pos)
+
+
+@contextlib.contextmanager
+def compile_log():
+    """XLA compilations (jax's compile events) while the block runs."""
+    names = []
+
+    def listener(name, *args, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -299,7 +299,7 @@ def test_gate_inside_by_layer_gates_its_layers_only(tiny_dir):
 def test_gate_prompts_with_different_kept_counts_in_one_bucket_share_a_compiled_decode(tiny_dir):
     """Capacities are bucketed globally (one size for every layer), so two prompts whose layers keep
     different counts, all within one bucket, decode with one compiled program."""
-    from tests.test_generate import compile_log
+    from tests.conftest import compile_log
 
     model = _gated(tiny_dir)
     rng = np.random.default_rng(7)

@@ -1,0 +1,52 @@
+"""The one place where a model meets `jax.jit`: split outside, merge inside, donate what is replaced.
+
+Every compiled call into a model (generation's prefill, question and decode loop, stream scoring,
+few-shot extension, the gate's evaluation, the tests' stepper) is a function of the model written
+with `@compiled(...)`: `nnx.split` happens at the call, `nnx.merge` inside the one `jax.jit`, so the
+compiled program is pure in `(graphdef, state)`, a model with the same structure reuses it, and
+the arguments named in `donate` (a cache the call replaces) are updated in place. What may vary
+between calls without a new compilation are arrays (lengths, counts, token ids); what is static
+(`static`: the policy, capacities, sampling settings, buffer sizes) is part of the compiled key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+from flax import nnx
+
+
+def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable:
+    """Decorator: `fn(model, *arrays, **static)` becomes one jitted program of `(graphdef, state, ...)`.
+
+    The wrapped function takes the model (or `(graphdef, state)` via `.pure`, for callers that
+    split once, e.g. to place the state on a mesh) and exposes the jitted program as `.pure`."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.partial(jax.jit, static_argnames=tuple(static), donate_argnames=tuple(donate))
+        def pure(graphdef, state, *args, **kwargs):
+            return fn(nnx.merge(graphdef, state), *args, **kwargs)
+
+        @functools.wraps(fn)
+        def call(model, *args, **kwargs):
+            graphdef, state = nnx.split(model)
+            return pure(graphdef, state, *args, **kwargs)
+
+        call.pure = pure
+        return call
+
+    return wrap
+
+
+@compiled(static=("policy", "max_len"))
+def prefill(model, tokens, positions, *, policy, max_len):
+    """`model.prefill`: last-position logits and the compressed cache."""
+    return model.prefill(tokens, positions, policy, max_len)
+
+
+@compiled(static=("policy",), donate=("cache",))
+def decode(model, tokens, positions, cache, *, policy):
+    """`model.decode`: one token per row through the cache, which is replaced."""
+    return model.decode(tokens, positions, cache, policy)
