@@ -152,6 +152,91 @@ def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=No
     return out, jnp.sum(jnp.where((q_pos >= 0)[:, None, None, :, None], p, 0.0), axis=3)
 
 
+def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, anchors, key_keep, softcap, block):
+    """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
+    `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
+    that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
+    wholly older than it) are never computed. The same masks and softmax as `_prefill_block`, so
+    the same numbers; with `want_colsum`, a second pass over the same tiles, once each query's
+    normaliser is known, sums each key's probability over the real queries.
+
+    qg: [b, kvh, g, t, d] (t a multiple of `block`); k, v: [b, kvh, t, d]; pos: [b, t]; v_mean: [b, kvh, d],
+    what a query that sees no key (padding) gets, as the reference's softmax over all-masked logits
+    gives it: the mean value over the prompt's keys."""
+    b, kvh, g, t, d = qg.shape
+    n = t // block
+    acc_t = _acc(qg.dtype)
+    kb = k.reshape(b, kvh, n, block, d)
+    vb = v.reshape(b, kvh, n, block, d)
+    pb = pos.reshape(b, n, block)
+    seg = None if anchors is None else (anchors.segment.reshape(b, n, block), anchors.anchor.reshape(b, n, block),
+                                        anchors.keep.reshape(b, n, block))
+    keep = None if key_keep is None else key_keep.reshape(b, kvh, n, block)
+    v_mean = v_mean[:, :, None, None, :]
+
+    def live(i, j):
+        ok = j <= i
+        if window is not None:  # the block's newest key is at least `window` older than the query block's oldest
+            ok &= (j + 1) * block - 1 > i * block - window
+        return ok
+
+    def tile(i, j, qi):
+        """Logits, visibility and key weights of query block i against key block j."""
+        kj, pj = kb[:, :, j], pb[:, j]
+        s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=acc_t) * scale, softcap)
+        s = _bias_and_mask(s, pb[:, i][:, None], pj[:, None], alibi, window)
+        if seg is not None:
+            seen = _eq4(seg[0][:, i], seg[1][:, i], seg[0][:, j], seg[1][:, j], seg[2][:, j])
+            s = jnp.where(seen[:, None, None], s, _MASKED)
+        causal = s > _MASKED
+        if keep is None:
+            return s, causal, causal
+        diagonal = pj[:, None, None, None, :] == pb[:, i][:, None, None, :, None]
+        w = jnp.where(diagonal, 1.0, keep[:, :, j][:, :, None, None, :].astype(s.dtype))
+        return s, causal, w
+
+    def one(i, qi):
+        def step(carry, j):
+            def compute(carry):
+                m, z, acc = carry
+                s, causal, w = tile(i, j, qi)
+                counted = causal & (w > 0) if keep is not None else causal
+                m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(jnp.where(counted, s, _MASKED), axis=-1)))
+                e = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m_new[..., None], 60.0)), 0.0)
+                alpha = jnp.exp(m - m_new)
+                acc = acc * alpha[..., None] + jnp.einsum("bkgqs,bksd->bkgqd", e.astype(v.dtype), vb[:, :, j],
+                                                          preferred_element_type=acc_t)
+                return m_new, z * alpha + jnp.sum(e, axis=-1), acc
+
+            return jax.lax.cond(live(i, j), compute, lambda c: c, carry), None
+
+        init = (jnp.full((b, kvh, g, block), _MASKED, acc_t), jnp.zeros((b, kvh, g, block), acc_t),
+                jnp.zeros((b, kvh, g, block, d), acc_t))
+        (m, z, acc), _ = jax.lax.scan(step, init, jnp.arange(n))
+        # a query that sees no key (padding): the reference's value for it (uniform softmax, or zeros with gates)
+        none = jnp.zeros_like(v_mean) if keep is not None else v_mean
+        out = jnp.where((z > 0)[..., None], acc / jnp.where(z > 0, z, 1.0)[..., None], none)
+        if not want_colsum:
+            return out, None
+        real = (pb[:, i] >= 0)[:, None, None, :, None]
+
+        def col(j):
+            def compute(_):
+                s, causal, w = tile(i, j, qi)
+                p = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m[..., None], 60.0)), 0.0) / jnp.where(
+                    z > 0, z, 1.0)[..., None]
+                return jnp.sum(jnp.where(real, p, 0.0), axis=3)
+
+            return jax.lax.cond(live(i, j), compute, lambda _: jnp.zeros((b, kvh, g, block), acc_t), None)
+
+        return out, jax.lax.map(col, jnp.arange(n)).transpose(1, 2, 3, 0, 4).reshape(b, kvh, g, t)
+
+    qblocks = qg.reshape(b, kvh, g, n, block, d).transpose(3, 0, 1, 2, 4, 5)
+    out, colsum = jax.lax.map(lambda xs: one(xs[0], xs[1]), (jnp.arange(n), qblocks))
+    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, g, t, d)
+    return out, None if colsum is None else colsum.sum(axis=0)
+
+
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -168,8 +253,13 @@ def prefill_attention(
     block: int = PREFILL_BLOCK,
     impl: str = "xla",
     softcap: float | None = None,
+    self_attention: bool = False,
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
+
+    `self_attention`: the queries and keys are the same left-padded tokens (`q_pos` is `k_pos`, in
+    time order), as in a prompt's prefill; then a prompt longer than `block` runs in tiles that skip
+    every key block after the query block (and, with a window, those wholly before it).
 
     `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
     only its `window` latest keys (Mistral's sliding window); `anchors`: AnLLM's eq. 4;
@@ -205,6 +295,21 @@ def prefill_attention(
         out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, **kw)
         colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if want_colsum else None
         out = _group(out, kvh)
+    elif self_attention and t > block:
+        if k.shape[2] != t:
+            raise ValueError(f"self_attention: queries ({t}) and keys ({k.shape[2]}) must be the same tokens")
+        pad = -t % block
+        v_mean = jnp.mean(v.astype(_acc(v.dtype)), axis=2)
+        pad_t = lambda x, axis, value=0: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)],  # noqa: E731
+                                                  constant_values=value)
+        pos = pad_t(q_pos, 1, -1)
+        anc = None if anchors is None else AnchorMask(pad_t(anchors.segment, 1), pad_t(anchors.anchor, 1),
+                                                      pad_t(anchors.keep, 1))
+        out, colsum = _prefill_skipping(pad_t(qg, 3), pad_t(k, 2), pad_t(v, 2), pos, v_mean, scale, alibi, window,
+                                        want_colsum, anc, None if key_keep is None else pad_t(key_keep, 2), softcap,
+                                        block)
+        out = out[:, :, :, :t]
+        colsum = None if colsum is None else colsum[..., :t]
     elif t <= block:
         out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors,
                                      key_keep, softcap)

@@ -113,7 +113,7 @@ class AttentionGate(nnx.Module):
         if self.rope is not None:
             freq = inv_freq(self.rope, self.head_dim, np.float32)
             q, k = apply_rope(q, pos[:, None], freq), apply_rope(k, pos[:, None], freq)
-        o, _ = attention.prefill_attention(q, k, v, pos, pos, scale=self.head_dim**-0.5)
+        o, _ = attention.prefill_attention(q, k, v, pos, pos, scale=self.head_dim**-0.5, self_attention=True)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, -1)).transpose(0, 2, 1).astype(jnp.float32)
 
     def __call__(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"]) -> Float[Array, "b kvh t"]:

@@ -260,7 +260,7 @@ class Attention(nnx.Module):
             keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
-            anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap,
+            anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
