@@ -147,7 +147,7 @@ def victim_slot(cache: LayerCache, candidate: Array, evict_highest: bool) -> Int
     key = jnp.where(candidate, cache.score, fill)
     best = jnp.max(key, axis=-1, keepdims=True) if evict_highest else jnp.min(key, axis=-1, keepdims=True)
     victim = jnp.argmin(jnp.where(candidate & (key == best), cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
-    empty = cache.pos < 0
+    empty = cache.pos == EMPTY  # a DISABLED slot is not free: its row's budget excludes it
     return jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), victim)
 
 
