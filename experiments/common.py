@@ -112,7 +112,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                                                           "kvpress 64)")
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
     g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
-    g.add_argument("--combine", choices=["product", "sum"], help="SlimKV: S1*S2 (eq. 5) or S1+S2 (Listing 1)")
+    g.add_argument("--combine", choices=["product", "sum", "s1", "s2"],
+                   help="SlimKV: S1*S2 (eq. 5), S1+S2 (Listing 1), or S1 / S2 alone (Table 3's ablations)")
     g.add_argument("--recent", type=nonnegative_int, help="H2O: recent window; default budget // 2")
     g.add_argument("--beta", type=positive_int, help="PyramidKV: steepness of the pyramid; default 20")
     g.add_argument("--heads", help="RazorAttention: heads file from python -m experiments.find_heads")

@@ -78,7 +78,7 @@ def test_snapkv_kept_positions(pool, kernel, agg):
             assert got[r][h] == np_topk_with_window(s[h], n, w, budget), (r, h)
 
 
-@pytest.mark.parametrize("combine", ["product", "sum"])
+@pytest.mark.parametrize("combine", ["product", "sum", "s1", "s2"])
 def test_slimkv_equations_3_to_5_and_listing_1(combine):
     pos, k, v, rng = inputs(2)
     w, budget, kernel = 5, 12, 5
@@ -88,7 +88,8 @@ def test_slimkv_equations_3_to_5_and_listing_1(combine):
         for h in range(KVH):
             s1 = probs[r, h][:, :, T - n : T - w].sum(axis=(0, 1))  # eq. 3: over the group's heads and window queries
             s2 = np.abs(v[r, h, T - n : T - w]).max(-1)  # eq. 4
-            s = s1 * s2 if combine == "product" else s1 + s2  # eq. 5 / Listing 1
+            # eq. 5 / Listing 1 / Table 3's "only S1" and "only S2"
+            s = {"product": s1 * s2, "sum": s1 + s2, "s1": s1, "s2": s2}[combine]
             assert got[r][h] == np_topk_with_window(np_pool(s, kernel, "avg"), n, w, budget)
 
 

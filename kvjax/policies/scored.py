@@ -39,6 +39,7 @@ from kvjax.policies.base import LayerPolicy
 
 POOLS = ("max", "avg", "none")
 GROUP_AGGREGATIONS = ("mean", "max", "sum")
+COMBINES = ("product", "sum", "s1", "s2")  # SlimKV's score
 
 
 def pool1d(x: jax.Array, kernel: int, kind: str) -> jax.Array:
@@ -187,13 +188,15 @@ class PyramidKV(SnapKV):
 class SlimKV(ScoredPolicy):
     kernel: int = 7
     pool: str = "avg"
-    combine: str = "product"  # eq. 5; "sum" is Listing 1's S1 + S2
+    # eq. 5; "sum" is Listing 1's S1 + S2; "s1" / "s2" prune by one of them alone (Table 3's ablations)
+    combine: str = "product"
 
     def __post_init__(self):
         super().__post_init__()
         _check(self, pool=self.pool, kernel=self.kernel)
-        if self.combine not in ("product", "sum"):
-            raise InvalidInput(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5) or 'sum' (Listing 1)")
+        if self.combine not in COMBINES:
+            raise InvalidInput(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5), 'sum' (Listing 1), "
+                               "'s1' or 's2' (Table 3: one score alone)")
         if self.window < 1:
             raise InvalidInput(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
 
@@ -203,7 +206,7 @@ class SlimKV(ScoredPolicy):
     def score(self, layer, k, v, pos, stats):
         s1 = stats[f"window_probs:{self.window}"].sum(axis=(2, 3))  # eq. 3: window queries x group heads
         s2 = jnp.max(jnp.abs(v.astype(s1.dtype)), axis=-1)  # eq. 4
-        s = s1 * s2 if self.combine == "product" else s1 + s2
+        s = {"product": lambda: s1 * s2, "sum": lambda: s1 + s2, "s1": lambda: s1, "s2": lambda: s2}[self.combine]()
         return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
 
 
