@@ -40,6 +40,9 @@ from models.loading import save_pretrained
 
 GATE_PATTERN = r"self_attn/gate/"
 
+CPT_LR = 1e-3  # only the gates train: a small module from scratch takes a large rate
+SFT_LR = 5e-5  # the paper's SFT rate (sec. 4.2: AdamW, lr 5e-5, LoRA + gates)
+
 
 def sft_records(path: str | None, n: int, seed: int) -> list[dict]:
     if path:
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-3, help="CPT trains only the small gates: a large rate")
+    p.add_argument("--lr", type=float, help="default by --mode: cpt 1e-3 (only the small gates train: a large rate); "
+                                            "sft 5e-5, the paper's (sec. 4.2, AdamW)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     add_run_args(p)
     args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = SFT_LR if args.mode == "sft" else CPT_LR
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer

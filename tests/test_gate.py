@@ -311,3 +311,24 @@ def test_gate_prompts_with_different_kept_counts_in_one_bucket_share_a_compiled_
     kept = [[int(np.max(np.sum(np.asarray(c.pos) >= 0, -1))) for c in g.cache] for g in (first, second)]
     assert kept[0] != kept[1]  # the prompts' layers keep different counts
     assert log == []
+
+
+def test_learning_rate_defaults_follow_the_mode(tiny_dir, tmp_path, monkeypatch):
+    """SFT defaults to the paper's 5e-5 (sec. 4.2); CPT, which trains only the new gates, to 1e-3."""
+    from experiments import train_gate
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(model, batch, loss, cfg, out, **kw):
+        seen["lr"] = cfg.lr
+        raise Stop
+
+    monkeypatch.setattr(train_gate, "train", fake_train)
+    for mode, lr in (("sft", 5e-5), ("cpt", 1e-3)):
+        with pytest.raises(Stop):
+            train_gate.main(["--model", str(tiny_dir), "--mode", mode, "--out", str(tmp_path / mode), "--steps", "1",
+                             "--sft-items", "8", "--eval-windows", "2"])
+        assert seen["lr"] == lr
