@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", choices=H.BOUNDS, default="paper", help="ALiBi: eq. 2 as printed, or the repaired bound")
     p.add_argument("--plot", help="PNG heatmap of the scores (default: next to --out)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--control", choices=["none", "random"],
+                   help="RazorAttention Table 1's controls: write no protected head, or as many as the probe "
+                        "finds drawn at random (--seed), instead of the retrieval heads")
     add_run_args(p)
     args = p.parse_args(argv)
     for name in ("induction_ratio", "echo_ratio"):
@@ -57,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     require_finite(np.asarray(scores.echo), "echo scores (row = layer)", step="head")
     require_finite(np.asarray(scores.induction), "induction scores (row = layer)", step="head")
     q_mask, kv_mask = H.select_retrieval(scores, cfg.num_kv_heads, args.induction_ratio, args.echo_ratio)
+    if args.control is not None:
+        kv_mask = H.control_heads(kv_mask, args.control, args.seed)
+        g = cfg.num_heads // cfg.num_kv_heads
+        q_mask = np.repeat(kv_mask, g, axis=1)  # a KV head's query heads
     fields = dict(
         model=str(args.model), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         position_embedding=cfg.position_embedding, probe=dict(k=args.k, repeats=args.repeats, seed=args.seed),
-        induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio,
+        induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio, control=args.control,
         echo=scores.echo, induction=scores.induction,
         retrieval_heads=q_mask, retrieval_kv_heads=kv_mask,
     )

@@ -259,6 +259,21 @@ def kv_scopes(scopes: np.ndarray, num_kv_heads: int) -> np.ndarray:
 
 # --- the heads file -------------------------------------------------------------------------
 
+def control_heads(retrieval: np.ndarray, kind: str, seed: int = 0) -> np.ndarray:
+    """RazorAttention's Table 1 controls for a `[layers, kv_heads]` retrieval table: "none" protects no
+    head (every head local), "random" as many heads as `retrieval` does, drawn uniformly without
+    replacement (deterministic in `seed`)."""
+    retrieval = np.asarray(retrieval, bool)
+    if kind == "none":
+        return np.zeros_like(retrieval)
+    if kind != "random":
+        raise ValueError(f"control={kind!r}; expected 'none' or 'random'")
+    chosen = np.random.default_rng(seed).choice(retrieval.size, int(retrieval.sum()), replace=False)
+    out = np.zeros(retrieval.size, bool)
+    out[chosen] = True
+    return out.reshape(retrieval.shape)
+
+
 def save_heads(path, **fields) -> None:
     """Writes a heads file: model shape, probe settings, scores and the retrieval heads (JSON)."""
     def plain(x):

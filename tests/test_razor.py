@@ -384,3 +384,27 @@ def test_equal_bytes_budget_matches_razors_bytes_and_names_its_heads(tiny):
     assert abs(rz - st) < 2 * 2 * per_slot
     other = RazorAttention(retrieval=((False, True), (True, False)), buffer=16, compression=8, sinks=2)
     assert other.describe() != razor.describe()
+
+
+def test_table_1_controls_protect_no_head_or_as_many_at_random(tiny_dir, tmp_path):
+    """RazorAttention Table 1: protect 0 %, random heads as many as the probe's, or the probe's."""
+    import json
+
+    from experiments import find_heads
+    from kvjax.heads import control_heads
+
+    found = np.array([[True, False, False, True], [False, False, True, False], [False, False, False, False]])
+    draws = [control_heads(found, "random", seed=s) for s in range(6)]
+    assert all(d.shape == found.shape and d.sum() == found.sum() for d in draws)
+    assert len({d.tobytes() for d in draws}) > 1 and np.array_equal(draws[0], control_heads(found, "random", seed=0))
+    assert not control_heads(found, "none").any()
+    with pytest.raises(ValueError, match="control='some'"):
+        control_heads(found, "some")
+    tables = {}
+    for control in (None, "random", "none"):
+        out = tmp_path / f"{control}.json"
+        argv = ["--model", str(tiny_dir), "--out", str(out), "--k", "32", "--repeats", "3", "--induction-ratio", "0.5"]
+        assert find_heads.main(argv + (["--control", control] if control else [])) == 0
+        tables[control] = np.asarray(json.loads(out.read_text())["retrieval_kv_heads"])
+        razor_from_heads(str(out), buffer=8)  # each file is a usable RazorAttention
+    assert tables["random"].sum() == tables[None].sum() > 0 and not tables["none"].any()

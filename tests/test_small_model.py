@@ -1,0 +1,69 @@
+"""kvjax-small (models/small, made by experiments.train_small): it loads in both frameworks, uses its
+2048-token context, has attention sinks and a minority of retrieval heads (the model card's targets)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import passkey
+from experiments.records import ResultLog
+from kvjax.policies import FullCache, StreamingLLM
+from models import SMALL_DIR
+
+pytestmark = pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(),
+                                reason="kvjax-small is not in this checkout")
+
+
+@pytest.fixture(scope="module")
+def small():
+    from models import load
+
+    return load(SMALL_DIR)
+
+
+def test_config_is_deeper_and_longer_than_the_default(small):
+    c = small.config
+    assert c.num_layers >= 4 and c.max_position_embeddings >= 2048 and c.num_kv_heads < c.num_heads
+    assert sum(p.stat().st_size for p in SMALL_DIR.iterdir() if p.is_file()) < 45e6
+
+
+def test_logits_match_transformers_pytorch(small):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    text = "The value of key 4821 is 59302.\nWhat is the pass key? The pass key is"
+    ids = small.tokenizer(text)["input_ids"]
+    ours = np.asarray(small.model(np.asarray([ids])))
+    hf = LlamaForCausalLM.from_pretrained(SMALL_DIR).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_passkey_at_the_full_context_and_not_outside_a_streaming_window(small, tmp_path):
+    n = small.config.max_position_embeddings
+    length = n - passkey.MAX_NEW_TOKENS
+    log = ResultLog(tmp_path / "p.jsonl")
+    full = passkey.run(small.model, small.tokenizer, FullCache(), [length], [0.0, 0.25, 0.5, 0.75, 1.0], 2, log,
+                       seed=321, label="full", progress=False)
+    window = StreamingLLM(budget=256, sinks=4)
+    stream = passkey.run(small.model, small.tokenizer, window, [length], [0.0, 0.25, 0.5], 2, log, seed=321,
+                         label="streaming", progress=False)
+    assert all(r["needle_at"] + 20 < length - (256 - 4) for r in stream)  # the key is outside the window
+    assert np.mean([r["correct"] for r in full]) >= 0.9, [r["output"] for r in full if not r["correct"]]
+    assert np.mean([r["correct"] for r in stream]) <= 0.2
+
+
+def test_retrieval_heads_are_a_minority_and_the_shipped_table_is_the_probes(small, tmp_path):
+    from experiments import find_heads
+
+    shipped = json.loads((SMALL_DIR / "heads.json").read_text())["retrieval_kv_heads"]
+    n = small.config.max_position_embeddings
+    assert find_heads.main(["--model", str(SMALL_DIR), "--out", str(tmp_path / "h.json"), "--k", str(n // 8),
+                            "--repeats", "4"]) == 0
+    assert json.loads((tmp_path / "h.json").read_text())["retrieval_kv_heads"] == shipped
+    count, total = sum(map(sum, shipped)), len(shipped) * len(shipped[0])
+    assert 0 < count < total / 2, shipped
