@@ -31,7 +31,7 @@ from experiments.common import add_run_args, load_with_tokenizer, nonnegative_in
 from experiments.records import ResultLog, claim_results_dir, options_of
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
-from kvjax.anchors import AC_TOKEN
+from kvjax.anchors import AC_TOKEN, place_anchors
 from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache
@@ -69,15 +69,15 @@ def read_items(path: Path) -> tuple[list[str], list[dict]]:
     return rows[0]["demos"], rows
 
 
-def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, tuple[int, ...]]:
-    """(variant, anchor ids) from `--anchors` or the `kvjax_anllm` entry of config.json."""
+def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, tuple[int, ...], str]:
+    """(variant, anchor ids, placement) from `--anchors` or the `kvjax_anllm` entry of config.json."""
     if override:
-        return "ep", anchor_ids_of(tok, override)
+        return "ep", anchor_ids_of(tok, override), "sentence"
     meta = json.loads((model_dir / "config.json").read_text()).get("kvjax_anllm")
     if meta is None:
         raise InvalidInput(f"{model_dir}/config.json has no 'kvjax_anllm' entry (not from experiments.train_anllm); "
                          "pass --anchors")
-    return meta["variant"], tuple(meta["anchor_ids"])
+    return meta["variant"], tuple(meta["anchor_ids"]), meta.get("placement", "sentence")
 
 
 def summarise(records: list[dict], n_demos: int, l_kv: int, timing: fewshot.Timing | None, full_cache_s) -> dict:
@@ -136,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
-    variant, anchor_ids = anchors_of(lm.path, tok, args.anchors)
+    variant, anchor_ids, placement = anchors_of(lm.path, tok, args.anchors)
     demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,
                                                                             args.seed)
     encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     demo_ids = []
+    sentence_ac = variant == "ac" and placement == "sentence"
     for d in demos:
-        demo_ids += encode((" " if demo_ids else "") + d + (AC_TOKEN if variant == "ac" else ""))
+        demo_ids += encode((" " if demo_ids else "") + d + (AC_TOKEN if sentence_ac else ""))
+    if variant == "ac" and not sentence_ac:  # Table 3's placements, as the model was trained
+        demo_ids = place_anchors(demo_ids, anchor_ids[0], placement, args.seed)
     items = [Item(tuple(encode(r["query"])), tuple(tuple(encode(o)) for o in r["options"]), int(r["answer"]))
              for r in rows]
     n_anchor = sum(t in anchor_ids for t in demo_ids)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         timing = fewshot.time_caching(model, demo_ids, timed, policy)
         full_cache_s = fewshot.time_caching(model, demo_ids, timed, FullCache()).caching_s
     summary = summarise(records, len(demo_ids), l_kv, timing, full_cache_s)
-    summary |= {"model": str(lm.path), "variant": variant, "anchor_ids": list(anchor_ids),
+    summary |= {"model": str(lm.path), "variant": variant, "placement": placement, "anchor_ids": list(anchor_ids),
                 "data": args.data or f"facts(shots={args.shots}, options={args.options}, seed={args.seed})"}
     write_report(out, summary, f"AnLLM-{variant.upper()} {lm.path.name}: {summary['data']}")
     print((out / "results.md").read_text())

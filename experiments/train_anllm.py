@@ -22,11 +22,10 @@ import numpy as np
 
 from experiments import cli
 from experiments.common import add_run_args, load_with_tokenizer, read_text, windows
-from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, with_ac
+from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
 from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
-
 
 # Sentences the anchor string is appended to, to see which id it gets at the end of a sentence.
 ANCHOR_PROBES = ("The sky is blue", "It ends here", "word", "A b c")
@@ -60,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
     p.add_argument("--anchors", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
     p.add_argument("--ac-init", choices=["mean", "period"], default="mean")
+    p.add_argument("--placement", default="sentence",
+                   help="AnLLM-AC: where <AC> goes: sentence (after each sentence), or Table 3's every:N (after every "
+                        "N tokens) and random:p (after each token with probability p)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--warmup", type=int, default=20)
@@ -76,12 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     text = read_text(args.data)
+    try:
+        placement = parse_placement(args.placement)[0]
+    except ValueError as err:
+        raise InvalidInput(f"--placement {args.placement}: {err}") from None
+    if args.variant == "ep" and placement != "sentence":
+        raise InvalidInput(f"--placement {args.placement} needs --variant ac: EP's anchor is the sentence-final token")
     if args.variant == "ac":
         model, tok, ac = add_ac_token(model, tok, init=args.ac_init)
-        anchor_ids, text = (ac,), with_ac(text)
+        anchor_ids = (ac,)
+        if placement == "sentence":
+            ids = tok(with_ac(text), add_special_tokens=False)["input_ids"]
+        else:
+            ids = place_anchors(tok(text, add_special_tokens=False)["input_ids"], ac, args.placement, args.seed)
     else:
         anchor_ids = anchor_ids_of(tok, args.anchors)
-    data = windows(tok(text, add_special_tokens=False)["input_ids"], args.seq_len)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    data = windows(ids, args.seq_len)
     order = np.random.default_rng(args.seed).permutation(len(data))
 
     def batch(i):  # a pure function of the micro-batch index: resuming replays nothing
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     save_pretrained(result.model, out, tokenizer=tok)
     cfg_file = out / "config.json"
     meta = json.loads(cfg_file.read_text())
-    meta["kvjax_anllm"] = {"variant": args.variant, "anchor_ids": list(anchor_ids)}
+    meta["kvjax_anllm"] = {"variant": args.variant, "anchor_ids": list(anchor_ids), "placement": args.placement}
     cfg_file.write_text(json.dumps(meta, indent=2))
     h = result.history
     print(f"trained  {len(h)} steps on {len(data)} windows of {args.seq_len} tokens; loss {h[0]['loss']:.3f} -> "

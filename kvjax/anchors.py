@@ -62,6 +62,37 @@ def with_ac(text: str, ac: str = AC_TOKEN) -> str:
     return "".join(s + ac for s in split_sentences(text))
 
 
+def parse_placement(placement: str) -> tuple[str, float | None]:
+    """Where AnLLM-AC's `<AC>` goes: "sentence" (after every sentence, the paper's main setting), or
+    Table 3's variants "every:N" (after every N tokens) and "random:p" (after each token with
+    probability p)."""
+    kind, _, arg = placement.partition(":")
+    try:
+        if kind == "sentence" and not arg:
+            return kind, None
+        if kind == "every" and int(arg) >= 1:
+            return kind, int(arg)
+        if kind == "random" and 0 < float(arg) < 1:
+            return kind, float(arg)
+    except ValueError:
+        pass
+    raise ValueError(f"placement={placement!r}; expected 'sentence', 'every:N' (N >= 1) or 'random:p' (0 < p < 1)")
+
+
+def place_anchors(ids: list[int], ac_id: int, placement: str, seed: int = 0) -> list[int]:
+    """`ids` with `ac_id` inserted at Table 3's token-level positions (`parse_placement`)."""
+    kind, arg = parse_placement(placement)
+    if kind == "sentence":
+        raise ValueError("placement 'sentence' works on text: use with_ac(text)")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, t in enumerate(ids):
+        out.append(t)
+        if (kind == "every" and (i + 1) % arg == 0) or (kind == "random" and rng.random() < arg):
+            out.append(ac_id)
+    return out
+
+
 def add_ac_token(model, tokenizer, init: str = "mean", period: str = "."):
     """Adds `<AC>` to the tokenizer and one row to the embedding (and untied head).
 

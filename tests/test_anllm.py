@@ -254,3 +254,43 @@ def test_by_layer_anchors_in_layer_0_and_streaming_in_layer_1(tiny):
         held = [sorted(int(q) for q in np.asarray(c.pos[0, 0]) if q >= 0) for c in cache]
         assert held[0] == [i for i in range(n) if ids[i] == ANCHOR or i > last]
         assert held[1] == (list(range(n)) if budget == 64 else [0, 1, 2, 3] + list(range(n - 12, n)))
+
+
+def test_table_3_placements_every_n_tokens_and_at_random(tiny_dir, tmp_path):
+    """AnLLM Table 3: <AC> after every 10 tokens, or after each token with p = 0.1, in training and in
+    the evaluation's demonstrations (read back from config.json)."""
+    import json
+
+    from experiments import eval_anllm, train_anllm
+    from kvjax.anchors import parse_placement, place_anchors
+    from models import load
+
+    ids = list(range(100, 135))
+    every = place_anchors(ids, 7, "every:10")
+    assert [i for i, t in enumerate(every) if t == 7] == [10, 21, 32] and [t for t in every if t != 7] == ids
+    draws = [place_anchors(list(range(100, 2100)), 7, "random:0.1", seed=s).count(7) for s in range(3)]
+    assert all(150 < n < 250 for n in draws) and place_anchors(ids, 7, "random:0.1", 1) == place_anchors(
+        ids, 7, "random:0.1", 1)
+    for bad in ("every:0", "random:1.5", "often", "sentence:2"):
+        with pytest.raises(ValueError, match="placement="):
+            parse_placement(bad)
+
+    data = tmp_path / "d.txt"
+    data.write_text("The cache holds keys. Anchors compress a sentence! Is it enough? Yes. " * 20)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--variant", "ac", "--placement", "every:10", "--out", str(out), "--data",
+            str(data), "--steps", "2", "--seq-len", "64", "--batch", "2", "--warmup", "1", "--lr", "1e-3"]
+    assert train_anllm.main(argv) == 0
+    meta = json.loads((out / "config.json").read_text())["kvjax_anllm"]
+    assert meta["placement"] == "every:10"
+    ev = tmp_path / "eval"
+    assert eval_anllm.main(["--model", str(out), "--out", str(ev), "--items", "4", "--time-items", "0"]) == 0
+    res = json.loads((ev / "results.json").read_text())
+    tok = load(out).tokenizer
+    demos, _ = eval_anllm.fact_task(4, 5, 4, 0)
+    plain = []
+    for d in demos:
+        plain += tok((" " if plain else "") + d, add_special_tokens=False)["input_ids"]
+    assert res["placement"] == "every:10" and res["L_d"] == len(plain) + len(plain) // 10
+    with pytest.raises(ValueError, match="needs --variant ac"):
+        train_anllm.main(argv[:3] + ["ep"] + argv[4:])
