@@ -11,7 +11,8 @@ does not train on):
 * the continuation protocol: each window's first `--prefix` share is prefilled under a
   policy (the cache is compressed), the rest is scored reading that cache
   (`Llama.extend`); its NLL under FullCache, the gates, and LocalWindow / StreamingLLM /
-  H2O with the budget that evicts the gates' measured share of the prefix.
+  H2O with the budget that evicts the gates' measured share of the prefix (matched eviction),
+  or a fixed share with `--baseline-eviction 0.5` (the paper's Table 1 protocol).
 
 Writes results.json and results.md in --out.
 """
@@ -30,7 +31,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments import cli
-from experiments.common import add_run_args, load_with_tokenizer, positive_int, read_text, windows
+from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
 from experiments.records import claim_results_dir, dumps_finite, options_of
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
@@ -71,7 +72,8 @@ def _cont_nll(model, prefix, cont, *, policy):
     return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1))
 
 
-def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4) -> dict:
+def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4,
+             baseline_eviction: float | None = None) -> dict:
     """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`."""
     if not 0 < prefix_share < 1:
         raise InvalidInput(f"prefix share {prefix_share} must be in (0, 1)")
@@ -91,7 +93,9 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     # The gates' eviction over the prefix alone (what its cache drops): flags are causal, so
     # the prefix's flags in a full-window forward are its flags.
     prefix_evicted = float(np.mean([1 - np.mean([x[:, :, :p].mean() for x in f]) for f in flags]))
-    budget = max(sinks + 1, int(round((1 - prefix_evicted) * p)))
+    # the baselines evict the gates' measured share (matched eviction), or a fixed one (Table 1: 50 %)
+    evicted = prefix_evicted if baseline_eviction is None else baseline_eviction
+    budget = max(sinks + 1, int(round((1 - evicted) * p)))
     policies = {
         "full": (make_policy("full"), base_graph, base_state),
         "gate": (GateEviction(), graphdef, state),
@@ -105,6 +109,7 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
             "heldout_loss": {"base": float(base_loss), "gated": float(np.mean(gated))},
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
+            "baseline_eviction": evicted, "baseline_eviction_source": "gates" if baseline_eviction is None else "fixed",
             "baseline_budget": budget, "continuation_nll": cont}
 
 
@@ -130,7 +135,9 @@ def write_report(out: Path, r: dict) -> None:
              f"Held-out LM loss: base {h['base']:.4f}, gated {h['gated']:.4f} ({h['gated'] - h['base']:+.4f}); "
              f"mean eviction {r['eviction']['mean']:.1%}", "",
              f"Continuation NLL after a {r['prefix']}-token prefix compressed by each policy (the gates evict "
-             f"{r['eviction']['prefix']:.1%} of it; baselines keep {r['baseline_budget']} tokens):", "",
+             f"{r['eviction']['prefix']:.1%} of it; baselines keep {r['baseline_budget']} tokens, evicting "
+             f"{r['baseline_eviction']:.1%}, {'as the gates do' if r['baseline_eviction_source'] == 'gates' else 'fixed'}):",
+             "",
              "| policy | NLL | Δ vs full |", "|---|---|---|"]
     lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} |" for k, v in c.items()]
     lines += ["", "Eviction per layer (mean over KV heads): "
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=positive_int, default=32)
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--prefix", type=float, default=0.75, help="fraction of each window that is the prompt, in (0, 1)")
+    p.add_argument("--baseline-eviction", type=fraction_removed,
+                   help="the baselines' eviction share of the prefix (Table 1: 0.5); default: the gates' measured share")
     p.add_argument("--out", help="default: --gate-params/eval")
     add_run_args(p)
     args = p.parse_args(argv)
@@ -157,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or Path(args.gate_params) / "eval")
     # Not resumable, but its results must not be mistaken for another configuration's either.
     claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data", "gate_params")))
-    result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix)
+    result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix,
+                      baseline_eviction=args.baseline_eviction)
     dumps_finite(result)  # a NaN loss is an error, not a number in the table
     write_report(out, result)
     return 0

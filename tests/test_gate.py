@@ -332,3 +332,20 @@ def test_learning_rate_defaults_follow_the_mode(tiny_dir, tmp_path, monkeypatch)
             train_gate.main(["--model", str(tiny_dir), "--mode", mode, "--out", str(tmp_path / mode), "--steps", "1",
                              "--sft-items", "8", "--eval-windows", "2"])
         assert seen["lr"] == lr
+
+
+def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
+    """Table 1's protocol (baselines at a fixed 50 %) or matched eviction (the gates' measured share of
+    the prefix), with the eviction reported either way; the full cache's NLL is the same in both."""
+    from experiments.eval_gate import evaluate
+
+    model = _gated(tiny_dir)
+    tokens = np.random.default_rng(4).integers(4, model.cfg.vocab_size, (4, 32)).astype(np.int32)
+    matched = evaluate(model, tokens, prefix_share=0.75, batch=4)
+    fixed = evaluate(model, tokens, prefix_share=0.75, batch=4, baseline_eviction=0.5)
+    p = matched["prefix"]
+    assert matched["baseline_eviction_source"] == "gates" and fixed["baseline_eviction_source"] == "fixed"
+    assert matched["baseline_budget"] == max(5, round((1 - matched["eviction"]["prefix"]) * p))
+    assert fixed["baseline_budget"] == max(5, round(0.5 * p)) and fixed["baseline_eviction"] == 0.5
+    assert fixed["continuation_nll"]["full"] == pytest.approx(matched["continuation_nll"]["full"])
+    assert 0 < matched["eviction"]["prefix"] < 1
