@@ -349,3 +349,43 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     assert fixed["baseline_budget"] == max(5, round(0.5 * p)) and fixed["baseline_eviction"] == 0.5
     assert fixed["continuation_nll"]["full"] == pytest.approx(matched["continuation_nll"]["full"])
     assert 0 < matched["eviction"]["prefix"] < 1
+
+
+def _gate_reference(x, wq, wk, wv, wo, heads, gamma, tau):
+    """Sec. 3.3 transcribed with loops: MHA' (h' heads, causal softmax over the sequence, no RoPE), its
+    heads concatenated through W^O' to one logit per (KV) head, then sigmoid(logit + gamma) > tau."""
+    t, _ = x.shape
+    dk = wq.shape[1] // heads
+    logits = np.zeros((t, wo.shape[1]))
+    for i in range(t):
+        outs = []
+        for h in range(heads):
+            cols = slice(h * dk, (h + 1) * dk)
+            q = x[i] @ wq[:, cols]
+            s = np.array([q @ (x[j] @ wk[:, cols]) / np.sqrt(dk) for j in range(i + 1)])
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            outs.append(sum(p[j] * (x[j] @ wv[:, cols]) for j in range(i + 1)))
+        logits[i] = np.concatenate(outs) @ wo
+    return logits.T, (1 / (1 + np.exp(-(logits.T + gamma))) > tau)
+
+
+def test_gate_module_is_the_papers_mha_prime_and_gate():
+    """The gate against a transcription of sec. 3.3: its logits and flags `[kv_heads, t]` (one output per
+    head of the MHA it gates), and causality (a later token never changes an earlier flag)."""
+    from kvjax.gate import AttentionGate
+
+    cfg = GateConfig(tau=0.5, gamma=0.3, heads=2, head_dim=8)
+    gate = AttentionGate(hidden=24, kv_heads=3, head_dim=16, cfg=cfg, rope=None, rngs=nnx.Rngs(1))
+    x = np.random.default_rng(3).normal(size=(1, 11, 24)).astype(np.float32)
+    pos = jnp.arange(11, dtype=jnp.int32)[None]
+    w = {n: np.asarray(getattr(gate, n).kernel[...], np.float64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    want_logits, want_flags = _gate_reference(x[0].astype(np.float64), w["q_proj"], w["k_proj"], w["v_proj"],
+                                              w["o_proj"], cfg.heads, cfg.gamma, cfg.tau)
+    np.testing.assert_allclose(np.asarray(gate.logits(jnp.asarray(x), pos))[0], want_logits, atol=1e-5)
+    flags = np.asarray(gate(jnp.asarray(x), pos))[0]
+    assert flags.shape == (3, 11) and set(np.unique(flags)) <= {0.0, 1.0}
+    np.testing.assert_array_equal(flags.astype(bool), want_flags)
+    later = x.copy()
+    later[0, 7:] += 5.0
+    np.testing.assert_array_equal(np.asarray(gate(jnp.asarray(later), pos))[0, :, :7], flags[:, :7])
