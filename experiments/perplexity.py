@@ -8,7 +8,9 @@ Lengths up to the model's `max_position_embeddings` are "in window"; longer ones
 StreamingLLM's figure 3) need `--positions rolling`, where keys are rotated by their rank in the
 cache; with absolute positions such a cell is reported as not run, never extrapolated silently.
 Default text: the held-out standard-library reference topics and modules (never trained on by the
-default model). Results: OUT/runs.jsonl (one record per policy x length, resumable),
+default model). `--sequences N` scores N consecutive windows of each length and averages their NLL
+(MAT's Table 3 averages over WikiText-2's sequences); the NLL plot shows the first. Results:
+OUT/runs.jsonl (one record per policy x length x sequence, resumable),
 OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (NLL vs position).
 """
 
@@ -30,6 +32,7 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     int_list,
+    positive_int,
     read_text,
     resolve_model,
 )
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--text", nargs="*", help="text files (default: held-out standard-library text)")
     p.add_argument("--lengths", type=int_list, help="comma-separated token counts (default: max/2, max, 2 max)")
+    p.add_argument("--sequences", type=positive_int, default=1,
+                   help="consecutive windows of each length, their NLL averaged (MAT Table 3 averages many)")
     p.add_argument("--out", default="results/perplexity")
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
@@ -123,23 +128,34 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--lengths {lengths}: each must be >= 2 tokens")
     text = read_text(args.text) if args.text else heldout_text()
     ids = lm.tokenizer(text)["input_ids"]
-    if len(ids) < max(lengths):
-        p.error(f"the text has {len(ids)} tokens, fewer than the longest --lengths {max(lengths)}")
+    if len(ids) < max(lengths) * args.sequences:
+        p.error(f"the text has {len(ids)} tokens, fewer than --sequences {args.sequences} x the longest --lengths "
+                f"{max(lengths)}")
     out = Path(args.out)
     # No resuming over another configuration's records.
-    claim_results_dir(out, lm, options_of(args, files=("text",), selection=("lengths",)))
+    claim_results_dir(out, lm, options_of(args, files=("text",), selection=("lengths", "sequences")))
     log = ResultLog(out / "runs.jsonl")
-    todo = [(lab, pol, L) for lab, pol in zip(labels, policies) for L in lengths
-            if f"{pol.describe()}|{L}" not in log]
-    for lab, pol, L in tqdm(todo, desc="perplexity"):
-        rec = {"id": f"{pol.describe()}|{L}", "label": lab, "policy": pol.describe(), "length": L}
+    key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
+    todo = [(lab, pol, L, i) for lab, pol in zip(labels, policies) for L in lengths for i in range(args.sequences)
+            if key(pol, L, i) not in log]
+    for lab, pol, L, i in tqdm(todo, desc="perplexity"):
+        rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
         if beyond_window(pol, cfg.num_layers, L, n):
             rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
         else:
-            rec |= measure(lm.model, ids[:L], pol)
+            rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
         log.add(rec)
-    ids_wanted = {f"{pol.describe()}|{L}": lab for lab, pol in zip(labels, policies) for L in lengths}
-    records = [r | {"label": ids_wanted[r["id"]]} for r in log if r["id"] in ids_wanted]
+    done = {r["id"]: r for r in log}
+    records = []
+    for lab, pol in zip(labels, policies):
+        for L in lengths:
+            runs = [done[key(pol, L, i)] for i in range(args.sequences)]
+            if any("skipped" in r for r in runs):
+                records.append(runs[0] | {"label": lab})
+                continue
+            nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
+            records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
+                                      "ppl_per_sequence": [r["ppl"] for r in runs]})
     write_report(out, records, labels, lengths, n)
     print((out / "results.md").read_text())
     print(f"wrote {out}/results.{{md,csv,json}}, perplexity.png")
