@@ -294,3 +294,13 @@ def test_table_3_placements_every_n_tokens_and_at_random(tiny_dir, tmp_path):
     assert res["placement"] == "every:10" and res["L_d"] == len(plain) + len(plain) // 10
     with pytest.raises(ValueError, match="needs --variant ac"):
         train_anllm.main(argv[:3] + ["ep"] + argv[4:])
+
+
+def test_anchors_in_one_head_group_are_refused_with_the_reason(tiny):
+    """Per head, AnLLM cannot work (its eq. 4 mask shapes every head's prompt attention): the plan refuses it
+    by name instead of running it wrong."""
+    from kvjax.policies import FullCache, by_head
+
+    policy = by_head([[True, False], [True, False]], AnchorReduction(anchor_ids=(ANCHOR,)), FullCache())
+    with pytest.raises(ValueError, match="cannot cache a head group of layer 0.*by_layer"):
+        tiny.model.init_cache(policy, 1, 64, 32)

@@ -214,6 +214,12 @@ class ByHead(Policy):
                 raise InvalidInput(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
                                  f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
             for _, sub in split:
+                if sub.uses_tokens or sub.uses_gate:
+                    # AnLLM's eq. 4 mask and the gate's keep flags shape the whole layer's prompt attention
+                    # (every head of it): one head group cannot have them while its neighbours do not.
+                    raise InvalidInput(f"{type(self).__name__}: {sub.describe()} cannot cache a head group of layer "
+                                       f"{layer}: it masks the prompt's attention for every head of the layer; give "
+                                       "it whole layers (by_layer / PerLayer)")
                 sub.check(num_layers)
 
     def position_mode(self, layer):
