@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from experiments import cli
 from experiments.common import add_run_args, load_with_tokenizer, nonnegative_int, positive_int
-from experiments.records import ResultLog, claim_results_dir, options_of
+from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
 from kvjax.anchors import AC_TOKEN, place_anchors
@@ -98,7 +98,7 @@ def write_report(out: Path, summary: dict, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "results.json", dumps_finite(summary))  # the report reads its verdict from here: no NaN
     rows = [("items", summary["items"]), ("Acc full attention", f"{summary['acc_full']:.3f}"),
             ("Acc +AnSAN", f"{summary['acc_ansan']:.3f}"), ("chance", f"{summary['chance']:.3f}"),
             ("L_d", summary["L_d"]), ("L_kv", summary["L_kv"]), ("C⇓", f"-{100 * summary['C_down']:.0f}%")]

@@ -20,7 +20,6 @@ Writes results.json and results.md in --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from tqdm import tqdm
 
 from experiments import cli
 from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
-from experiments.records import claim_results_dir, dumps_finite, options_of
+from experiments.records import claim_results_dir, dumps_finite, options_of, write_atomic
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, load_gates, without_gates
@@ -120,9 +119,9 @@ def write_report(out: Path, r: dict) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(r, indent=2))
+    write_atomic(out / "results.json", dumps_finite(r))  # the report reads its verdict from here: no NaN
     ev = np.asarray(r["eviction"]["per_layer_head"])
-    (out / "eviction.json").write_text(json.dumps({"per_layer_head": ev.tolist()}, indent=1))
+    write_atomic(out / "eviction.json", dumps_finite({"per_layer_head": ev.tolist()}))
     fig, ax = plt.subplots(figsize=(1.2 + 0.5 * ev.shape[1], 1 + 0.35 * ev.shape[0]))
     im = ax.imshow(ev, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xlabel="KV head", ylabel="layer", title="Attention-Gate eviction ratio")

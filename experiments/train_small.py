@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from experiments import cli, corpus
 from experiments.common import positive_int
+from experiments.records import dumps_finite, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
 from kvjax.rope import RopeConfig
@@ -175,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         "final_loss": history[-1]["loss"], "platform": jax.devices()[0].platform,
         "init": str(args.init), "suite_prompts": len(pool),
     }
-    (work / "run.json").write_text(json.dumps(meta, indent=2))
-    print(f"trained  {len(history)} steps in {train_s / 60:.1f} min; loss {history[0]['loss']:.3f} -> "
-          f"{history[-1]['loss']:.3f}; {n_params / 1e6:.2f} M parameters; wrote {out}")
     if not math.isfinite(history[-1]["loss"]):
         raise FloatingPointError(f"the final loss is {history[-1]['loss']}")
+    write_atomic(work / "run.json", dumps_finite(meta))
+    print(f"trained  {len(history)} steps in {train_s / 60:.1f} min; loss {history[0]['loss']:.3f} -> "
+          f"{history[-1]['loss']:.3f}; {n_params / 1e6:.2f} M parameters; wrote {out}")
     if not args.no_eval:
         from experiments.small_card import write_card
 
