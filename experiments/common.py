@@ -22,7 +22,7 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
                   "window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
-                  "compensate", "fold", "bucket")
+                  "compensate", "fold", "bucket", "chunk")
 
 
 # ---- option types: a bad value is refused where it is parsed, naming the flag ----
@@ -130,8 +130,10 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
                                                        "this; default 64")
     g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
-    g.add_argument("--prefill-mode", choices=["full", "stream"],
-                   help="attend the prompt whole then compress, or token by token (default: the policy's)")
+    g.add_argument("--prefill-mode", choices=["full", "stream", "chunked"],
+                   help="attend the prompt whole then compress, token by token, or --chunk tokens at a time in "
+                        "memory bounded by the budget (default: the policy's)")
+    g.add_argument("--chunk", type=positive_int, help="prompt tokens per chunk with --prefill-mode chunked")
     p.set_defaults(default_budget=budget)
 
 

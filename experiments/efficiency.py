@@ -40,7 +40,7 @@ from experiments.common import (
 from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling
 from kvjax.cache import nbytes
-from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
+from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, position_limit, prefill_fn
 
 
 def peak_bytes() -> int | None:
@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     labels, policies = chosen_policies(p, args, cfg.num_layers)
     n = cfg.max_position_embeddings
     lengths = args.lengths or [n // 4, n // 2, n - args.new]
-    too_long = [L for L in lengths if L + args.new > n]
-    if too_long:
-        p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n}")
+    for lab, pol in zip(labels, policies):
+        limit = position_limit(pol, cfg, args.new)
+        too_long = [L for L in lengths if limit is not None and L > limit]
+        if too_long:
+            p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n} under {lab} "
+                    "(rolling positions with --prefill-mode stream or chunked lift the limit)")
     out = Path(args.out)
     claim_results_dir(out, lm, options_of(args, selection=("lengths",)))  # no resuming over another configuration's
     log = ResultLog(out / "cells.jsonl")  # a rerun keeps the cells already timed

@@ -2,7 +2,11 @@
 NLL of each next token is recorded, and the policy compresses the cache after every step.
 
     python -m experiments.perplexity [--model DIR] [--text FILE] [--lengths 256,512,1024]
-        [--compare full,streaming,mat] [--budget 128] [--positions rolling]
+        [--compare full,streaming,mat] [--budget 128] [--positions rolling] [--prefill-mode chunked --chunk 512]
+
+`--prefill-mode chunked --chunk N` reads the text N tokens at a time instead: each chunk attends the
+compressed cache and itself, then is folded in (for StreamingLLM exactly the token-by-token result,
+N times fewer sequential steps; SnapKV and the other prompt compressors can then be scored too).
 
 Lengths up to the model's `max_position_embeddings` are "in window"; longer ones (MAT's Table 3,
 StreamingLLM's figure 3) need `--positions rolling`, where keys are rotated by their rank in the
@@ -37,7 +41,7 @@ from experiments.common import (
     resolve_model,
 )
 from experiments.records import ResultLog, claim_results_dir, options_of
-from kvjax.scoring import stream_logprobs
+from kvjax.scoring import logprobs
 
 
 def heldout_text() -> str:
@@ -54,7 +58,7 @@ def beyond_window(policy, num_layers: int, length: int, max_pos: int) -> bool:
 
 
 def measure(model, ids: list[int], policy) -> dict:
-    lp = stream_logprobs(model, ids, policy)
+    lp = logprobs(model, ids, policy)
     return {"nll": float(-lp.mean()), "ppl": float(np.exp(-lp.mean())), "nll_per_token": (-lp).round(5).tolist()}
 
 

@@ -362,35 +362,69 @@ def prefix_attention(
     *,
     scale: float,
     slot_visible: Bool[Array, "b kvh t c"] | None = None,
+    chunk_visible: Bool[Array, "b t t"] | None = None,
     anchors: AnchorMask | None = None,
     alibi: np.ndarray | None = None,
     window: int | None = None,
     softcap: float | None = None,
-) -> Float[Array, "b h t d"]:
-    """A chunk of `t` new tokens attending a read-only cache of `C` slots and, causally, itself.
+    stats: frozenset[str] = frozenset(),
+    q_sinks: Float[Array, "b h t d"] | None = None,
+    sinks: int = 0,
+) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
+    """A chunk of `t` new tokens attending a cache of `C` slots and, causally, itself.
 
-    What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a): the
-    cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias, and may be
-    further restricted per query by `slot_visible`; inside the chunk `anchors` applies
-    eq. 4. One softmax over slots and chunk. Absolute positions only.
+    What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a) and what a
+    chunked prefill runs: the cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias,
+    and may be further restricted per query by `slot_visible`; inside the chunk `chunk_visible`
+    (`[b, query, key]`) and `anchors` (eq. 4) restrict the causal mask. One softmax over slots and
+    chunk. Masks and ALiBi use absolute positions.
+
+    `q_sinks`, `sinks`: the queries rotated for keys at positions `< sinks` (slots or chunk), `q`
+    being used for the others: a ring in rolling positions measures a sink's distance from the
+    query's rank, not its position (`Policy.rolling_sinks`).
+
+    `stats`, over the keys `[cache slots; chunk]` (the candidates `Policy.absorb` chooses from):
+    "window_probs:W" `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
+    (W <= t); "colsum" `[b, kvh, g, C + t]`, each key's probability summed over the real queries.
     """
     kvh = k.shape[1]
     qg = _group(q, kvh)
     b, _, g, t, d = qg.shape
     acc = _acc(q.dtype)
-    sc = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, cache_k, preferred_element_type=acc) * scale, softcap)
-    sc = _bias_and_mask(sc + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos, alibi, window)
+
+    def logits(keys, key_pos):
+        s = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, keys, preferred_element_type=acc) * scale, softcap)
+        if q_sinks is None:
+            return s
+        s_sink = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", _group(q_sinks, kvh), keys, preferred_element_type=acc)
+                          * scale, softcap)
+        return jnp.where((key_pos < sinks)[:, :, None, None, :], s_sink, s)
+
+    sc = _bias_and_mask(logits(cache_k, slot_pos) + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos,
+                        alibi, window)
     if slot_visible is not None:
         sc = jnp.where(slot_visible[:, :, None], sc, _MASKED)
-    sx = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=acc) * scale, softcap)
-    sx = _bias_and_mask(sx, pos[:, None], pos[:, None], alibi, window)
+    sx = _bias_and_mask(logits(k, jnp.broadcast_to(pos[:, None], (b, kvh, t))), pos[:, None], pos[:, None], alibi,
+                        window)
+    if chunk_visible is not None:
+        sx = jnp.where(chunk_visible[:, None, None], sx, _MASKED)
     if anchors is not None:
         sx = jnp.where(anchors.visible()[:, None, None], sx, _MASKED)
     p = jax.nn.softmax(jnp.concatenate([sc, sx], axis=-1), axis=-1)
     c = cache_k.shape[2]
     out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
     out += jnp.einsum("bkgqs,bksd->bkgqd", p[..., c:].astype(v.dtype), v, preferred_element_type=acc)
-    return out.reshape(b, kvh * g, t, d).astype(q.dtype)
+    real = (pos >= 0)[:, None, None, :, None]  # padding queries contribute nothing
+    out_stats = {}
+    for name in stats:
+        if name == "colsum":
+            out_stats[name] = jnp.sum(jnp.where(real, p, 0.0), axis=3)
+        elif name.startswith("window_probs:") and int(name.split(":")[1]) <= t:
+            w = int(name.split(":")[1])
+            out_stats[name] = jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0)
+        else:
+            raise ValueError(f"prefix_attention cannot compute {name!r} for a chunk of {t} tokens")
+    return out.reshape(b, kvh * g, t, d).astype(q.dtype), out_stats
 
 
 def decode_attention(

@@ -156,17 +156,52 @@ def concat_slots(a: LayerCache, b: LayerCache) -> LayerCache:
     return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), a, b)
 
 
-def compact(keep: Array, capacity: int) -> Int[Array, "b kvh c"]:
+def compact(keep: Array, capacity: int, *, right: bool = False) -> Int[Array, "b kvh c"]:
     """Time indices of the kept tokens (`keep`: bool `[b, kvh, t]`), in time order, padded with -1.
 
     Turns any keep-mask with at most `capacity` True per row into `gather_prompt`'s `src`.
+    `right`: the kept tokens fill the last slots and the -1 come first (`capacity <= t`).
     """
     t = keep.shape[-1]
+    if right:
+        order = jnp.argsort(keep, axis=-1, stable=True)[..., t - capacity:]
+        return jnp.where(jnp.take_along_axis(keep, order, axis=-1), order, -1).astype(jnp.int32)
     order = jnp.argsort(~keep, axis=-1, stable=True)[..., :capacity]
     src = jnp.where(jnp.take_along_axis(keep, order, axis=-1), order, -1).astype(jnp.int32)
     if capacity > t:  # room for decoded tokens beyond the prompt: empty slots
         src = jnp.pad(src, [(0, 0)] * (src.ndim - 1) + [(0, capacity - t)], constant_values=-1)
     return src
+
+
+def chunk_slots(
+    cache: LayerCache, k: Float[Array, "b kvh n d"], v: Float[Array, "b kvh n d"], pos: Int[Array, "b n"]
+) -> LayerCache:
+    """`cache`'s slots followed by a chunk's tokens as slots (score 0, no bias): the candidates a
+    chunked prefill folds back into `cache.capacity` slots, in the key order of the chunk's attention."""
+    b, h, n, _ = k.shape
+    shape = (b, h, n)
+    chunk = LayerCache(
+        k=k.astype(cache.k.dtype),
+        v=v.astype(cache.v.dtype),
+        pos=jnp.broadcast_to(pos[:, None, :], shape).astype(jnp.int32),
+        score=jnp.zeros(shape, cache.score.dtype),
+        log_w=jnp.zeros(shape, cache.log_w.dtype),
+    )
+    return concat_slots(cache, chunk)
+
+
+def take_slots(cache: LayerCache, src: Int[Array, "b kvh c"]) -> LayerCache:
+    """Slot `j` of the result is `cache`'s slot `src[..., j]`, or empty where `src < 0`."""
+    take = jnp.maximum(src, 0)
+    keep = src >= 0
+    pick = lambda x: jnp.take_along_axis(x, take[..., None] if x.ndim == 4 else take, axis=2)  # noqa: E731
+    return LayerCache(
+        k=jnp.where(keep[..., None], pick(cache.k), 0).astype(cache.k.dtype),
+        v=jnp.where(keep[..., None], pick(cache.v), 0).astype(cache.v.dtype),
+        pos=jnp.where(keep, pick(cache.pos), EMPTY).astype(jnp.int32),
+        score=jnp.where(keep, pick(cache.score), 0.0).astype(cache.score.dtype),
+        log_w=jnp.where(keep, pick(cache.log_w), 0.0).astype(cache.log_w.dtype),
+    )
 
 
 def write(

@@ -207,6 +207,18 @@ class Generation:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
 
+def position_limit(policy: Policy, cfg, max_new_tokens: int) -> int | None:
+    """The longest prompt `policy` can read on a model of `cfg` and then generate `max_new_tokens`,
+    or None when there is no limit.
+
+    Absolute positions grow through generation. Rolling ones stay below the cache size: with a
+    prompt read token by token or in chunks, no position ever passes it (StreamingLLM's setting);
+    a whole prompt attended at once is attended at its true positions."""
+    if any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers)):
+        return cfg.max_position_embeddings - max_new_tokens
+    return None if policy.prefill_mode in ("stream", "chunked") else cfg.max_position_embeddings
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]],
@@ -250,12 +262,10 @@ def generate(
     bad = [t for p in (*prompts, *asked) for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    # Absolute positions grow through generation; rolling ones stay below the cache size,
-    # but the prompt itself is attended at its true positions.
     absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
-    limit = cfg.max_position_embeddings - (max_new_tokens if absolute else 0)
+    limit = position_limit(policy, cfg, max_new_tokens)
     longest = max(len(p) + len(q) for p, q in zip(prompts, asked))
-    if longest > limit:
+    if limit is not None and longest > limit:
         fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
         if not truncate or fit < 2:
             raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=absolute,

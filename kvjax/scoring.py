@@ -1,4 +1,5 @@
-"""Log-likelihood of text under a cache policy, one token at a time (StreamingLLM's protocol)."""
+"""Log-likelihood of text under a cache policy: one token at a time (StreamingLLM's protocol), or in
+chunks (`prefill_mode="chunked"`), each chunk scored as it attends the cache compressed so far."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length
 from kvjax.policies.base import Policy
+
+# A text this many chunks long shows a progress bar.
+PROGRESS_CHUNKS = 64
 
 
 @compiled(static=("policy", "max_len"))
@@ -48,5 +53,50 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     return logp
 
 
+@compiled(static=("policy",), donate=("cache",))
+def _chunk_logprobs(model, tokens, positions, targets, cache, *, policy):
+    logits, cache = model.prefill_chunk(tokens, positions, cache, policy)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], cache
+
+
+def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
+    """`log p(x_t | x_<t)` for t = 1..n-1 under `prefill_mode="chunked"`: each chunk of `policy.chunk`
+    tokens attends the cache compressed so far and itself, then is folded in.
+
+    A host loop over one compiled chunk step: one compilation for every text length (the cache's
+    capacity, not the text, is in its shapes), and device memory bounded by budget + chunk."""
+    if policy.prefill_mode != "chunked":
+        raise InvalidInput(f"{policy.describe()}: chunked_logprobs needs prefill_mode='chunked'")
+    n = len(ids)
+    if n < 2:
+        raise InvalidInput(f"need at least 2 tokens to score, got {n}")
+    c = policy.chunk
+    t = -(-n // c) * c
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, :n] = ids
+    positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)  # column j scores token j + 1 (the last column is unused)
+    cache = model.init_cache(policy, 1, n, n)  # a prompt of n tokens, nothing decoded after it
+    graphdef, state = nnx.split(model)
+    out = []
+    steps = range(0, t, c)
+    for s in (tqdm(steps, desc="chunks", leave=False) if len(steps) >= PROGRESS_CHUNKS else steps):
+        lp, cache = _chunk_logprobs.pure(graphdef, state, tokens[:, s:s + c], positions[:, s:s + c],
+                                         targets[:, s:s + c], cache, policy=policy)
+        out.append(np.asarray(lp[0]))
+    logp = np.concatenate(out)[: n - 1]
+    require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")
+    return logp
+
+
+def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
+    """`log p(x_t | x_<t)` for t = 1..n-1, the policy compressing as the text is read: in chunks under
+    `prefill_mode="chunked"`, else token by token."""
+    if policy.prefill_mode == "chunked":
+        return chunked_logprobs(model, ids, policy)
+    return stream_logprobs(model, ids, policy)
+
+
 def perplexity(model: nnx.Module, ids: Sequence[int], policy: Policy) -> float:
-    return float(np.exp(-stream_logprobs(model, ids, policy).mean()))
+    return float(np.exp(-logprobs(model, ids, policy).mean()))

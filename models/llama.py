@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.ring import FullCache
@@ -281,12 +282,43 @@ class Attention(nnx.Module):
         """A chunk attending the read-only `cache` (absolute positions) and itself."""
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
-        o = attention.prefix_attention(
+        o, _ = attention.prefix_attention(
             q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
             slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchors), anchors=anchors,
             alibi=self._alibi(), window=self.window, softcap=self.softcap,
         )
         return self._out(o)
+
+    def chunk(
+        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: LayerCache
+    ) -> tuple[Float[Array, "b n D"], LayerCache]:
+        """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
+        then the policy folds it into the cache (see `kvjax.policies.base`)."""
+        rule = policy.at_layer(self.layer)
+        q, k, v = self._qkv(x)
+        cache = rule.make_room(self.layer, cache, pos)
+        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos)
+        kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=self._alibi(),
+                  window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer))
+        k_rot = self._rotate(k, pos[:, None, :])
+        if rule.position_mode(self.layer) == "absolute":
+            o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
+                                                  cache.pos, cache.log_w, **kw)
+            return self._out(o), rule.absorb(self.layer, cache, k_rot, v, pos, stats)
+        # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at
+        # its true distance (rotated relative to the chunk's last position, keeping angles small); a sink
+        # is ranked first, so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
+        if self._alibi() is not None:
+            raise ValueError("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
+        sinks = rule.rolling_sinks(self.layer, cache.capacity)
+        base = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]
+        coord = lambda p: jnp.where(p < sinks, p, p - base[..., None] if p.ndim == 3 else p - base)  # noqa: E731
+        o, stats = attention.prefix_attention(
+            self._rotate(q, (pos - base)[:, None, :]), self._rotate(k, coord(pos)[:, None, :]), v, pos,
+            self._rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
+            q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
+        )
+        return self._out(o), rule.absorb(self.layer, cache, k, v, pos, stats)
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -408,6 +440,10 @@ class DecoderLayer(nnx.Module):
     def extend(self, x, pos, policy, cache, anchors=None):
         return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchors))
 
+    def chunk(self, x, pos, policy, cache):
+        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, policy, cache)
+        return self._finish(x, a), cache
+
     def decode(self, x, pos, policy, cache, tokens=None):
         a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache, tokens)
         return self._finish(x, a), cache
@@ -521,6 +557,8 @@ class Llama(nnx.Module):
         if policy.prefill_mode == "stream":
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
+        if policy.prefill_mode == "chunked":
+            return self._chunked(tokens, positions, caches, policy)
         x = self.embed(tokens)
         out = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
@@ -528,6 +566,52 @@ class Llama(nnx.Module):
             x, cache, _ = layer.prefill(x, positions, policy, cache, anchors, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
+
+    def _chunked(self, tokens, positions, caches, policy) -> tuple[Float[Array, "b V"], Cache]:
+        """`prefill` in chunks of `policy.chunk` tokens: one `lax.scan`, the prompt left-padded to whole
+        chunks (padding: position -1, a no-op), so the cache carried between chunks is all that grows
+        with the prompt besides the tokens themselves."""
+        b, t = tokens.shape
+        n = policy.chunk
+        pad = -t % n
+        tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
+        positions = jnp.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
+        split = lambda x: x.reshape(b, -1, n).transpose(1, 0, 2)  # noqa: E731  [chunks, b, n]
+
+        def body(carry, xs):
+            cache, _ = carry
+            logits, cache = self.prefill_chunk(xs[0], xs[1], cache, policy, all_logits=False)
+            return (cache, logits), None
+
+        init = (caches, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
+        (caches, logits), _ = jax.lax.scan(body, init, (split(tokens), split(positions)))
+        return logits, caches
+
+    def prefill_chunk(
+        self,
+        tokens: Int[Array, "b n"],
+        positions: Int[Array, "b n"],
+        cache: Cache,
+        policy: Policy,
+        *,
+        all_logits: bool = True,
+    ) -> tuple[Float[Array, "b n V"] | Float[Array, "b V"], Cache]:
+        """One chunk of a chunked prefill: the chunk attends `cache` and itself in every layer, then
+        each layer's policy folds it in. Returns the chunk's logits (all, or the last) and the cache.
+
+        A host loop over this (one compilation for every prompt length) or `prefill`'s scan give
+        the same cache."""
+        policy = self.native_policy(policy)
+        for i in range(self.cfg.num_layers):
+            if policy.head_split(i) is not None:
+                raise InvalidInput(f"{policy.describe()} splits layer {i}'s KV heads into groups; a chunked prefill "
+                                   "needs one cache array per layer")
+        x = self.embed(tokens)
+        out = []
+        for layer, c in zip(self.layers, cache):
+            x, c = layer.chunk(x, positions, policy, c)
+            out.append(c)
+        return self._logits(x if all_logits else x[:, -1]), tuple(out)
 
     def extend(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, policy: Policy

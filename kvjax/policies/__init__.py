@@ -18,24 +18,26 @@ def _mat_anchors(budget, anchors):
 
 # CLI name -> constructor. Keyword names are the command-line options (experiments/common.py).
 REGISTRY = {
-    "full": lambda budget, positions="absolute", prefill_mode="full": FullCache(
-        positions=positions, prefill_mode=prefill_mode
+    "full": lambda budget, positions="absolute", prefill_mode="full", chunk=None: FullCache(
+        positions=positions, prefill_mode=prefill_mode, chunk=chunk
     ),
     # --ratio replaces the token budget here too: each row keeps floor(n * (1 - ratio)) of its n prompt tokens
-    "local": lambda budget, ratio=None, positions="absolute", prefill_mode="full": LocalWindow(
-        window=None if ratio is not None else budget, ratio=ratio, positions=positions, prefill_mode=prefill_mode
+    "local": lambda budget, ratio=None, positions="absolute", prefill_mode="full", chunk=None: LocalWindow(
+        window=None if ratio is not None else budget, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
+        chunk=chunk,
     ),
-    "streaming": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="full": StreamingLLM(
+    "streaming": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="full", chunk=None:
+    StreamingLLM(
         budget=None if ratio is not None else budget, sinks=sinks, ratio=ratio, positions=positions,
-        prefill_mode=prefill_mode
+        prefill_mode=prefill_mode, chunk=chunk,
     ),
     "mat": lambda budget, anchors=None, shallow_layers=2, sinks=4, group_agg="mean", positions="absolute",
-    prefill_mode="stream": mat(
+    prefill_mode="stream", chunk=None: mat(
         budget, _mat_anchors(budget, anchors), shallow_layers, sinks,
-        group_agg=group_agg, positions=positions, prefill_mode=prefill_mode,
+        group_agg=group_agg, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
-    "mat-sink": lambda budget, sinks=4, positions="absolute", prefill_mode="stream": mat_with_sink(
-        budget, sinks, positions=positions, prefill_mode=prefill_mode
+    "mat-sink": lambda budget, sinks=4, positions="absolute", prefill_mode="stream", chunk=None: mat_with_sink(
+        budget, sinks, positions=positions, prefill_mode=prefill_mode, chunk=chunk
     ),
     "mat-anchor": lambda budget, anchors=None, group_agg="mean", positions="absolute", prefill_mode="stream": mat_with_anchor(
         budget, _mat_anchors(budget, anchors), group_agg=group_agg, positions=positions, prefill_mode=prefill_mode
@@ -49,21 +51,28 @@ def _scored(cls, budget, ratio=None, **kw):
 
 
 REGISTRY.update({
-    "snapkv": lambda budget, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", positions="absolute":
-        _scored(SnapKV, budget, ratio, window=window, kernel=kernel, pool=pool, group_agg=group_agg, positions=positions),
+    "snapkv": lambda budget, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", positions="absolute",
+    prefill_mode="full", chunk=None: _scored(SnapKV, budget, ratio, window=window, kernel=kernel, pool=pool,
+                                             group_agg=group_agg, positions=positions, prefill_mode=prefill_mode,
+                                             chunk=chunk),
     "pyramidkv": lambda budget, num_layers, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", beta=20,
-        positions="absolute": _scored(PyramidKV, budget, ratio, window=window, kernel=kernel, pool=pool,
-                                      group_agg=group_agg, beta=beta, num_layers=num_layers, positions=positions),
-    "slimkv": lambda budget, ratio=None, window=32, kernel=7, pool="avg", combine="product", positions="absolute":
-        _scored(SlimKV, budget, ratio, window=window, kernel=kernel, pool=pool, combine=combine, positions=positions),
-    "h2o-prefill": lambda budget, ratio=None, window=0, group_agg="mean", positions="absolute":
-        _scored(ObservedAttention, budget, ratio, window=window, group_agg=group_agg, positions=positions),
-    "tova": lambda budget, ratio=None, positions="absolute": _scored(TOVA, budget, ratio, positions=positions),
-    "knorm": lambda budget, ratio=None, window=0, positions="absolute":
-        _scored(KNorm, budget, ratio, window=window, positions=positions),
-    "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full": H2O(
+        positions="absolute", prefill_mode="full", chunk=None: _scored(
+            PyramidKV, budget, ratio, window=window, kernel=kernel, pool=pool, group_agg=group_agg, beta=beta,
+            num_layers=num_layers, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "slimkv": lambda budget, ratio=None, window=32, kernel=7, pool="avg", combine="product", positions="absolute",
+    prefill_mode="full", chunk=None: _scored(SlimKV, budget, ratio, window=window, kernel=kernel, pool=pool,
+                                             combine=combine, positions=positions, prefill_mode=prefill_mode,
+                                             chunk=chunk),
+    "h2o-prefill": lambda budget, ratio=None, window=0, group_agg="mean", positions="absolute", prefill_mode="full",
+    chunk=None: _scored(ObservedAttention, budget, ratio, window=window, group_agg=group_agg, positions=positions,
+                        prefill_mode=prefill_mode, chunk=chunk),
+    "tova": lambda budget, ratio=None, positions="absolute", prefill_mode="full", chunk=None: _scored(
+        TOVA, budget, ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "knorm": lambda budget, ratio=None, window=0, positions="absolute", prefill_mode="full", chunk=None:
+        _scored(KNorm, budget, ratio, window=window, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
         budget=budget, recent=recent if recent is not None else max(1, budget // 2), positions=positions,
-        prefill_mode=prefill_mode),
+        prefill_mode=prefill_mode, chunk=chunk),
     # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
     "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),
     # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window.

@@ -42,6 +42,8 @@ class AnchorReduction(LayerPolicy):
 
     uses_tokens = True
 
+    chunk_refusal = "not implemented yet (a chunk would keep the anchors plus its current sequence)"
+
     def __post_init__(self):
         super().__post_init__()
         if not self.anchor_ids:

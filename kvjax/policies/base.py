@@ -16,6 +16,11 @@ The model calls, per layer:
 * prefill (`prefill_mode == "stream"`): the prompt goes token by token through
   the decode path, so every prompt token only sees what the policy kept, as in
   StreamingLLM's perplexity protocol and MAT's evaluation.
+* prefill (`prefill_mode == "chunked"`, `chunk = n`): the prompt goes `n` tokens at a time. Per
+  chunk, `cache = policy.make_room(layer, cache, pos)`, then the chunk attends the cache (the
+  slots `chunk_visible` allows each query) and itself causally, returning `chunk_stats` over
+  `[cache slots; chunk]`, then `cache = policy.absorb(layer, cache, k, v, pos, stats)` takes the
+  chunk in and evicts back to the budget. Memory is O(budget + chunk) whatever the prompt's length.
 
 `prefill_stats(layer)` / `decode_stats(layer)` name the statistics attention must
 return (see `kvjax.attention`); the default is none, so attention computes none.
@@ -33,15 +38,19 @@ from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 
 PositionMode = Literal["absolute", "rolling"]
-PrefillMode = Literal["full", "stream"]
+PrefillMode = Literal["full", "stream", "chunked"]
 POSITION_MODES = ("absolute", "rolling")
-PREFILL_MODES = ("full", "stream")
+PREFILL_MODES = ("full", "stream", "chunked")
 
 
 class Policy(abc.ABC):
     """What the model needs from a cache policy."""
 
     prefill_mode: PrefillMode
+    # Prompt tokens per chunk when prefill_mode == "chunked", else None.
+    chunk: int | None = None
+    # Why `absorb` is not implemented (said when prefill_mode="chunked" is asked of this policy).
+    chunk_refusal: str = "it has no rule to fold a chunk of the prompt into its cache"
     # True for policies that read token ids (AnLLM's anchors): `prefill` and `step` then get `tokens=`.
     uses_tokens: bool = False
     # True for policies that run the model's Attention-Gates at prefill (their flags mask the prompt's
@@ -82,6 +91,45 @@ class Policy(abc.ABC):
         pos: Int[Array, "b"],
     ) -> LayerCache:
         """Inserts one token per row, evicting if full. Rows with pos < 0 are unchanged."""
+
+    # -- chunked prefill (prefill_mode == "chunked") ------------------------------------------
+    def chunk_stats(self, layer: int) -> frozenset[str]:
+        """Statistics a chunk's attention returns to `absorb`, over the keys `[cache slots; chunk]`."""
+        return self.prefill_stats(layer)
+
+    def make_room(self, layer: int, cache: LayerCache, pos: Int[Array, "b n"]) -> LayerCache:
+        """Before a chunk at positions `pos` attends: evicts what the chunk's tokens will replace
+        (H2O frees its victims here, as its `step` does before a token attends). Default: nothing."""
+        del layer, pos
+        return cache
+
+    def chunk_visible(
+        self, layer: int, cache: LayerCache, pos: Int[Array, "b n"]
+    ) -> tuple[Bool[Array, "b kvh n c"] | None, Bool[Array, "b n n"] | None]:
+        """Which cache slots and which earlier chunk tokens each query of the chunk may see, beyond
+        causality: what the cache would hold when that token is reached (a ring's sinks + window).
+        None: all of them."""
+        del layer, cache, pos
+        return None, None
+
+    def rolling_sinks(self, layer: int, capacity: int) -> int:
+        """Rolling positions in a chunk: the leading positions whose distance to a query is measured
+        from `min(query, capacity - 1)` (a ring's sinks, ranked first in a full cache); the other
+        keys are at their true distance. Only a ring keeps ranks that a chunk can compute."""
+        raise InvalidInput(f"{self.describe()}: rolling positions cannot be computed for a chunk of the prompt "
+                           "(they are ranks in a cache with gaps); use positions='absolute' or prefill_mode='stream'")
+
+    def absorb(
+        self,
+        layer: int,
+        cache: LayerCache,
+        k: Float[Array, "b kvh n d"],
+        v: Float[Array, "b kvh n d"],
+        pos: Int[Array, "b n"],
+        stats: dict[str, Array],
+    ) -> LayerCache:
+        """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget."""
+        raise InvalidInput(f"{self.describe()} cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
     def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: dict[str, Array]) -> LayerCache:
         """Updates per-slot statistics after the decode attention of the token at `pos`."""
@@ -146,7 +194,9 @@ class Policy(abc.ABC):
 
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
-        fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode"))
+        fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode", "chunk"))
+        # `chunk` exists only in chunked mode: other runs keep the descriptions their records are keyed by.
+        fields = [f for f in fields if not (f.name == "chunk" and getattr(self, f.name) is None)]
         return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
 
@@ -156,12 +206,21 @@ class LayerPolicy(Policy):
 
     positions: PositionMode = "absolute"
     prefill_mode: PrefillMode = "full"
+    chunk: int | None = None
 
     def __post_init__(self):
+        name = type(self).__name__
         if self.positions not in POSITION_MODES:
             raise InvalidInput(f"positions={self.positions!r}; expected one of {POSITION_MODES}")
         if self.prefill_mode not in PREFILL_MODES:
             raise InvalidInput(f"prefill_mode={self.prefill_mode!r}; expected one of {PREFILL_MODES}")
+        if (self.prefill_mode == "chunked") != (self.chunk is not None):
+            raise InvalidInput(f"{name}: chunk={self.chunk} with prefill_mode={self.prefill_mode!r}: a chunk size is "
+                               "given exactly when prefill_mode='chunked' (--prefill-mode chunked --chunk N)")
+        if self.chunk is not None and self.chunk < 1:
+            raise InvalidInput(f"{name}: chunk={self.chunk} must be >= 1")
+        if self.prefill_mode == "chunked" and type(self).absorb is Policy.absorb:
+            raise InvalidInput(f"{name} cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
     def position_mode(self, layer: int) -> PositionMode:
         return self.positions

@@ -25,10 +25,10 @@ class LayerDispatch(Policy):
         raise NotImplementedError
 
     def _check_modes(self, name: str) -> None:
-        modes = {m.prefill_mode for m in self._members()}
+        modes = {(m.prefill_mode, m.chunk) for m in self._members()}
         if len(modes) > 1:
-            raise InvalidInput(f"{name}: its policies process prompts differently (prefill_mode {sorted(modes)}); "
-                               "give them one prefill_mode")
+            raise InvalidInput(f"{name}: its policies process prompts differently ((prefill_mode, chunk) "
+                               f"{sorted(modes, key=str)}); give them one prefill_mode and chunk")
 
     def at_layer(self, layer: int) -> Policy:
         return self._at(layer).at_layer(layer)
@@ -48,6 +48,10 @@ class LayerDispatch(Policy):
     @property
     def prefill_mode(self):
         return self._members()[0].prefill_mode
+
+    @property
+    def chunk(self):
+        return self._members()[0].chunk
 
     # Per-layer questions asked of the whole policy (cache allocation, the decode loop's setup).
     def position_mode(self, layer):
@@ -94,11 +98,7 @@ class ByLayer(LayerDispatch):
     def __post_init__(self):
         if self.split < 0:
             raise InvalidInput(f"ByLayer: split={self.split} must be >= 0")
-        if self.shallow.prefill_mode != self.deep.prefill_mode:
-            raise InvalidInput(
-                f"ByLayer: shallow prefill_mode={self.shallow.prefill_mode!r} differs from deep "
-                f"prefill_mode={self.deep.prefill_mode!r}"
-            )
+        self._check_modes("ByLayer")
 
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         if self.split != EVERY_LAYER and self.split > num_layers:
@@ -192,6 +192,10 @@ class ByHead(Policy):
     @property
     def prefill_mode(self):
         return self._subs(0)[0].prefill_mode
+
+    @property
+    def chunk(self):
+        return self._subs(0)[0].chunk
 
     @property
     def evicts_while_decoding(self):

@@ -8,7 +8,10 @@ accumulated attention outside the `recent` most recent tokens is evicted (ties: 
 The prompt: `prefill_mode="stream"` applies the same rule token by token from the first token
 (H2O's own setting); `"full"` (default) scores the prompt once by the attention each token got
 from all prompt queries (the observed attention) and keeps the `budget - recent` best plus the
-recent window, with those sums as the starting scores.
+recent window, with those sums as the starting scores; `"chunked"` frees, before each chunk of
+`n` tokens attends, the `n` slots its tokens need, by the decode rule (lowest score outside the
+recent window of the chunk's first token), then adds the chunk's attention to every score: at
+`chunk=1` this is the stream rule exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class H2O(LayerPolicy):
             raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
         if self.budget <= self.recent:
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
+        if self.chunk is not None and self.chunk > self.budget - self.recent:
+            raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a chunk's "
+                               "tokens replace heavy hitters, and only those outside the recent window may go")
 
     def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len)
@@ -52,6 +58,25 @@ class H2O(LayerPolicy):
         recent = real & (p >= length - self.recent)
         keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, self.budget))
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
+
+    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+        arriving = jnp.sum(pos >= 0, axis=1)  # [b]
+        first = jnp.max(pos, axis=1) - arriving + 1  # the chunk's first real position
+        need = jnp.maximum(arriving[:, None] - jnp.sum(cache.pos == kvcache.EMPTY, axis=-1), 0)  # [b, kvh]
+        candidate = (cache.pos >= 0) & (cache.pos <= (first - self.recent)[:, None, None])
+        # Victims in `step`'s order: the lowest score, ties going to the oldest token.
+        by_pos = jnp.argsort(jnp.where(candidate, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
+        key = jnp.take_along_axis(jnp.where(candidate, cache.score, jnp.inf), by_pos, axis=-1)
+        order = jnp.take_along_axis(by_pos, jnp.argsort(key, axis=-1, stable=True), axis=-1)
+        rank = jnp.argsort(order, axis=-1)
+        evict = candidate & (rank < need[..., None])
+        src = jnp.where(evict, -1, jnp.arange(cache.capacity))
+        return kvcache.take_slots(cache, src)
+
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        both = kvcache.chunk_slots(cache, k, v, pos)  # make_room left a free slot for each chunk token
+        both = dataclasses.replace(both, score=(both.score + stats["colsum"].sum(axis=2)).astype(both.score.dtype))
+        return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         candidate = (cache.pos >= 0) & (cache.pos <= (pos - self.recent)[:, None, None])

@@ -55,6 +55,9 @@ class AnchorCache(LayerPolicy):
     anchors: int
     group_agg: str = "mean"
     prefill_mode: PrefillMode = "stream"
+    chunk_refusal = ("Algorithm 1 is sequential: which anchors a token of a chunk may see depends on the pi of the "
+                     "chunk's earlier tokens, which a chunk attending at once does not have; prefill_mode='stream' "
+                     "is the paper's protocol")
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,6 +124,7 @@ def mat(
     group_agg: str = "mean",
     positions: str = "absolute",
     prefill_mode: PrefillMode = "stream",
+    chunk: int | None = None,
 ) -> ByLayer:
     """MAT with cache size `c = budget`, `β = anchors`, `L_s = shallow_layers`, `s = sinks`.
 
@@ -130,8 +134,9 @@ def mat(
         raise InvalidInput(f"MAT: shallow_layers (L_s)={shallow_layers} must be >= 0")
     if sinks >= budget:
         raise InvalidInput(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
-    shallow = StreamingLLM(budget=budget, sinks=sinks, positions=positions, prefill_mode=prefill_mode)
-    deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, positions=positions, prefill_mode=prefill_mode)
+    modes = dict(positions=positions, prefill_mode=prefill_mode, chunk=chunk)
+    deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, **modes)
+    shallow = StreamingLLM(budget=budget, sinks=sinks, **modes)
     return ByLayer(split=shallow_layers, shallow=shallow, deep=deep)
 
 

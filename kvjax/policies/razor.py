@@ -67,6 +67,8 @@ class CompensatedWindow(LayerPolicy):
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
 
+    chunk_refusal = "not implemented yet (a chunk's evicted tokens would fold into the compensation slot)"
+
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:

@@ -110,10 +110,42 @@ class RingPolicy(LayerPolicy):
         slot = ring_slot(pos[:, None], sinks, rows)
         return kvcache.write(cache, slot, k, v, pos)
 
+    # -- chunked prefill: exactly the stream, whatever the chunk size ---------------------------
+    def chunk_visible(self, layer, cache: LayerCache, pos):
+        # Token p, streamed, sees the sinks and the window p - w + 1 .. p: the ring has overwritten the rest.
+        sinks, cap = self._layout_for(cache)
+        w = cap - sinks
+        seen = lambda key, query: (key < sinks) | (key > query - w)  # noqa: E731
+        return (seen(cache.pos[:, :, None, :], pos[:, None, :, None]), seen(pos[:, None, :], pos[:, :, None]))
+
+    def rolling_sinks(self, layer, capacity):
+        return self._layout_for_capacity(capacity)[0]
+
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        sinks, cap = self._layout_for(cache)
+        n = k.shape[2]
+        length = jnp.maximum(jnp.max(pos, axis=1), jnp.max(cache.pos, axis=(1, 2))) + 1  # [b]
+        held = ring_holder(length, sinks, cap)[:, None, :]  # [b, 1, c]: the stream's ring after the chunk
+        first = pos[:, -1] - (n - 1)  # the chunk's positions are first .. first + n - 1 (-1 where padded)
+        idx = jnp.clip(held - first[:, None, None], 0, n - 1)
+        new = (held >= 0) & (jnp.take_along_axis(pos[:, None, :], idx, axis=2) == held)  # held by a chunk token
+        take = lambda x: jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape[2:])[..., None], 2)  # noqa: E731
+        return dataclasses.replace(
+            cache,
+            k=jnp.where(new[..., None], take(k), cache.k).astype(cache.k.dtype),
+            v=jnp.where(new[..., None], take(v), cache.v).astype(cache.v.dtype),
+            pos=jnp.where(new, held, cache.pos).astype(jnp.int32),
+            score=jnp.where(new, 0.0, cache.score).astype(cache.score.dtype),
+            log_w=jnp.where(new, 0.0, cache.log_w).astype(cache.log_w.dtype),
+        )
+
     def _layout_for(self, cache: LayerCache) -> tuple[int, int]:
+        return self._layout_for_capacity(cache.capacity)
+
+    def _layout_for_capacity(self, capacity: int) -> tuple[int, int]:
         # The capacity was fixed by `capacity(layer, max_len)`; sinks never exceed it.
-        sinks = min(self._sinks(), cache.capacity - 1) if cache.capacity > 1 else 0
-        return sinks, cache.capacity
+        sinks = min(self._sinks(), capacity - 1) if capacity > 1 else 0
+        return sinks, capacity
 
     def _sinks(self) -> int:
         return 0

@@ -82,8 +82,14 @@ class ScoredPolicy(LayerPolicy):
         if self.budget is not None and self.budget < self.window:
             raise InvalidInput(f"{name}: budget={self.budget} must be at least window={self.window}: the last "
                              "`window` prompt tokens are always kept, so a smaller budget cannot hold them")
-        if self.prefill_mode != "full":
-            raise InvalidInput(f"{name} compresses a whole prompt: prefill_mode must be 'full'")
+        if self.prefill_mode == "stream":
+            raise InvalidInput(f"{name} compresses a prompt at once: prefill_mode must be 'full' or 'chunked'")
+        if self.prefill_mode == "chunked" and self.ratio is not None:
+            raise InvalidInput(f"{name}: a ratio is a share of the whole prompt, which a chunked prefill has not read "
+                               "when it evicts; give a budget (--budget) with prefill_mode='chunked'")
+        if self.prefill_mode == "chunked" and self.chunk < max(self.window, 1):
+            raise InvalidInput(f"{name}: chunk={self.chunk} is shorter than window={self.window}: each chunk is scored "
+                               "by its last `window` queries, so a chunk must hold them")
 
     # -- per-method parts -------------------------------------------------------------
     def score(self, layer, k, v, pos, stats) -> jax.Array:
@@ -112,14 +118,33 @@ class ScoredPolicy(LayerPolicy):
         keep = kvcache.keep_top(self.score(layer, k, v, pos, stats), real, in_window, n_keep)
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        # The whole prompt's rule on what a chunked prefill holds: score the cache's slots and the chunk
+        # (in position order: the cache keeps its tokens right-aligned, empty slots first, so pooling
+        # sees neighbours as in a prompt), keep the window of the latest tokens and the top scores.
+        both = kvcache.chunk_slots(cache, k, v, pos)
+        length = jnp.max(both.pos, axis=(1, 2)) + 1  # [b]: tokens read so far
+        real = both.pos >= 0
+        in_window = real & (both.pos >= (length - self.window)[:, None, None])
+        rank, stored = self._chunk_scores(layer, both, stats)
+        keep = kvcache.keep_top(rank, real, in_window, self.keep_count(layer, length)[:, None, None])
+        both = dataclasses.replace(both, score=stored.astype(both.score.dtype))
+        return kvcache.take_slots(both, kvcache.compact(keep, cache.capacity, right=True))
+
+    def _chunk_scores(self, layer, both: LayerCache, stats):
+        """(the score a chunked prefill ranks by, the per-slot score it stores) over cache ∪ chunk."""
+        return self.score(layer, both.k, both.v, both.pos, stats), both.score
+
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         return kvcache.append(cache, k, v, pos)  # capacity() reserved a slot per new token
 
     def _prefix_only(self, s, pos):
-        """Zeroes scores of padding and of the window before pooling (kvpress scores the prefix only)."""
-        length = jnp.max(pos, axis=1) + 1
-        prefix = (pos >= 0) & (pos < (length - self.window)[:, None])
-        return jnp.where(prefix[:, None, :] if s.ndim == 3 else prefix[:, None, None, :], s, 0.0)
+        """Zeroes scores of padding and of the window before pooling (kvpress scores the prefix only).
+        `pos`: `[b, t]` (a prompt) or `[b, kvh, t]` (a chunked prefill's slots)."""
+        p = pos if pos.ndim == 3 else pos[:, None, :]
+        length = jnp.max(p, axis=(1, 2), keepdims=True) + 1
+        prefix = (p >= 0) & (p < length - self.window)
+        return jnp.where(prefix if s.ndim == 3 else prefix[:, :, None, :], s, 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,11 +251,19 @@ class ObservedAttention(ScoredPolicy):
         return frozenset({"colsum"})
 
     def score(self, layer, k, v, pos, stats):
-        s = stats["colsum"]  # [b, kvh, g, t]
-        if self.normalize:
-            length = (jnp.max(pos, axis=1) + 1)[:, None, None, None]
-            s = s / jnp.maximum(length - pos[:, None, None, :], 1)  # queries at or after the key
-        return aggregate(s, self.group_agg)
+        return self._normalized(aggregate(stats["colsum"], self.group_agg), pos)  # colsum: [b, kvh, g, t]
+
+    def _normalized(self, s, pos):
+        if not self.normalize:
+            return s
+        p = pos if pos.ndim == 3 else pos[:, None, :]
+        length = jnp.max(p, axis=(1, 2), keepdims=True) + 1
+        return s / jnp.maximum(length - p, 1)  # queries at or after the key
+
+    def _chunk_scores(self, layer, both, stats):
+        # The observed attention accumulates over chunks: each slot stores its sum so far.
+        total = both.score + aggregate(stats["colsum"], self.group_agg)
+        return self._normalized(total, both.pos), total
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,270 @@
+"""Chunked prefill (`prefill_mode="chunked"`): against stream mode, full prefill, and a NumPy reference
+of "score cache ∪ chunk, keep the top"; bounded memory and one compilation across prompt lengths."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax import attention
+from kvjax import cache as kvcache
+from kvjax.errors import InvalidInput
+from kvjax.policies import (
+    H2O,
+    TOVA,
+    FullCache,
+    KNorm,
+    LocalWindow,
+    ObservedAttention,
+    PyramidKV,
+    SlimKV,
+    SnapKV,
+    StreamingLLM,
+    make_policy,
+    mat,
+)
+from kvjax.scoring import _chunk_logprobs, chunked_logprobs, stream_logprobs
+from models import load
+from tests.conftest import compile_log
+
+T = 45  # two rows: one of 45 tokens, one of 40 (left padded)
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_dir):
+    yield load(sharp_dir).model
+    _RUNS.clear()
+
+
+@pytest.fixture(scope="module")
+def prompts(sharp):
+    rng = np.random.default_rng(0)
+    toks = jnp.asarray(rng.integers(4, sharp.cfg.vocab_size, (2, T)), jnp.int32)
+    pos = np.tile(np.arange(T, dtype=np.int32), (2, 1))
+    pos[1] = np.where(np.arange(T) < 5, -1, np.arange(T) - 5)
+    return toks, jnp.asarray(pos)
+
+
+_RUNS = {}
+
+
+def _run(model, toks, pos, policy, steps=0):
+    """Prefill, then `steps` teacher-forced decode steps: (logits per step, kept positions per step).
+    Memoized per policy: the stream and full-prefill references are shared by several tests."""
+    key = (id(model), policy, steps)
+    if key not in _RUNS:
+        _RUNS[key] = _run_uncached(model, toks, pos, policy, steps)
+    return _RUNS[key]
+
+
+def _run_uncached(model, toks, pos, policy, steps):
+    logits, cache = jax.jit(model.prefill, static_argnums=(2, 3))(toks, pos, policy, T + 3)
+    out, kept = [np.asarray(logits)], [kvcache.kept_positions(cache)]
+    nxt = jnp.max(pos, axis=1) + 1
+    for s in range(steps):
+        logits, cache = jax.jit(model.decode, static_argnums=3)(toks[:, s], nxt + s, cache, policy)
+        out.append(np.asarray(logits))
+        kept.append(kvcache.kept_positions(cache))
+    return out, kept
+
+
+def _assert_same(a, b, tol):
+    (la, ka), (lb, kb) = a, b
+    for step, (x, y) in enumerate(zip(ka, kb)):
+        for layer, (p, q) in enumerate(zip(x, y)):
+            np.testing.assert_array_equal(p, q, err_msg=f"kept positions, step {step}, layer {layer}")
+    for step, (x, y) in enumerate(zip(la, lb)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=tol, err_msg=f"logits, step {step}")
+
+
+STREAM_EXACT = [
+    ("streaming-abs", lambda **m: StreamingLLM(budget=12, sinks=3, **m)),
+    ("streaming-rolling", lambda **m: StreamingLLM(budget=12, sinks=3, positions="rolling", **m)),
+    ("local", lambda **m: LocalWindow(window=10, **m)),
+    ("full", lambda **m: FullCache(**m)),
+    ("h2o", lambda **m: H2O(budget=12, recent=4, **m)),
+]
+
+
+@pytest.mark.parametrize("name,make", STREAM_EXACT, ids=[n for n, _ in STREAM_EXACT])
+def test_chunk_of_one_is_stream_mode(sharp, prompts, name, make):
+    """chunk=1 reads the prompt exactly as stream mode does: kept positions per layer and KV head
+    after the prompt and after each decode step, and logits within 1e-5 (float32)."""
+    stream = _run(sharp, *prompts, make(prefill_mode="stream"), steps=3)
+    _assert_same(_run(sharp, *prompts, make(prefill_mode="chunked", chunk=1), steps=3), stream, 1e-5)
+
+
+@pytest.mark.parametrize("positions,chunk", [("absolute", 7), ("rolling", 4), ("rolling", 64)])
+def test_ring_chunks_of_any_size_are_stream_mode(sharp, prompts, chunk, positions):
+    """A ring's chunk query sees the sinks and its own window (what the stream's ring holds when that
+    token arrives), so chunked StreamingLLM is the token-by-token result at any chunk size, in absolute
+    and in rolling positions (a sink's distance counted from min(query, C - 1), as ranks do)."""
+    make = lambda **m: StreamingLLM(budget=12, sinks=3, positions=positions, **m)  # noqa: E731
+    stream = _run(sharp, *prompts, make(prefill_mode="stream"))
+    scale = np.abs(stream[0][0]).max()
+    _assert_same(_run(sharp, *prompts, make(prefill_mode="chunked", chunk=chunk)), stream, 1e-5 * max(scale, 1))
+
+
+SCORED = [
+    ("snapkv", lambda **m: SnapKV(budget=10, window=4, kernel=3, **m)),
+    ("pyramidkv", lambda **m: PyramidKV(budget=10, window=4, num_layers=2, **m)),
+    ("slimkv", lambda **m: SlimKV(budget=10, window=4, kernel=3, **m)),
+    ("observed-normalized", lambda **m: ObservedAttention(budget=10, normalize=True, **m)),
+    ("tova", lambda **m: TOVA(budget=10, **m)),
+    ("knorm", lambda **m: KNorm(budget=10, **m)),
+]
+
+
+@pytest.mark.parametrize("name,make", SCORED, ids=[n for n, _ in SCORED])
+def test_one_chunk_holding_the_prompt_is_full_prefill(sharp, prompts, name, make):
+    """A chunk at least as long as the prompt compresses it as the whole-prompt prefill does: the same
+    kept positions, and logits within 1e-5 of the logit scale."""
+    full = _run(sharp, *prompts, make())
+    scale = np.abs(full[0][0]).max()
+    _assert_same(_run(sharp, *prompts, make(prefill_mode="chunked", chunk=64)), full, 1e-5 * max(scale, 1))
+
+
+def _numpy_snapkv_chunks(q, k, pos, budget, window, kernel, chunk):
+    """Plain NumPy: per KV head, the positions kept after each chunk when the chunk's last `window`
+    queries score the cache's tokens and the chunk's (cache first, empty slots as score 0 in front,
+    as the cache holds them), SnapKV's way: mean over window queries, prefix only, max-pool, mean
+    over the group; the latest `window` tokens always kept, then the top scores (ties: earlier)."""
+    _, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    kept = [[] for _ in range(kvh)]
+    history = []
+    for s in range(0, t, chunk):
+        cpos = list(range(s, s + chunk))
+        last = cpos[-1]
+        for j in range(kvh):
+            cand = [None] * (budget - len(kept[j])) + kept[j] + cpos  # None: an empty slot
+            real = [c for c in cand if c is not None]
+            score = np.zeros(len(cand))
+            for gi in range(g):
+                qs = q[0, j * g + gi, last - window + 1: last + 1]  # [w, d]
+                logit = qs @ k[0, j, real].T / np.sqrt(d)  # [w, n_real]
+                qp = np.arange(last - window + 1, last + 1)[:, None]
+                logit = np.where(np.asarray(real)[None] <= qp, logit, -np.inf)
+                p = np.exp(logit - logit.max(axis=1, keepdims=True))
+                p = (p / p.sum(axis=1, keepdims=True)).mean(axis=0)
+                full = np.zeros(len(cand))
+                full[[i for i, c in enumerate(cand) if c is not None]] = p
+                full = np.where([c is not None and c < last + 1 - window for c in cand], full, 0.0)
+                pooled = np.array([full[max(0, i - kernel // 2): i + kernel // 2 + 1].max() for i in range(len(cand))])
+                score += pooled / g
+            always = [c for c in real if c > last - window]
+            others = sorted((c for c in real if c <= last - window), key=lambda c: (-score[cand.index(c)], c))
+            kept[j] = sorted(always + others[: budget - len(always)])
+        history.append([list(x) for x in kept])
+    return history
+
+
+def test_chunked_snapkv_matches_numpy_reference():
+    """Four chunks of 10 tokens into a 12-slot SnapKV cache (2 KV heads, 2 query heads each): the
+    chunk's attention over cache ∪ chunk (`attention.prefix_attention`) and the policy's fold keep,
+    after every chunk, the positions a NumPy transcription of the rule keeps."""
+    rng = np.random.default_rng(3)
+    b, kvh, g, t, d, chunk, budget, window = 1, 2, 2, 40, 8, 10, 12, 4
+    q = rng.normal(size=(b, kvh * g, t, d)).astype(np.float32) * 2
+    k = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+    v = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+    pos = np.arange(t, dtype=np.int32)[None]
+    policy = SnapKV(budget=budget, window=window, kernel=3, prefill_mode="chunked", chunk=chunk)
+    cache = kvcache.empty(b, kvh, budget, d, jnp.float32)
+    ours = []
+    for s in range(0, t, chunk):
+        sl = slice(s, s + chunk)
+        _, stats = attention.prefix_attention(
+            jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
+            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.chunk_stats(0))
+        cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
+                              stats)
+        ours.append(kvcache.kept_sets((cache,))[0])
+        # the kept slots hold the right keys
+        held = np.asarray(cache.pos[0])
+        for j in range(kvh):
+            for slot, p_ in enumerate(held[j]):
+                if p_ >= 0:
+                    np.testing.assert_array_equal(np.asarray(cache.k[0, j, slot]), k[0, j, p_])
+    assert ours == _numpy_snapkv_chunks(q, k, pos, budget, window, 3, chunk)
+    assert len(ours) == 4 and all(len(h) == budget for h in ours[-1])
+
+
+def test_chunked_decode_after_prefill_appends(sharp, prompts):
+    """After a chunked prefill, SnapKV decodes by appending into the slots reserved for new tokens."""
+    policy = SnapKV(budget=10, window=4, kernel=3, prefill_mode="chunked", chunk=8)
+    _, kept = _run(sharp, *prompts, policy, steps=3)
+    before, after = kept[0][0][0, 0], kept[-1][0][0, 0]
+    assert set(before[before >= 0]) < set(after[after >= 0])
+    assert set(after[after >= 0]) - set(before[before >= 0]) == {T, T + 1, T + 2}
+
+
+def test_chunked_scoring_streams_exactly_and_compiles_once(sharp):
+    """`chunked_logprobs` (a host loop over one compiled chunk step) gives StreamingLLM's token-by-token
+    log-probabilities, and texts of different lengths reuse its one compilation."""
+    ids = np.random.default_rng(1).integers(4, sharp.cfg.vocab_size, 300).tolist()
+    ref = stream_logprobs(sharp, ids, StreamingLLM(budget=24, sinks=4, positions="rolling", prefill_mode="stream"))
+    policy = StreamingLLM(budget=24, sinks=4, positions="rolling", prefill_mode="chunked", chunk=32)
+    np.testing.assert_allclose(chunked_logprobs(sharp, ids, policy), ref, rtol=0, atol=1e-4)
+    with compile_log() as compiles:
+        for n in (100, 200, 290):
+            chunked_logprobs(sharp, ids[:n], policy)
+    assert compiles == [], f"{len(compiles)} compilations for texts of other lengths"
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from models import load_default
+
+    return load_default().model
+
+
+def _compiled_chunk_bytes(model, policy, prompt_len):
+    """XLA's memory analysis of the compiled chunk step for a prompt of `prompt_len` tokens: arguments
+    (weights, cache, the chunk), outputs and temporaries, in bytes; and the compiled text's hash."""
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len, prompt_len))
+    chunk = jax.ShapeDtypeStruct((1, policy.chunk), jnp.int32)
+    compiled = _chunk_logprobs.pure.lower(graphdef, state, chunk, chunk, chunk, cache, policy=policy).compile()
+    mem = compiled.memory_analysis()
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    return total, hash(compiled.as_text())
+
+
+def test_chunked_prefill_memory_is_bounded(default_model):
+    """Measured, not timed: under chunked StreamingLLM and chunked SnapKV the compiled chunk step
+    (everything device memory holds while a prompt is read) is the same program of the same size for
+    8K, 32K and 128K-token prompts; chunked FullCache's grows with the prompt."""
+    lengths = (8192, 32768, 131072)
+    for policy in (StreamingLLM(budget=256, positions="rolling", prefill_mode="chunked", chunk=512),
+                   SnapKV(budget=256, prefill_mode="chunked", chunk=512)):
+        sizes = [_compiled_chunk_bytes(default_model, policy, n) for n in lengths]
+        assert len(set(sizes)) == 1, (policy.describe(), sizes)
+    full = [_compiled_chunk_bytes(default_model, FullCache(prefill_mode="chunked", chunk=512), n)[0] for n in lengths]
+    assert full[0] < full[1] < full[2], full
+    assert full[2] > 3 * full[1] // 2
+
+
+def test_chunked_refusals():
+    """A rule that cannot be chunked says why; so do options that contradict the chunked mode."""
+    with pytest.raises(InvalidInput, match="Algorithm 1 is sequential"):
+        mat(64, 8, prefill_mode="chunked", chunk=16)
+    with pytest.raises(InvalidInput, match="a ratio is a share of the whole prompt"):
+        SnapKV(ratio=0.5, prefill_mode="chunked", chunk=64)
+    with pytest.raises(InvalidInput, match="shorter than window=32"):
+        SnapKV(budget=64, prefill_mode="chunked", chunk=16)
+    with pytest.raises(InvalidInput, match="exceeds budget - recent"):
+        H2O(budget=16, recent=8, prefill_mode="chunked", chunk=9)
+    with pytest.raises(InvalidInput, match="a chunk size is given exactly when"):
+        StreamingLLM(budget=16, chunk=8)
+    with pytest.raises(InvalidInput, match="a chunk size is given exactly when"):
+        StreamingLLM(budget=16, prefill_mode="chunked")
+    with pytest.raises(InvalidInput, match="streaming .*does not take|does not take"):
+        make_policy("gate", chunk=8)
+    # described with its chunk, so records of chunked and whole-prompt runs never mix
+    assert "chunk=8" in make_policy("streaming", 16, prefill_mode="chunked", chunk=8).describe()
+    assert "chunk" not in make_policy("streaming", 16).describe()
