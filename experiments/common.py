@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import InvalidInput
-from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
+from kvjax.policies import NO_BUDGET, REGISTRY, Policy, Recompress, make_policy
+from kvjax.policies.scored import ScoredPolicy
 from models import DEFAULT_DIR
 
 # The embedded default: trained by `python -m experiments.train_tiny` and committed (see its README.md).
@@ -134,6 +135,9 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                    help="attend the prompt whole then compress, token by token, or --chunk tokens at a time in "
                         "memory bounded by the budget (default: the policy's)")
     g.add_argument("--chunk", type=positive_int, help="prompt tokens per chunk with --prefill-mode chunked")
+    g.add_argument("--recompress-every", type=positive_int,
+                   help="prompt compressors (snapkv, slimkv, ...): re-score the cache every N generated tokens and "
+                        "evict back to the budget (kvpress's DecodingPress); the cache holds budget + N slots")
     p.set_defaults(default_budget=budget)
 
 
@@ -215,15 +219,27 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
             kw["num_layers"] = num_layers
         try:
             out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
+            if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
+                out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
             raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None
+    if getattr(args, "recompress_every", None) and not any(isinstance(p, Recompress) for p in out):
+        raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
+                           "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
     return out
 
 
+# A policy's parameter -> its command-line flag, where the names differ.
+_FLAG_OF = {"every": "recompress_every"}
+
+
 def _as_flags(message: str) -> str:
-    return re.sub(r"\b([a-z_]+)=", lambda m: f"--{m.group(1).replace('_', '-')} " if m.group(1) in
-                  (*POLICY_OPTIONS, "budget") else m.group(0), message)
+    def flag(m):
+        name = _FLAG_OF.get(m.group(1), m.group(1))
+        return f"--{name.replace('_', '-')} " if name in (*POLICY_OPTIONS, "budget", "recompress_every") else m.group(0)
+
+    return re.sub(r"\b([a-z_]+)=", flag, message)
 
 
 def attach_gate_params(args: argparse.Namespace, model) -> None:

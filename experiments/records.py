@@ -185,7 +185,7 @@ def options_of(args: argparse.Namespace, *, policy_keyed: bool = True, files: It
     skip = set(PRESENTATION) | set(selection)
     files = {*files, "gate_params"}  # trained gates change what the gate policy keeps
     if policy_keyed:
-        skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget"}
+        skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget", "recompress_every"}
     out = {}
     for name, value in sorted(vars(args).items()):
         if name in skip:

@@ -204,6 +204,11 @@ def take_slots(cache: LayerCache, src: Int[Array, "b kvh c"]) -> LayerCache:
     )
 
 
+def select(which: Array, a: LayerCache, b: LayerCache) -> LayerCache:
+    """Per (row, KV head) (`which`: bool `[b, kvh, 1]`), `a`'s slots where true, else `b`'s."""
+    return jax.tree.map(lambda x, y: jnp.where(which if x.ndim == 3 else which[..., None], x, y), a, b)
+
+
 def write(
     cache: LayerCache,
     slot: Int[Array, "b kvh"],

@@ -20,6 +20,7 @@ from kvjax.policies import (
     LocalWindow,
     ObservedAttention,
     PyramidKV,
+    Recompress,
     SlimKV,
     SnapKV,
     StreamingLLM,
@@ -268,3 +269,49 @@ def test_chunked_refusals():
     # described with its chunk, so records of chunked and whole-prompt runs never mix
     assert "chunk=8" in make_policy("streaming", 16, prefill_mode="chunked", chunk=8).describe()
     assert "chunk" not in make_policy("streaming", 16).describe()
+
+
+def test_recompress_keeps_the_reference_top_every_n_steps():
+    """`Recompress(SnapKV(budget=B, window=W), every=N)` while decoding, against NumPy: the cache has
+    B + N slots; each time it fills (every N tokens once the first B are in), the kept set is the
+    latest W tokens plus the B - W best by SnapKV's score, computed from the last W queries'
+    attention over the slots they saw (summed over the group's heads, max-pooled over time)."""
+    rng = np.random.default_rng(5)
+    b, kvh, g, d, steps = 1, 2, 2, 8, 70
+    B, W, N, kernel = 12, 3, 5, 3
+    policy = Recompress(scorer=SnapKV(budget=B, window=W, kernel=kernel), every=N)
+    assert policy.capacity(0, 1000) == B + N
+    q = rng.normal(size=(steps, kvh * g, d)).astype(np.float32) * 2
+    k = rng.normal(size=(steps, kvh, d)).astype(np.float32)
+    cache = kvcache.empty(b, kvh, B + N, d, jnp.float32)
+    kept = [[] for _ in range(kvh)]
+    acc = [dict() for _ in range(kvh)]
+    checked = 0
+    for t in range(steps):
+        p_ = jnp.asarray([t], jnp.int32)
+        cache = policy.step(0, cache, jnp.asarray(k[t][None]), jnp.asarray(k[t][None]), p_)
+        _, stats = attention.decode_attention(jnp.asarray(q[t][None]), cache.k, cache.v, cache.pos, cache.log_w,
+                                              scale=d**-0.5, stats=policy.decode_stats(0))
+        cache = policy.observe(0, cache, p_, stats)
+        assert cache.capacity == B + N
+        full = False
+        for j in range(kvh):  # the reference
+            kept[j].append(t)
+            logits = np.stack([q[t, j * g + i] @ k[kept[j], j].T for i in range(g)]) * d**-0.5
+            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs = (probs / probs.sum(axis=1, keepdims=True)).sum(axis=0)
+            if B + N - len(kept[j]) < W:
+                for pos_, pr in zip(kept[j], probs):
+                    acc[j][pos_] = acc[j].get(pos_, 0.0) + pr
+            if len(kept[j]) == B + N:
+                full = True
+                s = np.array([acc[j].get(x, 0.0) if x <= t - W else 0.0 for x in kept[j]])
+                pooled = [s[max(0, i - kernel // 2): i + kernel // 2 + 1].max() for i in range(len(s))]
+                window = [x for x in kept[j] if x > t - W]
+                best = sorted((x for x in kept[j] if x <= t - W), key=lambda x: (-pooled[kept[j].index(x)], x))
+                kept[j] = sorted(window + best[: B - W])
+                acc[j] = {}
+        ours = kvcache.kept_sets((cache,))[0]
+        assert ours == kept, f"step {t}"
+        checked += full
+    assert checked == (steps - B) // N  # re-compressions at B + N, B + 2N, ... tokens

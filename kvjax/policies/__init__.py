@@ -6,6 +6,7 @@ from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, PerL
 from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
+from kvjax.policies.recompress import Recompress
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
 from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
@@ -105,6 +106,6 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 __all__ = [
     "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
-    "ObservedAttention", "PerLayer", "Policy", "PyramidKV", "REGISTRY", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
+    "ObservedAttention", "PerLayer", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
 ]

@@ -1,0 +1,118 @@
+"""Decode-time re-compression (kvpress's DecodingPress): a prompt compressor applied again every `every`
+generated tokens, so long outputs (reasoning traces) stay within budget + every slots.
+
+`Recompress(SnapKV(budget=B, window=W), every=N)` compresses the prompt as SnapKV does, into a cache of
+`B + N` slots, then appends generated tokens; when the cache is full it re-scores every slot with the
+scorer's own rule and evicts back to the scorer's keep count (B), always keeping the latest W tokens.
+
+What "the last window's queries" means while decoding: each decode attention returns its query's
+probabilities over the slots (`probs`, summed over the KV group's query heads); the wrapper adds them
+into each slot's score for the last W queries before the cache fills (every query for the observed
+attention, whose score is all queries). Nothing is evicted between two re-compressions, so those W
+queries saw exactly the slots they would in a prompt's observation window, causally. The scorer
+then ranks the slots in position order (its pooling runs over neighbours in time), as it ranks a
+prompt. Its group aggregation becomes a sum over the group's heads (the same ranking as the mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
+from kvjax.policies.base import Policy
+from kvjax.policies.scored import ScoredPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recompress(Policy):
+    scorer: ScoredPolicy
+    every: int
+
+    def __post_init__(self):
+        if not isinstance(self.scorer, ScoredPolicy):
+            raise InvalidInput(f"Recompress: scorer={self.scorer.describe()} is not a prompt compressor (SnapKV, "
+                               "PyramidKV, SlimKV, TOVA, KNorm, ObservedAttention)")
+        if self.scorer.budget is None:
+            raise InvalidInput("Recompress: the scorer needs a token budget (budget=B), which decoding returns to; "
+                               "a ratio is a share of a prompt")
+        if self.every < 1:
+            raise InvalidInput(f"Recompress: every={self.every} must be >= 1")
+        if self.every < self.scorer.window:
+            raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's window={self.scorer.window}: "
+                               "the window's queries are the last ones before a re-compression")
+
+    evicts_while_decoding = True
+
+    @property
+    def prefill_mode(self):
+        return self.scorer.prefill_mode
+
+    @property
+    def chunk(self):
+        return self.scorer.chunk
+
+    def describe(self) -> str:
+        return f"Recompress(scorer={self.scorer.describe()}, every={self.every})"
+
+    def position_mode(self, layer):
+        return self.scorer.position_mode(layer)
+
+    def check(self, num_layers, num_kv_heads=None):
+        self.scorer.check(num_layers, num_kv_heads)
+
+    def _kept(self, layer: int, max_len: int) -> int:
+        return int(np.max(self.scorer.keep_count(layer, np.arange(1, max_len + 1))))
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return min(max_len, self._kept(layer, max_len) + self.every)
+
+    # The prompt: the scorer's own compression (whole, or chunked), into the larger cache.
+    def prefill_stats(self, layer):
+        return self.scorer.prefill_stats(layer)
+
+    def chunk_stats(self, layer):
+        return self.scorer.chunk_stats(layer)
+
+    def prefill(self, layer, cache, k, v, pos, stats):
+        return self.scorer.prefill(layer, cache, k, v, pos, stats)
+
+    def absorb(self, layer, cache, k, v, pos, stats):
+        return self.scorer.absorb(layer, cache, k, v, pos, stats)
+
+    # Decoding: append, accumulate the window's attention, re-compress when full.
+    def decode_stats(self, layer):
+        return frozenset({"probs"})
+
+    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+        return kvcache.append(cache, k, v, pos)  # a re-compression always leaves `every` free slots
+
+    def _window(self, layer) -> int | None:
+        """How many queries before a re-compression count; None: all of them (the observed attention)."""
+        wanted = self.scorer.prefill_stats(layer)
+        return None if "colsum" in wanted else self.scorer.window
+
+    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+        free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
+        w = self._window(layer)
+        counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)
+        cache = dataclasses.replace(cache, score=cache.score + jnp.where(counts, stats["probs"], 0.0))
+        full = (free == 0) & (pos >= 0)[:, None, None]
+        return kvcache.select(full, self._recompress(layer, cache, pos), cache)
+
+    def _recompress(self, layer, cache: LayerCache, pos) -> LayerCache:
+        order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        c = kvcache.take_slots(cache, order)  # position order, empty slots last
+        real = c.pos >= 0
+        acc = c.score[:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
+        stats = {f"window_probs:{self.scorer.window}": acc, "window_probs:1": acc, "colsum": acc[:, :, :, 0]}
+        score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
+        in_window = real & (c.pos > (pos - self.scorer.window)[:, None, None])
+        length = (pos + 1)[:, None, None]
+        keep = kvcache.keep_top(score, real, in_window, self.scorer.keep_count(layer, length))
+        kept = kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
+        return dataclasses.replace(kept, score=jnp.zeros_like(kept.score))  # the next window starts afresh
