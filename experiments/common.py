@@ -86,6 +86,26 @@ def _empty(text: str):
     raise argparse.ArgumentTypeError(f"{text!r} holds no values")
 
 
+PROTOCOLS = ("aware", "agnostic")
+
+
+def add_protocol_arg(p: argparse.ArgumentParser, default: str = "aware") -> None:
+    """--protocol: compress the context with its question (aware) or without it (agnostic, kvpress's default)."""
+    p.add_argument("--protocol", choices=PROTOCOLS, default=default,
+                   help="aware: compress context and question together; agnostic: compress the context alone, "
+                        "then extend the compressed cache with the question (kvpress's protocol)")
+
+
+def split_question(prompts: list[list[int]], question_lengths: list[int], protocol: str
+                   ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """`generate`'s (prompts, questions) for a protocol: the same token ids either way, the last
+    `question_lengths[i]` of prompt i being its question."""
+    if protocol == "aware":
+        return prompts, None
+    return [p[: len(p) - n] for p, n in zip(prompts, question_lengths)], [p[len(p) - n:] for p, n in
+                                                                          zip(prompts, question_lengths)]
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """--allow-nonfinite and --debug, for every command that loads a model."""
     g = p.add_argument_group("run")

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from experiments import cli
 from experiments.common import (
     add_compare_args,
+    add_protocol_arg,
     add_run_args,
     attach_gate_params,
     chosen_policies,
@@ -35,6 +36,7 @@ from experiments.common import (
     int_list,
     positive_int,
     resolve_model,
+    split_question,
 )
 from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling, generate
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated percentages")
     p.add_argument("--batch", type=positive_int, default=5)
     p.add_argument("--out", default="results/needle")
+    add_protocol_arg(p)
     add_compare_args(p, default="full,streaming")
     add_run_args(p)
     args = p.parse_args(argv)
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = ResultLog(out / "cells.jsonl")
     setting = f"{args.needle}|{args.question}"
+    q_ids = tok(args.question, add_special_tokens=False)["input_ids"]  # needle_prompt's question tokens
     for lab, pol in zip(labels, policies):
         todo = [(L, d) for L in lengths for d in depths if f"{pol.describe()}|{setting}|{L}|{d}" not in log]
         for L in tqdm(lengths, desc=f"needle {lab}"):
@@ -182,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             for s in range(0, len(cells), args.batch):
                 chunk = cells[s : s + args.batch]
                 prompts = [needle_prompt(tok, hay, L, d, args.needle, args.question) for _, d in chunk]
-                gen = generate(lm.model, [pr for pr, _ in prompts], pol, max_new_tokens=MAX_NEW_TOKENS,
+                contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts),
+                                                     args.protocol)
+                gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
                                sampling=Sampling())
                 for (_, d), (_, at), seq in zip(chunk, prompts, gen.sequences()):
                     text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]

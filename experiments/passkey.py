@@ -24,6 +24,7 @@ from tqdm import tqdm
 from experiments import cli
 from experiments.common import (
     add_policy_args,
+    add_protocol_arg,
     add_run_args,
     attach_gate_params,
     float_list,
@@ -32,6 +33,7 @@ from experiments.common import (
     policy_from_args,
     positive_int,
     resolve_model,
+    split_question,
 )
 from experiments.records import ResultLog, claim_results_dir, options_of
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
@@ -86,7 +88,7 @@ def first_int(text: str) -> int | None:
 
 
 def run(model, tok, policy, lengths, depths, samples: int, log: ResultLog, *, seed: int = 0, batch: int = 8,
-        label: str = "", progress: bool = True) -> list[dict]:
+        label: str = "", progress: bool = True, protocol: str = "aware") -> list[dict]:
     """Appends a record per (length, depth, sample) not yet in `log`; returns this policy's records."""
     todo = []
     for length in lengths:
@@ -102,7 +104,9 @@ def run(model, tok, policy, lengths, depths, samples: int, log: ResultLog, *, se
         for s in range(0, len(rows), batch):
             chunk = rows[s : s + batch]
             prompts = [passkey_prompt(tok, length, d, k) for _, _, d, k in chunk]
-            out = generate(model, [p for p, _ in prompts], policy, max_new_tokens=MAX_NEW_TOKENS,
+            contexts, questions = split_question([p for p, _ in prompts], [len(_encode(tok, PASSKEY_QUESTION))] *
+                                                 len(prompts), protocol)
+            out = generate(model, contexts, policy, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
                            sampling=Sampling())
             for (rid, _, depth, key), (_, at), seq in zip(chunk, prompts, out.sequences()):
                 text = tok.decode(seq, skip_special_tokens=True)
@@ -165,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default="results/passkey")
+    add_protocol_arg(p)
     add_policy_args(p, default="full")
     add_run_args(p)
     args = p.parse_args(argv)
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     label = policy.describe()
     log = ResultLog(out / "samples.jsonl")
     records = run(lm.model, lm.tokenizer, policy, lengths, args.depths, args.samples, log, seed=args.seed,
+                  protocol=args.protocol,
                   batch=args.batch, label=label)
     tables = {r["policy"]: None for r in log}
     tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in tables}

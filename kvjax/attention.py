@@ -385,7 +385,9 @@ def prefix_attention(
 
     `stats`, over the keys `[cache slots; chunk]` (the candidates `Policy.absorb` chooses from):
     "window_probs:W" `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
-    (W <= t); "colsum" `[b, kvh, g, C + t]`, each key's probability summed over the real queries.
+    (W <= t); "colsum" `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
+    "first_logit" `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
+    chunk token), without bias or soft-cap, as `prefill_attention` returns it.
     """
     kvh = k.shape[1]
     qg = _group(q, kvh)
@@ -417,7 +419,11 @@ def prefix_attention(
     real = (pos >= 0)[:, None, None, :, None]  # padding queries contribute nothing
     out_stats = {}
     for name in stats:
-        if name == "colsum":
+        if name == "first_logit":
+            at0 = lambda keys, p0: jnp.sum(jnp.where(p0[..., None], keys, 0), axis=2)  # noqa: E731
+            k0 = at0(cache_k, slot_pos == 0) + at0(k, jnp.broadcast_to((pos == 0)[:, None], k.shape[:3]))
+            out_stats[name] = jnp.einsum("bkgqd,bkd->bkgq", qg, k0.astype(qg.dtype), preferred_element_type=acc) * scale
+        elif name == "colsum":
             out_stats[name] = jnp.sum(jnp.where(real, p, 0.0), axis=3)
         elif name.startswith("window_probs:") and int(name.split(":")[1]) <= t:
             w = int(name.split(":")[1])

@@ -50,3 +50,31 @@ def prefill(model, tokens, positions, *, policy, max_len):
 def decode(model, tokens, positions, cache, *, policy):
     """`model.decode`: one token per row through the cache, which is replaced."""
     return model.decode(tokens, positions, cache, policy)
+
+
+@compiled(static=("policy",), donate=("cache",))
+def prefill_chunk(model, tokens, positions, cache, *, policy):
+    """`model.prefill_chunk`: one chunk of a chunked prefill; last-position logits and the cache, replaced."""
+    return model.prefill_chunk(tokens, positions, cache, policy, all_logits=False)
+
+
+def chunked_prefill(model, tokens, positions, policy, max_len: int):
+    """`model.prefill` under `prefill_mode="chunked"` as a host loop over one compiled chunk step: the
+    same cache as the scan, but one compilation for every prompt length and nothing on the device
+    that grows with the prompt (the prompt's ids stay on the host). `tokens`, `positions`: `[b, t]`,
+    left padded (positions -1); returns the last position's logits and the cache."""
+    import numpy as np
+
+    tokens, positions = np.asarray(tokens), np.asarray(positions)
+    b, t = tokens.shape
+    n = policy.chunk
+    pad = -t % n
+    tokens = np.pad(tokens, ((0, 0), (pad, 0)))
+    positions = np.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
+    cache = model.init_cache(policy, b, max_len, t)
+    graphdef, state = nnx.split(model)
+    logits = None
+    for s in range(0, t + pad, n):
+        logits, cache = prefill_chunk.pure(graphdef, state, tokens[:, s:s + n], positions[:, s:s + n], cache,
+                                           policy=policy)
+    return logits, cache

@@ -60,14 +60,12 @@ class PromptTooLong(InvalidInput):
     def __init__(self, longest: int, max_new: int, max_positions: int, *, absolute: bool, truncate: bool):
         self.longest, self.max_new, self.max_positions = longest, max_new, max_positions
         self.absolute, self.truncate = absolute, truncate
-        super().__init__(self._message(truncate_hint="truncate=True", rolling_hint='positions="rolling"',
-                                       chunk_hint='prefill_mode="chunked" and a chunk'))
+        super().__init__(self._message(truncate_hint="truncate=True", rolling_hint='positions="rolling"'))
 
     def cli_message(self) -> str:
-        return self._message(truncate_hint="--truncate", rolling_hint="--positions rolling",
-                             chunk_hint="--prefill-mode chunked --chunk N")
+        return self._message(truncate_hint="--truncate", rolling_hint="--positions rolling")
 
-    def _message(self, truncate_hint: str, rolling_hint: str, chunk_hint: str) -> str:
+    def _message(self, truncate_hint: str, rolling_hint: str) -> str:
         what = f"prompt of {self.longest} tokens" + (f" + max_new_tokens={self.max_new}" if self.absolute else "")
         fixes = []
         if self.truncate:  # truncation is on, but leaves no room for a prompt
@@ -80,10 +78,6 @@ class PromptTooLong(InvalidInput):
         # only when the prompt itself fits.
         if self.absolute and self.longest <= self.max_positions:
             fixes.append(f"use {rolling_hint}")
-        elif self.longest > self.max_positions:
-            # A prompt read in chunks (or token by token) under rolling positions never needs a position
-            # past the cache's size; the ring policies (full, local, streaming) can do that.
-            fixes.append(f"read it with {rolling_hint} and {chunk_hint} (streaming, local)")
         return (f"{what} exceeds the model's max_position_embeddings={self.max_positions}; "
                 + ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1])
 

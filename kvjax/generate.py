@@ -240,7 +240,9 @@ def generate(
     prompt is a context compressed alone, then its question extends the compressed cache token by
     token through the policy's decode rule (a policy that compresses only at prefill, e.g. SnapKV,
     appends it whole; one that evicts while decoding, e.g. StreamingLLM, applies its rule), then
-    generation follows. Without them (question-aware), prompt and question are one prompt.
+    generation follows. Without them (question-aware), prompt and question are one prompt. One
+    prompt with several questions is compressed once: each question (a row of the result) extends
+    its own copy of that one compressed cache.
 
     With `truncate=True`, prompts too long for the model are middle-truncated (LongBench's rule;
     with questions, the contexts are); otherwise they are an error. Non-finite logits raise
@@ -255,16 +257,17 @@ def generate(
     prompts = [list(map(int, p)) for p in prompts]
     if questions is not None:
         questions = [list(map(int, q)) for q in questions]
-        if len(questions) != len(prompts) or any(len(q) == 0 for q in questions):
-            raise InvalidInput(f"questions: one non-empty question per prompt; got {len(questions)} for "
-                               f"{len(prompts)} prompts")
+        if len(questions) != len(prompts) and len(prompts) != 1 or any(len(q) == 0 for q in questions):
+            raise InvalidInput(f"questions: one non-empty question per prompt, or several for one prompt; got "
+                               f"{len(questions)} for {len(prompts)} prompts")
     asked = questions or [[] for _ in prompts]
     bad = [t for p in (*prompts, *asked) for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
     limit = position_limit(policy, cfg, max_new_tokens)
-    longest = max(len(p) + len(q) for p, q in zip(prompts, asked))
+    rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions
+    longest = max(len(p) + len(q) for p, q in zip(rows, asked))
     if limit is not None and longest > limit:
         fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
         if not truncate or fit < 2:
@@ -295,6 +298,9 @@ def generate(
     first.block_until_ready()
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)
+    if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question
+        cache = jax.tree.map(lambda x: jnp.repeat(x, len(questions), axis=0), cache)
+        ends = np.repeat(ends, len(questions))
     if questions is not None:
         # Left padded, so every row's last step is its question's last token; positions continue the context's.
         q_tokens, q_pos = pad_left(questions, q_bucket, pad)

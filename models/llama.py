@@ -290,21 +290,23 @@ class Attention(nnx.Module):
         return self._out(o)
 
     def chunk(
-        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: LayerCache
+        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: LayerCache,
+        tokens: Int[Array, "b n"],
     ) -> tuple[Float[Array, "b n D"], LayerCache]:
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
         then the policy folds it into the cache (see `kvjax.policies.base`)."""
         rule = policy.at_layer(self.layer)
         q, k, v = self._qkv(x)
         cache = rule.make_room(self.layer, cache, pos)
-        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos)
+        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos, tokens)
+        extra = {"tokens": tokens} if rule.uses_tokens else {}
         kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=self._alibi(),
                   window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer))
         k_rot = self._rotate(k, pos[:, None, :])
         if rule.position_mode(self.layer) == "absolute":
             o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
                                                   cache.pos, cache.log_w, **kw)
-            return self._out(o), rule.absorb(self.layer, cache, k_rot, v, pos, stats)
+            return self._out(o), rule.absorb(self.layer, cache, k_rot, v, pos, stats, **extra)
         # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at
         # its true distance (rotated relative to the chunk's last position, keeping angles small); a sink
         # is ranked first, so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
@@ -318,7 +320,7 @@ class Attention(nnx.Module):
             self._rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
             q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
         )
-        return self._out(o), rule.absorb(self.layer, cache, k, v, pos, stats)
+        return self._out(o), rule.absorb(self.layer, cache, k, v, pos, stats, **extra)
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -440,8 +442,8 @@ class DecoderLayer(nnx.Module):
     def extend(self, x, pos, policy, cache, anchors=None):
         return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchors))
 
-    def chunk(self, x, pos, policy, cache):
-        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, policy, cache)
+    def chunk(self, x, pos, policy, cache, tokens):
+        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, policy, cache, tokens)
         return self._finish(x, a), cache
 
     def decode(self, x, pos, policy, cache, tokens=None):
@@ -609,7 +611,7 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         out = []
         for layer, c in zip(self.layers, cache):
-            x, c = layer.chunk(x, positions, policy, c)
+            x, c = layer.chunk(x, positions, policy, c, tokens)
             out.append(c)
         return self._logits(x if all_logits else x[:, -1]), tuple(out)
 

@@ -87,6 +87,7 @@ STREAM_EXACT = [
     ("local", lambda **m: LocalWindow(window=10, **m)),
     ("full", lambda **m: FullCache(**m)),
     ("h2o", lambda **m: H2O(budget=12, recent=4, **m)),
+    ("mat", lambda **m: mat(12, 4, shallow_layers=1, sinks=2, **m)),
 ]
 
 
@@ -252,8 +253,14 @@ def test_chunked_prefill_memory_is_bounded(default_model):
 
 def test_chunked_refusals():
     """A rule that cannot be chunked says why; so do options that contradict the chunked mode."""
-    with pytest.raises(InvalidInput, match="Algorithm 1 is sequential"):
-        mat(64, 8, prefill_mode="chunked", chunk=16)
+    from kvjax.policies import CompensatedWindow
+
+    with pytest.raises(InvalidInput, match="CompensatedWindow cannot run prefill_mode='chunked': not implemented"):
+        CompensatedWindow(prefill_mode="chunked", chunk=8)
+    with pytest.raises(InvalidInput, match="exceeds the window c - beta = 56"):
+        mat(64, 8, prefill_mode="chunked", chunk=57)
+    with pytest.raises(InvalidInput, match="rolling positions cannot be computed for a chunk"):
+        SnapKV(budget=64, positions="rolling", prefill_mode="chunked", chunk=64)
     with pytest.raises(InvalidInput, match="a ratio is a share of the whole prompt"):
         SnapKV(ratio=0.5, prefill_mode="chunked", chunk=64)
     with pytest.raises(InvalidInput, match="shorter than window=32"):
@@ -315,3 +322,70 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
         assert ours == kept, f"step {t}"
         checked += full
     assert checked == (steps - B) // N  # re-compressions at B + N, B + 2N, ... tokens
+
+
+def test_agnostic_protocol_compresses_the_context_once_whatever_the_question(sharp):
+    """Question-agnostic: the kept context positions depend on the context only (two questions, the
+    same kept set), and one context with several questions is compressed once: each answer equals
+    the answer to that question asked alone. Question-aware compression, by contrast, keeps
+    different context tokens for different questions (so the check above can fail)."""
+    from kvjax import generate
+
+    rng = np.random.default_rng(7)
+    vocab = sharp.cfg.vocab_size
+    context = rng.integers(4, vocab, 60).tolist()
+    questions = [rng.integers(4, vocab, 6).tolist() for _ in range(3)]
+    policy = SnapKV(budget=16, window=4, kernel=3)
+
+    def context_kept(gen, row):
+        kept = kvcache.kept_sets(gen.cache, row)
+        return [[[p for p in head if p < len(context)] for head in layer] for layer in kept]
+
+    together = generate(sharp, [context], policy, questions=questions, max_new_tokens=5)
+    kept = [context_kept(together, r) for r in range(3)]
+    assert kept[0] == kept[1] == kept[2]
+    for r, q in enumerate(questions):
+        alone = generate(sharp, [context], policy, questions=[q], max_new_tokens=5)
+        assert alone.sequences()[0] == together.sequences()[r]
+        assert context_kept(alone, 0) == kept[r]
+    aware = [context_kept(generate(sharp, [context + q], policy, max_new_tokens=5), 0) for q in questions]
+    assert any(a != aware[0] for a in aware[1:])
+
+
+def test_host_loop_equals_the_scan(sharp, prompts):
+    """`engine.chunked_prefill` (one compiled chunk step, looped on the host) builds the cache that
+    `model.prefill`'s scan builds."""
+    from kvjax import engine
+
+    policy = SnapKV(budget=10, window=4, kernel=3, prefill_mode="chunked", chunk=8)
+    logits, cache = engine.chunked_prefill(sharp, *prompts, policy, T + 3)
+    ref_logits, ref_kept = _run(sharp, *prompts, policy)
+    np.testing.assert_allclose(np.asarray(logits), ref_logits[0], rtol=0, atol=1e-5)
+    for a, b in zip(kvcache.kept_positions(cache), ref_kept[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_anllm_chunked_is_stream_at_one_and_eq4_at_any_chunk(tiny_dir):
+    """AnLLM's REDUCTION in chunks: at chunk 1 exactly the stream (kept positions, logits within 1e-5);
+    at chunk 5, while no region overflows, the last logits of the eq. 4-masked full forward (the
+    cache drops only what the mask hides) and the kept set "every anchor + the tokens after the last"."""
+    from kvjax.anchors import anchor_mask
+    from kvjax.policies.anllm import AnchorReduction
+    from tests.test_anllm import ANCHOR, _with_anchors
+
+    model = load(tiny_dir).model
+    n = 50
+    ids = _with_anchors(n, seed=11)
+    toks, pos = jnp.asarray([ids]), jnp.arange(n, dtype=jnp.int32)[None]
+    make = lambda **m: AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12, **m)  # noqa: E731
+    run = lambda policy: model.prefill(toks, pos, policy, n + 4)  # noqa: E731
+    ls, cs = run(make(prefill_mode="stream"))
+    l1, c1 = run(make(prefill_mode="chunked", chunk=1))
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(ls), rtol=0, atol=1e-5)
+    assert kvcache.kept_sets(c1) == kvcache.kept_sets(cs)
+    full = np.asarray(model(toks, anchors=anchor_mask(jnp.asarray([[t == ANCHOR for t in ids]]))))[0, -1]
+    l5, c5 = run(make(prefill_mode="chunked", chunk=5))
+    np.testing.assert_allclose(np.asarray(l5)[0], full, rtol=0, atol=1e-5)
+    last = max(i for i, t in enumerate(ids) if t == ANCHOR)
+    expect = [i for i in range(n) if ids[i] == ANCHOR or i > last]
+    assert all(head == expect for layer in kvcache.kept_sets(c5) for head in layer)

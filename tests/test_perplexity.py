@@ -101,3 +101,28 @@ def test_cli_averages_the_nll_of_several_sequences(tmp_path):
     res = json.loads((out / "results.json").read_text())["ppl"]
     assert res["full"]["32"] == pytest.approx(np.exp(np.mean(nll)), rel=1e-3)
     assert (out / "runs.jsonl").read_text().count("\n") == 3  # one record per sequence, none recomputed
+
+
+def test_cli_chunked_equals_stream_and_scores_snapkv(tmp_path, capsys):
+    """`--prefill-mode chunked --chunk N`: StreamingLLM's perplexity is the token-by-token one, the
+    records are a new identity (the description names the chunk), and a prompt compressor (SnapKV),
+    which stream mode refuses, is scored chunk by chunk. --recompress-every with no prompt compressor
+    is a one-line error naming the flag."""
+    from tests.test_reliability import one_error_line, run_cli
+
+    model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=256), seed=3)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} of line {i}." for i in range(200)))
+    out = tmp_path / "out"
+    base = ["--model", str(model_dir), "--text", str(text), "--lengths", "150", "--budget", "24", "--out", str(out)]
+    assert ppl_cli.main(base + ["--compare", "streaming"]) == 0
+    assert ppl_cli.main(base + ["--compare", "streaming,snapkv", "--window", "8", "--prefill-mode", "chunked",
+                                "--chunk", "16"]) == 0
+    runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    stream = next(r for r in runs if r["policy"].startswith("StreamingLLM") and "chunk=" not in r["policy"])
+    chunked = next(r for r in runs if r["policy"].startswith("StreamingLLM") and "chunk=16" in r["policy"])
+    np.testing.assert_allclose(chunked["nll_per_token"], stream["nll_per_token"], atol=1e-4)
+    assert any(r["policy"].startswith("SnapKV") and np.isfinite(r["ppl"]) for r in runs)
+    capsys.readouterr()  # the progress bars so far
+    code, err = run_cli(ppl_cli.main, base + ["--compare", "streaming", "--recompress-every", "8"], capsys)
+    assert code == 2 and "--recompress-every 8: no policy of streaming" in one_error_line(err)

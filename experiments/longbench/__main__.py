@@ -22,6 +22,7 @@ from pathlib import Path
 from experiments import cli
 from experiments.common import (
     add_compare_args,
+    add_protocol_arg,
     add_run_args,
     attach_gate_params,
     chosen_policies,
@@ -54,6 +55,7 @@ def parse(argv):
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
     p.add_argument("--out", default="results/longbench")
     add_compare_args(p, default=DEFAULT_COMPARE, budget=MAIN_BUDGET)
+    add_protocol_arg(p)
     add_run_args(p)
     return p, p.parse_args(argv)
 
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     # No resuming over another configuration's records (each policy's are in their own directory).
     claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples")) | {"--data-dir": str(data_dir.resolve())})
     out.mkdir(parents=True, exist_ok=True)
-    opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e)
+    opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e,
+                           protocol=args.protocol)
     scores: dict[str, dict] = {}
     t0 = time.time()
     from tqdm import tqdm

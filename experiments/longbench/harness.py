@@ -102,6 +102,19 @@ def build_prompt(tok, dataset: str, row: dict, max_length: int, chat: bool) -> s
     return prompt
 
 
+def split_prompt(tok, dataset: str, row: dict, prompt: str) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of a built prompt for the question-agnostic protocol: the question is
+    what the dataset's template puts after `{context}` (with the chat template's closing, if any),
+    found at the end of the prompt, which middle truncation never cuts."""
+    template = config()["prompts"][dataset]
+    question = template[template.index("{context}") + len("{context}"):].format(**row)
+    at = prompt.rfind(question)
+    if at < 0 or not question.strip():
+        raise InvalidInput(f"{dataset}: the question after {{context}} was not found at the end of the prompt; "
+                           "use --protocol aware for this dataset")
+    return tok(prompt[:at], truncation=False)["input_ids"], tok(prompt[at:], add_special_tokens=False)["input_ids"]
+
+
 def policy_slug(policy) -> str:
     """A directory name for a policy: its class, budget and a hash of its full description."""
     desc = policy.describe()
@@ -117,6 +130,7 @@ class Options:
     samples: int | None = None  # first N rows of each dataset
     chat: bool = True
     e: bool = False
+    protocol: str = "aware"  # or "agnostic": the context compressed without the question (kvpress's protocol)
 
 
 def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, progress: bool = True) -> list[dict]:
@@ -133,10 +147,16 @@ def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, 
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=dataset, disable=not progress, leave=False)
     for s in range(0, len(todo), opts.batch):
         chunk = todo[s : s + opts.batch]
-        prompts = [tok(build_prompt(tok, dataset, r, max_length, opts.chat), truncation=False)["input_ids"]
-                   for r in chunk]
-        gen = generate(lm.model, prompts, policy, max_new_tokens=max_new, sampling=Sampling(), eos_ids=eos,
-                       pad_id=tok.pad_token_id, truncate=True)
+        texts = [build_prompt(tok, dataset, r, max_length, opts.chat) for r in chunk]
+        if opts.protocol == "agnostic":
+            parts = [split_prompt(tok, dataset, r, t) for r, t in zip(chunk, texts)]
+            prompts, questions = [c + q for c, q in parts], [q for _, q in parts]
+            contexts = [c for c, _ in parts]
+        else:  # today's ids: the whole prompt tokenised at once
+            prompts, questions = [tok(t, truncation=False)["input_ids"] for t in texts], None
+            contexts = prompts
+        gen = generate(lm.model, contexts, policy, questions=questions, max_new_tokens=max_new, sampling=Sampling(),
+                       eos_ids=eos, pad_id=tok.pad_token_id, truncate=True)
         for r, p, seq in zip(chunk, prompts, gen.sequences()):
             log.add({"_id": r["_id"], "pred": tok.decode(seq, skip_special_tokens=True), "answers": r["answers"],
                      "all_classes": r["all_classes"], "length": r["length"], "prompt_tokens": len(p)})

@@ -2,14 +2,35 @@
 
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy
-from kvjax.policies.compose import EVERY_LAYER, ByHead, ByLayer, HeadSplit, PerLayer, by_head, by_layer
+from kvjax.policies.compose import (
+    EVERY_LAYER,
+    ByHead,
+    ByLayer,
+    HeadSplit,
+    PerLayer,
+    by_head,
+    by_layer,
+)
 from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
-from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat, mat_with_anchor, mat_with_sink
-from kvjax.policies.recompress import Recompress
+from kvjax.policies.mat import (
+    AnchorCache,
+    grid_search_anchors,
+    mat,
+    mat_with_anchor,
+    mat_with_sink,
+)
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
+from kvjax.policies.recompress import Recompress
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
-from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
+from kvjax.policies.scored import (
+    TOVA,
+    KNorm,
+    ObservedAttention,
+    PyramidKV,
+    SlimKV,
+    SnapKV,
+)
 
 
 def _mat_anchors(budget, anchors):

@@ -42,8 +42,6 @@ class AnchorReduction(LayerPolicy):
 
     uses_tokens = True
 
-    chunk_refusal = "not implemented yet (a chunk would keep the anchors plus its current sequence)"
-
     def __post_init__(self):
         super().__post_init__()
         if not self.anchor_ids:
@@ -54,6 +52,9 @@ class AnchorReduction(LayerPolicy):
             raise InvalidInput(f"AnchorReduction: span={self.span} must be (start, end) with 0 <= start < end")
         if self.positions != "absolute":
             raise InvalidInput("AnchorReduction: positions must be 'absolute' (eq. 4 keeps true positions)")
+        if self.chunk is not None and self.chunk > self.sequence:
+            raise InvalidInput(f"AnchorReduction: chunk={self.chunk} exceeds sequence={self.sequence}: a chunk's "
+                               "tokens pass through the current-sequence slots")
 
     def _span_len(self) -> int:
         return 0 if self.span is None else self.span[1] - self.span[0]
@@ -95,6 +96,44 @@ class AnchorReduction(LayerPolicy):
             [_newest(anchor, self.anchors), _newest(current, self.sequence), _newest(span, self._span_len())], axis=1
         )
         return kvcache.gather_prompt(cache, k, v, pos, jnp.broadcast_to(src[:, None], (b, kvh, src.shape[1])))
+
+    # Chunked: the chunk follows eq. 4 within itself and against the cache (`prefix_visible`, as
+    # `Llama.extend`), after the oldest current-sequence tokens it displaces are dropped (as `step`
+    # drops one before a token attends); then REDUCTION runs over cache ∪ chunk. At chunk 1 this is
+    # `step` + `observe` exactly.
+    def chunk_visible(self, layer, cache: LayerCache, pos, tokens):
+        anchors = self.prompt_mask(tokens, pos)
+        return self.prefix_visible(layer, cache, anchors), anchors.visible()
+
+    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+        a, s = self.anchors, self.sequence
+        slots = jnp.arange(cache.capacity)
+        seq = (slots >= a) & (slots < a + s) & (cache.pos >= 0)
+        arriving = jnp.sum((pos >= 0) & ~self._in_span(pos), axis=1)[:, None, None]  # through the sequence slots
+        need = arriving - (s - jnp.sum(seq, axis=-1, keepdims=True))
+        rank = jnp.argsort(jnp.argsort(jnp.where(seq, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1), axis=-1)
+        drop = seq & (rank < need)  # the oldest of the current sequence
+        return kvcache.take_slots(cache, jnp.where(drop, -1, slots))
+
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
+        a, s = self.anchors, self.sequence
+        n = k.shape[2]
+        both = kvcache.chunk_slots(cache, k, v, pos)
+        slots = jnp.arange(cache.capacity)
+        valid = pos >= 0
+        span = self._in_span(pos) & valid
+        anchor = anchor_flags(tokens, self.anchor_ids) & valid & ~span
+        last = jnp.max(jnp.where(anchor, jnp.arange(n), -1), axis=1)[:, None]  # the chunk's last anchor, -1 if none
+        cached = lambda region: jnp.broadcast_to(region & (cache.pos >= 0), cache.pos.shape)  # noqa: E731
+        joined = lambda in_cache, in_chunk: jnp.concatenate(  # noqa: E731
+            [in_cache, jnp.broadcast_to(in_chunk[:, None], both.pos.shape[:2] + (n,))], axis=-1)
+        anchors = joined(cached(slots < a), anchor)
+        current = joined(cached((slots >= a) & (slots < a + s)) & (last < 0)[:, :, None],
+                         valid & ~anchor & ~span & (jnp.arange(n) > last))
+        kept_span = joined(cached(slots >= a + s), span)
+        src = jnp.concatenate([_newest(anchors, a), _newest(current, s), _newest(kept_span, self._span_len())], axis=-1)
+        out = kvcache.take_slots(both, src)
+        return dataclasses.replace(out, score=jnp.zeros_like(out.score), log_w=jnp.zeros_like(out.log_w))
 
     def step(self, layer, cache: LayerCache, k, v, pos, tokens=None) -> LayerCache:
         a, s = self.anchors, self.sequence
@@ -139,9 +178,10 @@ def _where(cond, a: LayerCache, b: LayerCache) -> LayerCache:
 
 
 def _newest(mask, n: int):
-    """Time indices `[b, n]` of the `n` newest True entries of `mask` `[b, t]`, in time order, -1 padded."""
+    """Indices `[..., n]` of the `n` newest (last) True entries of `mask` `[..., t]`, in order, -1 padded."""
     if n == 0:
-        return jnp.zeros(mask.shape[:1] + (0,), jnp.int32)
-    # Rank from the end so an overflow drops the oldest; compact keeps time order.
-    from_end = jnp.cumsum(mask[:, ::-1], axis=1)[:, ::-1]
-    return kvcache.compact((mask & (from_end <= n))[:, None], n)[:, 0]
+        return jnp.zeros(mask.shape[:-1] + (0,), jnp.int32)
+    # Rank from the end so an overflow drops the oldest; compact keeps the order.
+    from_end = jnp.cumsum(mask[..., ::-1], axis=-1)[..., ::-1]
+    keep = mask & (from_end <= n)
+    return kvcache.compact(keep.reshape(keep.shape[0], -1, keep.shape[-1]), n).reshape(mask.shape[:-1] + (n,))

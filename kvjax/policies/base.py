@@ -104,12 +104,12 @@ class Policy(abc.ABC):
         return cache
 
     def chunk_visible(
-        self, layer: int, cache: LayerCache, pos: Int[Array, "b n"]
+        self, layer: int, cache: LayerCache, pos: Int[Array, "b n"], tokens: Int[Array, "b n"]
     ) -> tuple[Bool[Array, "b kvh n c"] | None, Bool[Array, "b n n"] | None]:
         """Which cache slots and which earlier chunk tokens each query of the chunk may see, beyond
-        causality: what the cache would hold when that token is reached (a ring's sinks + window).
-        None: all of them."""
-        del layer, cache, pos
+        causality: what the cache would hold when that token is reached (a ring's sinks + window),
+        or what the rule's mask allows (AnLLM's eq. 4). None: all of them."""
+        del layer, cache, pos, tokens
         return None, None
 
     def rolling_sinks(self, layer: int, capacity: int) -> int:
@@ -128,7 +128,8 @@ class Policy(abc.ABC):
         pos: Int[Array, "b n"],
         stats: dict[str, Array],
     ) -> LayerCache:
-        """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget."""
+        """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget
+        (with `tokens=` for a rule that reads token ids, as `prefill` and `step`)."""
         raise InvalidInput(f"{self.describe()} cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
     def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: dict[str, Array]) -> LayerCache:
@@ -221,6 +222,10 @@ class LayerPolicy(Policy):
             raise InvalidInput(f"{name}: chunk={self.chunk} must be >= 1")
         if self.prefill_mode == "chunked" and type(self).absorb is Policy.absorb:
             raise InvalidInput(f"{name} cannot run prefill_mode='chunked': {self.chunk_refusal}")
+        if self.prefill_mode == "chunked" and self.positions == "rolling" and type(self).rolling_sinks is \
+                Policy.rolling_sinks:
+            raise InvalidInput(f"{name}: rolling positions cannot be computed for a chunk of the prompt (they are "
+                               "ranks in a cache with gaps); use positions='absolute' or prefill_mode='stream'")
 
     def position_mode(self, layer: int) -> PositionMode:
         return self.positions

@@ -38,8 +38,8 @@ class H2O(LayerPolicy):
         if self.budget <= self.recent:
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
         if self.chunk is not None and self.chunk > self.budget - self.recent:
-            raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a chunk's "
-                               "tokens replace heavy hitters, and only those outside the recent window may go")
+            raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a "
+                               "chunk's tokens replace heavy hitters, and only those outside the recent window may go")
 
     def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len)

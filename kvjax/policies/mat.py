@@ -55,9 +55,6 @@ class AnchorCache(LayerPolicy):
     anchors: int
     group_agg: str = "mean"
     prefill_mode: PrefillMode = "stream"
-    chunk_refusal = ("Algorithm 1 is sequential: which anchors a token of a chunk may see depends on the pi of the "
-                     "chunk's earlier tokens, which a chunk attending at once does not have; prefill_mode='stream' "
-                     "is the paper's protocol")
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +67,10 @@ class AnchorCache(LayerPolicy):
             )
         if self.group_agg not in GROUP_AGGREGATIONS:
             raise InvalidInput(f"MAT: group_agg={self.group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+        if self.chunk is not None and self.chunk > self.window:
+            raise InvalidInput(f"MAT: chunk={self.chunk} exceeds the window c - beta = {self.window}: a chunk's "
+                               "tokens must all be in the window when it ends, so that its anchors are known before "
+                               "it attends")
 
     @property
     def window(self) -> int:
@@ -88,20 +89,42 @@ class AnchorCache(LayerPolicy):
         # first_logit: [b, kvh, g, ...] per query head -> [b, kvh, ...]
         return first_logit.mean(axis=2) if self.group_agg == "mean" else first_logit.max(axis=2)
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
-        pi = self._pi(stats["first_logit"])  # [b, kvh, t]
-        length = (jnp.max(pos, axis=1) + 1)[:, None, None]
-        p = pos[:, None, :]
+    def _closed_form(self, p, pi, length):
+        """Algorithm 1's state after `length` tokens, over tokens at positions `p` with their `pi`
+        (`[b, kvh | 1, t]`, in time order): position 0, the `beta - 1` lowest pi among the tokens that
+        left the window (ties: the newer stays, as the stream evicts the older), and the window."""
         real = p >= 0
         left_window = real & (p >= 1) & (p < length - self.window)
         # Rank candidates by (pi ascending, position descending): reverse time, then a stable sort.
         key = jnp.where(left_window, pi, jnp.inf)[..., ::-1]
         rank = jnp.argsort(jnp.argsort(key, axis=-1, stable=True), axis=-1)[..., ::-1]
-        keep = real & (
+        return real & (
             (length <= self.budget) | (p == 0) | (p >= length - self.window) | (left_window & (rank < self.anchors - 1))
         )
-        keep = jnp.broadcast_to(keep, pi.shape)
+
+    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        pi = self._pi(stats["first_logit"])  # [b, kvh, t]
+        length = (jnp.max(pos, axis=1) + 1)[:, None, None]
+        keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length), pi.shape)
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
+
+    # Chunked: every token of a chunk ends in the window (chunk <= c - beta), so the state after the
+    # chunk, Algorithm 1's closed form, is known from the cache alone before the chunk attends: the
+    # cache is cut to it first (at chunk 1, exactly `step`'s eviction), then the chunk is appended.
+    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+        length = (jnp.max(pos, axis=1) + 1)[:, None, None]  # after the chunk
+        length = jnp.maximum(length, jnp.max(cache.pos, axis=(1, 2))[:, None, None] + 1)
+        order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        c = kvcache.take_slots(cache, order)  # time order, as the closed form ranks ties by it
+        keep = self._closed_form(c.pos, c.score, length)
+        return kvcache.take_slots(c, jnp.where(keep, jnp.arange(c.capacity), -1))
+
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        both = kvcache.chunk_slots(cache, k, v, pos)
+        n = k.shape[2]
+        pi = jnp.concatenate([both.score[..., :-n], self._pi(stats["first_logit"])], axis=-1)  # the chunk's own pi
+        both = dataclasses.replace(both, score=pi.astype(both.score.dtype))
+        return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         leaving = (pos - self.window)[:, None, None]  # the window's oldest token after this insert

@@ -43,8 +43,8 @@ class Recompress(Policy):
         if self.every < 1:
             raise InvalidInput(f"Recompress: every={self.every} must be >= 1")
         if self.every < self.scorer.window:
-            raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's window={self.scorer.window}: "
-                               "the window's queries are the last ones before a re-compression")
+            raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's window="
+                               f"{self.scorer.window}: the window's queries are the last ones before a re-compression")
 
     evicts_while_decoding = True
 

@@ -111,7 +111,7 @@ class RingPolicy(LayerPolicy):
         return kvcache.write(cache, slot, k, v, pos)
 
     # -- chunked prefill: exactly the stream, whatever the chunk size ---------------------------
-    def chunk_visible(self, layer, cache: LayerCache, pos):
+    def chunk_visible(self, layer, cache: LayerCache, pos, tokens):
         # Token p, streamed, sees the sinks and the window p - w + 1 .. p: the ring has overwritten the rest.
         sinks, cap = self._layout_for(cache)
         w = cap - sinks
