@@ -290,28 +290,47 @@ class Attention(nnx.Module):
         return self._out(o)
 
     def chunk(
-        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: LayerCache,
+        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: AnyLayerCache,
         tokens: Int[Array, "b n"],
-    ) -> tuple[Float[Array, "b n D"], LayerCache]:
+    ) -> tuple[Float[Array, "b n D"], AnyLayerCache]:
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
-        then the policy folds it into the cache (see `kvjax.policies.base`)."""
-        rule = policy.at_layer(self.layer)
+        then the policy folds it into the cache (see `kvjax.policies.base`); head groups one by one."""
         q, k, v = self._qkv(x)
+        rule = policy.at_layer(self.layer)
+        split = rule.head_split(self.layer)
+        slopes = self._alibi()
+        if split is None:
+            o, cache = self._chunk_heads(q, k, v, pos, rule, cache, tokens, slopes)
+            return self._out(o), cache
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        outs, groups, order = [], [], []
+        for (heads, sub), c in zip(split, cache.groups):
+            qh = [h * g + j for h in heads for j in range(g)]
+            o, c = self._chunk_heads(q[:, qh], k[:, list(heads)], v[:, list(heads)], pos, sub, c, tokens,
+                                     None if slopes is None else slopes[qh])
+            outs.append(o)
+            groups.append(c)
+            order += qh
+        return self._out(jnp.concatenate(outs, axis=1)[:, np.argsort(order)]), HeadwiseCache(tuple(groups), cache.heads)
+
+    def _chunk_heads(self, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
+        """The query heads `q` `[b, h', n, d]` of one chunk, reading KV heads `k, v` `[b, kvh', n, d]`
+        and their `cache` under `rule`: `(output [b, h', n, d], cache)`."""
         cache = rule.make_room(self.layer, cache, pos)
         slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos, tokens)
         extra = {"tokens": tokens} if rule.uses_tokens else {}
-        kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=self._alibi(),
+        kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
                   window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer))
-        k_rot = self._rotate(k, pos[:, None, :])
         if rule.position_mode(self.layer) == "absolute":
+            k_rot = self._rotate(k, pos[:, None, :])
             o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
                                                   cache.pos, cache.log_w, **kw)
-            return self._out(o), rule.absorb(self.layer, cache, k_rot, v, pos, stats, **extra)
+            return o, rule.absorb(self.layer, cache, k_rot, v, pos, stats, **extra)
         # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at
         # its true distance (rotated relative to the chunk's last position, keeping angles small); a sink
         # is ranked first, so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
-        if self._alibi() is not None:
-            raise ValueError("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
+        if slopes is not None:
+            raise InvalidInput("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
         sinks = rule.rolling_sinks(self.layer, cache.capacity)
         base = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]
         coord = lambda p: jnp.where(p < sinks, p, p - base[..., None] if p.ndim == 3 else p - base)  # noqa: E731
@@ -320,7 +339,7 @@ class Attention(nnx.Module):
             self._rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
             q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
         )
-        return self._out(o), rule.absorb(self.layer, cache, k, v, pos, stats, **extra)
+        return o, rule.absorb(self.layer, cache, k, v, pos, stats, **extra)
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -526,7 +545,8 @@ class Llama(nnx.Module):
                                          for i, p in enumerate(policy.layers)))
         return PerLayer(layers=tuple(
             policy if c.window_of(i) is None else
-            FullCache(positions=policy.position_mode(i), prefill_mode=policy.prefill_mode).with_window(c.window_of(i))
+            FullCache(positions=policy.position_mode(i), prefill_mode=policy.prefill_mode, chunk=policy.chunk
+                      ).with_window(c.window_of(i))
             for i in range(c.num_layers)))
 
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
@@ -604,10 +624,6 @@ class Llama(nnx.Module):
         A host loop over this (one compilation for every prompt length) or `prefill`'s scan give
         the same cache."""
         policy = self.native_policy(policy)
-        for i in range(self.cfg.num_layers):
-            if policy.head_split(i) is not None:
-                raise InvalidInput(f"{policy.describe()} splits layer {i}'s KV heads into groups; a chunked prefill "
-                                   "needs one cache array per layer")
         x = self.embed(tokens)
         out = []
         for layer, c in zip(self.layers, cache):

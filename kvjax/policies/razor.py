@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy
+from kvjax.policies.base import LayerPolicy, PrefillMode
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
 
@@ -67,7 +67,8 @@ class CompensatedWindow(LayerPolicy):
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
 
-    chunk_refusal = "not implemented yet (a chunk's evicted tokens would fold into the compensation slot)"
+    chunk_refusal = ("fold='prefill' is Algorithm 1 taken literally: one compression once the whole prompt "
+                     "(its length N) is known")
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,6 +87,11 @@ class CompensatedWindow(LayerPolicy):
             )
         if self.scopes is not None and min(self.scopes) < 1:
             raise InvalidInput(f"RazorAttention: scopes={self.scopes} must all be >= 1")
+        if self.prefill_mode == "chunked" and self.fold == "prefill":
+            raise InvalidInput(f"RazorAttention cannot run prefill_mode='chunked' with {self.chunk_refusal}")
+        if self.prefill_mode == "stream" and self.fold == "prefill":
+            raise InvalidInput("RazorAttention: fold='prefill' compresses a whole prompt once: prefill_mode must be "
+                               "'full'")
 
     def _window(self, prompt_len: int) -> int:
         return max(self.scopes) if self.scopes is not None else buffer_length(prompt_len, self.buffer, self.compression)
@@ -127,6 +133,50 @@ class CompensatedWindow(LayerPolicy):
         last = jnp.max(jnp.where(dropped, p, kvcache.EMPTY), axis=-1)  # the newest dropped position
         return _set_compensation(cache, mean(k), mean(v), count, last)
 
+    def _decode_window(self, cache: LayerCache, start: int, end: int):
+        """`[b, kvh]` window length while tokens arrive one by one: the prompt's `L` kept in the slots'
+        score, each head's scope (ALiBi), or `S0` for a row that had no prompt (N unknown)."""
+        slots = jnp.arange(cache.capacity)
+        win = jnp.max(jnp.where(slots < end, cache.score, 0), axis=-1)
+        if self.scopes is not None:
+            win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
+        return jnp.minimum(jnp.where(win > 0, win, self.buffer), end - start)
+
+    # Chunked (fold="decode"): before a chunk attends, the window tokens its tokens push out are folded
+    # into the compensation slot, as `step` folds one before a token attends (at chunk 1, exactly the
+    # stream); then the chunk's tokens take the freed window slots (sinks their own).
+    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+        start, end = self._layout(cache.capacity)
+        slots = jnp.arange(cache.capacity)
+        held = (slots >= start) & (slots < end) & (cache.pos >= 0)
+        arriving = jnp.sum((pos >= self.sinks), axis=1)[:, None]  # sink tokens take their own slots
+        need = jnp.sum(held, axis=-1) + arriving - self._decode_window(cache, start, end)  # [b, kvh]
+        rank = jnp.argsort(jnp.argsort(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1), axis=-1)
+        leaving = held & (rank < need[..., None])  # the oldest window tokens
+        if self.compensate:
+            cache = _fold_all(cache, leaving)
+        return kvcache.take_slots(cache, jnp.where(leaving, -1, slots))
+
+    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+        start, end = self._layout(cache.capacity)
+        c, n = cache.capacity, k.shape[2]
+        win = self._decode_window(cache, start, end)
+        both = kvcache.chunk_slots(cache, k, v, pos)
+        slots = jnp.arange(c)
+        chunk_pos = both.pos[..., c:]  # [b, kvh, n]
+        both = dataclasses.replace(both, score=jnp.concatenate(
+            [both.score[..., :c], jnp.broadcast_to(win[..., None], chunk_pos.shape).astype(both.score.dtype)], -1))
+        # Sinks: slot j holds position j, from the cache or from the chunk.
+        from_chunk = jnp.argmax(chunk_pos[..., None, :] == slots[:start, None], axis=-1)  # [b, kvh, sinks]
+        has = jnp.any(chunk_pos[..., None, :] == slots[:start, None], axis=-1)
+        sink_src = jnp.where(cache.pos[..., :start] >= 0, slots[:start], jnp.where(has, c + from_chunk, -1))
+        # The window: its kept tokens, then the chunk's non-sink tokens, in the window's slots.
+        window = jnp.concatenate([(slots >= start) & (slots < end) & (cache.pos >= 0), chunk_pos >= self.sinks], -1)
+        src = [sink_src, kvcache.compact(window, end - start)]
+        if self.compensate:
+            src.append(jnp.full(sink_src.shape[:2] + (1,), c - 1, jnp.int32))
+        return kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
+
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         start, end = self._layout(cache.capacity)
         slots = jnp.arange(cache.capacity)
@@ -137,11 +187,7 @@ class CompensatedWindow(LayerPolicy):
             slot = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
             win = jnp.max(jnp.where(in_window, cache.score, 0), axis=-1)
             return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos, win)
-        win = jnp.max(jnp.where(in_window | (slots < start), cache.score, 0), axis=-1)
-        if self.scopes is not None:
-            win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
-        # A row that had no prompt (streamed token by token): N is unknown, so L = S0.
-        win = jnp.minimum(jnp.where(win > 0, win, self.buffer), end - start)
+        win = self._decode_window(cache, start, end)
         full = jnp.sum(held, axis=-1) >= win  # [b, kvh]
         oldest = jnp.argmin(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         empty = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
@@ -168,6 +214,19 @@ def _set_compensation(cache: LayerCache, k_hat, v_hat, count, last) -> LayerCach
         score=cache.score.at[:, :, -1].set(count.astype(dt)),
         log_w=cache.log_w.at[:, :, -1].set(jnp.where(some, jnp.log(jnp.maximum(count, 1).astype(dt)), 0.0)),
     )
+
+
+def _fold_all(cache: LayerCache, leaving) -> LayerCache:
+    """Folds every slot where `leaving` (`[b, kvh, C]`) into the compensation slot: the count-weighted
+    mean of the old mean and the leaving tokens, `_fold` for several tokens at once."""
+    dt = cache.score.dtype
+    count = cache.score[:, :, -1]
+    w = leaving.astype(dt)
+    new = count + jnp.sum(w, axis=-1)
+    mix = lambda old, x: (old.astype(dt) * count[..., None] + jnp.einsum("bhc,bhcd->bhd", w, x.astype(dt))) / \
+        jnp.maximum(new, 1)[..., None]  # noqa: E731
+    last = jnp.maximum(cache.pos[:, :, -1], jnp.max(jnp.where(leaving, cache.pos, kvcache.EMPTY), axis=-1))
+    return _set_compensation(cache, mix(cache.k[:, :, -1], cache.k), mix(cache.v[:, :, -1], cache.v), new, last)
 
 
 def _fold(cache: LayerCache, slot, evicting) -> LayerCache:
@@ -202,6 +261,10 @@ class RazorAttention(ByHead):
     # The model's sliding window (`with_window`): its retrieval heads then keep a ring of that many
     # slots, all such a model can still attend to, instead of the whole context.
     sliding_window: int | None = None
+    # "full" (Algorithm 1: L = max(S0, N / C) from the prompt's length N), or the prompt read token by
+    # token ("stream") or in chunks ("chunked", `chunk`): N is then unknown and local heads keep S0.
+    prefill_mode: PrefillMode = "full"
+    chunk: int | None = None
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -213,7 +276,7 @@ class RazorAttention(ByHead):
             raise InvalidInput("RazorAttention: the head table must have the same non-zero number of heads per layer")
         # Validates the shared hyper-parameters once, with the paper's names in the messages.
         CompensatedWindow(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
-                          compensate=self.compensate, fold=self.fold)
+                          compensate=self.compensate, fold=self.fold, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
     def _num_layers(self):
         return len(self.retrieval if self.retrieval is not None else self.scopes)
@@ -238,10 +301,12 @@ class RazorAttention(ByHead):
         heads = range(self._num_kv_heads())
         full = tuple(h for h in heads if self.is_retrieval(layer, h))
         local = [h for h in heads if not self.is_retrieval(layer, h)]
-        whole = FullCache() if self.sliding_window is None else FullCache().with_window(self.sliding_window)
+        modes = dict(prefill_mode=self.prefill_mode, chunk=self.chunk)
+        whole = FullCache(**modes)
+        whole = whole if self.sliding_window is None else whole.with_window(self.sliding_window)
         split = [(full, whole)] if full else []
         common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
-                      compensate=self.compensate, fold=self.fold)
+                      compensate=self.compensate, fold=self.fold, **modes)
         if self.scopes is None:
             if local:
                 split.append((tuple(local), CompensatedWindow(**common)))
@@ -266,7 +331,9 @@ class RazorAttention(ByHead):
         return (f"RazorAttention({kind} {digest}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
                 f"compression={self.compression}, buffer={self.buffer}, sinks={self.sinks}, "
                 f"compensate={self.compensate}, fold={self.fold!r}"
-                + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}") + ")")
+                + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}")
+                + ("" if self.prefill_mode == "full" else f", prefill_mode={self.prefill_mode!r}")
+                + ("" if self.chunk is None else f", chunk={self.chunk}") + ")")
 
 
 def razor_from_heads(

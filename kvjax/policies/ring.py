@@ -160,7 +160,7 @@ class FullCache(RingPolicy):
 
     def with_window(self, window):
         # Everything a sliding-window model can still attend to: a `window`-slot ring buffer.
-        return LocalWindow(window=window, positions=self.positions, prefill_mode=self.prefill_mode)
+        return LocalWindow(window=window, positions=self.positions, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
