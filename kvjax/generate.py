@@ -9,6 +9,7 @@ donated to the decode loop, so the loop updates it in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from kvjax import sharding
+from kvjax import engine, sharding
 from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
@@ -104,6 +105,12 @@ def _all_finite(logits: Float[Array, "b V"]) -> Array:
 def prefill_fn(model, tokens, positions, key, *, policy, max_len, sampling):
     logits, cache = model.prefill(tokens, positions, policy, max_len)
     return sample(logits, key, sampling), _all_finite(logits), cache
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def first_token(logits, key, *, sampling):
+    """The first generated token from the prompt's last logits, and whether they were finite."""
+    return sample(logits, key, sampling), _all_finite(logits)
 
 
 @compiled(static=("policy", "sampling"), donate=("cache",))
@@ -292,9 +299,15 @@ def generate(
     room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
     t0 = time.perf_counter()
-    first, first_finite, cache = prefill_fn.pure(
-        graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + room, sampling=sampling
-    )
+    if policy.prefill_mode == "chunked":
+        # One compiled chunk step looped on the host: a prompt of any bucket compiles nothing new, and the
+        # device holds the cache and one chunk, never the whole prompt's activations.
+        logits, cache = engine.chunked_prefill(model, tokens, positions, policy, bucket + room)
+        first, first_finite = first_token(logits, k_prefill, sampling=sampling)
+    else:
+        first, first_finite, cache = prefill_fn.pure(
+            graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + room, sampling=sampling
+        )
     first.block_until_ready()
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)

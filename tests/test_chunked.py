@@ -394,3 +394,21 @@ def test_anllm_chunked_is_stream_at_one_and_eq4_at_any_chunk(tiny_dir):
     last = max(i for i, t in enumerate(ids) if t == ANCHOR)
     expect = [i for i in range(n) if ids[i] == ANCHOR or i > last]
     assert all(head == expect for layer in kvcache.kept_sets(c5) for head in layer)
+
+
+def test_generate_chunked_compiles_once_for_every_prompt_bucket(sharp):
+    """`generate` under a chunked policy loops one compiled chunk step over the prompt: prompts in
+    other length buckets (here 128 and 512 tokens) compile nothing new, and the answer equals the
+    stream-mode answer."""
+    from kvjax import generate
+
+    rng = np.random.default_rng(2)
+    policy = StreamingLLM(budget=32, sinks=4, prefill_mode="chunked", chunk=32)
+    generate(sharp, [rng.integers(4, sharp.cfg.vocab_size, 40).tolist()], policy, max_new_tokens=4)
+    prompt = rng.integers(4, sharp.cfg.vocab_size, 300).tolist()
+    with compile_log() as compiles:
+        for n in (100, 300):
+            out = generate(sharp, [prompt[:n]], policy, max_new_tokens=4)
+    assert compiles == [], f"{len(compiles)} compilations for prompts in new buckets"
+    stream = generate(sharp, [prompt], StreamingLLM(budget=32, sinks=4, prefill_mode="stream"), max_new_tokens=4)
+    assert out.sequences() == stream.sequences()

@@ -159,7 +159,7 @@ class CompensatedWindow(LayerPolicy):
 
     def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         start, end = self._layout(cache.capacity)
-        c, n = cache.capacity, k.shape[2]
+        c = cache.capacity
         win = self._decode_window(cache, start, end)
         both = kvcache.chunk_slots(cache, k, v, pos)
         slots = jnp.arange(c)
