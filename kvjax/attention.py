@@ -9,7 +9,9 @@ its position is >= 0 and not after the query's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,11 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     low = 2 ** math.floor(math.log2(num_heads))
     rest = alibi_slopes(2 * low)[0::2][: num_heads - low]
     return np.concatenate([power_of_2(low), rest]).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _softcap(s, cap: float | None):
@@ -370,6 +377,7 @@ def prefix_attention(
     stats: frozenset[str] = frozenset(),
     q_sinks: Float[Array, "b h t d"] | None = None,
     sinks: int = 0,
+    impl: str = "xla",
 ) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
     """A chunk of `t` new tokens attending a cache of `C` slots and, causally, itself.
 
@@ -388,7 +396,14 @@ def prefix_attention(
     (W <= t); "colsum" `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
     "first_logit" `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
     chunk token), without bias or soft-cap, as `prefill_attention` returns it.
+
+    There is no Pallas kernel for a chunk over a cache: with `impl="pallas"` this runs here and says
+    so once (a warning), never silently.
     """
+    check_impl(impl)
+    if impl == "pallas":
+        _warn_once("attention_impl='pallas': a chunk attending a cache (chunked prefill, extend) runs in XLA; "
+                   "kvjax.pallas has no kernel for it")
     kvh = k.shape[1]
     qg = _group(q, kvh)
     b, _, g, t, d = qg.shape

@@ -285,7 +285,7 @@ class Attention(nnx.Module):
         o, _ = attention.prefix_attention(
             q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
             slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchors), anchors=anchors,
-            alibi=self._alibi(), window=self.window, softcap=self.softcap,
+            alibi=self._alibi(), window=self.window, softcap=self.softcap, impl=self.cfg.attention_impl,
         )
         return self._out(o)
 
@@ -296,22 +296,28 @@ class Attention(nnx.Module):
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
         then the policy folds it into the cache (see `kvjax.policies.base`); head groups one by one."""
         q, k, v = self._qkv(x)
-        rule = policy.at_layer(self.layer)
+        o, cache = self._per_group(policy.at_layer(self.layer), cache, q, k, v, lambda q, k, v, rule, c, slopes:
+                                   self._chunk_heads(q, k, v, pos, rule, c, tokens, slopes))
+        return self._out(o), cache
+
+    def _per_group(self, rule: Policy, cache: AnyLayerCache, q, k, v, run):
+        """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when `rule`
+        splits the KV heads (`HeadwiseCache`), each group with its query heads, its KV heads, its own
+        rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order. The
+        one place head groups are dispatched, for decoding and for chunks."""
         split = rule.head_split(self.layer)
         slopes = self._alibi()
         if split is None:
-            o, cache = self._chunk_heads(q, k, v, pos, rule, cache, tokens, slopes)
-            return self._out(o), cache
+            return run(q, k, v, rule, cache, slopes)
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         outs, groups, order = [], [], []
         for (heads, sub), c in zip(split, cache.groups):
             qh = [h * g + j for h in heads for j in range(g)]
-            o, c = self._chunk_heads(q[:, qh], k[:, list(heads)], v[:, list(heads)], pos, sub, c, tokens,
-                                     None if slopes is None else slopes[qh])
+            o, c = run(q[:, qh], k[:, list(heads)], v[:, list(heads)], sub, c, None if slopes is None else slopes[qh])
             outs.append(o)
             groups.append(c)
             order += qh
-        return self._out(jnp.concatenate(outs, axis=1)[:, np.argsort(order)]), HeadwiseCache(tuple(groups), cache.heads)
+        return jnp.concatenate(outs, axis=1)[:, np.argsort(order)], HeadwiseCache(tuple(groups), cache.heads)
 
     def _chunk_heads(self, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
         """The query heads `q` `[b, h', n, d]` of one chunk, reading KV heads `k, v` `[b, kvh', n, d]`
@@ -320,7 +326,8 @@ class Attention(nnx.Module):
         slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos, tokens)
         extra = {"tokens": tokens} if rule.uses_tokens else {}
         kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
-                  window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer))
+                  window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer),
+                  impl=self.cfg.attention_impl)
         if rule.position_mode(self.layer) == "absolute":
             k_rot = self._rotate(k, pos[:, None, :])
             o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
@@ -361,26 +368,10 @@ class Attention(nnx.Module):
         self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: AnyLayerCache, tokens=None
     ):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
-        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        slopes = self._alibi()
-        policy = policy.at_layer(self.layer)  # this layer's rule
-        split = policy.head_split(self.layer)
-        if split is None:
-            o, cache = self._decode_heads(q, k, v, pos, policy, cache, slopes, tokens)
-            return self._out(o[:, :, None, :]), cache
-        # Head groups of different capacity: attention runs per group, outputs go back in head order.
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        outs, groups, order = [], [], []
-        for (heads, sub), c in zip(split, cache.groups):
-            qh = [h * g + j for h in heads for j in range(g)]
-            o, c = self._decode_heads(
-                q[:, qh], k[:, list(heads)], v[:, list(heads)], pos, sub, c, None if slopes is None else slopes[qh]
-            )
-            outs.append(o)
-            groups.append(c)
-            order += qh
-        o = jnp.concatenate(outs, axis=1)[:, np.argsort(order)]
-        return self._out(o[:, :, None, :]), HeadwiseCache(tuple(groups), cache.heads)
+        o, cache = self._per_group(policy.at_layer(self.layer), cache, q[:, :, 0], k[:, :, 0], v[:, :, 0],
+                                   lambda q, k, v, rule, c, slopes: self._decode_heads(q, k, v, pos, rule, c, slopes,
+                                                                                       tokens))
+        return self._out(o[:, :, None, :]), cache
 
     def _decode_heads(self, q, k, v, pos, policy, cache: LayerCache, slopes, tokens=None):
         """One token through `cache` for the query heads `q` `[b, h', d]` reading KV heads `k, v` `[b, kvh', d]`."""

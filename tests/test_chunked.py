@@ -412,3 +412,17 @@ def test_generate_chunked_compiles_once_for_every_prompt_bucket(sharp):
     assert compiles == [], f"{len(compiles)} compilations for prompts in new buckets"
     stream = generate(sharp, [prompt], StreamingLLM(budget=32, sinks=4, prefill_mode="stream"), max_new_tokens=4)
     assert out.sequences() == stream.sequences()
+
+
+def test_chunk_attention_says_it_has_no_pallas_kernel():
+    """A chunk over a cache has no Pallas kernel: asked for one, it runs in XLA and warns (once), the
+    same numbers as `impl="xla"`, never a silent fallback."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4)))
+    cache = kvcache.empty(1, 1, 2, 4, jnp.float32)
+    pos = jnp.arange(3, dtype=jnp.int32)[None]
+    args = (q, k, v, pos, cache.k, cache.v, cache.pos, cache.log_w)
+    attention._warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="has no kernel for it"):
+        out, _ = attention.prefix_attention(*args, scale=0.5, impl="pallas")
+    np.testing.assert_array_equal(out, attention.prefix_attention(*args, scale=0.5)[0])
