@@ -128,7 +128,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--group-agg", choices=["mean", "max", "sum"],
                    help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
     g.add_argument("--ratio", type=fraction_removed,
-                   help="score-based policies: fraction of the prompt removed, instead of --budget")
+                   help="fraction of each prompt removed, instead of --budget (score-based policies, streaming, local, "
+                        "h2o)")
     g.add_argument("--window", type=nonnegative_int, help="observation window kept and scored from (SnapKV 32, "
                                                           "kvpress 64)")
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")

@@ -65,3 +65,40 @@ def test_h2o_errors():
         H2O(budget=4, recent=4)
     with pytest.raises(ValueError, match=r"recent=0 must be >= 1"):
         H2O(budget=4, recent=0)
+
+
+def test_h2o_ratio_budget_per_row(sharp_dir):
+    """`H2O(ratio=r)`: in one batch, a row of n prompt tokens keeps max(recent + 1, floor(n (1 - r))) slots
+    after the prompt and through decoding, and keeps what a token-budget H2O of that row's count keeps
+    when the row runs alone (that path is checked against the NumPy reference above)."""
+    model = load(sharp_dir).model
+    ratio, recent, steps = 0.5, 3, 6
+    lengths = (40, 23)
+    rows = [random_ids(n, 260, seed=50 + n) for n in lengths]
+    bucket = 64
+    toks = np.zeros((2, bucket), np.int32)
+    pos = np.full((2, bucket), -1, np.int32)
+    for i, ids in enumerate(rows):
+        toks[i, bucket - len(ids):], pos[i, bucket - len(ids):] = ids, np.arange(len(ids))
+    policy = H2O(ratio=ratio, recent=recent)
+    assert "ratio=0.5" in policy.describe() and "ratio" not in H2O(budget=8, recent=2).describe()
+    prefill, decode = stepper(model, policy, bucket + steps)
+    _, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    nxt = np.random.RandomState(3).randint(4, 260, (steps, 2))
+    kept = [kept_sets(cache, r) for r in range(2)]
+    for s in range(steps):
+        _, cache = decode(jnp.asarray(nxt[s]), jnp.asarray([n + s for n in lengths]), cache)
+    for r, n in enumerate(lengths):
+        want = max(recent + 1, int(np.floor(n * (1 - ratio))))
+        assert all(len(head) == want for layer in kept[r] for head in layer)
+        assert all(len(head) == want for layer in kept_sets(cache, r) for head in layer)  # through decoding
+        alone_prefill, alone_decode = stepper(model, H2O(budget=want, recent=recent), bucket + steps)
+        _, alone = alone_prefill(*left_pad(rows[r], bucket))
+        assert kept_sets(alone) == kept[r]
+        for s in range(steps):
+            _, alone = alone_decode(jnp.asarray([nxt[s, r]]), jnp.asarray([n + s]), alone)
+        assert kept_sets(alone) == kept_sets(cache, r)
+    with pytest.raises(ValueError, match="exactly one of budget"):
+        H2O(budget=8, ratio=0.5, recent=2)
+    with pytest.raises(ValueError, match="prefill_mode must be 'full'"):
+        H2O(ratio=0.5, recent=2, prefill_mode="stream")

@@ -92,8 +92,10 @@ REGISTRY.update({
         TOVA, budget, ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
     "knorm": lambda budget, ratio=None, window=0, positions="absolute", prefill_mode="full", chunk=None:
         _scored(KNorm, budget, ratio, window=window, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
-    "h2o": lambda budget, recent=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
-        budget=budget, recent=recent if recent is not None else max(1, budget // 2), positions=positions,
+    # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of --budget
+    "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
+        budget=None if ratio is not None else budget, ratio=ratio,
+        recent=recent if recent is not None else max(1, budget // 2), positions=positions,
         prefill_mode=prefill_mode, chunk=chunk),
     # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
     "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
@@ -28,21 +30,45 @@ from kvjax.policies.base import LayerPolicy
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class H2O(LayerPolicy):
-    budget: int
+    """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
+    prompt tokens keeps `max(recent + 1, floor(n (1 - ratio)))` slots, decoding included, as
+    kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted."""
+
+    budget: int | None = None
     recent: int
+    ratio: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.recent < 1:
             raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
-        if self.budget <= self.recent:
+        if (self.budget is None) == (self.ratio is None):
+            raise InvalidInput(f"H2O: give exactly one of budget (tokens) or ratio (fraction removed); got "
+                               f"budget={self.budget}, ratio={self.ratio}")
+        if self.ratio is not None and not 0 <= self.ratio < 1:
+            raise InvalidInput(f"H2O: ratio={self.ratio} must be in [0, 1)")
+        if self.ratio is not None and self.prefill_mode != "full":
+            raise InvalidInput("H2O: a ratio budget is a share of each row's prompt, known when the prompt is "
+                               "attended whole: prefill_mode must be 'full'")
+        if self.budget is not None and self.budget <= self.recent:
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
         if self.chunk is not None and self.chunk > self.budget - self.recent:
             raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a "
                                "chunk's tokens replace heavy hitters, and only those outside the recent window may go")
 
+    def describe(self) -> str:
+        # A token budget's description stays what it was before ratios existed (records are keyed by it).
+        return super().describe().replace(", ratio=None", "")
+
+    def row_slots(self, length):
+        """Slots a row keeps for a `length`-token prompt under `ratio` (numpy or jnp lengths)."""
+        xp = jnp if isinstance(length, jax.Array) else np
+        return xp.maximum(self.recent + 1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
+
     def capacity(self, layer, max_len, prompt_len=0):
-        return min(self.budget, max_len)
+        if self.ratio is None:
+            return min(self.budget, max_len)
+        return int(min(self.row_slots(np.int64(max(prompt_len, 1))), max_len))  # the bucket's longest prompt
 
     def prefill_stats(self, layer):
         return frozenset({"colsum"})
@@ -56,8 +82,14 @@ class H2O(LayerPolicy):
         p = pos[:, None, :]
         real = p >= 0
         recent = real & (p >= length - self.recent)
-        keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, self.budget))
-        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
+        rows = self.budget if self.ratio is None else jnp.minimum(self.row_slots(length), cache.capacity)
+        keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, rows))
+        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
+        if self.ratio is None:
+            return out
+        # Slots past the row's own count are DISABLED: never free for `step`, never seen by attention.
+        beyond = jnp.arange(cache.capacity)[None, None, :] >= rows
+        return dataclasses.replace(out, pos=jnp.where(beyond, kvcache.DISABLED, out.pos))
 
     def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
         arriving = jnp.sum(pos >= 0, axis=1)  # [b]
