@@ -32,6 +32,9 @@ import abc
 import dataclasses
 from typing import Literal
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import LayerCache
@@ -229,3 +232,26 @@ class LayerPolicy(Policy):
 
     def position_mode(self, layer: int) -> PositionMode:
         return self.positions
+
+
+# -- ratio budgets (kvpress's compression ratio), shared by the policies that evict per row ------------
+def check_ratio(policy: LayerPolicy, budget: int | None, name: str = "budget") -> None:
+    """A policy sized by exactly one of a token `budget` (called `name`) or `ratio`, the fraction of each
+    row's prompt removed; a ratio is known once the prompt is attended whole (prefill_mode 'full')."""
+    cls, ratio = type(policy).__name__, policy.ratio
+    if (budget is None) == (ratio is None):
+        raise InvalidInput(f"{cls}: give exactly one of {name} (tokens) or ratio (fraction removed); "
+                           f"got {name}={budget}, ratio={ratio}")
+    if ratio is not None and not 0 <= ratio < 1:
+        raise InvalidInput(f"{cls}: ratio={ratio} must be in [0, 1)")
+    if ratio is not None and policy.prefill_mode != "full":
+        raise InvalidInput(f"{cls}: a ratio budget is a share of each row's prompt, known when the prompt is "
+                           "attended whole: prefill_mode must be 'full'")
+
+
+def ratio_slots(length, ratio: float, least: int):
+    """Slots a row keeps for a `length`-token prompt: `max(least, floor(length (1 - ratio)))` (numpy or
+    jnp lengths); `least` is what the rule cannot do without (sinks + the current token, the recent window)."""
+    xp = jnp if isinstance(length, jax.Array) else np
+    return xp.maximum(least, xp.floor(length * (1 - ratio))).astype(xp.int32)
+

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy
+from kvjax.policies.base import LayerPolicy, check_ratio, ratio_slots
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,14 +41,7 @@ class H2O(LayerPolicy):
         super().__post_init__()
         if self.recent < 1:
             raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
-        if (self.budget is None) == (self.ratio is None):
-            raise InvalidInput(f"H2O: give exactly one of budget (tokens) or ratio (fraction removed); got "
-                               f"budget={self.budget}, ratio={self.ratio}")
-        if self.ratio is not None and not 0 <= self.ratio < 1:
-            raise InvalidInput(f"H2O: ratio={self.ratio} must be in [0, 1)")
-        if self.ratio is not None and self.prefill_mode != "full":
-            raise InvalidInput("H2O: a ratio budget is a share of each row's prompt, known when the prompt is "
-                               "attended whole: prefill_mode must be 'full'")
+        check_ratio(self, self.budget)
         if self.budget is not None and self.budget <= self.recent:
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
         if self.chunk is not None and self.chunk > self.budget - self.recent:
@@ -61,9 +53,8 @@ class H2O(LayerPolicy):
         return super().describe().replace(", ratio=None", "")
 
     def row_slots(self, length):
-        """Slots a row keeps for a `length`-token prompt under `ratio` (numpy or jnp lengths)."""
-        xp = jnp if isinstance(length, jax.Array) else np
-        return xp.maximum(self.recent + 1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
+        """Slots a row keeps for a `length`-token prompt under `ratio`: at least the recent window + 1."""
+        return ratio_slots(length, self.ratio, self.recent + 1)
 
     def capacity(self, layer, max_len, prompt_len=0):
         if self.ratio is None:

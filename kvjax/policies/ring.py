@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
@@ -19,7 +18,7 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy
+from kvjax.policies.base import LayerPolicy, check_ratio, ratio_slots
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -68,21 +67,9 @@ class RingPolicy(LayerPolicy):
         text = super().describe()
         return text.replace(", ratio=None", "").replace("(ratio=None, ", "(")
 
-    def _check_budget(self, budget, name: str) -> None:
-        cls = type(self).__name__
-        if (budget is None) == (self.ratio is None):
-            raise InvalidInput(f"{cls}: give exactly one of {name} (tokens) or ratio (fraction removed); "
-                               f"got {name}={budget}, ratio={self.ratio}")
-        if self.ratio is not None and not 0 <= self.ratio < 1:
-            raise InvalidInput(f"{cls}: ratio={self.ratio} must be in [0, 1)")
-        if self.ratio is not None and self.prefill_mode != "full":
-            raise InvalidInput(f"{cls}: a ratio budget is a share of each row's prompt, known when the prompt is "
-                               "attended whole: prefill_mode must be 'full'")
-
     def row_slots(self, length):
-        """Slots a row keeps for a `length`-token prompt under `ratio` (numpy or jnp lengths)."""
-        xp = jnp if isinstance(length, jax.Array) else np
-        return xp.maximum(self._sinks() + 1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
+        """Slots a row keeps for a `length`-token prompt under `ratio`: at least the sinks + 1."""
+        return ratio_slots(length, self.ratio, self._sinks() + 1)
 
     def capacity(self, layer: int, max_len: int, prompt_len: int = 0) -> int:
         if self.ratio is None:
@@ -172,7 +159,7 @@ class LocalWindow(RingPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_budget(self.window, "window")
+        check_ratio(self, self.window, "window")
         if self.window is not None and self.window < 1:
             raise InvalidInput(f"LocalWindow: window={self.window} must be >= 1")
 
@@ -194,7 +181,7 @@ class StreamingLLM(RingPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_budget(self.budget, "budget")
+        check_ratio(self, self.budget)
         if self.sinks < 0:
             raise InvalidInput(f"StreamingLLM: sinks={self.sinks} must be >= 0")
         if self.budget is not None and self.budget < self.sinks + 1:
