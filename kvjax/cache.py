@@ -111,25 +111,13 @@ def gather_prompt(
     src: Int[Array, "b kvh c"],
     score: Float[Array, "b kvh t"] | None = None,
 ) -> LayerCache:
-    """Fills every slot from prompt index `src` (a time index into k/v), or empties it (src < 0).
+    """Fills every slot of the (empty) `cache` from prompt index `src` (a time index into k/v), or
+    empties it (src < 0).
 
     The one gather every prefill compression shares: a policy only decides `src`
     (and, optionally, the per-token `score` its slots start with).
     """
-    take = jnp.maximum(src, 0)
-    keep = src >= 0
-    k_new = jnp.take_along_axis(k, take[..., None], axis=2)
-    v_new = jnp.take_along_axis(v, take[..., None], axis=2)
-    pos_b = jnp.broadcast_to(pos[:, None, :], src.shape[:2] + pos.shape[1:])
-    p_new = jnp.take_along_axis(pos_b, take, axis=2)
-    s_new = cache.score if score is None else jnp.take_along_axis(score.astype(cache.score.dtype), take, axis=2)
-    return dataclasses.replace(
-        cache,
-        k=jnp.where(keep[..., None], k_new, 0).astype(cache.k.dtype),
-        v=jnp.where(keep[..., None], v_new, 0).astype(cache.v.dtype),
-        pos=jnp.where(keep, p_new, EMPTY).astype(jnp.int32),
-        score=jnp.where(keep, s_new, 0.0),
-    )
+    return take_slots(as_slots(cache, k, v, pos, score), src)
 
 
 def keep_top(score: Array, real: Array, always: Array, n_keep: Array) -> Array:
@@ -173,21 +161,31 @@ def compact(keep: Array, capacity: int, *, right: bool = False) -> Int[Array, "b
     return src
 
 
+def as_slots(
+    like: LayerCache,
+    k: Float[Array, "b kvh n d"],
+    v: Float[Array, "b kvh n d"],
+    pos: Int[Array, "b n"],
+    score: Float[Array, "b kvh n"] | None = None,
+) -> LayerCache:
+    """Tokens as cache slots of `like`'s dtypes: their positions, `score` (or 0), no bias."""
+    shape = k.shape[:3]
+    stat = like.score.dtype
+    return LayerCache(
+        k=k.astype(like.k.dtype),
+        v=v.astype(like.v.dtype),
+        pos=jnp.broadcast_to(pos[:, None, :], shape).astype(jnp.int32),
+        score=jnp.zeros(shape, stat) if score is None else jnp.broadcast_to(score, shape).astype(stat),
+        log_w=jnp.zeros(shape, like.log_w.dtype),
+    )
+
+
 def chunk_slots(
     cache: LayerCache, k: Float[Array, "b kvh n d"], v: Float[Array, "b kvh n d"], pos: Int[Array, "b n"]
 ) -> LayerCache:
     """`cache`'s slots followed by a chunk's tokens as slots (score 0, no bias): the candidates a
     chunked prefill folds back into `cache.capacity` slots, in the key order of the chunk's attention."""
-    b, h, n, _ = k.shape
-    shape = (b, h, n)
-    chunk = LayerCache(
-        k=k.astype(cache.k.dtype),
-        v=v.astype(cache.v.dtype),
-        pos=jnp.broadcast_to(pos[:, None, :], shape).astype(jnp.int32),
-        score=jnp.zeros(shape, cache.score.dtype),
-        log_w=jnp.zeros(shape, cache.log_w.dtype),
-    )
-    return concat_slots(cache, chunk)
+    return concat_slots(cache, as_slots(cache, k, v, pos))
 
 
 def take_slots(cache: LayerCache, src: Int[Array, "b kvh c"]) -> LayerCache:

@@ -84,8 +84,8 @@ def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> n
     for s in (tqdm(steps, desc="chunks", leave=False) if len(steps) >= PROGRESS_CHUNKS else steps):
         lp, cache = _chunk_logprobs.pure(graphdef, state, tokens[:, s:s + c], positions[:, s:s + c],
                                          targets[:, s:s + c], cache, policy=policy)
-        out.append(np.asarray(lp[0]))
-    logp = np.concatenate(out)[: n - 1]
+        out.append(lp[0])  # kept on the device: no host round trip between chunks
+    logp = np.concatenate([np.asarray(x) for x in out])[: n - 1]  # (a jnp concatenate would compile per count)
     require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")
     return logp
 

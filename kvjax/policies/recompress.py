@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -102,7 +103,9 @@ class Recompress(Policy):
         counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)
         cache = dataclasses.replace(cache, score=cache.score + jnp.where(counts, stats["probs"], 0.0))
         full = (free == 0) & (pos >= 0)[:, None, None]
-        return kvcache.select(full, self._recompress(layer, cache, pos), cache)
+        # The sort runs only on the steps where some row filled up (one in `every`), not on every step.
+        return jax.lax.cond(jnp.any(full), lambda c: kvcache.select(full, self._recompress(layer, c, pos), c),
+                            lambda c: c, cache)
 
     def _recompress(self, layer, cache: LayerCache, pos) -> LayerCache:
         order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
