@@ -221,3 +221,17 @@ def test_cli_refuses_to_resume_over_another_models_predictions(tmp_path, tiny_di
     with pytest.raises(ValueError, match=r"out holds results of another configuration \(weights: '[0-9a-f]{16}' -> "):
         lb_cli.main(["--model", str(other)] + argv)
     assert lb_cli.main(["--model", str(other)] + argv[:-1] + [str(tmp_path / "out2")]) == 0
+
+
+def test_agnostic_split_is_the_template_after_the_context(tiny):
+    """--protocol agnostic: a built prompt splits into context ids and question ids, the question being
+    the dataset template's text after `{context}`; together they read the whole prompt."""
+    tok = tiny.tokenizer
+    for name in ("stdlib_qa", "stdlib_passkey"):
+        row = harness.load_rows(DATA_DIR, name)[0]
+        prompt = harness.build_prompt(tok, name, row, 10_000, chat=False)
+        context, question = harness.split_prompt(tok, name, row, prompt)
+        template = harness.config()["prompts"][name]
+        tail = template[template.index("{context}") + len("{context}"):].format(**row)
+        assert tok.decode(question, skip_special_tokens=True) == tail
+        assert tok.decode(context + question, skip_special_tokens=True) == prompt

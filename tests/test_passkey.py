@@ -63,3 +63,13 @@ def test_default_lengths_fit_the_prompt(tiny):
     assert passkey.default_lengths(tok, 512) == [504]  # 128 and 256 are too short
     with pytest.raises(ValueError, match="max_position_embeddings=256 is too short"):
         passkey.default_lengths(tok, 256)
+
+
+def test_agnostic_protocol_splits_the_same_ids(tiny, tmp_path):
+    """--protocol agnostic compresses the prompt without its question, then extends the cache with the
+    question's ids: under a full cache nothing is dropped either way, so every answer equals the
+    question-aware one (the same token ids, split at the question)."""
+    args = (tiny.model, tiny.tokenizer, FullCache(), [300], [0.0, 0.5, 1.0], 1)
+    aware = passkey.run(*args, ResultLog(tmp_path / "a.jsonl"), progress=False, label="f")
+    agnostic = passkey.run(*args, ResultLog(tmp_path / "b.jsonl"), progress=False, label="f", protocol="agnostic")
+    assert [r["output"] for r in agnostic] == [r["output"] for r in aware]
