@@ -202,6 +202,15 @@ def take_slots(cache: LayerCache, src: Int[Array, "b kvh c"]) -> LayerCache:
     )
 
 
+def limit_rows(cache: LayerCache, rows: Int[Array, "b"] | Int[Array, "b kvh"]) -> LayerCache:
+    """`cache` with each row's slots at and past its own count `rows` DISABLED: how a ratio budget gives
+    rows of one batch their own slot counts inside one static array."""
+    rows = jnp.asarray(rows)
+    rows = rows[:, None, None] if rows.ndim == 1 else rows[..., None]
+    beyond = jnp.arange(cache.capacity) >= rows
+    return dataclasses.replace(cache, pos=jnp.where(beyond, DISABLED, cache.pos).astype(jnp.int32))
+
+
 def select(which: Array, a: LayerCache, b: LayerCache) -> LayerCache:
     """Per (row, KV head) (`which`: bool `[b, kvh, 1]`), `a`'s slots where true, else `b`'s."""
     return jax.tree.map(lambda x, y: jnp.where(which if x.ndim == 3 else which[..., None], x, y), a, b)

@@ -557,6 +557,21 @@ class Llama(nnx.Module):
 
         return tuple(layer_cache(i) for i in range(c.num_layers))
 
+    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], policy: Policy) -> Cache:
+        """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
+        each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
+        policy = self.native_policy(policy)
+        out = []
+        for i, c in enumerate(cache):
+            rule = policy.at_layer(i)
+            split = rule.head_split(i)
+            if split is None:
+                out.append(rule.size_rows(i, c, positions))
+            else:
+                out.append(HeadwiseCache(tuple(sub.size_rows(i, g, positions) for (_, sub), g in zip(split, c.groups)),
+                                         c.heads))
+        return tuple(out)
+
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
     ) -> tuple[Float[Array, "b V"], Cache]:
@@ -568,6 +583,7 @@ class Llama(nnx.Module):
         policy = self.native_policy(policy)
         caches = self.init_cache(policy, tokens.shape[0], max_len, tokens.shape[1])
         if policy.prefill_mode == "stream":
+            caches = self.size_rows(caches, positions, policy)
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
         if policy.prefill_mode == "chunked":

@@ -67,10 +67,12 @@ def test_h2o_errors():
         H2O(budget=4, recent=0)
 
 
-def test_h2o_ratio_budget_per_row(sharp_dir):
+@pytest.mark.parametrize("mode", ["full", "stream"])
+def test_h2o_ratio_budget_per_row(sharp_dir, mode):
     """`H2O(ratio=r)`: in one batch, a row of n prompt tokens keeps max(recent + 1, floor(n (1 - r))) slots
     after the prompt and through decoding, and keeps what a token-budget H2O of that row's count keeps
-    when the row runs alone (that path is checked against the NumPy reference above)."""
+    when the row runs alone (that path is checked against the NumPy reference above); the prompt
+    attended whole, or read token by token (H2O's own setting)."""
     model = load(sharp_dir).model
     ratio, recent, steps = 0.5, 3, 6
     lengths = (40, 23)
@@ -80,7 +82,7 @@ def test_h2o_ratio_budget_per_row(sharp_dir):
     pos = np.full((2, bucket), -1, np.int32)
     for i, ids in enumerate(rows):
         toks[i, bucket - len(ids):], pos[i, bucket - len(ids):] = ids, np.arange(len(ids))
-    policy = H2O(ratio=ratio, recent=recent)
+    policy = H2O(ratio=ratio, recent=recent, prefill_mode=mode)
     assert "ratio=0.5" in policy.describe() and "ratio" not in H2O(budget=8, recent=2).describe()
     prefill, decode = stepper(model, policy, bucket + steps)
     _, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
@@ -92,7 +94,8 @@ def test_h2o_ratio_budget_per_row(sharp_dir):
         want = max(recent + 1, int(np.floor(n * (1 - ratio))))
         assert all(len(head) == want for layer in kept[r] for head in layer)
         assert all(len(head) == want for layer in kept_sets(cache, r) for head in layer)  # through decoding
-        alone_prefill, alone_decode = stepper(model, H2O(budget=want, recent=recent), bucket + steps)
+        alone_prefill, alone_decode = stepper(model, H2O(budget=want, recent=recent, prefill_mode=mode),
+                                              bucket + steps)
         _, alone = alone_prefill(*left_pad(rows[r], bucket))
         assert kept_sets(alone) == kept[r]
         for s in range(steps):
@@ -100,5 +103,5 @@ def test_h2o_ratio_budget_per_row(sharp_dir):
         assert kept_sets(alone) == kept_sets(cache, r)
     with pytest.raises(ValueError, match="exactly one of budget"):
         H2O(budget=8, ratio=0.5, recent=2)
-    with pytest.raises(ValueError, match="prefill_mode must be 'full'"):
-        H2O(ratio=0.5, recent=2, prefill_mode="stream")
+    with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
+        H2O(ratio=0.5, recent=2, prefill_mode="chunked", chunk=1)

@@ -246,3 +246,56 @@ def test_pi_is_the_same_in_stream_and_full_prefill_on_an_alibi_model(impl):
     np.testing.assert_array_equal(pos_f, pos_s)
     np.testing.assert_allclose(pi_f, pi_s, rtol=1e-5, atol=1e-5)
     assert (pos_f[..., -1] == 23).all() and (pos_f[..., 0] == 0).all()  # window end and the first token
+
+
+def _batch(rows, bucket):
+    """Prompts of different lengths, left padded into one batch."""
+    toks = np.zeros((len(rows), bucket), np.int32)
+    pos = np.full((len(rows), bucket), -1, np.int32)
+    for r, ids in enumerate(rows):
+        toks[r, bucket - len(ids):], pos[r, bucket - len(ids):] = ids, np.arange(len(ids))
+    return jnp.asarray(toks), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("prefill_mode", ["stream", "full"])
+def test_mat_ratio_budget_per_row(sharp_dir, prefill_mode):
+    """`mat(ratio=r)`, MAT Table 2's "x % KV": in one batch, a row of n prompt tokens keeps
+    c = max(beta + 1, floor(n (1 - r))) slots in deep layers (max(s + 1, ...) in shallow ones) after the
+    prompt and through decoding, and keeps what a token-budget MAT of that row's c keeps when the row
+    runs alone (that path is Algorithm 1's transcription, above), with the same logits."""
+    model = load(sharp_dir).model
+    ratio, steps, bucket = 0.6, 6, 64
+    lengths = (40, 23, 57)
+    rows = [random_ids(n, 260, seed=60 + n) for n in lengths]
+    policy = mat(None, BETA, shallow_layers=L_S, sinks=S, ratio=ratio, prefill_mode=prefill_mode)
+    assert "ratio=0.6" in policy.describe() and "ratio" not in mat(C, BETA).describe()
+    prefill, decode = stepper(model, policy, bucket + steps)
+    logits, cache = prefill(*_batch(rows, bucket))
+    assert cache[1].capacity == int(bucket * (1 - ratio))  # the bucket's longest possible prompt
+    nxt = np.random.RandomState(4).randint(4, 260, (steps, len(rows)))
+    kept, step_logits = [[kept_sets(cache, r) for r in range(len(rows))]], [np.asarray(logits)]
+    for s in range(steps):
+        logits, cache = decode(jnp.asarray(nxt[s]), jnp.asarray([n + s for n in lengths]), cache)
+        kept.append([kept_sets(cache, r) for r in range(len(rows))])
+        step_logits.append(np.asarray(logits))
+    for r, n in enumerate(lengths):
+        c = int(np.floor(n * (1 - ratio)))
+        assert c > max(BETA, S) + 1  # the floor rules in both layer kinds
+        for at in kept:
+            assert all(len(head) == c for layer in at[r] for head in layer)  # shallow and deep, every step
+        alone_prefill, alone_decode = stepper(model, mat(c, BETA, shallow_layers=L_S, sinks=S,
+                                                         prefill_mode=prefill_mode), bucket + steps)
+        logits, alone = alone_prefill(*left_pad(rows[r], bucket))
+        alone_kept, alone_logits = [kept_sets(alone)], [np.asarray(logits[0])]
+        for s in range(steps):
+            logits, alone = alone_decode(jnp.asarray([nxt[s, r]]), jnp.asarray([n + s]), alone)
+            alone_kept.append(kept_sets(alone))
+            alone_logits.append(np.asarray(logits[0]))
+        assert [at[r] for at in kept] == alone_kept
+        np.testing.assert_allclose(np.stack([x[r] for x in step_logits]), np.stack(alone_logits),
+                                   atol=1e-5 * np.abs(alone_logits).max(), rtol=0)
+    with pytest.raises(ValueError, match="anchors=None: beta is a token count to choose"):
+        from kvjax.policies import make_policy
+        make_policy("mat", 128, ratio=0.5)
+    with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
+        mat(None, BETA, ratio=0.5, prefill_mode="chunked", chunk=4)

@@ -19,7 +19,7 @@ from kvjax.policies.razor import CompensatedWindow
 from models import load
 from models.llama import Llama
 from models.tiny import tiny_config
-from tests.conftest import random_ids, stepper
+from tests.conftest import left_pad, random_ids, stepper
 from tests.reference import RefLlama
 
 RETRIEVAL = ((True, False), (False, True))  # layer x KV head, for the 2-layer, 2-KV-head test models
@@ -408,3 +408,70 @@ def test_table_1_controls_protect_no_head_or_as_many_at_random(tiny_dir, tmp_pat
         tables[control] = np.asarray(json.loads(out.read_text())["retrieval_kv_heads"])
         razor_from_heads(str(out), buffer=8)  # each file is a usable RazorAttention
     assert tables["random"].sum() == tables[None].sum() > 0 and not tables["none"].any()
+
+
+@pytest.mark.parametrize("prefill_mode", ["full", "stream"])
+def test_ratio_budget_for_local_heads_per_row(sharp_dir, prefill_mode):
+    """`RazorAttention(ratio=r)`: in one batch, a local head of a row of n prompt tokens holds
+    max(sinks + 2, floor(n (1 - r))) slots, the compensation slot included, after the prompt and
+    through decoding (the window slides, its leavers folded); retrieval heads keep everything. Each
+    row equals the row run alone with the window given as S0 (that path is the reference's, above):
+    kept positions, compensation token (last position, N_d, k_hat) and logits."""
+    sinks, ratio, steps, bucket = 2, 0.6, 8, 64
+    lengths = (40, 23)
+    ids = [random_ids(n + steps, 260, seed=70 + n) for n in lengths]
+    lm = load(sharp_dir)
+    policy = RazorAttention(retrieval=RETRIEVAL, ratio=ratio, sinks=sinks, prefill_mode=prefill_mode)
+    assert "ratio=0.6" in policy.describe() and "compression" not in policy.describe()
+    prefill, decode = stepper(lm.model, policy, bucket + steps)
+    toks = np.zeros((2, bucket), np.int32)
+    pos = np.full((2, bucket), -1, np.int32)
+    for r, n in enumerate(lengths):
+        toks[r, bucket - n:], pos[r, bucket - n:] = ids[r][:n], np.arange(n)
+    logits, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    snaps, outs = [[_ours_snapshot(policy, cache, r) for r in range(2)]], [np.asarray(logits)]
+    for s in range(steps):
+        logits, cache = decode(jnp.asarray([ids[r][n + s] for r, n in enumerate(lengths)]),
+                               jnp.asarray([n + s for n in lengths]), cache)
+        snaps.append([_ours_snapshot(policy, cache, r) for r in range(2)])
+        outs.append(np.asarray(logits))
+    for r, n in enumerate(lengths):
+        slots = int(np.floor(n * (1 - ratio)))
+        window = slots - sinks - 1
+        for t, snap in enumerate(snaps):
+            for layer in range(2):
+                for h in range(2):
+                    kept, comp = snap[r][layer][h]
+                    if RETRIEVAL[layer][h]:
+                        assert kept == list(range(n + t))
+                    else:
+                        assert kept == list(range(sinks)) + list(range(n + t - window, n + t))
+                        assert len(kept) + (comp is not None) == slots and comp[1] == n + t - window - sinks
+        alone = RazorAttention(retrieval=RETRIEVAL, buffer=window, compression=float(n), sinks=sinks,
+                               prefill_mode=prefill_mode)
+        a_prefill, a_decode = stepper(lm.model, alone, bucket + steps)
+        logits, a_cache = a_prefill(*left_pad(ids[r][:n], bucket))
+        a_snaps, a_outs = [_ours_snapshot(alone, a_cache, 0)], [np.asarray(logits[0])]
+        for s in range(steps):
+            logits, a_cache = a_decode(jnp.asarray([ids[r][n + s]]), jnp.asarray([n + s]), a_cache)
+            a_snaps.append(_ours_snapshot(alone, a_cache, 0))
+            a_outs.append(np.asarray(logits[0]))
+        for ours, theirs in zip(snaps, a_snaps):
+            for (op, oc), (ap, ac) in zip(sum(ours[r], []), sum(theirs, [])):
+                assert op == ap and (oc is None) == (ac is None)
+                if oc is not None:
+                    assert oc[:2] == ac[:2]
+                    np.testing.assert_allclose(oc[2], ac[2], atol=1e-5)
+        np.testing.assert_allclose(np.stack([x[r] for x in outs]), np.stack(a_outs), atol=1e-4, rtol=0)
+
+
+def test_ratio_replaces_compression_and_buffer():
+    with pytest.raises(ValueError, match=r"ratio=0.5 sizes the local heads instead of compression \(C\)"):
+        RazorAttention(retrieval=RETRIEVAL, ratio=0.5, compression=5.0)
+    with pytest.raises(ValueError, match="a ratio does not apply"):
+        RazorAttention(scopes=((9000, 3), (3, 3)), ratio=0.5)
+    with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
+        RazorAttention(retrieval=RETRIEVAL, ratio=0.5, prefill_mode="chunked", chunk=8)
+    assert RazorAttention(retrieval=RETRIEVAL).describe() == RazorAttention(
+        retrieval=RETRIEVAL, compression=5.0, buffer=4000).describe()  # the defaults, as before ratios
+    assert "compression=5.0, buffer=4000" in RazorAttention(retrieval=RETRIEVAL).describe()

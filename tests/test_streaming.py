@@ -137,16 +137,18 @@ def test_policies_are_hashable_static_arguments():
         assert x != y
 
 
+@pytest.mark.parametrize("mode", ["full", "stream"])
 @pytest.mark.parametrize("make", [
-    lambda r: StreamingLLM(budget=None, ratio=r, sinks=4),
-    lambda r: LocalWindow(window=None, ratio=r),
+    lambda r, m: StreamingLLM(budget=None, ratio=r, sinks=4, prefill_mode=m),
+    lambda r, m: LocalWindow(window=None, ratio=r, prefill_mode=m),
 ], ids=["streaming", "local"])
-def test_ratio_budget_keeps_floor_of_each_rows_prompt_and_holds_it_while_decoding(tiny, make):
+def test_ratio_budget_keeps_floor_of_each_rows_prompt_and_holds_it_while_decoding(tiny, make, mode):
     """kvpress's compression_ratio for the ring policies: a row of n prompt tokens keeps
     floor(n * (1 - ratio)) slots, rows of different lengths in one batch each their own, and decoding
-    keeps that count (the ring evicts), the positions those of sinks + the most recent tokens."""
+    keeps that count (the ring evicts), the positions those of sinks + the most recent tokens. The
+    prompt attended whole or read token by token (its length is known before it is read)."""
     ratio, lengths, bucket, new = 0.6, [60, 37, 50], 64, 6
-    policy = make(ratio)
+    policy = make(ratio, mode)
     sinks = getattr(policy, "sinks", 0)
     toks = np.zeros((3, bucket), np.int32)
     pos = np.full((3, bucket), -1, np.int32)
@@ -175,7 +177,7 @@ def test_ratio_and_budget_are_exclusive_and_ratio_needs_the_whole_prompt():
         StreamingLLM(budget=128, ratio=0.5)
     with pytest.raises(ValueError, match="exactly one of window"):
         LocalWindow(window=None)
-    with pytest.raises(ValueError, match="prefill_mode must be 'full'"):
-        StreamingLLM(budget=None, ratio=0.5, prefill_mode="stream")
+    with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
+        StreamingLLM(budget=None, ratio=0.5, prefill_mode="chunked", chunk=8)
     with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):
         StreamingLLM(budget=None, ratio=1.0)

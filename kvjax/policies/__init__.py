@@ -33,9 +33,20 @@ from kvjax.policies.scored import (
 )
 
 
-def _mat_anchors(budget, anchors):
-    # Default β = c/4: inside the range [32, 96] the paper found flat at c = 256 (Fig. 5).
-    return anchors if anchors is not None else max(1, budget // 4)
+def _mat_anchors(budget, anchors, ratio=None):
+    # Default β = c/4: inside the range [32, 96] the paper found flat at c = 256 (Fig. 5). Under a ratio
+    # each row has its own c, while β is one count: it must be chosen (the paper grid-searches it per budget).
+    if anchors is not None:
+        return anchors
+    if ratio is not None:
+        raise InvalidInput(f"MAT: ratio={ratio} sizes each row's c as a share of its prompt, but anchors=None: beta is "
+                           "a token count to choose (the paper grid-searches it per budget)")
+    return max(1, budget // 4)
+
+
+def _sized(budget, ratio):
+    # --ratio replaces the token budget (kvpress's compression_ratio): the policy is built with budget=None
+    return None if ratio is not None else budget
 
 
 # CLI name -> constructor. Keyword names are the command-line options (experiments/common.py).
@@ -45,31 +56,31 @@ REGISTRY = {
     ),
     # --ratio replaces the token budget here too: each row keeps floor(n * (1 - ratio)) of its n prompt tokens
     "local": lambda budget, ratio=None, positions="absolute", prefill_mode="full", chunk=None: LocalWindow(
-        window=None if ratio is not None else budget, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
-        chunk=chunk,
+        window=_sized(budget, ratio), ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
     "streaming": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="full", chunk=None:
     StreamingLLM(
-        budget=None if ratio is not None else budget, sinks=sinks, ratio=ratio, positions=positions,
-        prefill_mode=prefill_mode, chunk=chunk,
+        budget=_sized(budget, ratio), sinks=sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
+        chunk=chunk,
     ),
-    "mat": lambda budget, anchors=None, shallow_layers=2, sinks=4, group_agg="mean", positions="absolute",
+    "mat": lambda budget, anchors=None, shallow_layers=2, sinks=4, group_agg="mean", ratio=None, positions="absolute",
     prefill_mode="stream", chunk=None: mat(
-        budget, _mat_anchors(budget, anchors), shallow_layers, sinks,
-        group_agg=group_agg, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
+        _sized(budget, ratio), _mat_anchors(budget, anchors, ratio), shallow_layers, sinks, group_agg=group_agg,
+        ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
-    "mat-sink": lambda budget, sinks=4, positions="absolute", prefill_mode="stream", chunk=None: mat_with_sink(
-        budget, sinks, positions=positions, prefill_mode=prefill_mode, chunk=chunk
-    ),
-    "mat-anchor": lambda budget, anchors=None, group_agg="mean", positions="absolute", prefill_mode="stream": mat_with_anchor(
-        budget, _mat_anchors(budget, anchors), group_agg=group_agg, positions=positions, prefill_mode=prefill_mode
+    "mat-sink": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="stream", chunk=None:
+    mat_with_sink(_sized(budget, ratio), sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
+                  chunk=chunk),
+    "mat-anchor": lambda budget, anchors=None, group_agg="mean", ratio=None, positions="absolute",
+    prefill_mode="stream", chunk=None: mat_with_anchor(
+        _sized(budget, ratio), _mat_anchors(budget, anchors, ratio), group_agg=group_agg, ratio=ratio,
+        positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
 }
 
 
 def _scored(cls, budget, ratio=None, **kw):
-    # --ratio replaces the token budget (kvpress's compression_ratio)
-    return cls(budget=None if ratio is not None else budget, ratio=ratio, **kw)
+    return cls(budget=_sized(budget, ratio), ratio=ratio, **kw)
 
 
 REGISTRY.update({
@@ -94,14 +105,16 @@ REGISTRY.update({
         _scored(KNorm, budget, ratio, window=window, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
     # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of --budget
     "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
-        budget=None if ratio is not None else budget, ratio=ratio,
+        budget=_sized(budget, ratio), ratio=ratio,
         recent=recent if recent is not None else max(1, budget // 2), positions=positions,
         prefill_mode=prefill_mode, chunk=chunk),
     # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
     "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),
-    # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window.
-    "razor": lambda budget, heads=None, compression=5.0, buffer=4000, sinks=None, compensate=None, fold="decode":
-        razor_from_heads(heads, compression=compression, buffer=buffer, sinks=sinks, compensate=compensate, fold=fold),
+    # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window
+    # (default 5 and 4000), or --ratio the share of each prompt a local head keeps.
+    "razor": lambda budget, heads=None, compression=None, buffer=None, ratio=None, sinks=None, compensate=None,
+    fold="decode": razor_from_heads(heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks,
+                                    compensate=compensate, fold=fold),
 })
 
 # Policies sized by their own options rather than --budget.

@@ -13,8 +13,9 @@ The model calls, per layer:
   (evicting if needed), attention runs over the cache (the new token included),
   then `cache = policy.observe(layer, cache, pos, stats)` lets the policy update
   its per-slot statistics from what attention returned (nothing is recomputed);
-* prefill (`prefill_mode == "stream"`): the prompt goes token by token through
-  the decode path, so every prompt token only sees what the policy kept, as in
+* prefill (`prefill_mode == "stream"`): `cache = policy.size_rows(layer, empty_cache, pos)` sets
+  what depends on each row's whole prompt (a ratio budget), then the prompt goes token by token
+  through the decode path, so every prompt token only sees what the policy kept, as in
   StreamingLLM's perplexity protocol and MAT's evaluation.
 * prefill (`prefill_mode == "chunked"`, `chunk = n`): the prompt goes `n` tokens at a time. Per
   chunk, `cache = policy.make_room(layer, cache, pos)`, then the chunk attends the cache (the
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 
@@ -134,6 +136,13 @@ class Policy(abc.ABC):
         """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget
         (with `tokens=` for a rule that reads token ids, as `prefill` and `step`)."""
         raise InvalidInput(f"{self.describe()} cannot run prefill_mode='chunked': {self.chunk_refusal}")
+
+    def size_rows(self, layer: int, cache: LayerCache, pos: Int[Array, "b t"]) -> LayerCache:
+        """Before a whole prompt at positions `pos` (-1 on padding) is read token by token into the
+        fresh `cache` (prefill_mode "stream", or text scored token by token): a budget that depends on
+        each row's prompt (a ratio) is set here, since `step` sees one token at a time. Default: nothing."""
+        del layer, pos
+        return cache
 
     def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: dict[str, Array]) -> LayerCache:
         """Updates per-slot statistics after the decode attention of the token at `pos`."""
@@ -237,16 +246,18 @@ class LayerPolicy(Policy):
 # -- ratio budgets (kvpress's compression ratio), shared by the policies that evict per row ------------
 def check_ratio(policy: LayerPolicy, budget: int | None, name: str = "budget") -> None:
     """A policy sized by exactly one of a token `budget` (called `name`) or `ratio`, the fraction of each
-    row's prompt removed; a ratio is known once the prompt is attended whole (prefill_mode 'full')."""
+    row's prompt removed. A ratio needs the prompt's length before the prompt is read: a whole prompt
+    (prefill_mode 'full') or one read token by token ('stream'), not a chunked stream of any length."""
     cls, ratio = type(policy).__name__, policy.ratio
     if (budget is None) == (ratio is None):
         raise InvalidInput(f"{cls}: give exactly one of {name} (tokens) or ratio (fraction removed); "
                            f"got {name}={budget}, ratio={ratio}")
     if ratio is not None and not 0 <= ratio < 1:
         raise InvalidInput(f"{cls}: ratio={ratio} must be in [0, 1)")
-    if ratio is not None and policy.prefill_mode != "full":
-        raise InvalidInput(f"{cls}: a ratio budget is a share of each row's prompt, known when the prompt is "
-                           "attended whole: prefill_mode must be 'full'")
+    if ratio is not None and policy.prefill_mode == "chunked":
+        raise InvalidInput(f"{cls}: a ratio budget is a share of each row's prompt, known before the prompt is "
+                           "read: prefill_mode must be 'full' or 'stream' (a chunked prefill bounds memory for a "
+                           "prompt of any length; give a token budget)")
 
 
 def ratio_slots(length, ratio: float, least: int):
@@ -255,3 +266,37 @@ def ratio_slots(length, ratio: float, least: int):
     xp = jnp if isinstance(length, jax.Array) else np
     return xp.maximum(least, xp.floor(length * (1 - ratio))).astype(xp.int32)
 
+
+class RatioBudget:
+    """Sizing by a token budget or by `ratio`, the fraction of each row's prompt removed (kvpress's
+    `compression_ratio`, the papers' "x % KV" read as a share of the prompt).
+
+    A row of `n` prompt tokens keeps `max(least_slots(), floor(n (1 - ratio)))` slots, decoding
+    included. The cache array is as large as its bucket's longest prompt needs; a row's slots past its
+    own count are DISABLED (`kvjax.cache.limit_rows`), which attention never sees and `step` never
+    fills, so rows of different lengths in one batch each keep their own budget."""
+
+    ratio: float | None = None
+
+    def least_slots(self) -> int:
+        """The fewest slots the rule works with (sinks + the current token, the recent window, ...)."""
+        raise NotImplementedError
+
+    def row_slots(self, length):
+        """Slots a row keeps for a `length`-token prompt under `ratio`."""
+        return ratio_slots(length, self.ratio, self.least_slots())
+
+    def ratio_capacity(self, max_len: int, prompt_len: int) -> int:
+        """The array's slot count under `ratio`: what the bucket's longest prompt (`prompt_len`) keeps."""
+        return int(min(self.row_slots(np.int64(max(prompt_len, 1))), max_len))
+
+    def prompt_rows(self, cache: LayerCache, pos: Int[Array, "b t"]) -> Int[Array, "b"]:
+        """Each row's slot count for its prompt at positions `pos` (left or right padded with -1)."""
+        return jnp.minimum(self.row_slots(jnp.max(pos, axis=1) + 1), cache.capacity)
+
+    def size_rows(self, layer, cache: LayerCache, pos) -> LayerCache:
+        return cache if self.ratio is None else kvcache.limit_rows(cache, self.prompt_rows(cache, pos))
+
+    def describe(self) -> str:
+        # A token budget's description stays what it was before ratios existed (records are keyed by it).
+        return super().describe().replace(", ratio=None", "").replace("(ratio=None, ", "(")

@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, check_ratio, ratio_slots
+from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class H2O(LayerPolicy):
+class H2O(RatioBudget, LayerPolicy):
     """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
     prompt tokens keeps `max(recent + 1, floor(n (1 - ratio)))` slots, decoding included, as
     kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted."""
@@ -48,18 +47,11 @@ class H2O(LayerPolicy):
             raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a "
                                "chunk's tokens replace heavy hitters, and only those outside the recent window may go")
 
-    def describe(self) -> str:
-        # A token budget's description stays what it was before ratios existed (records are keyed by it).
-        return super().describe().replace(", ratio=None", "")
-
-    def row_slots(self, length):
-        """Slots a row keeps for a `length`-token prompt under `ratio`: at least the recent window + 1."""
-        return ratio_slots(length, self.ratio, self.recent + 1)
+    def least_slots(self) -> int:
+        return self.recent + 1
 
     def capacity(self, layer, max_len, prompt_len=0):
-        if self.ratio is None:
-            return min(self.budget, max_len)
-        return int(min(self.row_slots(np.int64(max(prompt_len, 1))), max_len))  # the bucket's longest prompt
+        return min(self.budget, max_len) if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
 
     def prefill_stats(self, layer):
         return frozenset({"colsum"})
@@ -73,14 +65,10 @@ class H2O(LayerPolicy):
         p = pos[:, None, :]
         real = p >= 0
         recent = real & (p >= length - self.recent)
-        rows = self.budget if self.ratio is None else jnp.minimum(self.row_slots(length), cache.capacity)
+        rows = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
         keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, rows))
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
-        if self.ratio is None:
-            return out
-        # Slots past the row's own count are DISABLED: never free for `step`, never seen by attention.
-        beyond = jnp.arange(cache.capacity)[None, None, :] >= rows
-        return dataclasses.replace(out, pos=jnp.where(beyond, kvcache.DISABLED, out.pos))
+        return self.size_rows(layer, out, pos)
 
     def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
         arriving = jnp.sum(pos >= 0, axis=1)  # [b]

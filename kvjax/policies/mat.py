@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, Policy, PrefillMode
+from kvjax.policies.base import LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
 from kvjax.policies.ring import StreamingLLM
 
@@ -43,24 +43,28 @@ GROUP_AGGREGATIONS = ("mean", "max")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AnchorCache(LayerPolicy):
+class AnchorCache(RatioBudget, LayerPolicy):
     """Eq. 4 in every layer ("MAT (w. anchor)"): β anchors (position 0 + the lowest π) + a window.
 
-    `prefill_mode="stream"` (default) compresses as the prompt is read, token by
-    token, as the paper's evaluations do; `"full"` attends the whole prompt and
-    keeps the closed form of Algorithm 1 over the prompt's π.
+    `prefill_mode="stream"` (default) compresses as the prompt is read, token by token, as the
+    paper's evaluations do; `"full"` attends the whole prompt and keeps the closed form of
+    Algorithm 1 over the prompt's π. The cache size `c` is `budget`, or with `ratio` each row's own
+    `max(β + 1, floor(n (1 - ratio)))` for its `n` prompt tokens (`RatioBudget`): β is a count, the
+    window `c - β` what the row's budget leaves.
     """
 
-    budget: int
+    budget: int | None = None
     anchors: int
     group_agg: str = "mean"
+    ratio: float | None = None
     prefill_mode: PrefillMode = "stream"
 
     def __post_init__(self):
         super().__post_init__()
+        check_ratio(self, self.budget)
         if self.anchors < 1:
             raise InvalidInput(f"MAT: anchors (beta)={self.anchors} must be >= 1 (the first token is an anchor)")
-        if self.anchors >= self.budget:
+        if self.budget is not None and self.anchors >= self.budget:
             raise InvalidInput(
                 f"MAT: anchors (beta)={self.anchors} must be smaller than budget (c)={self.budget}, "
                 "leaving at least one window slot for the current token"
@@ -74,10 +78,21 @@ class AnchorCache(LayerPolicy):
 
     @property
     def window(self) -> int:
+        """`c - β` under a token budget (a ratio gives each row its own: `_row_budget`)."""
         return self.budget - self.anchors
 
+    def least_slots(self) -> int:
+        return self.anchors + 1
+
     def capacity(self, layer, max_len, prompt_len=0):
-        return min(self.budget, max_len)  # a sequence shorter than the budget never evicts
+        # a sequence shorter than the budget never evicts
+        return min(self.budget, max_len) if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
+
+    def _row_budget(self, cache: LayerCache):
+        """`c` per (row, KV head) `[b, kvh]`: the budget, or the slots the row's ratio left enabled."""
+        if self.ratio is None:
+            return jnp.full(cache.pos.shape[:2], self.budget, jnp.int32)
+        return cache.capacity - jnp.sum(cache.pos == kvcache.DISABLED, axis=-1)
 
     def prefill_stats(self, layer):
         return frozenset({"first_logit"})
@@ -89,24 +104,28 @@ class AnchorCache(LayerPolicy):
         # first_logit: [b, kvh, g, ...] per query head -> [b, kvh, ...]
         return first_logit.mean(axis=2) if self.group_agg == "mean" else first_logit.max(axis=2)
 
-    def _closed_form(self, p, pi, length):
-        """Algorithm 1's state after `length` tokens, over tokens at positions `p` with their `pi`
-        (`[b, kvh | 1, t]`, in time order): position 0, the `beta - 1` lowest pi among the tokens that
-        left the window (ties: the newer stays, as the stream evicts the older), and the window."""
+    def _closed_form(self, p, pi, length, budget):
+        """Algorithm 1's state after `length` tokens under a cache of `budget` slots (`[b, kvh | 1, 1]`),
+        over tokens at positions `p` with their `pi` (`[b, kvh | 1, t]`, in time order): position 0,
+        the `beta - 1` lowest pi among the tokens that left the window (ties: the newer stays, as the
+        stream evicts the older), and the window of `budget - beta`."""
         real = p >= 0
-        left_window = real & (p >= 1) & (p < length - self.window)
+        window = budget - self.anchors
+        left_window = real & (p >= 1) & (p < length - window)
         # Rank candidates by (pi ascending, position descending): reverse time, then a stable sort.
         key = jnp.where(left_window, pi, jnp.inf)[..., ::-1]
         rank = jnp.argsort(jnp.argsort(key, axis=-1, stable=True), axis=-1)[..., ::-1]
         return real & (
-            (length <= self.budget) | (p == 0) | (p >= length - self.window) | (left_window & (rank < self.anchors - 1))
+            (length <= budget) | (p == 0) | (p >= length - window) | (left_window & (rank < self.anchors - 1))
         )
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         pi = self._pi(stats["first_logit"])  # [b, kvh, t]
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
-        keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length), pi.shape)
-        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
+        budget = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
+        keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length, budget), pi.shape)
+        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
+        return self.size_rows(layer, out, pos)
 
     # Chunked: every token of a chunk ends in the window (chunk <= c - beta), so the state after the
     # chunk, Algorithm 1's closed form, is known from the cache alone before the chunk attends: the
@@ -116,7 +135,7 @@ class AnchorCache(LayerPolicy):
         length = jnp.maximum(length, jnp.max(cache.pos, axis=(1, 2))[:, None, None] + 1)
         order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         c = kvcache.take_slots(cache, order)  # time order, as the closed form ranks ties by it
-        keep = self._closed_form(c.pos, c.score, length)
+        keep = self._closed_form(c.pos, c.score, length, self.budget)  # (chunked: a token budget)
         return kvcache.take_slots(c, jnp.where(keep, jnp.arange(c.capacity), -1))
 
     def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
@@ -127,7 +146,8 @@ class AnchorCache(LayerPolicy):
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
-        leaving = (pos - self.window)[:, None, None]  # the window's oldest token after this insert
+        window = self._row_budget(cache) - self.anchors  # [b, kvh]
+        leaving = pos[:, None, None] - window[..., None]  # the window's oldest token after this insert
         candidate = (cache.pos >= 1) & (cache.pos <= leaving)
         slot = kvcache.victim_slot(cache, candidate, evict_highest=True)  # highest pi (eq. 4)
         return kvcache.write(cache, slot, k, v, pos)
@@ -139,36 +159,39 @@ class AnchorCache(LayerPolicy):
 
 
 def mat(
-    budget: int,
+    budget: int | None,
     anchors: int,
     shallow_layers: int = 2,
     sinks: int = 4,
     *,
     group_agg: str = "mean",
+    ratio: float | None = None,
     positions: str = "absolute",
     prefill_mode: PrefillMode = "stream",
     chunk: int | None = None,
 ) -> ByLayer:
     """MAT with cache size `c = budget`, `β = anchors`, `L_s = shallow_layers`, `s = sinks`.
 
+    `ratio` instead of `budget`: each row's `c` is its share of its own prompt (`RatioBudget`), in
+    shallow and deep layers alike (MAT Table 2's "30 % KV"); `β` stays a count.
     `shallow_layers=EVERY_LAYER` is "MAT (w. sink)" (= StreamingLLM); `0` is "MAT (w. anchor)".
     """
     if not 0 <= shallow_layers:
         raise InvalidInput(f"MAT: shallow_layers (L_s)={shallow_layers} must be >= 0")
-    if sinks >= budget:
+    if budget is not None and sinks >= budget:
         raise InvalidInput(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
-    modes = dict(positions=positions, prefill_mode=prefill_mode, chunk=chunk)
+    modes = dict(ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk)
     deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, **modes)
     shallow = StreamingLLM(budget=budget, sinks=sinks, **modes)
     return ByLayer(split=shallow_layers, shallow=shallow, deep=deep)
 
 
-def mat_with_sink(budget: int, sinks: int = 4, **kw) -> ByLayer:
+def mat_with_sink(budget: int | None, sinks: int = 4, **kw) -> ByLayer:
     """The ablation "MAT (w. sink)": eq. 5 in every layer, i.e. StreamingLLM."""
     return mat(budget, anchors=1, shallow_layers=EVERY_LAYER, sinks=sinks, **kw)
 
 
-def mat_with_anchor(budget: int, anchors: int, **kw) -> ByLayer:
+def mat_with_anchor(budget: int | None, anchors: int, **kw) -> ByLayer:
     """The ablation "MAT (w. anchor)": eq. 4 in every layer."""
     return mat(budget, anchors, shallow_layers=0, **kw)
 

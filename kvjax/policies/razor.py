@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, PrefillMode
+from kvjax.policies.base import LayerPolicy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
 
@@ -48,21 +48,22 @@ def buffer_length(n, buffer: int, compression: float):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompensatedWindow(LayerPolicy):
+class CompensatedWindow(RatioBudget, LayerPolicy):
     """A non-retrieval head group: `sinks` + a window of `L` recent tokens + one compensation slot.
 
-    `L` is `max(buffer, ceil(n / compression))` for a row whose prompt has `n`
-    tokens (RoPE), or `scopes[h]` per head (ALiBi). Slot layout: sinks in slots
-    `0..sinks-1`, the window after them, the compensation slot last (when
-    `compensate`). Per-slot statistics: the compensation slot's `score` is `N_d`
-    (its `log_w` is `log N_d`); every other slot's `score` is its row's window
-    length `L`, so rows of one batch with different prompt lengths each keep
-    their own `N / C` under one static capacity.
+    `L` is `max(buffer, ceil(n / compression))` for a row whose prompt has `n` tokens (RoPE),
+    `scopes[h]` per head (ALiBi), or with `ratio` what is left of the row's share of its prompt,
+    `max(sinks + 2, floor(n (1 - ratio)))` slots in all, the compensation slot included
+    (`RatioBudget`). Slot layout: sinks in slots `0..sinks-1`, the window after them, the
+    compensation slot last (when `compensate`). Per-slot statistics: the compensation slot's `score`
+    is `N_d` (its `log_w` is `log N_d`); every other slot's `score` is its row's window length `L`, so
+    rows of one batch with different prompt lengths each keep their own `L` under one static capacity.
     """
 
     sinks: int = 4
-    buffer: int = 4000
-    compression: float = 5.0
+    buffer: int | None = 4000
+    compression: float | None = 5.0
+    ratio: float | None = None
     scopes: tuple[int, ...] | None = None
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
@@ -74,9 +75,17 @@ class CompensatedWindow(LayerPolicy):
         super().__post_init__()
         if self.sinks < 0:
             raise InvalidInput(f"RazorAttention: sinks (N0)={self.sinks} must be >= 0")
-        if self.buffer < 1:
+        if self.ratio is not None and (self.buffer is not None or self.compression is not None):
+            raise InvalidInput(f"RazorAttention: ratio={self.ratio} sizes the local heads instead of compression (C) "
+                               f"and buffer (S0); got compression={self.compression}, buffer={self.buffer}: give one")
+        if self.ratio is not None and self.scopes is not None:
+            raise InvalidInput("RazorAttention: ALiBi heads keep their vision scope (Theorem 1); a ratio does not apply")
+        if self.ratio is None and (self.buffer is None or self.compression is None):
+            raise InvalidInput("RazorAttention: give compression (C) and buffer (S0), or a ratio")
+        check_ratio(self, self.buffer, "buffer")
+        if self.buffer is not None and self.buffer < 1:
             raise InvalidInput(f"RazorAttention: buffer (S0)={self.buffer} must be >= 1")
-        if not self.compression >= 1:
+        if self.compression is not None and not self.compression >= 1:
             raise InvalidInput(f"RazorAttention: compression (C)={self.compression} must be >= 1")
         if self.fold not in FOLDS:
             raise InvalidInput(f"RazorAttention: fold={self.fold!r}; expected one of {FOLDS}")
@@ -93,8 +102,17 @@ class CompensatedWindow(LayerPolicy):
             raise InvalidInput("RazorAttention: fold='prefill' compresses a whole prompt once: prefill_mode must be "
                                "'full'")
 
+    def least_slots(self) -> int:
+        return self.sinks + 1 + int(self.compensate)  # the sinks, one window slot, the compensation slot
+
     def _window(self, prompt_len: int) -> int:
-        return max(self.scopes) if self.scopes is not None else buffer_length(prompt_len, self.buffer, self.compression)
+        if self.scopes is not None:
+            return max(self.scopes)
+        if self.ratio is not None:
+            return int(self.row_slots(max(prompt_len, 1))) - self.sinks - int(self.compensate)
+        if self.prefill_mode != "full":
+            return self.buffer  # a prompt read in pieces: N is unknown, the window is S0
+        return buffer_length(prompt_len, self.buffer, self.compression)
 
     def _layout(self, capacity: int) -> tuple[int, int]:
         """(first window slot, end of window slots) within a cache of `capacity` slots."""
@@ -109,7 +127,20 @@ class CompensatedWindow(LayerPolicy):
         """`[b, kvh]` window length per row and head."""
         if self.scopes is not None:
             return jnp.broadcast_to(jnp.asarray(self.scopes, jnp.int32), (n.shape[0], kvh))
-        return jnp.broadcast_to(buffer_length(n, self.buffer, self.compression)[:, None], (n.shape[0], kvh))
+        if self.ratio is not None:
+            win = self.row_slots(n) - self.sinks - int(self.compensate)
+        else:
+            win = buffer_length(n, self.buffer, self.compression)
+        return jnp.broadcast_to(win[:, None], (n.shape[0], kvh))
+
+    def size_rows(self, layer, cache: LayerCache, pos) -> LayerCache:
+        # Read token by token, a row's window is known only with a ratio (its prompt's share); it rides in
+        # the slots' score, as after a full prefill. Without one N is unknown and the window is S0.
+        if self.ratio is None:
+            return cache
+        win = self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1])[..., None]
+        window_slots = jnp.arange(cache.capacity) < self._layout(cache.capacity)[1]  # not the compensation slot
+        return dataclasses.replace(cache, score=jnp.where(window_slots, win, cache.score).astype(cache.score.dtype))
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         b, kvh, t, _ = k.shape
@@ -140,7 +171,8 @@ class CompensatedWindow(LayerPolicy):
         win = jnp.max(jnp.where(slots < end, cache.score, 0), axis=-1)
         if self.scopes is not None:
             win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
-        return jnp.minimum(jnp.where(win > 0, win, self.buffer), end - start)
+        # A ratio's window is always set (by prefill or `size_rows`); S0 is the window of an unknown N.
+        return jnp.minimum(jnp.where(win > 0, win, self.buffer or 1), end - start)
 
     # Chunked (fold="decode"): before a chunk attends, the window tokens its tokens push out are folded
     # into the compensation slot, as `step` folds one before a token attends (at chunk 1, exactly the
@@ -253,8 +285,10 @@ class RazorAttention(ByHead):
 
     retrieval: tuple[tuple[bool, ...], ...] | None = None
     scopes: tuple[tuple[int, ...], ...] | None = None
-    compression: float = 5.0  # C; Table 2: buffer max(4000, N / 5)
-    buffer: int = 4000  # S0
+    compression: float | None = None  # C; Table 2: buffer max(4000, N / 5); default 5 without a ratio
+    buffer: int | None = None  # S0; default 4000 without a ratio
+    # Instead of C and S0: a local head keeps this share of each row's prompt (`CompensatedWindow`).
+    ratio: float | None = None
     sinks: int = 4  # N0
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
@@ -267,15 +301,20 @@ class RazorAttention(ByHead):
     chunk: int | None = None
 
     def __post_init__(self):
+        if self.ratio is None:  # the paper's Table 2 sizes, unless a ratio replaces them
+            object.__setattr__(self, "compression", 5.0 if self.compression is None else self.compression)
+            object.__setattr__(self, "buffer", 4000 if self.buffer is None else self.buffer)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise InvalidInput(f"RazorAttention: sliding_window={self.sliding_window} must be >= 1")
         if (self.retrieval is None) == (self.scopes is None):
             raise InvalidInput("RazorAttention: give exactly one of retrieval (RoPE heads) or scopes (ALiBi)")
+        if self.ratio is not None and self.scopes is not None:
+            raise InvalidInput("RazorAttention: ALiBi heads keep their vision scope (Theorem 1); a ratio does not apply")
         rows = self.retrieval if self.retrieval is not None else self.scopes
         if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
             raise InvalidInput("RazorAttention: the head table must have the same non-zero number of heads per layer")
         # Validates the shared hyper-parameters once, with the paper's names in the messages.
-        CompensatedWindow(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
+        CompensatedWindow(sinks=self.sinks, buffer=self.buffer, compression=self.compression, ratio=self.ratio,
                           compensate=self.compensate, fold=self.fold, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
     def _num_layers(self):
@@ -305,7 +344,7 @@ class RazorAttention(ByHead):
         whole = FullCache(**modes)
         whole = whole if self.sliding_window is None else whole.with_window(self.sliding_window)
         split = [(full, whole)] if full else []
-        common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression,
+        common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression, ratio=self.ratio,
                       compensate=self.compensate, fold=self.fold, **modes)
         if self.scopes is None:
             if local:
@@ -329,7 +368,8 @@ class RazorAttention(ByHead):
         # which heads, not only how many: two head tables must never share a description (records are keyed by it)
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:8]
         return (f"RazorAttention({kind} {digest}: {n_ret}/{len(table) * len(table[0])} KV heads kept whole, "
-                f"compression={self.compression}, buffer={self.buffer}, sinks={self.sinks}, "
+                + (f"ratio={self.ratio}, " if self.ratio is not None else
+                   f"compression={self.compression}, buffer={self.buffer}, ") + f"sinks={self.sinks}, "
                 f"compensate={self.compensate}, fold={self.fold!r}"
                 + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}")
                 + ("" if self.prefill_mode == "full" else f", prefill_mode={self.prefill_mode!r}")
@@ -339,8 +379,9 @@ class RazorAttention(ByHead):
 def razor_from_heads(
     heads,
     *,
-    compression: float = 5.0,
-    buffer: int = 4000,
+    compression: float | None = None,
+    buffer: int | None = None,
+    ratio: float | None = None,
     sinks: int | None = None,
     compensate: bool | None = None,
     fold: Literal["decode", "prefill"] = "decode",
@@ -359,7 +400,7 @@ def razor_from_heads(
     data = heads if isinstance(heads, dict) else load_heads(heads)
     alibi = "kv_scopes" in data
     common = dict(
-        compression=compression, buffer=buffer, fold=fold,
+        compression=compression, buffer=buffer, ratio=ratio, fold=fold,
         sinks=sinks if sinks is not None else (0 if alibi else 4),
         compensate=compensate if compensate is not None else not alibi,
     )

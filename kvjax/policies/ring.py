@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, check_ratio, ratio_slots
+from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -47,48 +46,31 @@ def ring_holder(length: Int[Array, "b"], sinks: int, capacity, slots: int | None
     return jnp.where(j < sinks, sink_pos, win_pos).astype(jnp.int32)
 
 
-class RingPolicy(LayerPolicy):
+class RingPolicy(RatioBudget, LayerPolicy):
     """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`.
 
-    With a `ratio` (the fraction of the prompt removed, kvpress's `compression_ratio`) a row whose
-    prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))` slots (at least sinks + 1), the
-    cache array being as large as its bucket's longest prompt needs: prefill marks a row's slots
-    past its own count `kvjax.cache.DISABLED`, which attention never sees and the ring never writes,
-    so each row keeps its own budget through decoding."""
-
-    ratio: float | None = None
+    With a `ratio` (`RatioBudget`) a row whose prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))`
+    slots (at least sinks + 1), and the ring of each row wraps at its own count."""
 
     def _layout(self, max_len: int) -> tuple[int, int]:
         """(sinks, capacity) for sequences of at most `max_len` tokens."""
         raise NotImplementedError
 
-    def describe(self) -> str:
-        # A token budget's description stays what it was before ratios existed (records are keyed by it).
-        text = super().describe()
-        return text.replace(", ratio=None", "").replace("(ratio=None, ", "(")
-
-    def row_slots(self, length):
-        """Slots a row keeps for a `length`-token prompt under `ratio`: at least the sinks + 1."""
-        return ratio_slots(length, self.ratio, self._sinks() + 1)
+    def least_slots(self) -> int:
+        return self._sinks() + 1
 
     def capacity(self, layer: int, max_len: int, prompt_len: int = 0) -> int:
-        if self.ratio is None:
-            return self._layout(max_len)[1]
-        return int(min(self.row_slots(np.int64(max(prompt_len, 1))), max_len))
+        return self._layout(max_len)[1] if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         sinks, cap = self._layout_for(cache)
         t = k.shape[2]
         length = jnp.max(pos, axis=1) + 1  # real tokens per row; prompts are left padded
-        rows = cap if self.ratio is None else jnp.minimum(self.row_slots(length), cap)
+        rows = cap if self.ratio is None else self.prompt_rows(cache, pos)
         held = ring_holder(length, sinks, rows, cap)  # [b, c] positions
         src = jnp.where(held >= 0, held + (t - length)[:, None], -1)  # time index of that position
         src = jnp.broadcast_to(src[:, None, :], (k.shape[0], k.shape[1], cap))
-        out = kvcache.gather_prompt(cache, k, v, pos, src)
-        if self.ratio is None:
-            return out
-        beyond = jnp.arange(cap)[None, None, :] >= jnp.asarray(rows)[:, None, None]
-        return dataclasses.replace(out, pos=jnp.where(beyond, kvcache.DISABLED, out.pos))
+        return self.size_rows(layer, kvcache.gather_prompt(cache, k, v, pos, src), pos)
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         sinks, cap = self._layout_for(cache)
