@@ -128,8 +128,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--group-agg", choices=["mean", "max", "sum"],
                    help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
     g.add_argument("--ratio", type=fraction_removed,
-                   help="fraction of each prompt removed, instead of --budget (score-based policies, streaming, local, "
-                        "h2o)")
+                   help="fraction of each prompt removed, instead of --budget (every policy with a budget; razor: "
+                        "the share its local heads drop, instead of --compression/--buffer; mat: give --anchors)")
     g.add_argument("--window", type=nonnegative_int, help="observation window kept and scored from (SnapKV 32, "
                                                           "kvpress 64)")
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
@@ -179,7 +179,7 @@ def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
 # Why a policy takes no --budget (said in the error, with what sizes it instead).
 NO_BUDGET_WHY = {
     "full": "full keeps every token",
-    "razor": "razor sizes its local heads with --compression and --buffer",
+    "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
     "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
 }
 
@@ -249,6 +249,50 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
         raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
                            "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
     return out
+
+
+def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: int, ratios, room: int | None = None
+                       ) -> list[tuple[str, Policy]]:
+    """(label, policy) for `--ratios`: each policy with a ratio mode at each ratio, labelled `name@r`, and a
+    policy sized by its own options (full, gate) once. Each takes the command line's options it has.
+
+    MAT's beta is a token count, not a share: `--anchors`, or, given `room` (the prompt length all rows
+    share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
+    out = []
+    for n in names:
+        params = inspect.signature(REGISTRY[n]).parameters
+        own = argparse.Namespace(**vars(args))
+        for k in POLICY_OPTIONS:  # each policy takes its own options (that none takes is checked below)
+            if k not in params:
+                setattr(own, k, None)
+        if "ratio" not in params:
+            out.append((n, policies_from_args(own, [n], num_layers)[0]))
+            continue
+        for r in ratios:
+            own.ratio, own.budget = r, None
+            if "anchors" in params and args.anchors is None and room is not None:
+                own.anchors = max(1, math.floor((1 - r) * room) // 4)
+            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers)[0]))
+    given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
+    unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
+    if unused:
+        raise InvalidInput(f"{', '.join('--' + k.replace('_', '-') for k in sorted(unused))}: no policy of "
+                           f"{','.join(names)} takes it")
+    return out
+
+
+def parse_ratios(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--ratios a,b`: parsed in place into a tuple of fractions removed; it sizes every policy itself."""
+    if not args.ratios:
+        return
+    try:
+        args.ratios = tuple(fraction_removed(r) for r in args.ratios.split(",") if r.strip())
+    except argparse.ArgumentTypeError as err:
+        p.error(f"argument --ratios: {err}")
+    if not args.ratios:
+        p.error("argument --ratios: no ratio given")
+    if args.budget is not None or args.ratio is not None:
+        p.error("--ratios sets each policy's size: leave out --budget and --ratio")
 
 
 # A policy's parameter -> its command-line flag, where the names differ.

@@ -1,15 +1,21 @@
-"""Zero-shot multiple choice, lm-evaluation-harness style, with the cache policy applied to the context.
+"""Zero-shot multiple choice, lm-evaluation-harness style, under a cache policy.
 
     python -m experiments.zeroshot [--model DIR] [--data items.jsonl] [--compare full,streaming,mat]
+    python -m experiments.zeroshot --scoring stream --compare full,streaming,mat --anchors 8 \
+        --ratios 0.8,0.7,0.5,0.3,0       # MAT Table 2 / Fig. 4: accuracy at 20 .. 100 % KV
 
-An item is a context (a passage; may be empty), a query and choices. The context is prefilled
-under the policy (the compressed cache is what the query sees); each choice is then scored as the
-sum of its tokens' log-probs given cache + query (`kvjax.fewshot`: one parallel extension per
-item). `acc`: the highest sum is the gold choice; `acc_norm`: the sum divided by the choice's
-length in characters (lm-eval's definition). `--data` reads JSON lines {"context", "query",
-"choices", "gold"}; without it, a built-in task needing no download: made-up facts hidden in
-held-out reference text, one asked, the four facts' values as choices. Scores per item go to
-OUT/items.jsonl (resumable); OUT/results.{md,json} hold acc / acc_norm per policy.
+An item is a context (a passage; may be empty), a query and choices; a choice's score is the sum of
+its tokens' log-probs. `--scoring prefix` (default): the context is prefilled under the policy and
+each choice extends the compressed cache (`kvjax.fewshot`: one parallel extension per item).
+`--scoring stream`: each choice's whole sequence (BOS, context, query, choice) is read token by token
+under the policy, the choice included, the choices of an item in one batch: MAT's protocol (lm-eval
+with the budget applied at every token), where a ratio budget is a share of each sequence.
+`--ratios` runs every policy at each fraction removed (`name@r`); KV % = 100 (1 - r).
+`acc`: the highest sum is the gold choice; `acc_norm`: the sum divided by the choice's length in
+characters (lm-eval's definition). `--data` reads JSON lines {"context", "query", "choices", "gold"};
+without it, a built-in task needing no download: made-up facts hidden in held-out reference text,
+one asked, the four facts' values as choices. Scores per item go to OUT/items.jsonl (resumable);
+OUT/results.{md,json} hold acc / acc_norm per policy, and with --ratios OUT/accuracy_vs_kv.png.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     nonnegative_int,
+    parse_ratios,
+    policies_at_ratios,
     positive_int,
     resolve_model,
 )
-from experiments.records import ResultLog, claim_results_dir, options_of
-from kvjax import fewshot
+from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from kvjax import fewshot, scoring
 from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 
@@ -76,8 +84,11 @@ def read_items(path: str) -> list[dict]:
     return items
 
 
-def score_item(model, tok, row: dict, policy) -> dict:
-    """Option log-prob sums and the acc / acc_norm verdicts of one item."""
+SCORINGS = ("prefix", "stream")
+
+
+def score_item(model, tok, row: dict, policy, how: str = "prefix") -> dict:
+    """Option log-prob sums and the acc / acc_norm verdicts of one item (`how`: `--scoring`)."""
     # BOS + passage (just BOS for an empty context), whether or not the tokenizer adds BOS itself
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     context = bos + tok(row["context"], add_special_tokens=False)["input_ids"]
@@ -85,11 +96,41 @@ def score_item(model, tok, row: dict, policy) -> dict:
         raise InvalidInput("an item with an empty context needs a tokenizer with a BOS token")
     item = Item(tuple(tok(row["query"], add_special_tokens=False)["input_ids"]),
                 tuple(tuple(tok(c, add_special_tokens=False)["input_ids"]) for c in row["choices"]), int(row["gold"]))
-    cache = fewshot.prefix_cache(model, context, policy, fewshot.room_for([item]))
-    lp = fewshot.cached_scores(model, cache, len(context), item, policy)
+    if how == "prefix":
+        cache = fewshot.prefix_cache(model, context, policy, fewshot.room_for([item]))
+        lp = fewshot.cached_scores(model, cache, len(context), item, policy)
+    else:  # every token of each whole sequence read under the policy; a choice's log-probs are its last
+        rows = [context + list(item.query) + list(c) for c in item.options]
+        lp = np.asarray([float(x[len(x) - len(c):].sum()) for x, c in
+                         zip(scoring.logprobs_rows(model, rows, policy), item.options)])
     norm = lp / np.asarray([len(c) for c in row["choices"]])
     return {"logprobs": lp.tolist(), "acc": bool(np.argmax(lp) == item.answer),
             "acc_norm": bool(np.argmax(norm) == item.answer)}
+
+
+def plot_vs_kv(path: Path, summary: dict) -> None:
+    """MAT Fig. 4's axes: accuracy against the KV budget (100 (1 - ratio) %), a line per policy, the
+    policies without a ratio as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    swept = {}
+    for lab, s in summary.items():
+        if "@" in lab:
+            name, r = lab.rsplit("@", 1)
+            swept.setdefault(name, []).append((100 * (1 - float(r)), 100 * s["acc"]))
+        else:
+            ax.axhline(100 * s["acc"], ls="--", lw=0.8, color="k", label=lab)
+    for name, pts in swept.items():
+        ax.plot(*zip(*sorted(pts)), marker="o", label=name)
+    ax.set(xlabel="KV cache budget (% of each sequence)", ylabel="acc (%)", ylim=(-2, 102))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,35 +139,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
     p.add_argument("--items", type=positive_int, default=40, help="built-in task: number of items")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--scoring", choices=SCORINGS, default="prefix",
+                   help="prefix: compress the context, then extend it with each choice; stream: read each whole "
+                        "sequence, choice included, token by token under the policy (MAT's protocol)")
+    p.add_argument("--ratios", help="comma-separated fractions removed: every policy with a ratio mode at each "
+                                    "(MAT Fig. 4's KV budgets are 1 - ratio)")
     p.add_argument("--out", default="results/zeroshot")
     add_compare_args(p, default="full,streaming")
     add_run_args(p)
     args = p.parse_args(argv)
+    parse_ratios(p, args)
     rows = read_items(args.data) if args.data else builtin_task(args.items, args.seed)
     task = args.data or f"builtin(items={args.items}, seed={args.seed})"
 
     lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm.model)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
+    if args.ratios:
+        if args.compare and args.policy:
+            p.error("give --policy or --compare, not both")
+        names = (args.compare or args.policy or args.compare_default).split(",")
+        labels, policies = zip(*policies_at_ratios(args, names, lm.config.num_layers, args.ratios))
+    else:
+        labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     out = Path(args.out)
-    claim_results_dir(out, lm, options_of(args, files=("data",)))  # no resuming over another configuration's
+    # no resuming over another configuration's; records are keyed by policy, so --ratios may grow
+    claim_results_dir(out, lm, options_of(args, files=("data",), selection=("ratios",)))
     log = ResultLog(out / "items.jsonl")
     summary = {}
     for lab, pol in zip(labels, policies):
         ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
         for rid, row in tqdm(list(zip(ids, rows)), desc=f"zeroshot {lab}"):
             if rid not in log:
-                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol)})
+                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol,
+                                                                           args.scoring)})
         recs = [log.records[r] for r in ids]
         summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
                         "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs)}
     lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance "
-             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %)", "", "| policy | acc | acc_norm |",
-             "|---|---|---|"]
-    lines += [f"| {lab} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
+             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %), {args.scoring} scoring", "",
+             "| policy | KV % | acc | acc_norm |", "|---|---|---|---|"]
+    kv = lambda lab: f"{100 * (1 - float(lab.rsplit('@', 1)[1])):g}" if "@" in lab else ""  # noqa: E731
+    lines += [f"| {lab} | {kv(lab)} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"task": task, "results": summary}, indent=2))
+    write_atomic(out / "results.md", "\n".join(lines) + "\n")
+    write_atomic(out / "results.json", dumps_finite({"task": task, "scoring": args.scoring, "results": summary}))
+    if args.ratios:
+        plot_vs_kv(out / "accuracy_vs_kv.png", summary)
     print((out / "results.md").read_text())
     return 0
 

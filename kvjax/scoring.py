@@ -22,7 +22,8 @@ PROGRESS_CHUNKS = 64
 
 @compiled(static=("policy", "max_len"))
 def _stream_logprobs(model, tokens, positions, *, policy, max_len):
-    cache = model.init_cache(policy, tokens.shape[0], max_len)
+    # The scored texts are the prompts: a ratio budget is a share of each row's text.
+    cache = model.size_rows(model.init_cache(policy, tokens.shape[0], max_len, max_len), positions, policy)
     logits, _ = model.stream(tokens, positions, cache, policy)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -34,22 +35,30 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     The sequence is right padded to a power-of-two bucket with positions -1 (no-op
     steps), so lengths in one bucket share a compilation.
     """
+    return stream_logprobs_rows(model, [ids], policy)[0]
+
+
+def stream_logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
+    """`stream_logprobs` of several texts in one batch, each row its own length: a ratio budget keeps
+    each row's share of its own text (`Policy.size_rows`)."""
     if not policy.evicts_while_decoding:
         raise InvalidInput(
             f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
             "token it would never compress. Use a policy that evicts while decoding (streaming, mat, h2o, ...)"
         )
-    n = len(ids)
-    if n < 2:
-        raise InvalidInput(f"need at least 2 tokens to score, got {n}")
-    t = bucket_length(n)
-    tokens = np.zeros((1, t), np.int32)
-    tokens[0, :n] = ids
-    positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
-    out = _stream_logprobs(model, tokens, positions, policy=policy, max_len=t)
+    lengths = [len(ids) for ids in rows]
+    if min(lengths) < 2:
+        raise InvalidInput(f"need at least 2 tokens to score, got {min(lengths)}")
+    t = bucket_length(max(lengths))
+    tokens = np.zeros((len(rows), t), np.int32)
+    positions = np.full((len(rows), t), -1, np.int32)
+    for r, ids in enumerate(rows):
+        tokens[r, : len(ids)], positions[r, : len(ids)] = ids, np.arange(len(ids))
+    out = np.asarray(_stream_logprobs(model, tokens, positions, policy=policy, max_len=t))
     # Column j scores token j + 1: name the token whose log-probability broke.
-    logp = np.asarray(out[0, : n - 1])
-    require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")
+    logp = [out[r, : n - 1] for r, n in enumerate(lengths)]
+    for lp in logp:
+        require_finite(np.concatenate([[0.0], lp])[None], "log-probabilities", step="token")
     return logp
 
 
@@ -96,6 +105,14 @@ def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarra
     if policy.prefill_mode == "chunked":
         return chunked_logprobs(model, ids, policy)
     return stream_logprobs(model, ids, policy)
+
+
+def logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
+    """`logprobs` of several texts, each compressed as it is read: one batch token by token (a ratio
+    budget keeps each row's share of its own text), or each text in chunks under `prefill_mode="chunked"`."""
+    if policy.prefill_mode == "chunked":
+        return [chunked_logprobs(model, ids, policy) for ids in rows]
+    return stream_logprobs_rows(model, rows, policy)
 
 
 def perplexity(model: nnx.Module, ids: Sequence[int], policy: Policy) -> float:

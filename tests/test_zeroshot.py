@@ -77,3 +77,56 @@ def test_builtin_task_is_deterministic():
     assert a == b and all(len(r["choices"]) == 4 and r["query"].startswith("\nQuestion:") for r in a)
     for r in a:
         assert r["choices"][r["gold"]].strip() in r["context"]
+
+
+def test_stream_scoring_reads_every_token_under_the_policy(sharp_dir):
+    """`--scoring stream` (MAT's protocol): with a full cache it is the hand computation; under a ratio
+    budget the choices of an item (sequences of different lengths, one batch) each keep their own
+    share, i.e. each equals its sequence scored alone under a token budget of floor(n (1 - r))."""
+    from kvjax import scoring
+    from models import load
+
+    lm = load(sharp_dir)
+    tok = lm.tokenizer
+    for row in ITEMS:
+        got = zeroshot.score_item(lm.model, tok, row, FullCache(), "stream")
+        np.testing.assert_allclose(got["logprobs"], _by_hand(lm.model, tok, row), rtol=1e-5, atol=1e-5)
+    row = {"context": "The quick brown fox jumps over the lazy dog. " * 3, "query": " The fox is",
+           "choices": [" quick", " brown and very quick indeed", " lazy"], "gold": 0}
+    ratio = 0.5
+    got = zeroshot.score_item(lm.model, tok, row, StreamingLLM(budget=None, ratio=ratio, sinks=4), "stream")
+    ctx = [tok.bos_token_id] + tok(row["context"] + row["query"], add_special_tokens=False)["input_ids"]
+    want = []
+    for c in row["choices"]:
+        ch = tok(c, add_special_tokens=False)["input_ids"]
+        budget = int(np.floor(len(ctx + ch) * (1 - ratio)))
+        lp = scoring.stream_logprobs(lm.model, ctx + ch, StreamingLLM(budget=budget, sinks=4))
+        want.append(lp[len(lp) - len(ch):].sum())
+    assert len({len(tok(c, add_special_tokens=False)["input_ids"]) for c in row["choices"]}) > 1
+    np.testing.assert_allclose(got["logprobs"], want, rtol=1e-5, atol=1e-5)
+    full = zeroshot.score_item(lm.model, tok, row, FullCache(), "stream")["logprobs"]
+    assert np.abs(np.asarray(full) - np.asarray(got["logprobs"])).max() > 1e-3  # the budget bites
+
+
+def test_cli_table_2_protocol_sweeps_kv_ratios_resumes_and_keeps_its_identity(tmp_path, tiny_dir):
+    """MAT Table 2 / Fig. 4 end to end: --scoring stream --ratios over full, StreamingLLM and MAT; a rerun
+    with one more ratio computes only the new records; another --scoring is refused for that OUT."""
+    data = tmp_path / "task.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--data", str(data), "--compare", "full,streaming,mat", "--anchors", "2",
+            "--sinks", "2", "--scoring", "stream", "--out", str(out)]
+    assert zeroshot.main(argv + ["--ratios", "0.5"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["results"]) == {"full", "streaming@0.5", "mat@0.5"} and res["scoring"] == "stream"
+    assert "ratio=0.5" in res["results"]["mat@0.5"]["policy"] and (out / "accuracy_vs_kv.png").is_file()
+    assert "| mat@0.5 | 50 |" in (out / "results.md").read_text()
+    first = (out / "items.jsonl").read_text()
+    assert zeroshot.main(argv + ["--ratios", "0.5,0.25"]) == 0
+    grown = (out / "items.jsonl").read_text()
+    assert grown.startswith(first) and len(grown.splitlines()) == len(first.splitlines()) + 2 * len(ITEMS)
+    with pytest.raises(ValueError, match="--scoring"):
+        zeroshot.main([a if a != "stream" else "prefix" for a in argv] + ["--ratios", "0.5"])
+    with pytest.raises(ValueError, match="--ratio 0.5 sizes each row's c as a share of its prompt, but --anchors None"):
+        zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--compare", "mat", "--ratios", "0.5",
+                       "--out", str(tmp_path / "o2")])

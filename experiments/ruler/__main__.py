@@ -9,10 +9,9 @@ model's own tokenizer, scored as RULER scores (string_match_all).
 `--protocol agnostic` (kvpress's protocol, the default) compresses each sample's context without
 its question, then appends the question (with RULER's answer prefix) to the compressed cache;
 `--protocol aware` compresses context and question together. Both read the same token ids.
-`--ratios` runs every policy at each compression ratio: a policy with a ratio mode (SnapKV & co,
-StreamingLLM, LocalWindow)
-keeps that fraction of the context; one without gets a budget of (1 - ratio) x the cell's prompt
-room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
+`--ratios` runs every policy at each compression ratio: each policy with a ratio mode (all but full
+and gate) removes that fraction of each prompt; MAT's beta, a count, defaults to a quarter of that
+share of the cell's prompt room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
 per sample to OUT/preds.jsonl (a rerun resumes), scores in OUT/results.{md,csv,json} and the plots
 OUT/score_vs_length.png and (with --ratios) OUT/score_vs_ratio.png.
 """
@@ -21,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -32,15 +29,14 @@ from tqdm import tqdm
 
 from experiments import cli
 from experiments.common import (
-    POLICY_OPTIONS,
     add_compare_args,
     add_run_args,
     attach_gate_params,
     chosen_policies,
-    fraction_removed,
     int_list,
     nonnegative_int,
-    policies_from_args,
+    parse_ratios,
+    policies_at_ratios,
     positive_int,
     resolve_model,
 )
@@ -49,7 +45,6 @@ from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput
-from kvjax.policies import NO_BUDGET, REGISTRY
 
 # kvpress's public leaderboard: RULER at 4K, these compression ratios, the presses kvjax shares with
 # kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
@@ -92,40 +87,18 @@ def parse(argv):
             p.error("--preset leaderboard sets --ratios and --compare itself")
         extra = [n for n, given in (("razor", args.heads), ("gate", args.gate_params)) if given]
         args.compare, args.ratios = ",".join(LEADERBOARD_POLICIES + tuple(extra)), LEADERBOARD_RATIOS
-    elif args.ratios:
-        args.ratios = tuple(fraction_removed(r) for r in args.ratios.split(","))
-        if args.budget is not None or args.ratio is not None:
-            p.error("--ratios sets each policy's size: leave out --budget and --ratio")
+    else:
+        parse_ratios(p, args)
     return p, args
 
 
 def cell_policies(p, args, num_layers: int, task: T.Task, length: int, gen: int) -> list[tuple[str, object]]:
-    """(label, policy) for one (task, length) cell: the command line's policies, or each at each ratio."""
+    """(label, policy) for one (task, length) cell: the command line's policies, or each at each ratio
+    (MAT's default beta a quarter of that ratio's share of the cell's prompt room, length - generated)."""
     if not args.ratios:
         return list(zip(*chosen_policies(p, args, num_layers)))
     names = (args.compare or args.policy or args.compare_default).split(",")
-    out = []
-    for n in names:
-        params = inspect.signature(REGISTRY[n]).parameters
-        own = argparse.Namespace(**vars(args))
-        for k in POLICY_OPTIONS:  # each policy takes its own options (that none takes is checked below)
-            if k not in params:
-                setattr(own, k, None)
-        if n in NO_BUDGET:  # sized by its own options: one entry, not one per ratio
-            out.append((n, policies_from_args(own, [n], num_layers)[0]))
-            continue
-        for r in args.ratios:
-            if "ratio" in params:
-                own.ratio, own.budget = r, None
-            else:  # no ratio mode: the same fraction of this cell's prompt room, as a token budget
-                own.ratio, own.budget = None, max(1, math.floor((1 - r) * (length - gen)))
-            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers)[0]))
-    given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
-    unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
-    if unused:
-        raise InvalidInput(f"{', '.join('--' + k.replace('_', '-') for k in sorted(unused))}: no policy of "
-                           f"{','.join(names)} takes it")
-    return out
+    return policies_at_ratios(args, names, num_layers, args.ratios, room=length - gen)
 
 
 def cell_samples(out: Path, lm, task: T.Task, length: int, args, gen: int) -> list[T.Sample]:
