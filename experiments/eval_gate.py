@@ -14,7 +14,8 @@ does not train on):
   H2O with the budget that evicts the gates' measured share of the prefix (matched eviction),
   or a fixed share with `--baseline-eviction 0.5` (the paper's Table 1 protocol).
 
-Writes results.json and results.md in --out.
+Writes results.json and results.md in --out; each part is kept in parts.jsonl as it is computed, so
+a killed run resumes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 from experiments import cli
 from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
-from experiments.records import claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, load_gates, without_gates
@@ -72,8 +73,11 @@ def _cont_nll(model, prefix, cont, *, policy):
 
 
 def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4,
-             baseline_eviction: float | None = None) -> dict:
-    """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`."""
+             baseline_eviction: float | None = None, log: ResultLog | None = None) -> dict:
+    """Every number of the module docstring for `model` (with gates attached) on `tokens` `[n, T]`.
+
+    With a `log`, each part (the held-out losses and eviction, each policy's continuation NLL) is a
+    record as soon as it is computed, and a part already there is not recomputed: a killed run resumes."""
     if not 0 < prefix_share < 1:
         raise InvalidInput(f"prefix share {prefix_share} must be in (0, 1)")
     # the gated model and the same weights without gates: two structures, two compiled programs
@@ -81,17 +85,32 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     with without_gates(model):
         base_graph, base_state = nnx.split(model)
     batches = [jnp.asarray(tokens[i : i + batch]) for i in range(0, len(tokens), batch)]
-    base_loss = np.mean([float(_losses.pure(base_graph, base_state, t)[0]) for t in batches])
-    gated, flags = [], []
-    for t in batches:
-        loss, f = _losses.pure(graphdef, state, t)
-        gated.append(float(loss))
-        flags.append([np.asarray(x) for x in f])
-    per_head = np.mean([eviction_ratios(f, np.ones(f[0].shape[::2], np.float32)) for f in flags], axis=0)
     p = int(tokens.shape[1] * prefix_share)
-    # The gates' eviction over the prefix alone (what its cache drops): flags are causal, so
-    # the prefix's flags in a full-window forward are its flags.
-    prefix_evicted = float(np.mean([1 - np.mean([x[:, :, :p].mean() for x in f]) for f in flags]))
+
+    def part(key, compute):
+        if log is not None and key in log:
+            return log.records[key]
+        rec = {"id": key, **compute()}
+        if log is not None:
+            log.add(rec)
+        return rec
+
+    def losses():
+        base_loss = np.mean([float(_losses.pure(base_graph, base_state, t)[0]) for t in batches])
+        gated, flags = [], []
+        for t in batches:
+            loss, f = _losses.pure(graphdef, state, t)
+            gated.append(float(loss))
+            flags.append([np.asarray(x) for x in f])
+        per_head = np.mean([eviction_ratios(f, np.ones(f[0].shape[::2], np.float32)) for f in flags], axis=0)
+        # The gates' eviction over the prefix alone (what its cache drops): flags are causal, so
+        # the prefix's flags in a full-window forward are its flags.
+        prefix_evicted = float(np.mean([1 - np.mean([x[:, :, :p].mean() for x in f]) for f in flags]))
+        return {"base": float(base_loss), "gated": float(np.mean(gated)), "per_layer_head": per_head.tolist(),
+                "prefix_evicted": prefix_evicted}
+
+    held = part("heldout", losses)
+    per_head, prefix_evicted = np.asarray(held["per_layer_head"]), held["prefix_evicted"]
     # the baselines evict the gates' measured share (matched eviction), or a fixed one (Table 1: 50 %)
     evicted = prefix_evicted if baseline_eviction is None else baseline_eviction
     budget = max(sinks + 1, int(round((1 - evicted) * p)))
@@ -104,9 +123,10 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     }
     cont = {}
     for name, (policy, g, s) in tqdm(policies.items(), desc="continuations"):
-        cont[name] = float(np.mean([float(_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))
+        cont[name] = part(f"continuation|{policy.describe()}", lambda: {"nll": float(np.mean([
+            float(_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))})["nll"]
     return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
-            "heldout_loss": {"base": float(base_loss), "gated": float(np.mean(gated))},
+            "heldout_loss": {"base": held["base"], "gated": held["gated"]},
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
             "baseline_eviction": evicted, "baseline_eviction_source": "gates" if baseline_eviction is None else "fixed",
             "baseline_budget": budget, "continuation_nll": cont}
@@ -163,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     load_gates(lm.model, args.gate_params)
     out = Path(args.out or Path(args.gate_params) / "eval")
-    # Not resumable, but its results must not be mistaken for another configuration's either.
+    # Resumable part by part (OUT/parts.jsonl), never over another configuration's parts.
     claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data", "gate_params")))
     result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix,
-                      baseline_eviction=args.baseline_eviction)
+                      baseline_eviction=args.baseline_eviction, log=ResultLog(out / "parts.jsonl"))
     dumps_finite(result)  # a NaN loss is an error, not a number in the table
     write_report(out, result)
     return 0
