@@ -21,6 +21,15 @@ from pathlib import Path
 from kvjax.errors import InvalidInput, NonFiniteError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Replaces `path` with `text` all at once: readers (and a rerun after a kill) see the old
     file or the new one, never a torn one."""
@@ -32,6 +41,7 @@ def write_atomic(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _FILE_MODE)  # mkstemp creates 0600; results are shared as any file written with open()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -112,7 +112,7 @@ SUITES = {
                        "--data-dir", "--data-dir content"}),
     "needle": ([], {"--needle", "--question", "--answer", "--haystack", "--batch"}),
     "perplexity": ([], {"--text", "python"}),
-    "zeroshot": ([], {"--data", "--items", "--seed"}),
+    "zeroshot": ([], {"--data", "--items", "--seed", "--scoring"}),
     "efficiency": ([], {"--new", "--batch", "--repeats", "--dtype", "--attention-impl"}),
     "eval_anllm": (["--anchors", "."], {"--items", "--shots", "--options", "--seed", "--anchors", "--data"}),
 }
@@ -386,6 +386,19 @@ def test_atomic_rewrite_killed_midway_loses_no_finished_record(tmp_path, monkeyp
     log = ResultLog(path)
     assert sorted(log.records) == ["0", "1", "2"]
     assert path.read_text().endswith('"v": 2}\n')
+
+
+def test_atomic_write_leaves_the_permissions_of_a_plain_write(tmp_path):
+    """A result written atomically is as readable as one written with open(): the temporary file's
+    0600 is not what the user gets."""
+    import stat
+
+    from experiments.records import write_atomic
+
+    (tmp_path / "plain.md").write_text("x")
+    write_atomic(tmp_path / "atomic.md", "x")
+    mode = lambda name: stat.S_IMODE((tmp_path / name).stat().st_mode)  # noqa: E731
+    assert mode("atomic.md") == mode("plain.md")
 
 
 def test_atomic_identity_write_is_all_or_nothing(tiny_dir, tmp_path, monkeypatch):
