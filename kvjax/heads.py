@@ -262,16 +262,20 @@ def kv_scopes(scopes: np.ndarray, num_kv_heads: int) -> np.ndarray:
 def control_heads(retrieval: np.ndarray, kind: str, seed: int = 0) -> np.ndarray:
     """RazorAttention's Table 1 controls for a `[layers, kv_heads]` retrieval table: "none" protects no
     head (every head local), "random" as many heads as `retrieval` does, drawn uniformly without
-    replacement (deterministic in `seed`)."""
+    replacement (deterministic in `seed`), and never the probe's own table when another exists: a
+    draw that hits it (3 heads of 12: one seed in 220) would be no control, so it is drawn again."""
     retrieval = np.asarray(retrieval, bool)
     if kind == "none":
         return np.zeros_like(retrieval)
     if kind != "random":
         raise ValueError(f"control={kind!r}; expected 'none' or 'random'")
-    chosen = np.random.default_rng(seed).choice(retrieval.size, int(retrieval.sum()), replace=False)
-    out = np.zeros(retrieval.size, bool)
-    out[chosen] = True
-    return out.reshape(retrieval.shape)
+    rng, n = np.random.default_rng(seed), int(retrieval.sum())
+    while True:
+        out = np.zeros(retrieval.size, bool)
+        out[rng.choice(retrieval.size, n, replace=False)] = True
+        out = out.reshape(retrieval.shape)
+        if n in (0, retrieval.size) or not np.array_equal(out, retrieval):
+            return out
 
 
 def save_heads(path, **fields) -> None:

@@ -398,6 +398,13 @@ def test_table_1_controls_protect_no_head_or_as_many_at_random(tiny_dir, tmp_pat
     assert all(d.shape == found.shape and d.sum() == found.sum() for d in draws)
     assert len({d.tobytes() for d in draws}) > 1 and np.array_equal(draws[0], control_heads(found, "random", seed=0))
     assert not control_heads(found, "none").any()
+    # kvjax-small's probe table, which seed 0's first draw hits exactly: the control draws again
+    probe = np.array([[0, 0], [0, 0], [0, 0], [1, 1], [1, 0], [0, 0]], bool)
+    first = np.zeros(12, bool)
+    first[np.random.default_rng(0).choice(12, 3, replace=False)] = True
+    assert np.array_equal(first.reshape(6, 2), probe)
+    drawn = control_heads(probe, "random", seed=0)
+    assert drawn.sum() == 3 and not np.array_equal(drawn, probe)
     with pytest.raises(ValueError, match="control='some'"):
         control_heads(found, "some")
     tables = {}
