@@ -25,7 +25,8 @@ from kvjax import pallas as kernels
 _MASKED = -1e30
 # Queries per block in prefill: bounds the score buffer to [block, T] per head.
 PREFILL_BLOCK = 512
-# "xla": the jnp code in this module; "pallas": the kernels of kvjax.pallas, checked against it.
+# "xla": the jnp code in this module; "pallas": the kernels of kvjax.pallas, checked against it (and, for a
+# prompt's plain causal attention on a GPU, cuDNN's flash attention: `prefill_route`).
 IMPLS = ("xla", "pallas")
 
 
@@ -244,6 +245,49 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     return out, None if colsum is None else colsum.sum(axis=0)
 
 
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def prefill_route(
+    impl: str, backend: str, *, stats: frozenset[str], alibi, window, anchors, key_keep, softcap, self_attention: bool,
+    dtype, head_dim: int,
+) -> str:
+    """Which code a prompt's attention runs: "xla" (this module), "pallas" (kvjax.pallas), or "cudnn".
+
+    cuDNN's flash attention (`jax.nn.dot_product_attention`) computes plain causal softmax attention,
+    so it takes only the common case under `impl="pallas"` on a GPU: a prompt attending itself, no
+    statistics, no mask beyond causality and padding (no ALiBi, window, anchors, gate flags or
+    soft-capping), in half precision with a head size cuDNN accepts. Any other call keeps kvjax's
+    kernels, which compute what the policy asked for."""
+    if impl != "pallas":
+        return "xla"
+    plain = not stats and alibi is None and window is None and anchors is None and key_keep is None and softcap is None
+    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if backend == "gpu" and self_attention and plain and fits else "pallas"
+
+
+def cudnn_prefill(
+    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"], pos: Int[Array, "b t"], *,
+    scale: float, implementation: str | None = "cudnn",
+) -> Float[Array, "b h t d"]:
+    """A left-padded prompt's causal self-attention through `jax.nn.dot_product_attention`.
+
+    That API masks padding at the end of a row (`*_seq_lengths`), so each row is rotated to right
+    padding, attended, and rotated back; padding queries give 0. `implementation="xla"` runs the same
+    adapter on any backend (how the CPU tests check it against the reference)."""
+    b, h, t, d = q.shape
+    n = jnp.sum(pos >= 0, axis=1).astype(jnp.int32)  # real tokens per row
+    shift = (t - n)[:, None]
+    to_right = (jnp.arange(t)[None, :] + shift) % t  # right-padded index j holds left-padded index to_right[j]
+    move = lambda x, idx: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)  # noqa: E731
+    layout = lambda x: move(x, to_right).transpose(0, 2, 1, 3)  # noqa: E731  [b, t, heads, d]
+    o = jax.nn.dot_product_attention(layout(q), layout(k), layout(v), scale=scale, is_causal=True,
+                                     query_seq_lengths=n, key_value_seq_lengths=n, implementation=implementation)
+    o = move(o.transpose(0, 2, 1, 3), (jnp.arange(t)[None, :] - shift) % t)
+    return jnp.where((pos >= 0)[:, None, :, None], o, 0).astype(q.dtype)
+
+
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -282,7 +326,8 @@ def prefill_attention(
       accumulated attention), accumulated block by block.
 
     `impl="pallas"` runs `kvjax.pallas.prefill_attention` (and its `colsum` pass) instead of
-    the query blocks below; the O(W x s) statistics are computed here either way.
+    the query blocks below; the O(W x s) statistics are computed here either way. On a GPU its
+    common case goes to cuDNN instead (`prefill_route`).
     """
     windows = {int(x.split(":")[1]) for x in stats if x.startswith("window_probs:")}
     unknown = stats - {"first_logit", "colsum"} - {f"window_probs:{w}" for w in windows}
@@ -294,6 +339,11 @@ def prefill_attention(
     want_colsum = "colsum" in stats
     q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
     check_impl(impl)
+    route = prefill_route(impl, _backend(), stats=stats, alibi=alibi, window=window, anchors=anchors,
+                          key_keep=key_keep, softcap=softcap, self_attention=self_attention, dtype=q.dtype,
+                          head_dim=d)
+    if route == "cudnn":
+        return cudnn_prefill(q, k, v, q_pos, scale=scale), {}
     _no_softcap_kernel(softcap, impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()

@@ -262,3 +262,69 @@ def test_block_sizes_are_validated_and_shapes_quoted():
     with pytest.raises(ValueError, match=r"pallas decode_attention: axis c of log_w is 6"):
         pdecode.decode_attention(q[:, :, 0], k, v, pos[:, None].repeat(2, 1), jnp.zeros((1, 2, 6)), scale=0.25,
                                  **_run("gpu"))
+
+
+# --- cuDNN dispatch (issue #25): the common case only ------------------------------------------
+
+def _route(**over):
+    kw = dict(stats=frozenset(), alibi=None, window=None, anchors=None, key_keep=None, softcap=None,
+              self_attention=True, dtype=jnp.bfloat16, head_dim=64)
+    impl, backend = over.pop("impl", "pallas"), over.pop("backend", "gpu")
+    return attention.prefill_route(impl, backend, **{**kw, **over})
+
+
+def test_cudnn_is_routed_only_plain_causal_prompts():
+    """A call with statistics or any mask beyond causality never takes cuDNN; neither does f32, a head
+    size cuDNN refuses, a chunk against a cache, the xla implementation or a CPU."""
+    assert _route() == "cudnn" and _route(dtype=jnp.float16, head_dim=128) == "cudnn"
+    refused = [dict(stats=frozenset({s})) for s in ("colsum", "first_logit", "window_probs:8")] + [
+        dict(alibi=np.ones(8)), dict(window=64), dict(anchors=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
+        dict(softcap=50.0), dict(dtype=jnp.float32), dict(head_dim=60), dict(head_dim=256),
+        dict(self_attention=False)]
+    for over in refused:
+        assert _route(**over) == "pallas", over
+    assert _route(impl="xla") == "xla" and _route(backend="cpu") == "pallas"
+
+
+def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
+    """The dispatch as a call sees it, on a GPU (the backend faked): the plain prompt goes to cuDNN and
+    returns no statistics; with statistics, ALiBi or gate flags the Pallas kernel runs instead."""
+    calls = []
+    monkeypatch.setattr(attention, "_backend", lambda: "gpu")
+    monkeypatch.setattr(attention, "cudnn_prefill", lambda q, *a, **k: calls.append("cudnn") or jnp.zeros_like(q))
+
+    def kernel(q, k, v, q_pos, k_pos, **kw):
+        calls.append("pallas")
+        return jnp.zeros_like(q), jnp.zeros(q.shape[:3], jnp.float32)
+
+    monkeypatch.setattr(attention.kernels, "prefill_attention", kernel)
+    monkeypatch.setattr(attention.kernels, "colsum", lambda q, k, *a, **kw: jnp.zeros(q.shape[:3], jnp.float32))
+    monkeypatch.setattr(attention.kernels, "platform_variant", lambda: ("gpu", False))
+    q, k, v = _qkv(np.random.default_rng(0), 1, 4, 2, 16, 16, 64, jnp.bfloat16)
+    pos = jnp.arange(16)[None]
+    kw = dict(scale=0.125, impl="pallas", self_attention=True)
+    _, stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
+    assert calls == ["cudnn"] and stats == {}
+    for extra in (dict(stats=frozenset({"colsum"})), dict(stats=frozenset({"first_logit"})),
+                  dict(alibi=attention.alibi_slopes(4)), dict(key_keep=jnp.ones((1, 2, 16), bool))):
+        calls.clear()
+        attention.prefill_attention(q, k, v, pos, pos, **kw, **extra)
+        assert calls == ["pallas"], extra
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_cudnn_adapter_equals_the_reference_on_left_padded_rows(g):
+    """The rotation to right padding and back around `jax.nn.dot_product_attention` (run here with its
+    XLA implementation): each real query's output equals the reference's; padding queries give 0."""
+    rng = np.random.default_rng(1)
+    b, kvh, t, d = 3, 2, 24, 16
+    q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
+    pos = np.full((b, t), -1, np.int32)
+    for r, n in enumerate((24, 17, 5)):
+        pos[r, t - n:] = np.arange(n)
+    pos = jnp.asarray(pos)
+    want, _ = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5)
+    got = attention.cudnn_prefill(q, k, v, pos, scale=d**-0.5, implementation="xla")
+    real = np.asarray(pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=1e-5, rtol=0)
+    assert not np.asarray(got)[~np.broadcast_to(real, got.shape)].any()
