@@ -1,0 +1,281 @@
+"""End to end at model shapes, random weights: kvjax's policies against transformers (SDPA) and
+transformers + kvpress, side by side in one run, on the same weights and device.
+
+    python -m benchmarks.e2e                                    # the reduced CPU shape, 2K-8K prompts
+    python -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 --lengths 4096,32768,131072   # a GPU
+    python -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 --lengths 4096,32768
+
+Per (implementation, policy, prompt length, batch): time to first token (the prompt's prefill and the
+first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
+backends do not report it) and, for kvjax, the first call's compile seconds of prefill and decode.
+`--compile-layers 16,32` adds the compile-time table of the shape at those depths. Cache bytes are
+kvjax's whole cache (keys, values and each slot's position and statistics, decode slots included)
+and the K/V tensors of transformers' cache. Writes
+benchmarks/results/e2e_<platform>.{json,md,png}. Numbers are for reading, never asserted in tests.
+
+Budgets: `--budget` tokens per layer and KV head for kvjax; kvpress takes a compression ratio, so it
+gets `1 - budget / prompt`, the same kept count. MAT's prompt is attended whole here
+(`prefill_mode="full"`): its token-by-token protocol is MAT Table 6's, in `experiments.efficiency`.
+RazorAttention protects a fixed quarter of the KV heads (random weights have no retrieval heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.efficiency import peak_bytes
+from kvjax import Sampling
+from kvjax.cache import nbytes
+from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
+from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
+from models import load
+from models.tiny import make_random_checkpoint, tiny_config
+
+# Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B) and a CPU-sized one.
+SHAPES = {
+    "cpu": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
+                num_kv_heads=2, head_dim=64),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                         num_kv_heads=8, head_dim=64),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128),
+}
+
+
+def kvjax_policies(budget: int, num_layers: int, num_kv_heads: int, chunk: int) -> dict:
+    rng = np.random.default_rng(0)
+    table = tuple(tuple(bool(x) for x in rng.permutation(num_kv_heads) < max(1, num_kv_heads // 4))
+                  for _ in range(num_layers))
+    return {
+        "full": FullCache(),
+        "streaming": StreamingLLM(budget=budget, sinks=4),
+        "snapkv": SnapKV(budget=budget, window=32, kernel=7),
+        "pyramidkv": PyramidKV(budget=budget, window=32, kernel=7, num_layers=num_layers),
+        "mat": mat(budget, budget // 4, shallow_layers=2, sinks=4, prefill_mode="full"),
+        "razor": RazorAttention(retrieval=table, buffer=budget),
+        f"streaming chunked {chunk}": StreamingLLM(budget=budget, sinks=4, prefill_mode="chunked", chunk=chunk),
+        f"snapkv chunked {chunk}": SnapKV(budget=budget, window=32, kernel=7, prefill_mode="chunked", chunk=chunk),
+    }
+
+
+def _seconds(fn):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - t, out
+
+
+def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> dict:
+    graphdef, state = nnx.split(model)
+    b, n = prompts.shape
+    tokens, positions = pad_left(prompts.tolist(), bucket_length(n), 0)
+    key = jax.random.key(0)
+    kw = dict(policy=policy, max_len=tokens.shape[1] + new, sampling=Sampling())
+    t = time.perf_counter()
+    compiled = prefill_fn.pure.lower(graphdef, state, tokens, positions, key, **kw).compile()
+    compile_prefill = time.perf_counter() - t
+    pre = functools.partial(compiled, graphdef, state, tokens, positions, key)
+    ttft = min(_seconds(pre)[0] for _ in range(repeats))
+    first, first_finite, cache = pre()
+    lengths = jnp.full((b,), n, jnp.int32)
+    args = (first, first_finite, lengths, key, jnp.asarray(eos_array(())), jnp.int32(new), jnp.int32(0))
+    dkw = dict(policy=policy, sampling=Sampling(), buffer=new)
+    t = time.perf_counter()
+    dec = decode_fn.pure.lower(graphdef, state, cache, *args, **dkw).compile()
+    compile_decode = time.perf_counter() - t
+    best, steps = float("inf"), 0
+    for _ in range(repeats):
+        c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+        s, (out, steps, nonfinite, c) = _seconds(lambda: dec(graphdef, state, c, *args))  # noqa: B023
+        check_finite_steps(np.asarray(nonfinite))
+        best = min(best, s)
+    return {"ttft_s": ttft, "decode_tok_s": (int(steps) - 1) / best, "cache_bytes": nbytes(c),
+            "peak_bytes": peak_bytes(), "compile_prefill_s": compile_prefill, "compile_decode_s": compile_decode}
+
+
+def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -> dict:
+    """transformers (greedy), optionally with a kvpress press compressing the prefill, measured as kvjax is:
+    the prefill forward and its first token (TTFT), then `new - 1` decode steps on a copy of its cache,
+    positions continuing the prompt's as kvpress's pipeline passes them."""
+    import contextlib
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    x = torch.tensor(prompts, device=model.device)
+    b, n = x.shape
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def prefill():
+        cache = DynamicCache()
+        with torch.no_grad(), (press(model) if press is not None else contextlib.nullcontext()):
+            out = model(x, past_key_values=cache, use_cache=True)
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        return first, cache
+
+    def decode(first, cache):
+        tok = first
+        with torch.no_grad():
+            for i in range(new - 1):
+                pos = torch.full((b, 1), n + i, device=model.device)
+                tok = model(tok, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1].argmax(
+                    -1, keepdim=True)
+        sync()
+        return cache
+
+    ttft = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        first, cache = prefill()
+        ttft = min(ttft, time.perf_counter() - t)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms up
+        c = copy.deepcopy(cache)
+        t = time.perf_counter()
+        c = decode(first, c)
+        best = min(best, time.perf_counter() - t)
+    kv = sum(t.numel() * t.element_size() for layer in c.layers for t in (layer.keys, layer.values))
+    peak = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
+    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / best, "cache_bytes": kv, "peak_bytes": peak}
+
+
+def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtype) -> list[dict]:
+    """First-call compile seconds of prefill and decode at each depth (full, StreamingLLM, MAT)."""
+    rows = []
+    for n_layers in layers:
+        with tempfile.TemporaryDirectory() as d:
+            make_random_checkpoint(d, tiny_config(**{**shape, "num_layers": n_layers},
+                                                  max_position_embeddings=2 * length), seed=0)
+            model = load(d, tokenizer=False, dtype=dtype).model
+        prompts = np.random.default_rng(0).integers(4, shape["vocab_size"], (1, length))
+        for name, policy in (("full", FullCache()), ("streaming", StreamingLLM(budget=budget, sinks=4)),
+                             ("mat", mat(budget, budget // 4, prefill_mode="full"))):
+            r = time_kvjax(model, prompts, policy, new=8, repeats=1)
+            rows.append({"layers": n_layers, "policy": name, "compile_prefill_s": r["compile_prefill_s"],
+                         "compile_decode_s": r["compile_decode_s"]})
+    return rows
+
+
+def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> None:
+    plat = meta["platform"]
+    (out / f"e2e_{plat}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
+    mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
+    lines = [f"# End to end, {meta['shape']} shape, random weights ({meta['device']}, jax {meta['jax']})", "",
+             f"Shape {meta['config']}, {meta['dtype']}, {meta['new']} new tokens, greedy; kvjax budget "
+             f"{meta['budget']} per layer and KV head, kvpress the same kept count as a ratio. Command: "
+             f"`{meta['command']}`.", "",
+             "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | cache MiB | peak MiB | compile prefill s | "
+             "compile decode s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        comp = [f"{r[k]:.1f}" if k in r else "" for k in ("compile_prefill_s", "compile_decode_s")]
+        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['batch']} | {r['ttft_s']:.3f} | "
+                     f"{r['decode_tok_s']:.1f} | {mib(r['cache_bytes'])} | {mib(r['peak_bytes'])} | "
+                     f"{comp[0]} | {comp[1]} |")
+    lines += ["", "A compile time of 0.0 s: the program was compiled for an earlier cell with the same shapes (a "
+                  "bounded cache does not grow with the prompt), so this prompt length compiled nothing."]
+    if compile_rows:
+        lines += ["", f"Compile seconds at depth ({meta['shape']} shape otherwise, a {meta['compile_length']}-token "
+                      "prompt, first call: trace, lower and XLA compile):", "",
+                  "| layers | policy | prefill s | decode s |", "|---|---|---|---|"]
+        lines += [f"| {r['layers']} | {r['policy']} | {r['compile_prefill_s']:.1f} | {r['compile_decode_s']:.1f} |"
+                  for r in compile_rows]
+    (out / f"e2e_{plat}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for impl, pol in dict.fromkeys((r["impl"], r["policy"]) for r in rows):
+        mine = [r for r in rows if (r["impl"], r["policy"]) == (impl, pol) and r["batch"] == 1]
+        x = [r["prompt"] for r in mine]
+        axes[0].plot(x, [r["ttft_s"] for r in mine], marker="o", label=f"{impl} {pol}")
+        axes[1].plot(x, [r["decode_tok_s"] for r in mine], marker="o", label=f"{impl} {pol}")
+    axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)")
+    axes[1].set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s (batch 1)")
+    axes[1].legend(fontsize=6)
+    fig.suptitle(f"{meta['shape']} shape, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(out / f"e2e_{plat}.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
+    p.add_argument("--lengths", default="2048,4096,8192")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--max-batch-tokens", type=int, default=16384,
+                   help="cells whose batch x prompt exceeds this are skipped (the CPU's prefill time)")
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    shape = SHAPES[args.shape]
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(tempfile.mkdtemp())
+    make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
+                           seed=0)
+    model = load(ckpt, tokenizer=False, dtype=dtype).model
+    policies = kvjax_policies(args.budget, shape["num_layers"], shape["num_kv_heads"], args.chunk)
+    torch_model = None
+    if not args.no_torch:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        device = "cuda" if torch.cuda.is_available() and jax.devices()[0].platform == "gpu" else "cpu"
+        torch_model = LlamaForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
+                                                       attn_implementation="sdpa").eval().to(device)
+    rows = []
+    cells = [(n, b) for n in lengths for b in batches if n * b <= args.max_batch_tokens]
+    for n, b in tqdm(cells, desc="cells"):
+        prompts = np.random.default_rng(n + b).integers(4, shape["vocab_size"], (b, n))
+        for name, policy in policies.items():
+            rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b,
+                         **time_kvjax(model, prompts, policy, args.new, args.repeats)})
+        if torch_model is not None:
+            from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
+
+            ratio = max(0.0, 1 - args.budget / n)
+            rows.append({"impl": "transformers", "policy": "full", "prompt": n, "batch": b,
+                         **time_torch(torch_model, prompts, args.new, args.repeats)})
+            for name, press in (("streaming", StreamingLLMPress(compression_ratio=ratio, n_sink=4)),
+                                ("snapkv", SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)),
+                                ("pyramidkv", PyramidKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))):
+                rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b,
+                             **time_torch(torch_model, prompts, args.new, args.repeats, press=press)})
+    layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
+    compile_rows = compile_table(shape, layers, lengths[0], args.budget, dtype) if layers else []
+    meta = {"platform": jax.devices()[0].platform, "device": str(jax.devices()[0]), "jax": jax.__version__,
+            "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
+            "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
+            "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+    write(out, meta, rows, compile_rows)
+
+
+if __name__ == "__main__":
+    main()
