@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
+from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite
 # softmax instead of NaN; such rows are never read.
@@ -250,7 +251,7 @@ def _backend() -> str:
 
 
 def prefill_route(
-    impl: str, backend: str, *, stats: frozenset[str], alibi, window, anchors, key_keep, softcap, self_attention: bool,
+    impl: str, backend: str, *, stats: StatsRequest, alibi, window, anchors, key_keep, softcap, self_attention: bool,
     dtype, head_dim: int,
 ) -> str:
     """Which code a prompt's attention runs: "xla" (this module), "pallas" (kvjax.pallas), or "cudnn".
@@ -296,7 +297,7 @@ def prefill_attention(
     k_pos: Int[Array, "b s"],
     *,
     scale: float,
-    stats: frozenset[str] = frozenset(),
+    stats: StatsRequest = NO_STATS,
     alibi: np.ndarray | None = None,
     window: int | None = None,
     anchors: AnchorMask | None = None,
@@ -305,7 +306,7 @@ def prefill_attention(
     impl: str = "xla",
     softcap: float | None = None,
     self_attention: bool = False,
-) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
+) -> tuple[Float[Array, "b h t d"], AttentionStats]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
 
     `self_attention`: the queries and keys are the same left-padded tokens (`q_pos` is `k_pos`, in
@@ -317,33 +318,31 @@ def prefill_attention(
     `key_keep`: per KV head, the keys later queries may see (Attention-Gate's eq. 7; a query
     always sees its own key): bool, or the gate's float flags (differentiable, see `_softmax`).
 
-    Optional statistics:
+    Optional statistics (`stats`, an `AttentionStats` of the requested ones):
 
-    * "first_logit": `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
-    * "window_probs:W": `[b, kvh, g, W, s]` the attention probabilities of the last W queries
+    * `first_logit`: `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
+    * `window_probs[W]`: `[b, kvh, g, W, s]` the attention probabilities of the last W queries
       (SnapKV's observation window; also TOVA with W = 1). Only `W x s`, never `s x s`.
-    * "colsum": `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
+    * `colsum`: `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
       accumulated attention), accumulated block by block.
 
     `impl="pallas"` runs `kvjax.pallas.prefill_attention` (and its `colsum` pass) instead of
     the query blocks below; the O(W x s) statistics are computed here either way. On a GPU its
     common case goes to cuDNN instead (`prefill_route`).
     """
-    windows = {int(x.split(":")[1]) for x in stats if x.startswith("window_probs:")}
-    unknown = stats - {"first_logit", "colsum"} - {f"window_probs:{w}" for w in windows}
-    if unknown:
-        raise ValueError(f"prefill_attention cannot compute statistics {sorted(unknown)}")
+    if stats.probs:
+        raise ValueError("prefill_attention cannot compute statistics ['probs'] (a decode statistic)")
     b, h, t, d = q.shape
     kvh = k.shape[1]
     qg = _group(q, kvh)
-    want_colsum = "colsum" in stats
+    want_colsum = stats.colsum
     q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
     check_impl(impl)
     route = prefill_route(impl, _backend(), stats=stats, alibi=alibi, window=window, anchors=anchors,
                           key_keep=key_keep, softcap=softcap, self_attention=self_attention, dtype=q.dtype,
                           head_dim=d)
     if route == "cudnn":
-        return cudnn_prefill(q, k, v, q_pos, scale=scale), {}
+        return cudnn_prefill(q, k, v, q_pos, scale=scale), AttentionStats()
     _no_softcap_kernel(softcap, impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
@@ -386,8 +385,8 @@ def prefill_attention(
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
         colsum = None if colsum is None else colsum.sum(axis=0)
-    out_stats = {}
-    for w in windows:
+    window_probs = {}
+    for w in sorted(stats.windows):
         start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
         qw = _group(q[:, :, start:], kvh)
         sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
@@ -395,15 +394,14 @@ def prefill_attention(
         if anchors is not None:
             sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-        out_stats[f"window_probs:{w}"] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
-    if want_colsum:
-        out_stats["colsum"] = colsum
-    if "first_logit" in stats:
+        window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
+    first_logit = None
+    if stats.first_logit:
         first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
         k0 = jnp.take_along_axis(k, first[:, None, None, None], axis=2)[:, :, 0]  # [b, kvh, d]
-        out_stats["first_logit"] = (
-            jnp.einsum("bkgqd,bkd->bkgq", _group(q, kvh), k0, preferred_element_type=_acc(q.dtype)) * scale
-        )
+        first_logit = jnp.einsum("bkgqd,bkd->bkgq", _group(q, kvh), k0, preferred_element_type=_acc(q.dtype)) * scale
+    out_stats = AttentionStats(first_logit=first_logit, colsum=colsum if want_colsum else None,
+                               window_probs=window_probs)
     return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
 
@@ -424,11 +422,11 @@ def prefix_attention(
     alibi: np.ndarray | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    stats: frozenset[str] = frozenset(),
+    stats: StatsRequest = NO_STATS,
     q_sinks: Float[Array, "b h t d"] | None = None,
     sinks: int = 0,
     impl: str = "xla",
-) -> tuple[Float[Array, "b h t d"], dict[str, Array]]:
+) -> tuple[Float[Array, "b h t d"], AttentionStats]:
     """A chunk of `t` new tokens attending a cache of `C` slots and, causally, itself.
 
     What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a) and what a
@@ -442,9 +440,9 @@ def prefix_attention(
     query's rank, not its position (`Policy.rolling_sinks`).
 
     `stats`, over the keys `[cache slots; chunk]` (the candidates `Policy.absorb` chooses from):
-    "window_probs:W" `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
-    (W <= t); "colsum" `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
-    "first_logit" `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
+    `window_probs[W]` `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
+    (W <= t); `colsum` `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
+    `first_logit` `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
     chunk token), without bias or soft-cap, as `prefill_attention` returns it.
 
     There is no Pallas kernel for a chunk over a cache: with `impl="pallas"` this runs here and says
@@ -482,19 +480,16 @@ def prefix_attention(
     out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
     out += jnp.einsum("bkgqs,bksd->bkgqd", p[..., c:].astype(v.dtype), v, preferred_element_type=acc)
     real = (pos >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-    out_stats = {}
-    for name in stats:
-        if name == "first_logit":
-            at0 = lambda keys, p0: jnp.sum(jnp.where(p0[..., None], keys, 0), axis=2)  # noqa: E731
-            k0 = at0(cache_k, slot_pos == 0) + at0(k, jnp.broadcast_to((pos == 0)[:, None], k.shape[:3]))
-            out_stats[name] = jnp.einsum("bkgqd,bkd->bkgq", qg, k0.astype(qg.dtype), preferred_element_type=acc) * scale
-        elif name == "colsum":
-            out_stats[name] = jnp.sum(jnp.where(real, p, 0.0), axis=3)
-        elif name.startswith("window_probs:") and int(name.split(":")[1]) <= t:
-            w = int(name.split(":")[1])
-            out_stats[name] = jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0)
-        else:
-            raise ValueError(f"prefix_attention cannot compute {name!r} for a chunk of {t} tokens")
+    if stats.probs or any(w > t for w in stats.windows):
+        raise ValueError(f"prefix_attention cannot compute {stats.names()} for a chunk of {t} tokens")
+    first_logit = None
+    if stats.first_logit:
+        at0 = lambda keys, p0: jnp.sum(jnp.where(p0[..., None], keys, 0), axis=2)  # noqa: E731
+        k0 = at0(cache_k, slot_pos == 0) + at0(k, jnp.broadcast_to((pos == 0)[:, None], k.shape[:3]))
+        first_logit = jnp.einsum("bkgqd,bkd->bkgq", qg, k0.astype(qg.dtype), preferred_element_type=acc) * scale
+    out_stats = AttentionStats(
+        first_logit=first_logit, colsum=jnp.sum(jnp.where(real, p, 0.0), axis=3) if stats.colsum else None,
+        window_probs={w: jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0) for w in sorted(stats.windows)})
     return out.reshape(b, kvh * g, t, d).astype(q.dtype), out_stats
 
 
@@ -506,14 +501,14 @@ def decode_attention(
     log_w: Float[Array, "b kvh c"],
     *,
     scale: float,
-    stats: frozenset[str] = frozenset(),
+    stats: StatsRequest = NO_STATS,
     q_coord: Int[Array, "b kvh"] | None = None,
     k_coord: Int[Array, "b kvh c"] | None = None,
     alibi: np.ndarray | None = None,
     window: int | None = None,
     impl: str = "xla",
     softcap: float | None = None,
-) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
+) -> tuple[Float[Array, "b h d"], AttentionStats]:
     """One query per row against `C` cache slots (the query's own token already inserted).
 
     Validity comes from `slot_pos >= 0`; `log_w` is added to each slot's logit
@@ -521,8 +516,8 @@ def decode_attention(
     `k_coord - q_coord`: absolute positions, or ranks in the cache in rolling mode.
     Optional statistics:
 
-    * "probs": `[b, kvh, c]` attention probabilities summed over the group's query heads;
-    * "first_logit": `[b, kvh, g]` `q.k_0 * scale` for the slot holding position 0, without its `log_w`
+    * `probs`: `[b, kvh, c]` attention probabilities summed over the group's query heads;
+    * `first_logit`: `[b, kvh, g]` `q.k_0 * scale` for the slot holding position 0, without its `log_w`
       or ALiBi bias, as prefill's (-inf-like if evicted).
 
     `impl="pallas"` runs `kvjax.pallas.decode_attention`, except with ALiBi or a sliding
@@ -530,6 +525,8 @@ def decode_attention(
     """
     check_impl(impl)
     _no_softcap_kernel(softcap, impl)
+    if stats.colsum or stats.windows:
+        raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     if impl == "pallas" and alibi is None and window is None:
         variant, interpret = kernels.platform_variant()
         return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
@@ -544,15 +541,10 @@ def decode_attention(
     s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
-    out_stats = {}
-    if "probs" in stats:
-        out_stats["probs"] = p.sum(axis=2)
-    if "first_logit" in stats:
+    first_logit = None
+    if stats.first_logit:
         # MAT's pi is q.k_0 / sqrt(d) (the paper's definition), the same quantity prefill returns:
         # without the slot's log_w or an ALiBi bias, which would rank anchors by distance too.
-        first = slot_pos == 0
-        out_stats["first_logit"] = jnp.max(jnp.where(first[:, :, None, :], raw, _MASKED), axis=-1)
-    unknown = stats - {"probs", "first_logit"}
-    if unknown:
-        raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")
+        first_logit = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], raw, _MASKED), axis=-1)
+    out_stats = AttentionStats(first_logit=first_logit, probs=p.sum(axis=2) if stats.probs else None)
     return out.reshape(b, h, d).astype(q.dtype), out_stats

@@ -34,6 +34,7 @@ from kvjax.policies.base import Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
+from kvjax.stats import NO_STATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +253,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         policy = None if policy is None else policy.at_layer(self.layer)  # this layer's rule
-        wanted = frozenset() if policy is None else policy.prefill_stats(self.layer)
+        wanted = NO_STATS if policy is None else policy.prefill_stats(self.layer)
         keep = None
         if policy is not None and policy.uses_gate and self.gate is None:
             raise ValueError(f"{policy.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
@@ -267,7 +268,7 @@ class Attention(nnx.Module):
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
             extra = {"tokens": tokens} if policy.uses_tokens else {}
             if keep is not None:
-                stats = {**stats, "gate_keep": keep > 0}
+                stats = dataclasses.replace(stats, gate_keep=keep > 0)
             cache = policy.prefill(self.layer, cache, k_store, v, pos, stats, **extra)
         return self._out(o), cache, keep
 

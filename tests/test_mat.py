@@ -19,6 +19,7 @@ from kvjax.policies.mat import (
     mat_with_anchor,
     mat_with_sink,
 )
+from kvjax.stats import AttentionStats
 from models import load
 from tests.conftest import compile_log, left_pad, random_ids, stepper
 from tests.reference import RefLlama, mat_update
@@ -135,7 +136,7 @@ def test_anchor_prefill_closed_form_with_ties():
     policy = AnchorCache(budget=C, anchors=BETA, prefill_mode="full")
     empty = kvcache.empty(b, kvh, C, d, jnp.float32)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
-    cache = policy.prefill(1, empty, k, k, jnp.asarray(pos), {"first_logit": jnp.asarray(pi_heads)})
+    cache = policy.prefill(1, empty, k, k, jnp.asarray(pos), AttentionStats(first_logit=jnp.asarray(pi_heads)))
     update = mat_update(C, BETA, shallow_layers=0, sinks=0)
     for r, n in enumerate(lengths):
         for h in range(kvh):

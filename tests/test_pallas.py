@@ -23,6 +23,7 @@ from kvjax.pallas import platform_variant
 from kvjax.pallas import prefill as pprefill
 from kvjax.pallas import tiles
 from kvjax.policies import H2O, FullCache, SnapKV, StreamingLLM
+from kvjax.stats import AttentionStats, StatsRequest
 from models import load
 
 VARIANTS = ["gpu", "tpu"]
@@ -51,14 +52,14 @@ def _left_padded_positions(rng, b, t):
 
 def _check_prefill(variant, q, k, v, pos, tol, **kw):
     ref, stats = attention.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5,
-                                             stats=frozenset({"colsum"}), **kw)
+                                             stats=StatsRequest(colsum=True), **kw)
     out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant), **SMALL, **kw)
     real = np.asarray(pos >= 0)[:, None, :, None]  # padding queries are never read
     diff = np.where(real, np.asarray(out, np.float32) - np.asarray(ref, np.float32), 0.0)
     assert np.abs(diff).max() <= tol, np.abs(diff).max()
     col = pprefill.colsum(q, k, lse, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant),
                           **SMALL, **kw)
-    np.testing.assert_allclose(np.asarray(col), np.asarray(stats["colsum"]), atol=tol * 10, rtol=tol)
+    np.testing.assert_allclose(np.asarray(col), np.asarray(stats.colsum), atol=tol * 10, rtol=tol)
 
 
 MASKS = ["causal", "window", "alibi", "anchors", "gate"]
@@ -164,14 +165,14 @@ def test_decode_empty_slots_and_compensation(variant, g, dtype):
     pos[2, :, 1:], pos[2, :, 0] = -1, 5  # a row with a single valid slot
     pos = jnp.asarray(pos, jnp.int32)
     log_w = jnp.asarray(np.where(rng.random((b, kvh, c)) < 0.1, np.log(7.0), 0.0), jnp.float32)  # Razor's log N_d
-    wanted = frozenset({"probs", "first_logit"})
+    wanted = StatsRequest(probs=True, first_logit=True)
     ref, rstats = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted)
     out, ostats = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, stats=wanted, **_run(variant), block=16)
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=0)
-    np.testing.assert_allclose(ostats["probs"], rstats["probs"], atol=tol, rtol=0)
+    np.testing.assert_allclose(ostats.probs, rstats.probs, atol=tol, rtol=0)
     has0 = np.asarray((pos == 0).any(-1))[:, :, None]
-    np.testing.assert_allclose(np.where(has0, ostats["first_logit"], 0), np.where(has0, rstats["first_logit"], 0),
+    np.testing.assert_allclose(np.where(has0, ostats.first_logit, 0), np.where(has0, rstats.first_logit, 0),
                                atol=tol * 10, rtol=0)
 
 
@@ -227,10 +228,10 @@ def test_colsum_of_the_last_w_queries(variant):
     b, kvh, g, t, d, w = 2, 2, 4, 53, 16, 11
     q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
     pos = _left_padded_positions(rng, b, t)
-    _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=frozenset({f"window_probs:{w}"}))
+    _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=StatsRequest.window(w))
     _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, **_run(variant), **SMALL)
     col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, **_run(variant), **SMALL)
-    np.testing.assert_allclose(col, stats[f"window_probs:{w}"].sum(axis=3), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(col, stats.window(w).sum(axis=3), atol=1e-5, rtol=0)
 
 
 def test_block_sizes_are_validated_and_shapes_quoted():
@@ -267,7 +268,7 @@ def test_block_sizes_are_validated_and_shapes_quoted():
 # --- cuDNN dispatch (issue #25): the common case only ------------------------------------------
 
 def _route(**over):
-    kw = dict(stats=frozenset(), alibi=None, window=None, anchors=None, key_keep=None, softcap=None,
+    kw = dict(stats=StatsRequest(), alibi=None, window=None, anchors=None, key_keep=None, softcap=None,
               self_attention=True, dtype=jnp.bfloat16, head_dim=64)
     impl, backend = over.pop("impl", "pallas"), over.pop("backend", "gpu")
     return attention.prefill_route(impl, backend, **{**kw, **over})
@@ -277,7 +278,8 @@ def test_cudnn_is_routed_only_plain_causal_prompts():
     """A call with statistics or any mask beyond causality never takes cuDNN; neither does f32, a head
     size cuDNN refuses, a chunk against a cache, the xla implementation or a CPU."""
     assert _route() == "cudnn" and _route(dtype=jnp.float16, head_dim=128) == "cudnn"
-    refused = [dict(stats=frozenset({s})) for s in ("colsum", "first_logit", "window_probs:8")] + [
+    refused = [dict(stats=s) for s in (StatsRequest(colsum=True), StatsRequest(first_logit=True),
+                                            StatsRequest.window(8))] + [
         dict(alibi=np.ones(8)), dict(window=64), dict(anchors=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
         dict(softcap=50.0), dict(dtype=jnp.float32), dict(head_dim=60), dict(head_dim=256),
         dict(self_attention=False)]
@@ -304,8 +306,8 @@ def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
     pos = jnp.arange(16)[None]
     kw = dict(scale=0.125, impl="pallas", self_attention=True)
     _, stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
-    assert calls == ["cudnn"] and stats == {}
-    for extra in (dict(stats=frozenset({"colsum"})), dict(stats=frozenset({"first_logit"})),
+    assert calls == ["cudnn"] and stats == AttentionStats()
+    for extra in (dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(first_logit=True)),
                   dict(alibi=attention.alibi_slopes(4)), dict(key_keep=jnp.ones((1, 2, 16), bool))):
         calls.clear()
         attention.prefill_attention(q, k, v, pos, pos, **kw, **extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from kvjax import generate
 from kvjax.attention import prefill_attention
 from kvjax.cache import kept_sets, nbytes
 from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
+from kvjax.stats import AttentionStats, StatsRequest
 from models import load
 from tests.conftest import random_ids
 
@@ -45,7 +47,7 @@ def window_probs(rng, w):
 def kept(policy, pos, k, v, stats):
     cap = policy.capacity(0, T + 4, T)
     cache = policy.prefill(0, kvcache.empty(B, KVH, cap, D, jnp.float32), jnp.asarray(k), jnp.asarray(v),
-                           jnp.asarray(pos), {n: jnp.asarray(x) for n, x in stats.items()})
+                           jnp.asarray(pos), jax.tree.map(jnp.asarray, stats))
     return [kept_sets((cache,), row=r)[0] for r in range(B)], cache
 
 
@@ -69,7 +71,7 @@ def test_snapkv_kept_positions(pool, kernel, agg):
     pos, k, v, rng = inputs(1)
     w, budget = 6, 14
     probs = window_probs(rng, w)
-    got, _ = kept(SnapKV(budget=budget, window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, {f"window_probs:{w}": probs})
+    got, _ = kept(SnapKV(budget=budget, window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, AttentionStats(window_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         prefix = probs[r][..., T - n : T - w].mean(axis=2)  # [kvh, g, n - w]: mean over window queries
         pooled = np_pool(prefix, kernel, pool) if pool != "none" else prefix
@@ -83,7 +85,7 @@ def test_slimkv_equations_3_to_5_and_listing_1(combine):
     pos, k, v, rng = inputs(2)
     w, budget, kernel = 5, 12, 5
     probs = window_probs(rng, w)
-    got, _ = kept(SlimKV(budget=budget, window=w, kernel=kernel, combine=combine), pos, k, v, {f"window_probs:{w}": probs})
+    got, _ = kept(SlimKV(budget=budget, window=w, kernel=kernel, combine=combine), pos, k, v, AttentionStats(window_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         for h in range(KVH):
             s1 = probs[r, h][:, :, T - n : T - w].sum(axis=(0, 1))  # eq. 3: over the group's heads and window queries
@@ -101,7 +103,7 @@ def test_knorm_tova_observed_attention():
             norms = np.linalg.norm(k[r, h, T - n :], axis=-1)
             assert got[r][h] == sorted(np.argsort(norms, kind="stable")[:10].tolist())
     probs = window_probs(rng, 1)
-    got, _ = kept(TOVA(ratio=0.6), pos, k, v, {"window_probs:1": probs})
+    got, _ = kept(TOVA(ratio=0.6), pos, k, v, AttentionStats(window_probs={1: probs}))
     for r, n in enumerate(LENGTHS):
         keep = max(1, int(n * 0.4))
         s = probs[r, :, :, 0, T - n : T - 1].mean(axis=(0, 1))  # all heads of the layer
@@ -109,7 +111,7 @@ def test_knorm_tova_observed_attention():
         assert got[r][0] == got[r][1] == expected
     colsum = rng.rand(B, KVH, G, T).astype(np.float32)
     for normalize in (False, True):
-        got, _ = kept(ObservedAttention(budget=9, normalize=normalize), pos, k, v, {"colsum": colsum})
+        got, _ = kept(ObservedAttention(budget=9, normalize=normalize), pos, k, v, AttentionStats(colsum=colsum))
         for r, n in enumerate(LENGTHS):
             s = colsum[r][..., T - n :]
             if normalize:  # kvpress: divided by the number of queries that see the key
@@ -153,16 +155,16 @@ def test_attention_statistics_match_a_direct_softmax():
     pos[1, :5] = -1
     pos[1, 5:] = np.arange(t - 5)
     _, st = prefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(pos),
-                              scale=d**-0.5, stats=frozenset({"window_probs:6", "colsum"}), block=8)
+                              scale=d**-0.5, stats=StatsRequest(colsum=True, windows=frozenset({6})), block=8)
     s = np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, g, axis=1)) / math.sqrt(d)
     visible = (pos[:, None, :] >= 0) & (pos[:, None, :] <= pos[:, :, None])
     s = np.where(visible[:, None], s, -np.inf)
     with np.errstate(invalid="ignore"):  # padding queries see no key: their rows are NaN, then 0
         p = np.exp(s - s.max(-1, keepdims=True))
         p = np.nan_to_num(p / p.sum(-1, keepdims=True)).reshape(b, kvh, g, t, t)
-    np.testing.assert_allclose(np.asarray(st["window_probs:6"]), p[:, :, :, -6:], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.window(6)), p[:, :, :, -6:], atol=1e-6)
     real_q = (pos >= 0)[:, None, None, :, None]
-    np.testing.assert_allclose(np.asarray(st["colsum"]), np.where(real_q, p, 0).sum(3), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(st.colsum), np.where(real_q, p, 0).sum(3), atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", [

@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.pallas import tiles
 from kvjax.pallas.blocks import DECODE, check_shapes, resolve
+from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 GPU_PROGRAMS = 256  # ~2 waves on an H100 (132 SMs); 32 splits per KV head measured best at C = 16K-64K
 
@@ -162,13 +163,13 @@ def decode_attention(
     log_w: Float[Array, "b kvh c"],
     *,
     scale: float,
-    stats: frozenset[str] = frozenset(),
+    stats: StatsRequest = NO_STATS,
     variant: str = "gpu",
     interpret: bool = False,
     block: int | None = None,
     splits: int | None = None,
-) -> tuple[Float[Array, "b h d"], dict[str, Array]]:
-    """`kvjax.attention.decode_attention` (same statistics: "probs", "first_logit") as a kernel.
+) -> tuple[Float[Array, "b h d"], AttentionStats]:
+    """`kvjax.attention.decode_attention` (same statistics: `probs`, `first_logit`) as a kernel.
 
     `block`: slots per tile; `splits` (GPU): slot ranges per (sequence, KV head), merged after
     the kernel; by default enough for ~`GPU_PROGRAMS` programs. TPU ignores it."""
@@ -180,15 +181,13 @@ def decode_attention(
                          f"({k.shape[1]}); shapes q {q.shape}, k {k.shape}")
     if splits is not None and splits < 1:
         raise ValueError(f"pallas decode_attention: splits={splits} must be >= 1")
-    unknown = stats - {"probs", "first_logit"}
-    if unknown:
-        raise ValueError(f"decode_attention cannot compute statistics {sorted(unknown)}")
+    if stats.colsum or stats.windows:
+        raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     out, lse, s = _decode(q, k, v, slot_pos, log_w, scale=scale, logits=bool(stats), variant=variant,
                           interpret=interpret, block=blocks.block_k, splits=splits)
-    out_stats = {}
-    if "probs" in stats:
-        out_stats["probs"] = jnp.sum(jnp.exp(s - lse[..., None]), axis=2)
-    if "first_logit" in stats:
+    first_logit = None
+    if stats.first_logit:
         raw = s - log_w[:, :, None, :].astype(s.dtype)  # q.k_0 * scale, as the reference returns it
-        out_stats["first_logit"] = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], raw, tiles.MASKED), axis=-1)
-    return out, out_stats
+        first_logit = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], raw, tiles.MASKED), axis=-1)
+    probs = jnp.sum(jnp.exp(s - lse[..., None]), axis=2) if stats.probs else None
+    return out, AttentionStats(first_logit=first_logit, probs=probs)

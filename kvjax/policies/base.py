@@ -23,8 +23,9 @@ The model calls, per layer:
   `[cache slots; chunk]`, then `cache = policy.absorb(layer, cache, k, v, pos, stats)` takes the
   chunk in and evicts back to the budget. Memory is O(budget + chunk) whatever the prompt's length.
 
-`prefill_stats(layer)` / `decode_stats(layer)` name the statistics attention must
-return (see `kvjax.attention`); the default is none, so attention computes none.
+`prefill_stats(layer)` / `chunk_stats(layer)` / `decode_stats(layer)` name the statistics attention
+must return, as a `kvjax.stats.StatsRequest`; attention hands them over as an `AttentionStats`. The
+default is none, so attention computes none.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
+from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 PositionMode = Literal["absolute", "rolling"]
 PrefillMode = Literal["full", "stream", "chunked"]
@@ -59,7 +61,7 @@ class Policy(abc.ABC):
     # True for policies that read token ids (AnLLM's anchors): `prefill` and `step` then get `tokens=`.
     uses_tokens: bool = False
     # True for policies that run the model's Attention-Gates at prefill (their flags mask the prompt's
-    # attention, eq. 7, and reach `prefill` as stats["gate_keep"]); other policies ignore the gates.
+    # attention, eq. 7, and reach `prefill` as stats.gate_keep); other policies ignore the gates.
     uses_gate: bool = False
     # False for policies that compress a whole prompt once and then only append (SnapKV & co):
     # fed token by token (kvjax.scoring), they would never compress.
@@ -82,7 +84,7 @@ class Policy(abc.ABC):
         k: Float[Array, "b kvh t d"],
         v: Float[Array, "b kvh t d"],
         pos: Int[Array, "b t"],
-        stats: dict[str, Array],
+        stats: AttentionStats,
     ) -> LayerCache:
         """Compresses a whole (left-padded, pos = -1 on padding) prompt into `cache`."""
 
@@ -98,7 +100,7 @@ class Policy(abc.ABC):
         """Inserts one token per row, evicting if full. Rows with pos < 0 are unchanged."""
 
     # -- chunked prefill (prefill_mode == "chunked") ------------------------------------------
-    def chunk_stats(self, layer: int) -> frozenset[str]:
+    def chunk_stats(self, layer: int) -> StatsRequest:
         """Statistics a chunk's attention returns to `absorb`, over the keys `[cache slots; chunk]`."""
         return self.prefill_stats(layer)
 
@@ -131,7 +133,7 @@ class Policy(abc.ABC):
         k: Float[Array, "b kvh n d"],
         v: Float[Array, "b kvh n d"],
         pos: Int[Array, "b n"],
-        stats: dict[str, Array],
+        stats: AttentionStats,
     ) -> LayerCache:
         """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget
         (with `tokens=` for a rule that reads token ids, as `prefill` and `step`)."""
@@ -144,20 +146,20 @@ class Policy(abc.ABC):
         del layer, pos
         return cache
 
-    def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: dict[str, Array]) -> LayerCache:
+    def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: AttentionStats) -> LayerCache:
         """Updates per-slot statistics after the decode attention of the token at `pos`."""
         del layer, pos, stats
         return cache
 
-    def prefill_stats(self, layer: int) -> frozenset[str]:
+    def prefill_stats(self, layer: int) -> StatsRequest:
         """Statistics the prompt's attention must return to `prefill` (see `kvjax.attention`)."""
         del layer
-        return frozenset()
+        return NO_STATS
 
-    def decode_stats(self, layer: int) -> frozenset[str]:
+    def decode_stats(self, layer: int) -> StatsRequest:
         """Statistics each decode attention must return to `observe`."""
         del layer
-        return frozenset()
+        return NO_STATS
 
     def at_layer(self, layer: int) -> "Policy":
         """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.

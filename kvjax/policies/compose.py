@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy
+from kvjax.stats import NO_STATS
 
 # `split` meaning "every layer is shallow", whatever the model's depth.
 EVERY_LAYER = 2**31 - 1
@@ -234,14 +237,14 @@ class ByHead(Policy):
         return max(sub.capacity(layer, max_len, prompt_len) for sub in self._subs(layer))
 
     def prefill_stats(self, layer):
-        return frozenset().union(*(sub.prefill_stats(layer) for sub in self._subs(layer)))
+        return functools.reduce(operator.or_, (sub.prefill_stats(layer) for sub in self._subs(layer)), NO_STATS)
 
     def decode_stats(self, layer):
-        return frozenset().union(*(sub.decode_stats(layer) for sub in self._subs(layer)))
+        return functools.reduce(operator.or_, (sub.decode_stats(layer) for sub in self._subs(layer)), NO_STATS)
 
     def prefill(self, layer, cache, k, v, pos, stats):
         groups = tuple(
-            sub.prefill(layer, c, k[:, heads], v[:, heads], pos, {n: s[:, heads] for n, s in stats.items()})
+            sub.prefill(layer, c, k[:, heads], v[:, heads], pos, stats.map(lambda s: s[:, heads]))
             for (heads, sub), c in zip(self._groups(layer), cache.groups)
         )
         return dataclasses.replace(cache, groups=groups)
@@ -255,7 +258,7 @@ class ByHead(Policy):
 
     def observe(self, layer, cache, pos, stats):
         groups = tuple(
-            sub.observe(layer, c, pos, {n: s[:, heads] for n, s in stats.items()})
+            sub.observe(layer, c, pos, stats.map(lambda s: s[:, heads]))
             for (heads, sub), c in zip(self._groups(layer), cache.groups)
         )
         return dataclasses.replace(cache, groups=groups)

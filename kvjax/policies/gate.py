@@ -52,7 +52,7 @@ class GateEviction(LayerPolicy):
             raise InvalidInput(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
-        keep = stats["gate_keep"] & (pos >= 0)[:, None, :]
+        keep = stats.gate_keep & (pos >= 0)[:, None, :]
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:

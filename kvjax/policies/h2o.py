@@ -24,6 +24,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
+from kvjax.stats import StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,13 +55,13 @@ class H2O(RatioBudget, LayerPolicy):
         return min(self.budget, max_len) if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
 
     def prefill_stats(self, layer):
-        return frozenset({"colsum"})
+        return StatsRequest(colsum=True)
 
     def decode_stats(self, layer):
-        return frozenset({"probs"})
+        return StatsRequest(probs=True)
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
-        acc = stats["colsum"].sum(axis=2)  # [b, kvh, t]: over the group's query heads
+        acc = stats.colsum.sum(axis=2)  # [b, kvh, t]: over the group's query heads
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         p = pos[:, None, :]
         real = p >= 0
@@ -86,7 +87,7 @@ class H2O(RatioBudget, LayerPolicy):
 
     def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         both = kvcache.chunk_slots(cache, k, v, pos)  # make_room left a free slot for each chunk token
-        both = dataclasses.replace(both, score=(both.score + stats["colsum"].sum(axis=2)).astype(both.score.dtype))
+        both = dataclasses.replace(both, score=(both.score + stats.colsum.sum(axis=2)).astype(both.score.dtype))
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
@@ -96,5 +97,5 @@ class H2O(RatioBudget, LayerPolicy):
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
         live = (pos >= 0)[:, None, None]  # padding steps add nothing
-        add = jnp.where(live & (cache.pos >= 0), stats["probs"], 0.0)
+        add = jnp.where(live & (cache.pos >= 0), stats.probs, 0.0)
         return dataclasses.replace(cache, score=(cache.score + add).astype(cache.score.dtype))

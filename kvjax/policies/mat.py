@@ -38,6 +38,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
 from kvjax.policies.ring import StreamingLLM
+from kvjax.stats import StatsRequest
 
 GROUP_AGGREGATIONS = ("mean", "max")
 
@@ -95,10 +96,10 @@ class AnchorCache(RatioBudget, LayerPolicy):
         return cache.capacity - jnp.sum(cache.pos == kvcache.DISABLED, axis=-1)
 
     def prefill_stats(self, layer):
-        return frozenset({"first_logit"})
+        return StatsRequest(first_logit=True)
 
     def decode_stats(self, layer):
-        return frozenset({"first_logit"})
+        return StatsRequest(first_logit=True)
 
     def _pi(self, first_logit):
         # first_logit: [b, kvh, g, ...] per query head -> [b, kvh, ...]
@@ -120,7 +121,7 @@ class AnchorCache(RatioBudget, LayerPolicy):
         )
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
-        pi = self._pi(stats["first_logit"])  # [b, kvh, t]
+        pi = self._pi(stats.first_logit)  # [b, kvh, t]
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         budget = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
         keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length, budget), pi.shape)
@@ -141,7 +142,7 @@ class AnchorCache(RatioBudget, LayerPolicy):
     def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
         both = kvcache.chunk_slots(cache, k, v, pos)
         n = k.shape[2]
-        pi = jnp.concatenate([both.score[..., :-n], self._pi(stats["first_logit"])], axis=-1)  # the chunk's own pi
+        pi = jnp.concatenate([both.score[..., :-n], self._pi(stats.first_logit)], axis=-1)  # the chunk's own pi
         both = dataclasses.replace(both, score=pi.astype(both.score.dtype))
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
@@ -153,7 +154,7 @@ class AnchorCache(RatioBudget, LayerPolicy):
         return kvcache.write(cache, slot, k, v, pos)
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
-        pi = self._pi(stats["first_logit"])  # [b, kvh]
+        pi = self._pi(stats.first_logit)  # [b, kvh]
         mine = (cache.pos == pos[:, None, None]) & (pos[:, None, None] >= 0)
         return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))
 

@@ -27,6 +27,7 @@ from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy
 from kvjax.policies.scored import ScoredPolicy
+from kvjax.stats import AttentionStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,7 +88,7 @@ class Recompress(Policy):
 
     # Decoding: append, accumulate the window's attention, re-compress when full.
     def decode_stats(self, layer):
-        return frozenset({"probs"})
+        return StatsRequest(probs=True)
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
         return kvcache.append(cache, k, v, pos)  # a re-compression always leaves `every` free slots
@@ -95,13 +96,13 @@ class Recompress(Policy):
     def _window(self, layer) -> int | None:
         """How many queries before a re-compression count; None: all of them (the observed attention)."""
         wanted = self.scorer.prefill_stats(layer)
-        return None if "colsum" in wanted else self.scorer.window
+        return None if wanted.colsum else self.scorer.window
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
         free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
         w = self._window(layer)
         counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)
-        cache = dataclasses.replace(cache, score=cache.score + jnp.where(counts, stats["probs"], 0.0))
+        cache = dataclasses.replace(cache, score=cache.score + jnp.where(counts, stats.probs, 0.0))
         full = (free == 0) & (pos >= 0)[:, None, None]
         # The sort runs only on the steps where some row filled up (one in `every`), not on every step.
         return jax.lax.cond(jnp.any(full), lambda c: kvcache.select(full, self._recompress(layer, c, pos), c),
@@ -112,7 +113,7 @@ class Recompress(Policy):
         c = kvcache.take_slots(cache, order)  # position order, empty slots last
         real = c.pos >= 0
         acc = c.score[:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
-        stats = {f"window_probs:{self.scorer.window}": acc, "window_probs:1": acc, "colsum": acc[:, :, :, 0]}
+        stats = AttentionStats(colsum=acc[:, :, :, 0], window_probs={self.scorer.window: acc, 1: acc})
         score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
         in_window = real & (c.pos > (pos - self.scorer.window)[:, None, None])
         length = (pos + 1)[:, None, None]

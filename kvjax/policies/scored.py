@@ -36,6 +36,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
+from kvjax.stats import StatsRequest
 
 POOLS = ("max", "avg", "none")
 GROUP_AGGREGATIONS = ("mean", "max", "sum")
@@ -160,10 +161,10 @@ class SnapKV(ScoredPolicy):
             raise InvalidInput(f"{type(self).__name__}: window={self.window} must be >= 1 (the observation window)")
 
     def prefill_stats(self, layer):
-        return frozenset({f"window_probs:{self.window}"})
+        return StatsRequest.window(self.window)
 
     def score(self, layer, k, v, pos, stats):
-        probs = stats[f"window_probs:{self.window}"]  # [b, kvh, g, w, t]
+        probs = stats.window(self.window)  # [b, kvh, g, w, t]
         n = jnp.maximum(jnp.sum(jnp.any(probs > 0, axis=-1), axis=3), 1)  # real window queries
         s = self._prefix_only(probs.sum(axis=3) / n[..., None], pos)
         return aggregate(pool1d(s, self.kernel, self.pool), self.group_agg)
@@ -226,10 +227,10 @@ class SlimKV(ScoredPolicy):
             raise InvalidInput(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
 
     def prefill_stats(self, layer):
-        return frozenset({f"window_probs:{self.window}"})
+        return StatsRequest.window(self.window)
 
     def score(self, layer, k, v, pos, stats):
-        s1 = stats[f"window_probs:{self.window}"].sum(axis=(2, 3))  # eq. 3: window queries x group heads
+        s1 = stats.window(self.window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
         s2 = jnp.max(jnp.abs(v.astype(s1.dtype)), axis=-1)  # eq. 4
         s = {"product": lambda: s1 * s2, "sum": lambda: s1 + s2, "s1": lambda: s1, "s2": lambda: s2}[self.combine]()
         return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
@@ -248,10 +249,10 @@ class ObservedAttention(ScoredPolicy):
         _check(self, group_agg=self.group_agg)
 
     def prefill_stats(self, layer):
-        return frozenset({"colsum"})
+        return StatsRequest(colsum=True)
 
     def score(self, layer, k, v, pos, stats):
-        return self._normalized(aggregate(stats["colsum"], self.group_agg), pos)  # colsum: [b, kvh, g, t]
+        return self._normalized(aggregate(stats.colsum, self.group_agg), pos)  # colsum: [b, kvh, g, t]
 
     def _normalized(self, s, pos):
         if not self.normalize:
@@ -262,7 +263,7 @@ class ObservedAttention(ScoredPolicy):
 
     def _chunk_scores(self, layer, both, stats):
         # The observed attention accumulates over chunks: each slot stores its sum so far.
-        total = both.score + aggregate(stats["colsum"], self.group_agg)
+        total = both.score + aggregate(stats.colsum, self.group_agg)
         return self._normalized(total, both.pos), total
 
 
@@ -271,10 +272,10 @@ class TOVA(ScoredPolicy):
     window: int = 1
 
     def prefill_stats(self, layer):
-        return frozenset({"window_probs:1"})
+        return StatsRequest.window(1)
 
     def score(self, layer, k, v, pos, stats):
-        probs = stats["window_probs:1"][:, :, :, 0]  # [b, kvh, g, t]: the last query
+        probs = stats.window(1)[:, :, :, 0]  # [b, kvh, g, t]: the last query
         layer_mean = probs.mean(axis=(1, 2), keepdims=True)[:, :, 0]  # over all heads of the layer
         return jnp.broadcast_to(layer_mean, probs.shape[:2] + probs.shape[3:])
 

@@ -1,0 +1,84 @@
+"""The attention statistics a cache policy reads: what it asks for, and what attention returns.
+
+A policy names what it needs per layer (`Policy.prefill_stats`, `chunk_stats`, `decode_stats`) as a
+`StatsRequest`: frozen and hashable, so it is part of the static key of a jitted prefill or decode
+(a different request is a different program, never a silent one). Attention returns an
+`AttentionStats`: a registered pytree holding exactly the requested arrays, the others `None`, so a
+policy that reads a statistic it did not ask for fails at trace time, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+from jax import Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsRequest:
+    """Which statistics one attention call computes besides its output.
+
+    * `first_logit`: each query's scaled logit to the key at position 0 (MAT's π);
+    * `colsum`: each key's probability summed over the queries (H2O's accumulated attention);
+    * `windows`: for each W, the probabilities of the last W queries (SnapKV's observation window,
+      TOVA's last query with W = 1);
+    * `probs`: in decode, the query's probabilities over the cache slots, summed over the group.
+    """
+
+    first_logit: bool = False
+    colsum: bool = False
+    windows: frozenset[int] = frozenset()
+    probs: bool = False
+
+    def __post_init__(self):
+        windows = frozenset(self.windows)
+        if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
+            raise ValueError(f"StatsRequest: windows={sorted(windows, key=str)} must be integers >= 1")
+        object.__setattr__(self, "windows", windows)
+
+    @classmethod
+    def window(cls, w: int) -> StatsRequest:
+        return cls(windows=frozenset({w}))
+
+    def __or__(self, other: StatsRequest) -> StatsRequest:
+        return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
+                            self.windows | other.windows, self.probs or other.probs)
+
+    def __bool__(self) -> bool:
+        return self.first_logit or self.colsum or bool(self.windows) or self.probs
+
+    def names(self) -> list[str]:
+        """The requested statistics in words, for error messages."""
+        flags = [f.name for f in dataclasses.fields(self) if f.name != "windows" and getattr(self, f.name)]
+        return flags + [f"window_probs[{w}]" for w in sorted(self.windows)]
+
+
+NO_STATS = StatsRequest()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionStats:
+    """What one attention call measured (shapes: see the attention function that made it).
+
+    `gate_keep` is not measured: it is the Attention-Gate's keep mask (eq. 7) that the attention
+    applied, handed on with the statistics so the gate's policy keeps exactly what attention used.
+    """
+
+    first_logit: Array | None = None
+    colsum: Array | None = None
+    window_probs: Mapping[int, Array] = dataclasses.field(default_factory=dict)
+    probs: Array | None = None
+    gate_keep: Array | None = None
+
+    def window(self, w: int) -> Array:
+        """The last `w` queries' probabilities; a KeyError naming what was computed otherwise."""
+        if w not in self.window_probs:
+            raise KeyError(f"window_probs[{w}] was not requested; computed: {sorted(self.window_probs)}")
+        return self.window_probs[w]
+
+    def map(self, f: Callable[[Array], Array]) -> AttentionStats:
+        """`f` on every array (e.g. a head group's slice)."""
+        return jax.tree.map(f, self)
