@@ -6,6 +6,7 @@ import argparse
 import inspect
 import math
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,34 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
-POLICY_OPTIONS = ("sinks", "anchors", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
+POLICY_OPTIONS = ("sinks", "anchor_slots", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
                   "window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
                   "compensate", "fold", "bucket", "chunk")
+
+
+# ---- renamed flags: the old spelling still parses, with a warning naming the new one ----
+
+class _DeprecatedAlias(argparse.Action):
+    def __init__(self, *args, new: str, **kw):
+        super().__init__(*args, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+        # errors about this option name the flag the user wrote (`flag_given`)
+        namespace._typed_flags = {**getattr(namespace, "_typed_flags", {}), self.dest: option_string}
+
+
+def add_deprecated_alias(group, old: str, new: str, **kw) -> None:
+    """`old` sets `new`'s value (hidden from --help), warning that it is deprecated."""
+    group.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedAlias, new=new,
+                       help=argparse.SUPPRESS, **kw)
+
+
+def flag_given(args: argparse.Namespace, dest: str) -> str:
+    """The flag of option `dest` as the command line spelled it (a deprecated alias included)."""
+    return getattr(args, "_typed_flags", {}).get(dest, "--" + dest.replace("_", "-"))
 
 
 # ---- option types: a bad value is refused where it is parsed, naming the flag ----
@@ -123,13 +149,14 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                         f"that take a budget ({', '.join(sorted(set(REGISTRY) - NO_BUDGET))})")
     g.add_argument("--sinks", type=nonnegative_int, help="attention sinks (streaming, MAT's shallow layers: s); "
                                                          "default 4")
-    g.add_argument("--anchors", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
+    g.add_argument("--anchor-slots", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
+    add_deprecated_alias(g, "--anchors", "--anchor-slots", type=positive_int)
     g.add_argument("--shallow-layers", type=nonnegative_int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
     g.add_argument("--group-agg", choices=["mean", "max", "sum"],
                    help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
     g.add_argument("--ratio", type=fraction_removed,
                    help="fraction of each prompt removed, instead of --budget (every policy with a budget; razor: "
-                        "the share its local heads drop, instead of --compression/--buffer; mat: give --anchors)")
+                        "the share its local heads drop, instead of --compression/--buffer; mat: give --anchor-slots)")
     g.add_argument("--window", type=nonnegative_int, help="observation window kept and scored from (SnapKV 32, "
                                                           "kvpress 64)")
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
@@ -187,7 +214,7 @@ NO_BUDGET_WHY = {
 def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) -> Policy:
     """The policy named by --policy, with the options given on the command line.
 
-    An option the policy does not take is an error (e.g. --anchors with --policy streaming).
+    An option the policy does not take is an error (e.g. --anchor-slots with --policy streaming).
     `num_layers` is passed to the policies that need the model's depth (PyramidKV).
     """
     return policies_from_args(args, [args.policy], num_layers)[0]
@@ -230,7 +257,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     options = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
     taken = {k for n in names for k in options if k in inspect.signature(REGISTRY[n]).parameters}
     if options - taken:
-        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(options - taken))
+        flags = ", ".join(flag_given(args, k) for k in sorted(options - taken))
         raise InvalidInput(f"{flags}: no policy of {','.join(names)} takes it")
     out = []
     for n in names:
@@ -256,7 +283,7 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
     """(label, policy) for `--ratios`: each policy with a ratio mode at each ratio, labelled `name@r`, and a
     policy sized by its own options (full, gate) once. Each takes the command line's options it has.
 
-    MAT's beta is a token count, not a share: `--anchors`, or, given `room` (the prompt length all rows
+    MAT's beta is a token count, not a share: `--anchor-slots`, or, given `room` (the prompt length all rows
     share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
     out = []
     for n in names:
@@ -270,13 +297,13 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
             continue
         for r in ratios:
             own.ratio, own.budget = r, None
-            if "anchors" in params and args.anchors is None and room is not None:
-                own.anchors = max(1, math.floor((1 - r) * room) // 4)
+            if "anchor_slots" in params and args.anchor_slots is None and room is not None:
+                own.anchor_slots = max(1, math.floor((1 - r) * room) // 4)
             out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers)[0]))
     given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
     unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
     if unused:
-        raise InvalidInput(f"{', '.join('--' + k.replace('_', '-') for k in sorted(unused))}: no policy of "
+        raise InvalidInput(f"{', '.join(flag_given(args, k) for k in sorted(unused))}: no policy of "
                            f"{','.join(names)} takes it")
     return out
 

@@ -4,7 +4,7 @@ inference (AnSAN), cache length L_kv, cache reduction C⇓ and acceleration T⇑
     python -m experiments.eval_anllm --model DIR --out DIR [--data items.jsonl] [--items 100]
 
 The model directory is one written by `experiments.train_anllm` (its config.json names
-the anchors); `--anchors` overrides. Items come from `--data` (JSON lines with
+the anchors); `--anchor-tokens` overrides. Items come from `--data` (JSON lines with
 `demos` (list of strings), `query`, `options` (strings) and `answer` (index)), every
 line sharing the demonstrations of the first, or from the built-in offline task:
 `--shots` facts "The code of NAME is NUMBER." as demonstrations, a query "The code of
@@ -27,11 +27,11 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import cli
-from experiments.common import add_run_args, load_with_tokenizer, nonnegative_int, positive_int
+from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, nonnegative_int, positive_int
 from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
-from kvjax.anchors import AC_TOKEN, place_anchors
+from kvjax.anllm_anchors import AC_TOKEN, place_anchors
 from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache
@@ -70,13 +70,13 @@ def read_items(path: Path) -> tuple[list[str], list[dict]]:
 
 
 def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, tuple[int, ...], str]:
-    """(variant, anchor ids, placement) from `--anchors` or the `kvjax_anllm` entry of config.json."""
+    """(variant, anchor ids, placement) from `--anchor-tokens` or the `kvjax_anllm` entry of config.json."""
     if override:
         return "ep", anchor_ids_of(tok, override), "sentence"
     meta = json.loads((model_dir / "config.json").read_text()).get("kvjax_anllm")
     if meta is None:
         raise InvalidInput(f"{model_dir}/config.json has no 'kvjax_anllm' entry (not from experiments.train_anllm); "
-                         "pass --anchors")
+                         "pass --anchor-tokens")
     return meta["variant"], tuple(meta["anchor_ids"]), meta.get("placement", "sentence")
 
 
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
-    p.add_argument("--anchors", nargs="*", help="anchor token strings (default: from config.json)")
+    p.add_argument("--anchor-tokens", nargs="*", help="anchor token strings (default: from config.json)")
+    add_deprecated_alias(p, "--anchors", "--anchor-tokens", nargs="*")
     p.add_argument("--items", type=positive_int, default=100)
     p.add_argument("--shots", type=positive_int, default=5)
     p.add_argument("--options", type=positive_int, default=4)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
-    variant, anchor_ids, placement = anchors_of(lm.path, tok, args.anchors)
+    variant, anchor_ids, placement = anchors_of(lm.path, tok, args.anchor_tokens)
     demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,
                                                                             args.seed)
     encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows]
     n_anchor = sum(t in anchor_ids for t in demo_ids)
     last = max([i for i, t in enumerate(demo_ids) if t in anchor_ids], default=-1)
-    policy = AnchorReduction(anchor_ids=anchor_ids, anchors=max(n_anchor, 1), sequence=max(len(demo_ids) - 1 - last, 1))
+    policy = AnchorReduction(anchor_ids=anchor_ids, anchor_slots=max(n_anchor, 1), sequence=max(len(demo_ids) - 1 - last, 1))
     room = fewshot.room_for(items)
     anchor_cache = fewshot.prefix_cache(model, demo_ids, policy, room)
     l_kv = fewshot.cache_length(anchor_cache)

@@ -198,7 +198,7 @@ def options_of(args: argparse.Namespace, *, policy_keyed: bool = True, files: It
         skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget", "recompress_every"}
     out = {}
     for name, value in sorted(vars(args).items()):
-        if name in skip:
+        if name in skip or name.startswith("_"):  # "_typed_flags": how options were spelled, not what they are
             continue
         flag = "--" + name.replace("_", "-")
         out[flag] = _plain(value)

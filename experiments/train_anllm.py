@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
-from experiments.common import add_run_args, load_with_tokenizer, read_text, windows
-from kvjax.anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
+from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, read_text, windows
+from kvjax.anllm_anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
 from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", choices=["ep", "ac"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
-    p.add_argument("--anchors", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
+    p.add_argument("--anchor-tokens", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
+    add_deprecated_alias(p, "--anchors", "--anchor-tokens", nargs="+")
     p.add_argument("--ac-init", choices=["mean", "period"], default="mean")
     p.add_argument("--placement", default="sentence",
                    help="AnLLM-AC: where <AC> goes: sentence (after each sentence), or Table 3's every:N (after every "
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ids = place_anchors(tok(text, add_special_tokens=False)["input_ids"], ac, args.placement, args.seed)
     else:
-        anchor_ids = anchor_ids_of(tok, args.anchors)
+        anchor_ids = anchor_ids_of(tok, args.anchor_tokens)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     data = windows(ids, args.seq_len)
     order = np.random.default_rng(args.seed).permutation(len(data))
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     def loss(m, b):
         t = b["tokens"]
         flags = anchor_flags(t, anchor_ids)
-        return next_token_loss(m(t, anchors=anchor_mask(flags)), t), {"anchor_share": jnp.mean(flags)}
+        return next_token_loss(m(t, anchor_mask=anchor_mask(flags)), t), {"anchor_share": jnp.mean(flags)}
 
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, accum=args.accum,
                       compute_dtype="bfloat16" if args.bf16 else None, trainable=tuple(args.trainable),

@@ -1,7 +1,7 @@
 """Zero-shot multiple choice, lm-evaluation-harness style, under a cache policy.
 
     python -m experiments.zeroshot [--model DIR] [--data items.jsonl] [--compare full,streaming,mat]
-    python -m experiments.zeroshot --scoring stream --compare full,streaming,mat --anchors 8 \
+    python -m experiments.zeroshot --scoring stream --compare full,streaming,mat --anchor-slots 8 \
         --ratios 0.8,0.7,0.5,0.3,0       # MAT Table 2 / Fig. 4: accuracy at 20 .. 100 % KV
 
 An item is a context (a passage; may be empty), a query and choices; a choice's score is the sum of

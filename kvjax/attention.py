@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
+from kvjax.deprecated import renamed_keywords
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite
@@ -141,18 +142,18 @@ def _softmax(s, q_pos, k_pos, key_keep):
     return e / jnp.where(z > 0, z, 1.0)  # a padding query (no visible key) gets zeros
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchors=None, key_keep=None,
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchor_mask=None, key_keep=None,
                    softcap=None):
     """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
 
     With `colsum`, also returns each key's probability mass summed over the block's real
-    queries, from the same probabilities (H2O's score costs no second pass). `anchors`
+    queries, from the same probabilities (H2O's score costs no second pass). `anchor_mask`
     (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
     restricts the keys to eq. 4."""
     s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
     s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
-    if anchors is not None:
-        seen = _eq4(q_anc[0], q_anc[1], anchors.segment, anchors.anchor, anchors.keep)
+    if anchor_mask is not None:
+        seen = _eq4(q_anc[0], q_anc[1], anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep)
         s = jnp.where(seen[:, None, None], s, _MASKED)
     p = _softmax(s, q_pos, k_pos, key_keep)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
@@ -161,7 +162,7 @@ def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=No
     return out, jnp.sum(jnp.where((q_pos >= 0)[:, None, None, :, None], p, 0.0), axis=3)
 
 
-def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, anchors, key_keep, softcap, block):
+def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, anchor_mask, key_keep, softcap, block):
     """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
     `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
     that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
@@ -178,8 +179,8 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     kb = k.reshape(b, kvh, n, block, d)
     vb = v.reshape(b, kvh, n, block, d)
     pb = pos.reshape(b, n, block)
-    seg = None if anchors is None else (anchors.segment.reshape(b, n, block), anchors.anchor.reshape(b, n, block),
-                                        anchors.keep.reshape(b, n, block))
+    seg = None if anchor_mask is None else tuple(x.reshape(b, n, block) for x in
+                                                 (anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep))
     keep = None if key_keep is None else key_keep.reshape(b, kvh, n, block)
     v_mean = v_mean[:, :, None, None, :]
 
@@ -250,20 +251,21 @@ def _backend() -> str:
     return jax.default_backend()
 
 
+@renamed_keywords(anchors="anchor_mask")
 def prefill_route(
-    impl: str, backend: str, *, stats: StatsRequest, alibi, window, anchors, key_keep, softcap, self_attention: bool,
+    impl: str, backend: str, *, stats: StatsRequest, alibi, window, anchor_mask, key_keep, softcap, self_attention: bool,
     dtype, head_dim: int,
 ) -> str:
     """Which code a prompt's attention runs: "xla" (this module), "pallas" (kvjax.pallas), or "cudnn".
 
     cuDNN's flash attention (`jax.nn.dot_product_attention`) computes plain causal softmax attention,
     so it takes only the common case under `impl="pallas"` on a GPU: a prompt attending itself, no
-    statistics, no mask beyond causality and padding (no ALiBi, window, anchors, gate flags or
+    statistics, no mask beyond causality and padding (no ALiBi, window, anchor mask, gate flags or
     soft-capping), in half precision with a head size cuDNN accepts. Any other call keeps kvjax's
     kernels, which compute what the policy asked for."""
     if impl != "pallas":
         return "xla"
-    plain = not stats and alibi is None and window is None and anchors is None and key_keep is None and softcap is None
+    plain = not stats and alibi is None and window is None and anchor_mask is None and key_keep is None and softcap is None
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if backend == "gpu" and self_attention and plain and fits else "pallas"
 
@@ -289,6 +291,7 @@ def cudnn_prefill(
     return jnp.where((pos >= 0)[:, None, :, None], o, 0).astype(q.dtype)
 
 
+@renamed_keywords(anchors="anchor_mask")
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -300,7 +303,7 @@ def prefill_attention(
     stats: StatsRequest = NO_STATS,
     alibi: np.ndarray | None = None,
     window: int | None = None,
-    anchors: AnchorMask | None = None,
+    anchor_mask: AnchorMask | None = None,
     key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
     block: int = PREFILL_BLOCK,
     impl: str = "xla",
@@ -314,7 +317,7 @@ def prefill_attention(
     every key block after the query block (and, with a window, those wholly before it).
 
     `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
-    only its `window` latest keys (Mistral's sliding window); `anchors`: AnLLM's eq. 4;
+    only its `window` latest keys (Mistral's sliding window); `anchor_mask`: AnLLM's eq. 4;
     `key_keep`: per KV head, the keys later queries may see (Attention-Gate's eq. 7; a query
     always sees its own key): bool, or the gate's float flags (differentiable, see `_softmax`).
 
@@ -336,9 +339,9 @@ def prefill_attention(
     kvh = k.shape[1]
     qg = _group(q, kvh)
     want_colsum = stats.colsum
-    q_anc = None if anchors is None else (anchors.segment, anchors.anchor)
+    q_anc = None if anchor_mask is None else (anchor_mask.segment, anchor_mask.anchor)
     check_impl(impl)
-    route = prefill_route(impl, _backend(), stats=stats, alibi=alibi, window=window, anchors=anchors,
+    route = prefill_route(impl, _backend(), stats=stats, alibi=alibi, window=window, anchor_mask=anchor_mask,
                           key_keep=key_keep, softcap=softcap, self_attention=self_attention, dtype=q.dtype,
                           head_dim=d)
     if route == "cudnn":
@@ -346,7 +349,7 @@ def prefill_attention(
     _no_softcap_kernel(softcap, impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        kw = dict(scale=scale, alibi=alibi, window=window, anchors=anchors, key_keep=key_keep, variant=variant,
+        kw = dict(scale=scale, alibi=alibi, window=window, anchor_mask=anchor_mask, key_keep=key_keep, variant=variant,
                   interpret=interpret)
         out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, **kw)
         colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if want_colsum else None
@@ -359,15 +362,15 @@ def prefill_attention(
         pad_t = lambda x, axis, value=0: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)],  # noqa: E731
                                                   constant_values=value)
         pos = pad_t(q_pos, 1, -1)
-        anc = None if anchors is None else AnchorMask(pad_t(anchors.segment, 1), pad_t(anchors.anchor, 1),
-                                                      pad_t(anchors.keep, 1))
+        anc = None if anchor_mask is None else AnchorMask(pad_t(anchor_mask.segment, 1), pad_t(anchor_mask.anchor, 1),
+                                                      pad_t(anchor_mask.keep, 1))
         out, colsum = _prefill_skipping(pad_t(qg, 3), pad_t(k, 2), pad_t(v, 2), pos, v_mean, scale, alibi, window,
                                         want_colsum, anc, None if key_keep is None else pad_t(key_keep, 2), softcap,
                                         block)
         out = out[:, :, :, :t]
         colsum = None if colsum is None else colsum[..., :t]
     elif t <= block:
-        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchors,
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchor_mask,
                                      key_keep, softcap)
     else:
         n = -(-t // block)
@@ -377,9 +380,9 @@ def prefill_attention(
         qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
         qp = qp.reshape(b, n, block).transpose(1, 0, 2)
         blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, n, block).transpose(1, 0, 2)
-        qa = None if anchors is None else (blocks(anchors.segment), blocks(anchors.anchor))
+        qa = None if anchor_mask is None else (blocks(anchor_mask.segment), blocks(anchor_mask.anchor))
         out, colsum = jax.lax.map(
-            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchors,
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchor_mask,
                                       key_keep, softcap),
             (qg, qp, qa),
         )
@@ -391,8 +394,8 @@ def prefill_attention(
         qw = _group(q[:, :, start:], kvh)
         sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
         sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
-        if anchors is not None:
-            sw = jnp.where(anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
+        if anchor_mask is not None:
+            sw = jnp.where(anchor_mask.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
         window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
     first_logit = None
@@ -405,6 +408,7 @@ def prefill_attention(
     return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
 
+@renamed_keywords(anchors="anchor_mask")
 def prefix_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh t d"],
@@ -418,7 +422,7 @@ def prefix_attention(
     scale: float,
     slot_visible: Bool[Array, "b kvh t c"] | None = None,
     chunk_visible: Bool[Array, "b t t"] | None = None,
-    anchors: AnchorMask | None = None,
+    anchor_mask: AnchorMask | None = None,
     alibi: np.ndarray | None = None,
     window: int | None = None,
     softcap: float | None = None,
@@ -432,7 +436,7 @@ def prefix_attention(
     What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a) and what a
     chunked prefill runs: the cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias,
     and may be further restricted per query by `slot_visible`; inside the chunk `chunk_visible`
-    (`[b, query, key]`) and `anchors` (eq. 4) restrict the causal mask. One softmax over slots and
+    (`[b, query, key]`) and `anchor_mask` (eq. 4) restrict the causal mask. One softmax over slots and
     chunk. Masks and ALiBi use absolute positions.
 
     `q_sinks`, `sinks`: the queries rotated for keys at positions `< sinks` (slots or chunk), `q`
@@ -473,8 +477,8 @@ def prefix_attention(
                         window)
     if chunk_visible is not None:
         sx = jnp.where(chunk_visible[:, None, None], sx, _MASKED)
-    if anchors is not None:
-        sx = jnp.where(anchors.visible()[:, None, None], sx, _MASKED)
+    if anchor_mask is not None:
+        sx = jnp.where(anchor_mask.visible()[:, None, None], sx, _MASKED)
     p = jax.nn.softmax(jnp.concatenate([sc, sx], axis=-1), axis=-1)
     c = cache_k.shape[2]
     out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)

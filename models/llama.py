@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
+from kvjax.deprecated import renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy
 from kvjax.policies.compose import PerLayer
@@ -245,7 +246,7 @@ class Attention(nnx.Module):
         pos: Int[Array, "b t"],
         policy: Policy | None,
         cache: LayerCache | None,
-        anchors: attention.AnchorMask | None = None,
+        anchor_mask: attention.AnchorMask | None = None,
         tokens: Int[Array, "b t"] | None = None,
     ):
         """Attention over a prompt: `(output, cache, keep)`, `keep` `[b, kvh, t]` the gate's flags
@@ -262,7 +263,7 @@ class Attention(nnx.Module):
             keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
-            anchors=anchors, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
+            anchor_mask=anchor_mask, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
@@ -278,14 +279,14 @@ class Attention(nnx.Module):
         pos: Int[Array, "b t"],
         policy: Policy,
         cache: LayerCache,
-        anchors: attention.AnchorMask | None = None,
+        anchor_mask: attention.AnchorMask | None = None,
     ) -> Float[Array, "b t D"]:
         """A chunk attending the read-only `cache` (absolute positions) and itself."""
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         o, _ = attention.prefix_attention(
             q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
-            slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchors), anchors=anchors,
+            slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchor_mask), anchor_mask=anchor_mask,
             alibi=self._alibi(), window=self.window, softcap=self.softcap, impl=self.cfg.attention_impl,
         )
         return self._out(o)
@@ -446,12 +447,12 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def prefill(self, x, pos, policy, cache, anchors=None, tokens=None):
-        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchors, tokens)
+    def prefill(self, x, pos, policy, cache, anchor_mask=None, tokens=None):
+        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchor_mask, tokens)
         return self._finish(x, a), cache, keep
 
-    def extend(self, x, pos, policy, cache, anchors=None):
-        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchors))
+    def extend(self, x, pos, policy, cache, anchor_mask=None):
+        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchor_mask))
 
     def chunk(self, x, pos, policy, cache, tokens):
         a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, policy, cache, tokens)
@@ -497,20 +498,22 @@ class Llama(nnx.Module):
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
         return out
 
+    @renamed_keywords(anchors="anchor_mask")
     def __call__(
         self,
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"] | None = None,
-        anchors: attention.AnchorMask | None = None,
+        anchor_mask: attention.AnchorMask | None = None,
     ):
-        """Full causal forward: logits `[b, t, vocab]`; `anchors` restricts attention to AnLLM's eq. 4."""
-        return self.forward(tokens, positions, anchors)[0]
+        """Full causal forward: logits `[b, t, vocab]`; `anchor_mask` restricts attention to AnLLM's eq. 4."""
+        return self.forward(tokens, positions, anchor_mask)[0]
 
+    @renamed_keywords(anchors="anchor_mask")
     def forward(
         self,
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"] | None = None,
-        anchors: attention.AnchorMask | None = None,
+        anchor_mask: attention.AnchorMask | None = None,
     ) -> tuple[Float[Array, "b t V"], list[Float[Array, "b kvh t"]] | None]:
         """`__call__` that also returns each layer's Attention-Gate keep flags (None without gates)."""
         if positions is None:
@@ -518,7 +521,7 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         flags = []
         for layer in self.layers:
-            x, _, keep = layer.prefill(x, positions, None, None, anchors)
+            x, _, keep = layer.prefill(x, positions, None, None, anchor_mask)
             flags.append(keep)
         return self._logits(x), (flags if flags[0] is not None else None)
 
@@ -592,8 +595,8 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         out = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            anchors = policy.at_layer(i).prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
-            x, cache, _ = layer.prefill(x, positions, policy, cache, anchors, tokens)
+            anchor_mask = policy.at_layer(i).prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
+            x, cache, _ = layer.prefill(x, positions, policy, cache, anchor_mask, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
 

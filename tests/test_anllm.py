@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.anchors import anchor_mask, dense_mask, split_sentences, with_ac
+from kvjax.anllm_anchors import anchor_mask, dense_mask, split_sentences, with_ac
 from kvjax.policies.anllm import AnchorReduction
 from tests.conftest import random_ids, stepper
 
@@ -71,11 +71,11 @@ def test_reduction_equals_masked_full_forward(tiny, prompt_len):
     n, bucket = 60, 32
     ids = _with_anchors(n, seed=prompt_len)
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
+    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
     plain = np.asarray(tiny.model(jnp.asarray([ids])))[0]
     assert np.abs(full - plain)[prompt_len:].max() > 1e-3  # the mask really changes the logits
 
-    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12)
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12)
     prefill, decode = stepper(tiny.model, policy, bucket + n)
     toks = np.zeros((1, bucket), np.int32)
     pos = np.full((1, bucket), -1, np.int32)
@@ -100,8 +100,8 @@ def test_keep_span_is_visible_and_kept(tiny):
     ids = _with_anchors(n, seed=3)
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
     keep = jnp.asarray([[span[0] <= i < span[1] for i in range(n)]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchors=anchor_mask(flags, keep=keep)))[0]
-    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12, span=span)
+    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags, keep=keep)))[0]
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12, span=span)
     prefill, decode = stepper(tiny.model, policy, 64)
     p = 20
     logits, cache = prefill(jnp.asarray([ids[:p]]), jnp.asarray([np.arange(p)]))
@@ -178,7 +178,7 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
 
 
 def test_ac_embedding_init(tiny):
-    from kvjax.anchors import add_ac_token
+    from kvjax.anllm_anchors import add_ac_token
     from models import load
 
     lm = load(tiny.path)
@@ -208,7 +208,7 @@ def metaspace_tokenizer():
 
 def test_anchor_id_is_the_sentence_final_period_on_a_metaspace_tokenizer():
     from experiments.train_anllm import anchor_ids_of
-    from kvjax.anchors import anchor_flags
+    from kvjax.anllm_anchors import anchor_flags
 
     tok = metaspace_tokenizer()
     assert tok.convert_ids_to_tokens(tok(".", add_special_tokens=False)["input_ids"]) == ["▁."]  # the old bug's id
@@ -237,10 +237,10 @@ def test_by_layer_anchors_in_layer_0_and_streaming_in_layer_1(tiny):
     x = model.layers[0].prefill(x, pos, None, None, anchor_mask(flags))[0]
     x = model.layers[1].prefill(x, pos, None, None, None)[0]
     ref = np.asarray(model._logits(x))[0]
-    everywhere = np.asarray(model(jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
+    everywhere = np.asarray(model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
     assert np.abs(ref - everywhere)[p:].max() > 1e-3  # the layers' rules really differ
 
-    reduction = AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12)
+    reduction = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12)
     for budget in (64, 16):  # 64: StreamingLLM never evicts, so the logits are the reference's
         prefill, decode = stepper(model, by_layer(reduction, StreamingLLM(budget=budget, sinks=4), split=1), 64)
         logits, cache = prefill(jnp.asarray([ids[:p]]), pos[:, :p])
@@ -262,7 +262,7 @@ def test_table_3_placements_every_n_tokens_and_at_random(tiny_dir, tmp_path):
     import json
 
     from experiments import eval_anllm, train_anllm
-    from kvjax.anchors import parse_placement, place_anchors
+    from kvjax.anllm_anchors import parse_placement, place_anchors
     from models import load
 
     ids = list(range(100, 135))

@@ -374,7 +374,7 @@ def test_anllm_chunked_is_stream_at_one_and_eq4_at_any_chunk(tiny_dir):
     """AnLLM's REDUCTION in chunks: at chunk 1 exactly the stream (kept positions, logits within 1e-5);
     at chunk 5, while no region overflows, the last logits of the eq. 4-masked full forward (the
     cache drops only what the mask hides) and the kept set "every anchor + the tokens after the last"."""
-    from kvjax.anchors import anchor_mask
+    from kvjax.anllm_anchors import anchor_mask
     from kvjax.policies.anllm import AnchorReduction
     from tests.test_anllm import ANCHOR, _with_anchors
 
@@ -382,13 +382,13 @@ def test_anllm_chunked_is_stream_at_one_and_eq4_at_any_chunk(tiny_dir):
     n = 50
     ids = _with_anchors(n, seed=11)
     toks, pos = jnp.asarray([ids]), jnp.arange(n, dtype=jnp.int32)[None]
-    make = lambda **m: AnchorReduction(anchor_ids=(ANCHOR,), anchors=16, sequence=12, **m)  # noqa: E731
+    make = lambda **m: AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12, **m)  # noqa: E731
     run = lambda policy: model.prefill(toks, pos, policy, n + 4)  # noqa: E731
     ls, cs = run(make(prefill_mode="stream"))
     l1, c1 = run(make(prefill_mode="chunked", chunk=1))
     np.testing.assert_allclose(np.asarray(l1), np.asarray(ls), rtol=0, atol=1e-5)
     assert kvcache.kept_sets(c1) == kvcache.kept_sets(cs)
-    full = np.asarray(model(toks, anchors=anchor_mask(jnp.asarray([[t == ANCHOR for t in ids]]))))[0, -1]
+    full = np.asarray(model(toks, anchor_mask=anchor_mask(jnp.asarray([[t == ANCHOR for t in ids]]))))[0, -1]
     l5, c5 = run(make(prefill_mode="chunked", chunk=5))
     np.testing.assert_allclose(np.asarray(l5)[0], full, rtol=0, atol=1e-5)
     last = max(i for i, t in enumerate(ids) if t == ANCHOR)

@@ -45,7 +45,7 @@ def test_generate_cli_mat(tiny_dir, capsys):
                          "--shallow-layers", "1", "--sinks", "2", "--max-new-tokens", "30",
                          "a prompt longer than sixteen tokens"]) == 0
     out = capsys.readouterr().out
-    assert "split=1, shallow=StreamingLLM(budget=16, sinks=2" in out and "AnchorCache(budget=16, anchors=5" in out
+    assert "split=1, shallow=StreamingLLM(budget=16, sinks=2" in out and "AnchorCache(budget=16, anchor_slots=5" in out
     assert re.search(r"cache\s+16 slots per KV head and layer; 64 slots", out), out
 
 

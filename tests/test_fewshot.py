@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from kvjax import fewshot
-from kvjax.anchors import anchor_mask
+from kvjax.anllm_anchors import anchor_mask
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax.policies.anllm import AnchorReduction
@@ -42,8 +42,8 @@ def test_extend_anchor_cache_equals_eq4_forward(tiny, layout):
         ids[i] = ANCHOR
     ids[{"anchor_in_chunk": 45, "prefix_ends_with_anchor": cut - 1, "chunk_starts_with_anchor": cut}[layout]] = ANCHOR
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
-    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=8, sequence=16)
+    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=8, sequence=16)
     np.testing.assert_allclose(_extend(tiny.model, policy, ids[:cut], ids[cut:]), full[cut:], atol=1e-5, rtol=0)
 
 
@@ -74,7 +74,7 @@ def test_cached_scores_match_full_scores_and_cache_length(tiny):
         want = sum(logp[len(row) - len(opt) - 1 + j, t] for j, t in enumerate(opt))
         assert abs(full[r] - want) < 1e-4
 
-    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchors=8, sequence=16)
+    policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=8, sequence=16)
     cache = fewshot.prefix_cache(tiny.model, demos, policy, room)
     assert fewshot.cache_length(cache) == 4  # the demos end with an anchor: only the 4 anchors stay
     demos[-1] = 11

@@ -133,7 +133,7 @@ def test_anchor_prefill_closed_form_with_ties():
     for r, n in enumerate(lengths):
         pos[r, t - n :] = np.arange(n)
     pi_heads = rng.choice([-1.0, 0.0, 2.5], size=(b, kvh, 1, t)).astype(np.float32)
-    policy = AnchorCache(budget=C, anchors=BETA, prefill_mode="full")
+    policy = AnchorCache(budget=C, anchor_slots=BETA, prefill_mode="full")
     empty = kvcache.empty(b, kvh, C, d, jnp.float32)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
     cache = policy.prefill(1, empty, k, k, jnp.asarray(pos), AttentionStats(first_logit=jnp.asarray(pi_heads)))
@@ -184,9 +184,9 @@ def test_decode_compiles_once_and_cache_is_c_slots(sharp_dir):
 
 
 def test_errors(sharp_dir):
-    with pytest.raises(ValueError, match=r"anchors \(beta\)=12 must be smaller than budget \(c\)=12"):
+    with pytest.raises(ValueError, match=r"anchor_slots \(beta\)=12 must be smaller than budget \(c\)=12"):
         mat(12, 12)
-    with pytest.raises(ValueError, match=r"anchors \(beta\)=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"anchor_slots \(beta\)=0 must be >= 1"):
         mat(12, 0)
     with pytest.raises(ValueError, match=r"sinks \(s\)=12 must be smaller than budget \(c\)=12"):
         mat(12, 4, sinks=12)
@@ -205,11 +205,11 @@ def test_grid_search_anchors(sharp_dir):
     from kvjax.scoring import perplexity
 
     assert default_anchor_grid(256) == [1, 32, 64, 96, 128]
-    best, results = grid_search_anchors(64, lambda p: (p.deep.anchors - 16) ** 2)
+    best, results = grid_search_anchors(64, lambda p: (p.deep.anchor_slots - 16) ** 2)
     assert best == 16 and sorted(results) == default_anchor_grid(64)
     model = load(sharp_dir).model
     ids = random_ids(60, 260, seed=25)
-    best, results = grid_search_anchors(C, lambda p: perplexity(model, ids, p), anchors=[1, 4, 8], shallow_layers=L_S, sinks=S)
+    best, results = grid_search_anchors(C, lambda p: perplexity(model, ids, p), grid=[1, 4, 8], shallow_layers=L_S, sinks=S)
     assert set(results) == {1, 4, 8} and all(np.isfinite(v) for v in results.values())
     assert results[best] == min(results.values())
 
@@ -295,7 +295,7 @@ def test_mat_ratio_budget_per_row(sharp_dir, prefill_mode):
         assert [at[r] for at in kept] == alone_kept
         np.testing.assert_allclose(np.stack([x[r] for x in step_logits]), np.stack(alone_logits),
                                    atol=1e-5 * np.abs(alone_logits).max(), rtol=0)
-    with pytest.raises(ValueError, match="anchors=None: beta is a token count to choose"):
+    with pytest.raises(ValueError, match="anchor_slots=None: beta is a token count to choose"):
         from kvjax.policies import make_policy
         make_policy("mat", 128, ratio=0.5)
     with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):

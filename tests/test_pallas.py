@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import attention
-from kvjax.anchors import anchor_mask
+from kvjax.anllm_anchors import anchor_mask
 from kvjax.generate import generate
 from kvjax.pallas import decode as pdecode
 from kvjax.pallas import platform_variant
@@ -74,7 +74,7 @@ def _mask_kwargs(name, rng, pos, kvh):
     if name == "anchors":
         flags = jnp.asarray(rng.random((b, t)) < 0.15)
         keep = jnp.asarray(rng.random((b, t)) < 0.05)
-        return {"anchors": anchor_mask(flags, pos >= 0, keep & (pos >= 0))}
+        return {"anchor_mask": anchor_mask(flags, pos >= 0, keep & (pos >= 0))}
     if name == "gate":
         return {"key_keep": jnp.asarray(rng.random((b, kvh, t)) < 0.3)}
     return {}
@@ -268,7 +268,7 @@ def test_block_sizes_are_validated_and_shapes_quoted():
 # --- cuDNN dispatch (issue #25): the common case only ------------------------------------------
 
 def _route(**over):
-    kw = dict(stats=StatsRequest(), alibi=None, window=None, anchors=None, key_keep=None, softcap=None,
+    kw = dict(stats=StatsRequest(), alibi=None, window=None, anchor_mask=None, key_keep=None, softcap=None,
               self_attention=True, dtype=jnp.bfloat16, head_dim=64)
     impl, backend = over.pop("impl", "pallas"), over.pop("backend", "gpu")
     return attention.prefill_route(impl, backend, **{**kw, **over})
@@ -280,7 +280,7 @@ def test_cudnn_is_routed_only_plain_causal_prompts():
     assert _route() == "cudnn" and _route(dtype=jnp.float16, head_dim=128) == "cudnn"
     refused = [dict(stats=s) for s in (StatsRequest(colsum=True), StatsRequest(first_logit=True),
                                             StatsRequest.window(8))] + [
-        dict(alibi=np.ones(8)), dict(window=64), dict(anchors=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
+        dict(alibi=np.ones(8)), dict(window=64), dict(anchor_mask=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
         dict(softcap=50.0), dict(dtype=jnp.float32), dict(head_dim=60), dict(head_dim=256),
         dict(self_attention=False)]
     for over in refused:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax import attention
-from kvjax.anchors import anchor_mask
+from kvjax.anllm_anchors import anchor_mask
 from kvjax.stats import StatsRequest
 
 STATS = StatsRequest(colsum=True, first_logit=True, windows=frozenset({8}))
@@ -44,7 +44,7 @@ def test_skipping_equals_every_tile(case, dtype):
     if opts.get("alibi"):
         kw["alibi"] = attention.alibi_slopes(q.shape[1])
     if opts.get("anchors"):
-        kw["anchors"] = anchor_mask(jnp.asarray(rng.random(pos.shape) < 0.1))
+        kw["anchor_mask"] = anchor_mask(jnp.asarray(rng.random(pos.shape) < 0.1))
     if opts.get("gate"):
         kw["key_keep"] = jnp.asarray(rng.random((k.shape[0], k.shape[1], k.shape[2])) < 0.6)
     ref, ref_stats = attention.prefill_attention(q, k, v, pos, pos, **kw)

@@ -26,7 +26,7 @@ def test_mat_table_6_streaming_throughput_with_rolling_positions(tiny_dir, tmp_p
     whatever the stream's length; a rerun keeps the timed cells; another --new is refused."""
     out = tmp_path / "eff"
     argv = ["--model", str(tiny_dir), "--compare", "streaming,mat", "--positions", "rolling", "--prefill-mode",
-            "stream", "--budget", "16", "--anchors", "4", "--sinks", "2", "--lengths", "48,96", "--new", "4",
+            "stream", "--budget", "16", "--anchor-slots", "4", "--sinks", "2", "--lengths", "48,96", "--new", "4",
             "--repeats", "1", "--out", str(out)]
     assert efficiency.main(argv) == 0
     cells = _lines(out / "cells.jsonl")
@@ -92,7 +92,7 @@ def test_anllm_table_1_on_a_local_multiple_choice_file(tiny_dir, tmp_path):
             {"query": "Cy keeps the", "options": [" red", " blue", " gold"], "answer": 2}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "an"
-    argv = ["--model", str(tiny_dir), "--anchors", ".", "--data", str(data), "--time-items", "0", "--out", str(out)]
+    argv = ["--model", str(tiny_dir), "--anchor-tokens", ".", "--data", str(data), "--time-items", "0", "--out", str(out)]
     assert eval_anllm.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["items"] == 2 and res["L_kv"] == 3  # the three demonstrations' sentence-final anchors

@@ -114,7 +114,7 @@ SUITES = {
     "perplexity": ([], {"--text", "python"}),
     "zeroshot": ([], {"--data", "--items", "--seed", "--scoring"}),
     "efficiency": ([], {"--new", "--batch", "--repeats", "--dtype", "--attention-impl"}),
-    "eval_anllm": (["--anchors", "."], {"--items", "--shots", "--options", "--seed", "--anchors", "--data"}),
+    "eval_anllm": (["--anchor-tokens", "."], {"--items", "--shots", "--options", "--seed", "--anchor-tokens", "--data"}),
 }
 
 

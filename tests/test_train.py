@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.anchors import anchor_flags, anchor_mask
+from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.train import TrainConfig, next_token_loss, schedule, train
 from models import load
 
@@ -33,7 +33,7 @@ def _batches(crash_at=None):
 
 def anchor_loss(model, batch):
     toks = batch["tokens"]
-    logits = model(toks, anchors=anchor_mask(anchor_flags(toks, (10,))))
+    logits = model(toks, anchor_mask=anchor_mask(anchor_flags(toks, (10,))))
     return next_token_loss(logits, toks), {}
 
 

@@ -114,7 +114,7 @@ def test_cli_table_2_protocol_sweeps_kv_ratios_resumes_and_keeps_its_identity(tm
     data = tmp_path / "task.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_dir), "--data", str(data), "--compare", "full,streaming,mat", "--anchors", "2",
+    argv = ["--model", str(tiny_dir), "--data", str(data), "--compare", "full,streaming,mat", "--anchor-slots", "2",
             "--sinks", "2", "--scoring", "stream", "--out", str(out)]
     assert zeroshot.main(argv + ["--ratios", "0.5"]) == 0
     res = json.loads((out / "results.json").read_text())
@@ -127,6 +127,6 @@ def test_cli_table_2_protocol_sweeps_kv_ratios_resumes_and_keeps_its_identity(tm
     assert grown.startswith(first) and len(grown.splitlines()) == len(first.splitlines()) + 2 * len(ITEMS)
     with pytest.raises(ValueError, match="--scoring"):
         zeroshot.main([a if a != "stream" else "prefix" for a in argv] + ["--ratios", "0.5"])
-    with pytest.raises(ValueError, match="--ratio 0.5 sizes each row's c as a share of its prompt, but --anchors None"):
+    with pytest.raises(ValueError, match="--ratio 0.5 sizes each row's c as a share of its prompt, but --anchor-slots None"):
         zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--compare", "mat", "--ratios", "0.5",
                        "--out", str(tmp_path / "o2")])

@@ -36,9 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax.deprecated import renamed_keywords
 from kvjax.pallas import tiles
 from kvjax.pallas.blocks import PREFILL, check_shapes, resolve
-
 
 
 def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, lse_ref, *,
@@ -175,6 +175,7 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
     return o, lse.reshape(b, kvh, g, tp)[:, :, :, :t].reshape(b, h, t)
 
 
+@renamed_keywords(anchors="anchor_mask")
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -185,7 +186,7 @@ def prefill_attention(
     scale: float,
     alibi: np.ndarray | None = None,
     window: int | None = None,
-    anchors=None,
+    anchor_mask=None,
     key_keep: Bool[Array, "b kvh s"] | None = None,
     variant: str = "gpu",
     interpret: bool = False,
@@ -195,7 +196,7 @@ def prefill_attention(
     """Attention output and each query's log-sum-exp (MASKED for padding queries)."""
     blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
     _check(q, k, v, q_pos, k_pos, key_keep, name="pallas prefill_attention")
-    return _forward(q, k, v, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchors, key_keep,
+    return _forward(q, k, v, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchor_mask, key_keep,
                     scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
                     block_q=blocks.block_q, block_k=blocks.block_k)
 
@@ -314,12 +315,13 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
     return col[:, :, :, 0, :s]
 
 
-def colsum(q, k, lse, q_pos, k_pos, *, scale, alibi=None, window=None, anchors=None, key_keep=None, q_start=0,
+@renamed_keywords(anchors="anchor_mask")
+def colsum(q, k, lse, q_pos, k_pos, *, scale, alibi=None, window=None, anchor_mask=None, key_keep=None, q_start=0,
            variant="gpu", interpret=False, block_q=None, block_k=None) -> Float[Array, "b kvh g s"]:
     """Each key's attention probability summed over the queries with index >= `q_start`, per
     query head; `lse` from `prefill_attention`. Query blocks before `q_start` are skipped."""
     blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
     _check(q, k, None, q_pos, k_pos, key_keep, name="pallas colsum", lse=lse)
-    return _colsum(q, k, lse, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchors, key_keep,
+    return _colsum(q, k, lse, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchor_mask, key_keep,
                    scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
                    q_start=q_start, block_q=blocks.block_q, block_k=blocks.block_k)

@@ -33,13 +33,13 @@ from kvjax.policies.scored import (
 )
 
 
-def _mat_anchors(budget, anchors, ratio=None):
+def _mat_anchor_slots(budget, anchor_slots, ratio=None):
     # Default β = c/4: inside the range [32, 96] the paper found flat at c = 256 (Fig. 5). Under a ratio
     # each row has its own c, while β is one count: it must be chosen (the paper grid-searches it per budget).
-    if anchors is not None:
-        return anchors
+    if anchor_slots is not None:
+        return anchor_slots
     if ratio is not None:
-        raise InvalidInput(f"MAT: ratio={ratio} sizes each row's c as a share of its prompt, but anchors=None: beta is "
+        raise InvalidInput(f"MAT: ratio={ratio} sizes each row's c as a share of its prompt, but anchor_slots=None: beta is "
                            "a token count to choose (the paper grid-searches it per budget)")
     return max(1, budget // 4)
 
@@ -63,17 +63,17 @@ REGISTRY = {
         budget=_sized(budget, ratio), sinks=sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
         chunk=chunk,
     ),
-    "mat": lambda budget, anchors=None, shallow_layers=2, sinks=4, group_agg="mean", ratio=None, positions="absolute",
+    "mat": lambda budget, anchor_slots=None, shallow_layers=2, sinks=4, group_agg="mean", ratio=None, positions="absolute",
     prefill_mode="stream", chunk=None: mat(
-        _sized(budget, ratio), _mat_anchors(budget, anchors, ratio), shallow_layers, sinks, group_agg=group_agg,
+        _sized(budget, ratio), _mat_anchor_slots(budget, anchor_slots, ratio), shallow_layers, sinks, group_agg=group_agg,
         ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
     "mat-sink": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="stream", chunk=None:
     mat_with_sink(_sized(budget, ratio), sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
                   chunk=chunk),
-    "mat-anchor": lambda budget, anchors=None, group_agg="mean", ratio=None, positions="absolute",
+    "mat-anchor": lambda budget, anchor_slots=None, group_agg="mean", ratio=None, positions="absolute",
     prefill_mode="stream", chunk=None: mat_with_anchor(
-        _sized(budget, ratio), _mat_anchors(budget, anchors, ratio), group_agg=group_agg, ratio=ratio,
+        _sized(budget, ratio), _mat_anchor_slots(budget, anchor_slots, ratio), group_agg=group_agg, ratio=ratio,
         positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
 }

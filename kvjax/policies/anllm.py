@@ -6,7 +6,7 @@ the finished sequences is dropped. The prompt is attended with eq. 4
 (`prompt_mask`), and a generated anchor attends only its own sequence, so the
 cache never drops anything the mask did not already hide.
 
-Static layout per layer: `anchors` slots for anchor tokens (oldest overwritten
+Static layout per layer: `anchor_slots` slots for anchor tokens (oldest overwritten
 when full), `sequence` slots for the current sequence (oldest non-anchor dropped
 when full), and `span` slots for the "keep source" mode (paper §6.2: one span of
 the prompt, e.g. the source sentence, kept whole and visible to every later token).
@@ -22,23 +22,26 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as kvcache
-from kvjax.anchors import anchor_flags, anchor_mask
+from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.cache import LayerCache
+from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 _HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
 
 
+@renamed_keywords(anchors="anchor_slots")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnchorReduction(LayerPolicy):
-    """Algorithm 1 with capacities: `anchors` anchor slots, `sequence` current-sequence slots and
+    """Algorithm 1 with capacities: `anchor_slots` anchor slots, `sequence` current-sequence slots and
     (keep source) the positions `span = (start, end)` of the prompt kept whole."""
 
     anchor_ids: tuple[int, ...]
-    anchors: int = 256
+    anchor_slots: int = 256
     sequence: int = 256
     span: tuple[int, int] | None = None
+    anchors = renamed_attribute("anchors", "anchor_slots")
 
     uses_tokens = True
 
@@ -46,8 +49,8 @@ class AnchorReduction(LayerPolicy):
         super().__post_init__()
         if not self.anchor_ids:
             raise InvalidInput("AnchorReduction: anchor_ids is empty")
-        if self.anchors < 1 or self.sequence < 1:
-            raise InvalidInput(f"AnchorReduction: anchors={self.anchors} and sequence={self.sequence} must be >= 1")
+        if self.anchor_slots < 1 or self.sequence < 1:
+            raise InvalidInput(f"AnchorReduction: anchor_slots={self.anchor_slots} and sequence={self.sequence} must be >= 1")
         if self.span is not None and not 0 <= self.span[0] < self.span[1]:
             raise InvalidInput(f"AnchorReduction: span={self.span} must be (start, end) with 0 <= start < end")
         if self.positions != "absolute":
@@ -60,7 +63,7 @@ class AnchorReduction(LayerPolicy):
         return 0 if self.span is None else self.span[1] - self.span[0]
 
     def capacity(self, layer, max_len, prompt_len=0):
-        return self.anchors + self.sequence + self._span_len()
+        return self.anchor_slots + self.sequence + self._span_len()
 
     def _in_span(self, pos):
         if self.span is None:
@@ -71,14 +74,14 @@ class AnchorReduction(LayerPolicy):
         valid = pos >= 0
         return anchor_mask(anchor_flags(tokens, self.anchor_ids), valid, self._in_span(pos) & valid)
 
-    def prefix_visible(self, layer, cache: LayerCache, anchors):
+    def prefix_visible(self, layer, cache: LayerCache, anchor_mask):
         """Eq. 4 across the cache/chunk boundary. Chunk tokens before the chunk's first anchor
         (segment 0) continue the cache's current sequence and see it; later ones see only the
         cached anchors. An anchor never sees earlier anchors; the kept span is seen by all."""
         slots = jnp.arange(cache.capacity)
-        anchor_slot = slots < self.anchors
-        span_slot = slots >= self.anchors + self.sequence
-        seen = jnp.where(anchor_slot, ~anchors.anchor[:, :, None], anchors.segment[:, :, None] == 0) | span_slot
+        anchor_slot = slots < self.anchor_slots
+        span_slot = slots >= self.anchor_slots + self.sequence
+        seen = jnp.where(anchor_slot, ~anchor_mask.anchor[:, :, None], anchor_mask.segment[:, :, None] == 0) | span_slot
         b, t, c = seen.shape
         return jnp.broadcast_to(seen[:, None], (b, cache.k.shape[1], t, c))
 
@@ -93,7 +96,7 @@ class AnchorReduction(LayerPolicy):
         anchor = anchor & ~span
         # REDUCTION: each region takes its newest tokens if it overflows.
         src = jnp.concatenate(
-            [_newest(anchor, self.anchors), _newest(current, self.sequence), _newest(span, self._span_len())], axis=1
+            [_newest(anchor, self.anchor_slots), _newest(current, self.sequence), _newest(span, self._span_len())], axis=1
         )
         return kvcache.gather_prompt(cache, k, v, pos, jnp.broadcast_to(src[:, None], (b, kvh, src.shape[1])))
 
@@ -102,11 +105,11 @@ class AnchorReduction(LayerPolicy):
     # drops one before a token attends); then REDUCTION runs over cache ∪ chunk. At chunk 1 this is
     # `step` + `observe` exactly.
     def chunk_visible(self, layer, cache: LayerCache, pos, tokens):
-        anchors = self.prompt_mask(tokens, pos)
-        return self.prefix_visible(layer, cache, anchors), anchors.visible()
+        mask = self.prompt_mask(tokens, pos)
+        return self.prefix_visible(layer, cache, mask), mask.visible()
 
     def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
-        a, s = self.anchors, self.sequence
+        a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s) & (cache.pos >= 0)
         arriving = jnp.sum((pos >= 0) & ~self._in_span(pos), axis=1)[:, None, None]  # through the sequence slots
@@ -116,7 +119,7 @@ class AnchorReduction(LayerPolicy):
         return kvcache.take_slots(cache, jnp.where(drop, -1, slots))
 
     def absorb(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
-        a, s = self.anchors, self.sequence
+        a, s = self.anchor_slots, self.sequence
         n = k.shape[2]
         both = kvcache.chunk_slots(cache, k, v, pos)
         slots = jnp.arange(cache.capacity)
@@ -136,7 +139,7 @@ class AnchorReduction(LayerPolicy):
         return dataclasses.replace(out, score=jnp.zeros_like(out.score), log_w=jnp.zeros_like(out.log_w))
 
     def step(self, layer, cache: LayerCache, k, v, pos, tokens=None) -> LayerCache:
-        a, s = self.anchors, self.sequence
+        a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s)
         seq_pos = jnp.where(seq, cache.pos, jnp.iinfo(jnp.int32).max)
@@ -150,7 +153,7 @@ class AnchorReduction(LayerPolicy):
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
         """After an anchor was processed, REDUCTION: it moves to the anchor slots, the sequence empties."""
-        a, s = self.anchors, self.sequence
+        a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s)
         newest = jnp.argmax(jnp.where(seq, cache.pos, -1), axis=-1)  # [b, kvh]

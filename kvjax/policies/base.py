@@ -175,10 +175,10 @@ class Policy(abc.ABC):
         del tokens, pos
         return None
 
-    def prefix_visible(self, layer: int, cache: LayerCache, anchors) -> Bool[Array, "b kvh t c"] | None:
+    def prefix_visible(self, layer: int, cache: LayerCache, anchor_mask) -> Bool[Array, "b kvh t c"] | None:
         """Which slots of `cache` each query of a chunk that extends it may see (`Llama.extend`),
         given the chunk's `prompt_mask` (None when it has none). None: every valid slot."""
-        del layer, cache, anchors
+        del layer, cache, anchor_mask
         return None
 
     def shrink(self, cache, room: int) -> tuple["Policy", object]:

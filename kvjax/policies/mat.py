@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
@@ -43,6 +44,7 @@ from kvjax.stats import StatsRequest
 GROUP_AGGREGATIONS = ("mean", "max")
 
 
+@renamed_keywords(anchors="anchor_slots")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnchorCache(RatioBudget, LayerPolicy):
     """Eq. 4 in every layer ("MAT (w. anchor)"): β anchors (position 0 + the lowest π) + a window.
@@ -55,19 +57,21 @@ class AnchorCache(RatioBudget, LayerPolicy):
     """
 
     budget: int | None = None
-    anchors: int
+    anchor_slots: int  # β: the slots of anchor tokens (position 0 + the lowest π)
     group_agg: str = "mean"
     ratio: float | None = None
     prefill_mode: PrefillMode = "stream"
+    anchors = renamed_attribute("anchors", "anchor_slots")
 
     def __post_init__(self):
         super().__post_init__()
         check_ratio(self, self.budget)
-        if self.anchors < 1:
-            raise InvalidInput(f"MAT: anchors (beta)={self.anchors} must be >= 1 (the first token is an anchor)")
-        if self.budget is not None and self.anchors >= self.budget:
+        if self.anchor_slots < 1:
+            raise InvalidInput(f"MAT: anchor_slots (beta)={self.anchor_slots} must be >= 1 (the first token is an "
+                               "anchor)")
+        if self.budget is not None and self.anchor_slots >= self.budget:
             raise InvalidInput(
-                f"MAT: anchors (beta)={self.anchors} must be smaller than budget (c)={self.budget}, "
+                f"MAT: anchor_slots (beta)={self.anchor_slots} must be smaller than budget (c)={self.budget}, "
                 "leaving at least one window slot for the current token"
             )
         if self.group_agg not in GROUP_AGGREGATIONS:
@@ -80,10 +84,10 @@ class AnchorCache(RatioBudget, LayerPolicy):
     @property
     def window(self) -> int:
         """`c - β` under a token budget (a ratio gives each row its own: `_row_budget`)."""
-        return self.budget - self.anchors
+        return self.budget - self.anchor_slots
 
     def least_slots(self) -> int:
-        return self.anchors + 1
+        return self.anchor_slots + 1
 
     def capacity(self, layer, max_len, prompt_len=0):
         # a sequence shorter than the budget never evicts
@@ -111,13 +115,13 @@ class AnchorCache(RatioBudget, LayerPolicy):
         the `beta - 1` lowest pi among the tokens that left the window (ties: the newer stays, as the
         stream evicts the older), and the window of `budget - beta`."""
         real = p >= 0
-        window = budget - self.anchors
+        window = budget - self.anchor_slots
         left_window = real & (p >= 1) & (p < length - window)
         # Rank candidates by (pi ascending, position descending): reverse time, then a stable sort.
         key = jnp.where(left_window, pi, jnp.inf)[..., ::-1]
         rank = jnp.argsort(jnp.argsort(key, axis=-1, stable=True), axis=-1)[..., ::-1]
         return real & (
-            (length <= budget) | (p == 0) | (p >= length - window) | (left_window & (rank < self.anchors - 1))
+            (length <= budget) | (p == 0) | (p >= length - window) | (left_window & (rank < self.anchor_slots - 1))
         )
 
     def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
@@ -147,7 +151,7 @@ class AnchorCache(RatioBudget, LayerPolicy):
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
-        window = self._row_budget(cache) - self.anchors  # [b, kvh]
+        window = self._row_budget(cache) - self.anchor_slots  # [b, kvh]
         leaving = pos[:, None, None] - window[..., None]  # the window's oldest token after this insert
         candidate = (cache.pos >= 1) & (cache.pos <= leaving)
         slot = kvcache.victim_slot(cache, candidate, evict_highest=True)  # highest pi (eq. 4)
@@ -159,9 +163,10 @@ class AnchorCache(RatioBudget, LayerPolicy):
         return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))
 
 
+@renamed_keywords(anchors="anchor_slots")
 def mat(
     budget: int | None,
-    anchors: int,
+    anchor_slots: int,
     shallow_layers: int = 2,
     sinks: int = 4,
     *,
@@ -171,7 +176,7 @@ def mat(
     prefill_mode: PrefillMode = "stream",
     chunk: int | None = None,
 ) -> ByLayer:
-    """MAT with cache size `c = budget`, `β = anchors`, `L_s = shallow_layers`, `s = sinks`.
+    """MAT with cache size `c = budget`, `β = anchor_slots`, `L_s = shallow_layers`, `s = sinks`.
 
     `ratio` instead of `budget`: each row's `c` is its share of its own prompt (`RatioBudget`), in
     shallow and deep layers alike (MAT Table 2's "30 % KV"); `β` stays a count.
@@ -182,19 +187,20 @@ def mat(
     if budget is not None and sinks >= budget:
         raise InvalidInput(f"MAT: sinks (s)={sinks} must be smaller than budget (c)={budget}")
     modes = dict(ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk)
-    deep = AnchorCache(budget=budget, anchors=anchors, group_agg=group_agg, **modes)
+    deep = AnchorCache(budget=budget, anchor_slots=anchor_slots, group_agg=group_agg, **modes)
     shallow = StreamingLLM(budget=budget, sinks=sinks, **modes)
     return ByLayer(split=shallow_layers, shallow=shallow, deep=deep)
 
 
 def mat_with_sink(budget: int | None, sinks: int = 4, **kw) -> ByLayer:
     """The ablation "MAT (w. sink)": eq. 5 in every layer, i.e. StreamingLLM."""
-    return mat(budget, anchors=1, shallow_layers=EVERY_LAYER, sinks=sinks, **kw)
+    return mat(budget, anchor_slots=1, shallow_layers=EVERY_LAYER, sinks=sinks, **kw)
 
 
-def mat_with_anchor(budget: int | None, anchors: int, **kw) -> ByLayer:
+@renamed_keywords(anchors="anchor_slots")
+def mat_with_anchor(budget: int | None, anchor_slots: int, **kw) -> ByLayer:
     """The ablation "MAT (w. anchor)": eq. 4 in every layer."""
-    return mat(budget, anchors, shallow_layers=0, **kw)
+    return mat(budget, anchor_slots, shallow_layers=0, **kw)
 
 
 def default_anchor_grid(budget: int) -> list[int]:
@@ -202,10 +208,11 @@ def default_anchor_grid(budget: int) -> list[int]:
     return sorted({b for b in (1, budget // 8, budget // 4, 3 * budget // 8, budget // 2) if 1 <= b < budget})
 
 
+@renamed_keywords(anchors="grid")
 def grid_search_anchors(
     budget: int,
     evaluate: Callable[[Policy], float],
-    anchors: Sequence[int] | None = None,
+    grid: Sequence[int] | None = None,
     *,
     minimize: bool = True,
     **mat_kwargs,
@@ -216,6 +223,6 @@ def grid_search_anchors(
     text, lower is better; or an accuracy with `minimize=False`).
     Returns (best β, {β: value}).
     """
-    results = {b: float(evaluate(mat(budget, b, **mat_kwargs))) for b in (anchors or default_anchor_grid(budget))}
+    results = {b: float(evaluate(mat(budget, b, **mat_kwargs))) for b in (grid or default_anchor_grid(budget))}
     pick = min if minimize else max
     return pick(results, key=results.get), results

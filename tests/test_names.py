@@ -1,0 +1,60 @@
+"""One meaning per public name: the renamed keywords, attributes, flags and module still work, each with
+a DeprecationWarning naming the new spelling, and give exactly what the new spelling gives."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import generate as gen_cli
+from kvjax import attention
+from kvjax.anllm_anchors import anchor_mask
+from kvjax.policies.anllm import AnchorReduction
+from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat
+
+
+def test_renamed_policy_keywords_and_attributes():
+    with pytest.warns(DeprecationWarning, match=r"AnchorCache: the keyword anchors= is deprecated; use anchor_slots="):
+        old = AnchorCache(budget=16, anchors=4)
+    assert old == AnchorCache(budget=16, anchor_slots=4) and old.window == 12
+    with pytest.warns(DeprecationWarning, match=r"AnchorCache.anchors is deprecated; use .anchor_slots"):
+        assert old.anchors == 4
+    with pytest.warns(DeprecationWarning, match="mat: the keyword anchors="):
+        assert mat(16, anchors=4) == mat(16, 4)
+    with pytest.warns(DeprecationWarning, match="AnchorReduction: the keyword anchors="):
+        assert AnchorReduction(anchor_ids=(5,), anchors=8) == AnchorReduction(anchor_ids=(5,), anchor_slots=8)
+    with pytest.raises(TypeError, match=r"both anchors= \(deprecated\) and anchor_slots="):
+        AnchorCache(budget=16, anchors=4, anchor_slots=4)
+    with pytest.warns(DeprecationWarning, match="grid_search_anchors: the keyword anchors= is deprecated; use grid="):
+        best, table = grid_search_anchors(16, lambda p: abs(p.deep.anchor_slots - 3), anchors=[1, 3, 5])
+    assert best == 3 and table == {1: 2.0, 3: 0.0, 5: 2.0}
+
+
+def test_anchor_mask_keyword_of_attention():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 2, 8, 4), (1, 1, 8, 4), (1, 1, 8, 4)])
+    pos = jnp.arange(8)[None]
+    mask = anchor_mask(jnp.asarray([[False, False, True, False, False, True, False, False]]))
+    new, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5, anchor_mask=mask)
+    with pytest.warns(DeprecationWarning, match="prefill_attention: the keyword anchors= is deprecated"):
+        old, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5, anchors=mask)
+    plain, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5)
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+    assert not np.allclose(np.asarray(new), np.asarray(plain))  # the mask is applied, not dropped
+
+
+def test_renamed_module_and_flag(tiny_dir, capsys):
+    sys.modules.pop("kvjax.anchors", None)
+    with pytest.warns(DeprecationWarning, match="kvjax.anchors is deprecated; import kvjax.anllm_anchors"):
+        old = importlib.import_module("kvjax.anchors")
+    assert old.anchor_mask is anchor_mask
+    # the old flag parses to the new option; an error about it names the flag as typed
+    with pytest.raises(ValueError, match=r"^--anchors: no policy of streaming takes it"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchors", "4"])
+    assert "warning: --anchors is deprecated; use --anchor-slots" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--anchor-slots: no policy of streaming takes it"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchor-slots", "4"])
