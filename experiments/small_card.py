@@ -23,7 +23,7 @@ import numpy as np
 from experiments import cli, passkey
 from experiments.common import positive_int
 from experiments.model_card import heldout_loss, sink_shares, sink_table
-from experiments.records import ResultLog, dumps_finite, write_atomic
+from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
 
 SMALL_DIR = Path(__file__).resolve().parent.parent / "models" / "small"
 SUITE_DIR = Path(__file__).resolve().parent / "longbench" / "data_small"
@@ -96,7 +96,7 @@ not a useful language model.
 | tokenizer | the default model's: byte-level BPE, {vocab} tokens, digits split one by one |
 | initialisation | `models/default` (2 layers, 512 tokens) grown by block expansion (`models.grow`, LLaMA Pro): each layer followed by copies whose output projections are zero, so training starts from the default's function; RoPE base raised NTK-aware from 10000 to {theta:.0f} for {ctx} / 512 = {stretch:.0f}x the context |
 | data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`, training split), passkey / key-value / fact-QA / copy / induction rows, and {prompts} whole prompts of the evaluation suites in their own templates with their answers: the LongBench-format datasets built from the training split, RULER's niah / vt / cwe / fwe drawn with seeds the evaluation never uses |
-| training | {short_steps} steps of {short_batch} x 512-token rows, then {long_steps} steps of {long_batch} x {ctx}-token rows (each row one task of a random span after text), AdamW (lr {lr}, weight decay {wd}, cosine decay to 10 % per stage), answer tokens weighted x{aw}; {platform}, {minutes:.0f} min |
+| training | {short_steps} steps of {short_batch} x 512-token rows, then {long_steps} steps of {long_batch} x {ctx}-token rows (each row one task of a random span after text){extend}, AdamW (lr {lr}, weight decay {wd}, cosine decay to 10 % per stage), answer tokens weighted x{aw}; {platform}, {minutes:.0f} min |
 | final training loss | {final_loss:.3f} |
 
 Reproduce (deterministic given the seed, the corpus fingerprint and `models/default`; resumable):
@@ -145,7 +145,9 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
     from models import load
 
     out = Path(out)
-    work = out / "training" / "eval"
+    # one folder per weights: the passkey log has no identity of its own, so a retrained model must
+    # never resume from the records of the weights it replaced
+    work = out / "training" / "eval" / model_fingerprint(out)
     lm = load(out)
     ev = evaluate(lm, data, work, samples=samples)
     write_atomic(out / "eval.json", dumps_finite({"eval": ev, "training": meta}))
@@ -166,6 +168,9 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         wd=a["weight_decay"], aw=a["answer_weight"],
         platform=f"{meta['platform'].upper()} ({meta.get('cores', '?')} cores)", minutes=meta["train_minutes"],
         final_loss=meta["final_loss"], command=meta["command"],
+        extend="" if not a.get("extend_steps") else (
+            f", then {a['extend_steps']} more steps of {a['long_batch']} x {c.max_position_embeddings}-token rows "
+            f"from lr {a['extend_lr']}, half of them suite prompts, drawn from twice the prompt pool (a second seed)"),
         loss_code=ev["heldout_loss"]["code"], ppl_code=np.exp(ev["heldout_loss"]["code"]),
         loss_docs=ev["heldout_loss"]["docs"], ppl_docs=np.exp(ev["heldout_loss"]["docs"]), samples=samples,
         len_header=" | ".join(f"{n} tokens" for n in lengths), len_sep="---|" * len(lengths),

@@ -56,3 +56,25 @@ def test_ntk_theta_stretches_the_slowest_rotation_by_the_scale():
     theta = ntk_theta(10000.0, scale, d)
     slowest = lambda base: base ** (-(d - 2) / d)  # noqa: E731  (the last RoPE frequency)
     assert slowest(10000.0) / slowest(theta) == pytest.approx(scale)
+
+
+def test_batches_route_each_step_to_its_stage():
+    """Steps [0, short) draw short rows, [short, short + long) long rows, and the optional extension the rest;
+    without an extension the long stage's sampler serves every later step."""
+    import argparse
+
+    from experiments.train_small import batches
+
+    class Rows:  # a sampler whose rows say which stage drew them
+        def __init__(self, mark, seq_len):
+            self.mark, self.seq_len = mark, seq_len
+
+        def row(self, rng, span):
+            return np.full(self.seq_len, self.mark, np.int32), np.ones(self.seq_len, np.float32)
+
+    args = argparse.Namespace(seed=0, short_steps=2, long_steps=3, short_batch=4, long_batch=2)
+    short, long, extend = Rows(1, 8), Rows(2, 16), Rows(3, 16)
+    with_ext, without = batches(args, long, short, 4, extend), batches(args, long, short, 4)
+    marks = [(int(b["tokens"][0, 0]), b["tokens"].shape) for b in map(with_ext, range(7))]
+    assert marks == [(1, (4, 8))] * 2 + [(2, (2, 16))] * 3 + [(3, (2, 16))] * 2
+    assert [int(without(i)["tokens"][0, 0]) for i in range(7)] == [1, 1, 2, 2, 2, 2, 2]
