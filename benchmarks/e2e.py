@@ -61,12 +61,12 @@ def kvjax_policies(budget: int, num_layers: int, num_kv_heads: int, chunk: int) 
     return {
         "full": FullCache(),
         "streaming": StreamingLLM(budget=budget, sinks=4),
-        "snapkv": SnapKV(budget=budget, window=32, kernel=7),
-        "pyramidkv": PyramidKV(budget=budget, window=32, kernel=7, num_layers=num_layers),
+        "snapkv": SnapKV(budget=budget, observation_window=32, kernel=7),
+        "pyramidkv": PyramidKV(budget=budget, observation_window=32, kernel=7, num_layers=num_layers),
         "mat": mat(budget, budget // 4, shallow_layers=2, sinks=4, prefill_mode="full"),
         "razor": RazorAttention(retrieval=table, buffer=budget),
         f"streaming chunked {chunk}": StreamingLLM(budget=budget, sinks=4, prefill_mode="chunked", chunk=chunk),
-        f"snapkv chunked {chunk}": SnapKV(budget=budget, window=32, kernel=7, prefill_mode="chunked", chunk=chunk),
+        f"snapkv chunked {chunk}": SnapKV(budget=budget, observation_window=32, kernel=7, prefill_mode="chunked", chunk=chunk),
     }
 
 

@@ -23,7 +23,7 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchor_slots", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
-                  "window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
+                  "observation_window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
                   "compensate", "fold", "bucket", "chunk")
 
 
@@ -157,8 +157,9 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--ratio", type=fraction_removed,
                    help="fraction of each prompt removed, instead of --budget (every policy with a budget; razor: "
                         "the share its local heads drop, instead of --compression/--buffer; mat: give --anchor-slots)")
-    g.add_argument("--window", type=nonnegative_int, help="observation window kept and scored from (SnapKV 32, "
-                                                          "kvpress 64)")
+    g.add_argument("--observation-window", type=nonnegative_int,
+                   help="the last prompt tokens, always kept and (SnapKV) scored from (SnapKV 32, kvpress 64)")
+    add_deprecated_alias(g, "--window", "--observation-window", type=nonnegative_int)
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
     g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
     g.add_argument("--combine", choices=["product", "sum", "s1", "s2"],

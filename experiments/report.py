@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "longbench" not in skip:
         md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
-        window = ["--window", "16"] if n < 2048 else []  # SnapKV's 32 is a sixteenth of a 512-token window
+        window = ["--observation-window", "16"] if n < 2048 else []  # SnapKV's 32 is a sixteenth of a 512-token window
         for budget in args.budgets:
             d = out / "longbench" / f"budget-{budget}"
             _run(longbench.main, m + ["--budget", str(budget), "--compare", "full,streaming,h2o-prefill,snapkv,slimkv",
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "zeroshot" not in skip:
         d = out / "zeroshot"
-        window = ["--window", "16"] if n < 2048 else []
+        window = ["--observation-window", "16"] if n < 2048 else []
         _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", *window, *ls, "--out", str(d)])
         res = _json(d / "results.json")["results"]
         md += ["## 4. Zero-shot multiple choice, policy on the context", "", (d / "results.md").read_text(), ""]

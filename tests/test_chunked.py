@@ -85,7 +85,7 @@ def _assert_same(a, b, tol):
 STREAM_EXACT = [
     ("streaming-abs", lambda **m: StreamingLLM(budget=12, sinks=3, **m)),
     ("streaming-rolling", lambda **m: StreamingLLM(budget=12, sinks=3, positions="rolling", **m)),
-    ("local", lambda **m: LocalWindow(window=10, **m)),
+    ("local", lambda **m: LocalWindow(size=10, **m)),
     ("full", lambda **m: FullCache(**m)),
     ("h2o", lambda **m: H2O(budget=12, recent=4, **m)),
     ("mat", lambda **m: mat(12, 4, shallow_layers=1, sinks=2, **m)),
@@ -116,9 +116,9 @@ def test_ring_chunks_of_any_size_are_stream_mode(sharp, prompts, chunk, position
 
 
 SCORED = [
-    ("snapkv", lambda **m: SnapKV(budget=10, window=4, kernel=3, **m)),
-    ("pyramidkv", lambda **m: PyramidKV(budget=10, window=4, num_layers=2, **m)),
-    ("slimkv", lambda **m: SlimKV(budget=10, window=4, kernel=3, **m)),
+    ("snapkv", lambda **m: SnapKV(budget=10, observation_window=4, kernel=3, **m)),
+    ("pyramidkv", lambda **m: PyramidKV(budget=10, observation_window=4, num_layers=2, **m)),
+    ("slimkv", lambda **m: SlimKV(budget=10, observation_window=4, kernel=3, **m)),
     ("observed-normalized", lambda **m: ObservedAttention(budget=10, normalize=True, **m)),
     ("tova", lambda **m: TOVA(budget=10, **m)),
     ("knorm", lambda **m: KNorm(budget=10, **m)),
@@ -180,7 +180,7 @@ def test_chunked_snapkv_matches_numpy_reference():
     k = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
     v = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
     pos = np.arange(t, dtype=np.int32)[None]
-    policy = SnapKV(budget=budget, window=window, kernel=3, prefill_mode="chunked", chunk=chunk)
+    policy = SnapKV(budget=budget, observation_window=window, kernel=3, prefill_mode="chunked", chunk=chunk)
     cache = kvcache.empty(b, kvh, budget, d, jnp.float32)
     ours = []
     for s in range(0, t, chunk):
@@ -203,7 +203,7 @@ def test_chunked_snapkv_matches_numpy_reference():
 
 def test_chunked_decode_after_prefill_appends(sharp, prompts):
     """After a chunked prefill, SnapKV decodes by appending into the slots reserved for new tokens."""
-    policy = SnapKV(budget=10, window=4, kernel=3, prefill_mode="chunked", chunk=8)
+    policy = SnapKV(budget=10, observation_window=4, kernel=3, prefill_mode="chunked", chunk=8)
     _, kept = _run(sharp, *prompts, policy, steps=3)
     before, after = kept[0][0][0, 0], kept[-1][0][0, 0]
     assert set(before[before >= 0]) < set(after[after >= 0])
@@ -268,7 +268,7 @@ def test_chunked_refusals():
         SnapKV(budget=64, positions="rolling", prefill_mode="chunked", chunk=64)
     with pytest.raises(InvalidInput, match="a ratio is a share of the whole prompt"):
         SnapKV(ratio=0.5, prefill_mode="chunked", chunk=64)
-    with pytest.raises(InvalidInput, match="shorter than window=32"):
+    with pytest.raises(InvalidInput, match="shorter than observation_window=32"):
         SnapKV(budget=64, prefill_mode="chunked", chunk=16)
     with pytest.raises(InvalidInput, match="exceeds budget - recent"):
         H2O(budget=16, recent=8, prefill_mode="chunked", chunk=9)
@@ -284,14 +284,14 @@ def test_chunked_refusals():
 
 
 def test_recompress_keeps_the_reference_top_every_n_steps():
-    """`Recompress(SnapKV(budget=B, window=W), every=N)` while decoding, against NumPy: the cache has
+    """`Recompress(SnapKV(budget=B, observation_window=W), every=N)` while decoding, against NumPy: the cache has
     B + N slots; each time it fills (every N tokens once the first B are in), the kept set is the
     latest W tokens plus the B - W best by SnapKV's score, computed from the last W queries'
     attention over the slots they saw (summed over the group's heads, max-pooled over time)."""
     rng = np.random.default_rng(5)
     b, kvh, g, d, steps = 1, 2, 2, 8, 70
     B, W, N, kernel = 12, 3, 5, 3
-    policy = Recompress(scorer=SnapKV(budget=B, window=W, kernel=kernel), every=N)
+    policy = Recompress(scorer=SnapKV(budget=B, observation_window=W, kernel=kernel), every=N)
     assert policy.capacity(0, 1000) == B + N
     q = rng.normal(size=(steps, kvh * g, d)).astype(np.float32) * 2
     k = rng.normal(size=(steps, kvh, d)).astype(np.float32)
@@ -340,7 +340,7 @@ def test_agnostic_protocol_compresses_the_context_once_whatever_the_question(sha
     vocab = sharp.cfg.vocab_size
     context = rng.integers(4, vocab, 60).tolist()
     questions = [rng.integers(4, vocab, 6).tolist() for _ in range(3)]
-    policy = SnapKV(budget=16, window=4, kernel=3)
+    policy = SnapKV(budget=16, observation_window=4, kernel=3)
 
     def context_kept(gen, row):
         kept = kvcache.kept_sets(gen.cache, row)
@@ -362,7 +362,7 @@ def test_host_loop_equals_the_scan(sharp, prompts):
     `model.prefill`'s scan builds."""
     from kvjax import engine
 
-    policy = SnapKV(budget=10, window=4, kernel=3, prefill_mode="chunked", chunk=8)
+    policy = SnapKV(budget=10, observation_window=4, kernel=3, prefill_mode="chunked", chunk=8)
     logits, cache = engine.chunked_prefill(sharp, *prompts, policy, T + 3)
     ref_logits, ref_kept = _run(sharp, *prompts, policy)
     np.testing.assert_allclose(np.asarray(logits), ref_logits[0], rtol=0, atol=1e-5)

@@ -55,9 +55,9 @@ def test_generate_cli_rejects_options_a_policy_does_not_take(tiny_dir):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--policy", "snapkv", "--budget", "40", "--window", "8", "--kernel", "5", "--pool", "avg"],
-    ["--policy", "pyramidkv", "--ratio", "0.5", "--window", "8"],
-    ["--policy", "slimkv", "--budget", "40", "--window", "8", "--combine", "sum"],
+    ["--policy", "snapkv", "--budget", "40", "--observation-window", "8", "--kernel", "5", "--pool", "avg"],
+    ["--policy", "pyramidkv", "--ratio", "0.5", "--observation-window", "8"],
+    ["--policy", "slimkv", "--budget", "40", "--observation-window", "8", "--combine", "sum"],
     ["--policy", "h2o", "--budget", "40", "--recent", "10"],
     ["--policy", "tova", "--ratio", "0.5"],
     ["--policy", "knorm", "--budget", "40"],

@@ -27,14 +27,14 @@ T, RATIO, WINDOW, KERNEL = 100, 0.6, 16, 5  # T is not a multiple of the window 
 def ours_and_theirs(name, num_layers):
     n_kept = int(T * (1 - RATIO))
     return {
-        "snapkv": (SnapKV(ratio=RATIO, window=WINDOW, kernel=KERNEL, pool="avg", group_agg="mean"),
+        "snapkv": (SnapKV(ratio=RATIO, observation_window=WINDOW, kernel=KERNEL, pool="avg", group_agg="mean"),
                    kvpress.SnapKVPress(compression_ratio=RATIO, window_size=WINDOW, kernel_size=KERNEL)),
         "streaming": (StreamingLLM(budget=n_kept, sinks=4), kvpress.StreamingLLMPress(compression_ratio=RATIO, n_sink=4)),
         "knorm": (KNorm(ratio=RATIO), kvpress.KnormPress(compression_ratio=RATIO)),
         "tova": (TOVA(ratio=RATIO), kvpress.TOVAPress(compression_ratio=RATIO)),
         "observed": (ObservedAttention(ratio=RATIO, normalize=True, group_agg="mean"),
                      kvpress.ObservedAttentionPress(compression_ratio=RATIO)),
-        "pyramidkv": (PyramidKV(ratio=RATIO, window=WINDOW, kernel=KERNEL, pool="avg", num_layers=num_layers),
+        "pyramidkv": (PyramidKV(ratio=RATIO, observation_window=WINDOW, kernel=KERNEL, pool="avg", num_layers=num_layers),
                       kvpress.PyramidKVPress(compression_ratio=RATIO, window_size=WINDOW, kernel_size=KERNEL)),
     }[name]
 

@@ -195,7 +195,7 @@ def test_cli_compare_writes_one_table(tmp_path, tiny_dir):
     data = _suite_dir(tmp_path)
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--data-dir", str(data), "--compare", "full,streaming,snapkv",
-            "--budget", "64", "--window", "8", "--out", str(out)]
+            "--budget", "64", "--observation-window", "8", "--out", str(out)]
     assert lb_cli.main(argv) == 0
     result = json.loads((out / "result.json").read_text())
     assert set(result["scores"]) == {"full", "streaming", "snapkv"}

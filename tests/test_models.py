@@ -64,7 +64,7 @@ def test_parity_with_transformers(tmp_path, arch):
     if arch == "mistral":
         assert lm.config.sliding_window == 8
         assert all(layer.capacity == 8 for layer in cache)  # FullCache keeps a W-slot ring, not the context
-        assert lm.model.native_policy(FullCache()).describe().startswith("LocalWindow(window=8")
+        assert lm.model.native_policy(FullCache()).describe().startswith("LocalWindow(size=8")
     else:
         assert lm.config.qkv_bias and not lm.config.o_bias
 

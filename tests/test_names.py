@@ -15,12 +15,14 @@ from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.policies.anllm import AnchorReduction
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat
+from kvjax.policies.ring import LocalWindow
+from kvjax.policies.scored import TOVA, PyramidKV, SnapKV
 
 
 def test_renamed_policy_keywords_and_attributes():
     with pytest.warns(DeprecationWarning, match=r"AnchorCache: the keyword anchors= is deprecated; use anchor_slots="):
         old = AnchorCache(budget=16, anchors=4)
-    assert old == AnchorCache(budget=16, anchor_slots=4) and old.window == 12
+    assert old == AnchorCache(budget=16, anchor_slots=4) and old.recent == 12
     with pytest.warns(DeprecationWarning, match=r"AnchorCache.anchors is deprecated; use .anchor_slots"):
         assert old.anchors == 4
     with pytest.warns(DeprecationWarning, match="mat: the keyword anchors="):
@@ -58,3 +60,24 @@ def test_renamed_module_and_flag(tiny_dir, capsys):
     assert "warning: --anchors is deprecated; use --anchor-slots" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^--anchor-slots: no policy of streaming takes it"):
         gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchor-slots", "4"])
+
+
+def test_each_policy_window_is_named_for_what_it_is():
+    """SnapKV & co's kept-and-scoring tail is observation_window, LocalWindow's ring is size, MAT's c - beta is
+    recent; window= on a policy still works, warning."""
+    with pytest.warns(DeprecationWarning, match="SnapKV: the keyword window= is deprecated; use observation_window="):
+        assert SnapKV(budget=16, window=4) == SnapKV(budget=16, observation_window=4)
+    with pytest.warns(DeprecationWarning, match="PyramidKV: the keyword window="):
+        assert PyramidKV(budget=16, window=4, num_layers=2).observation_window == 4
+    with pytest.warns(DeprecationWarning, match="LocalWindow: the keyword window= is deprecated; use size="):
+        assert LocalWindow(window=8) == LocalWindow(size=8)
+    with pytest.warns(DeprecationWarning, match=r"SnapKV.window is deprecated; use .observation_window"):
+        assert SnapKV(budget=64).window == 32
+    assert TOVA(budget=8).observation_window == 1 and AnchorCache(budget=16, anchor_slots=4).recent == 12
+    assert "observation_window=4" in SnapKV(budget=16, observation_window=4).describe()
+
+
+def test_the_old_window_flag(tiny_dir, capsys):
+    with pytest.raises(ValueError, match=r"^--window: no policy of streaming takes it"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--window", "4"])
+    assert "warning: --window is deprecated; use --observation-window" in capsys.readouterr().err

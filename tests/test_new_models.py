@@ -135,10 +135,10 @@ def test_gemma3_policy_compresses_the_global_layers_only(checkpoint):
     b, kvh, d = 1, c.num_kv_heads, c.head_dim
     assert nbytes(out.cache) == sum(b * kvh * cap * (2 * d * 4 + 3 * 4) for cap in caps)
     # A scored policy on Gemma 3: the same split, kept positions inspectable in both kinds of layer.
-    snap = generate(lm.model, [prompt], SnapKV(budget=20, window=4), max_new_tokens=new)
+    snap = generate(lm.model, [prompt], SnapKV(budget=20, observation_window=4), max_new_tokens=new)
     assert [layer.capacity for layer in snap.cache] == [8, 8, 20 + snap.room, 8]  # budget + the new tokens' buffer
-    assert lm.model.native_policy(SnapKV(budget=20, window=4)).describe().startswith(
-        "PerLayer(0-1: LocalWindow(window=8")
+    assert lm.model.native_policy(SnapKV(budget=20, observation_window=4)).describe().startswith(
+        "PerLayer(0-1: LocalWindow(size=8")
 
 
 def test_gemma2_softcap_is_refused_by_the_kernels(checkpoint):
@@ -167,8 +167,8 @@ def test_every_policy_family_and_find_heads_run_on_the_new_models(checkpoint):
     assert scores.echo.shape == (c.num_layers, c.num_heads) and np.isfinite(scores.induction).all()
     _, kv_mask = select_retrieval(scores, c.num_kv_heads, induction_ratio=0.25, echo_ratio=0.1)
     prompt = random_ids(60, VOCAB, seed=4, low=4)
-    for policy in (H2O(budget=24, recent=12), PyramidKV(budget=24, window=4, num_layers=c.num_layers),
-                   SlimKV(budget=24, window=4), mat(24, 6, shallow_layers=1, sinks=2),
+    for policy in (H2O(budget=24, recent=12), PyramidKV(budget=24, observation_window=4, num_layers=c.num_layers),
+                   SlimKV(budget=24, observation_window=4), mat(24, 6, shallow_layers=1, sinks=2),
                    RazorAttention(retrieval=tuple(map(tuple, kv_mask.tolist())), compression=4, buffer=16, sinks=2)):
         out = generate(lm.model, [prompt, prompt[:40]], policy, max_new_tokens=5)
         assert out.tokens.shape == (2, 5) and all(np.asarray(layer).size for layer in kept_positions(out.cache))

@@ -205,7 +205,7 @@ def test_bad_variant_and_impl():
                                    scale=1.0, impl="triton")
 
 
-@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(budget=24, sinks=4), SnapKV(budget=20, window=8),
+@pytest.mark.parametrize("policy", [FullCache(), StreamingLLM(budget=24, sinks=4), SnapKV(budget=20, observation_window=8),
                                     H2O(budget=20, recent=6)], ids=lambda p: type(p).__name__)
 def test_generation_with_pallas_matches_reference(sharp_dir, policy):
     """attention_impl="pallas" (prefill, colsum and decode kernels in interpret mode) gives the

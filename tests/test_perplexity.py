@@ -116,7 +116,7 @@ def test_cli_chunked_equals_stream_and_scores_snapkv(tmp_path, capsys):
     out = tmp_path / "out"
     base = ["--model", str(model_dir), "--text", str(text), "--lengths", "150", "--budget", "24", "--out", str(out)]
     assert ppl_cli.main(base + ["--compare", "streaming"]) == 0
-    assert ppl_cli.main(base + ["--compare", "streaming,snapkv", "--window", "8", "--prefill-mode", "chunked",
+    assert ppl_cli.main(base + ["--compare", "streaming,snapkv", "--observation-window", "8", "--prefill-mode", "chunked",
                                 "--chunk", "16"]) == 0
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     stream = next(r for r in runs if r["policy"].startswith("StreamingLLM") and "chunk=" not in r["policy"])

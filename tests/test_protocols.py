@@ -47,7 +47,7 @@ def test_slimkv_table_3_ablations_through_a_suite(tiny_dir, tmp_path):
     a record of its own (the description names `combine`), a rerun computes nothing."""
     out = tmp_path / "pk"
     base = ["--model", str(tiny_dir), "--lengths", "300", "--depths", "0.5", "--samples", "1", "--out", str(out),
-            "--policy", "slimkv", "--budget", "64", "--window", "8"]
+            "--policy", "slimkv", "--budget", "64", "--observation-window", "8"]
     for combine in ("s1", "s2", "product"):
         assert passkey.main(base + ["--combine", combine]) == 0
     records = [json.loads(x) for x in _lines(out / "samples.jsonl")]

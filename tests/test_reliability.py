@@ -260,8 +260,8 @@ def test_cli_error_even_kernel_refused_by_the_api_too():
     with pytest.raises(ValueError, match="kernel=4 must be a positive odd number"):
         SnapKV(budget=64, kernel=4)
     with pytest.raises(ValueError, match=r"budget=0 must be >= 1 \(tokens kept per KV head\)"):
-        SnapKV(budget=0, window=0)
-    with pytest.raises(ValueError, match="budget=8 must be at least window=32"):
+        SnapKV(budget=0, observation_window=0)
+    with pytest.raises(ValueError, match="budget=8 must be at least observation_window=32"):
         SnapKV(budget=8)
 
 

@@ -230,7 +230,7 @@ def test_agnostic_kept_positions_do_not_depend_on_the_question(default):
     ctx = tok(s.context)["input_ids"][-300:]
     questions = [tok(q, add_special_tokens=False)["input_ids"] for q in
                  (s.question + s.answer_prefix, " What was the first sentence? It was")]
-    out = generate(default.model, [ctx, ctx], SnapKV(budget=64, window=16), max_new_tokens=4, questions=questions)
+    out = generate(default.model, [ctx, ctx], SnapKV(budget=64, observation_window=16), max_new_tokens=4, questions=questions)
     for layer in kept_positions(out.cache):
         layer = np.asarray(layer)
         of_context = [[sorted(p[(p >= 0) & (p < len(ctx))].tolist()) for p in row] for row in layer]
@@ -252,7 +252,7 @@ def test_agnostic_equals_aware_under_the_full_cache(default):
 def test_cli_on_the_default_model_resumes_and_refuses_another_identity(tmp_path, capsys, monkeypatch):
     out = tmp_path / "ruler"
     argv = ["--tasks", "niah_single_1,fwe", "--max-new-tokens", "16", "--samples", "2", "--batch", "1",
-            "--compare", "full,streaming,snapkv", "--budget", "128", "--window", "16", "--out", str(out)]
+            "--compare", "full,streaming,snapkv", "--budget", "128", "--observation-window", "16", "--out", str(out)]
     calls = []
     real = ruler_cli.generate
 
@@ -284,7 +284,7 @@ def test_cli_on_the_default_model_resumes_and_refuses_another_identity(tmp_path,
 def test_cli_ratios_sweep_and_task_that_does_not_fit(tmp_path, capsys):
     out = tmp_path / "ratios"
     argv = ["--tasks", "niah_single_1", "--max-new-tokens", "8", "--samples", "1", "--compare", "full,snapkv,streaming",
-            "--ratios", "0.5,0.75", "--window", "8", "--out", str(out)]
+            "--ratios", "0.5,0.75", "--observation-window", "8", "--out", str(out)]
     assert cli.run(ruler_cli.main, argv) == 0
     result = json.loads((out / "results.json").read_text())
     assert set(result["scores"]) == {"full", "snapkv@0.5", "snapkv@0.75", "streaming@0.5", "streaming@0.75"}

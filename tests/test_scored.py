@@ -71,7 +71,7 @@ def test_snapkv_kept_positions(pool, kernel, agg):
     pos, k, v, rng = inputs(1)
     w, budget = 6, 14
     probs = window_probs(rng, w)
-    got, _ = kept(SnapKV(budget=budget, window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, AttentionStats(window_probs={w: probs}))
+    got, _ = kept(SnapKV(budget=budget, observation_window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, AttentionStats(window_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         prefix = probs[r][..., T - n : T - w].mean(axis=2)  # [kvh, g, n - w]: mean over window queries
         pooled = np_pool(prefix, kernel, pool) if pool != "none" else prefix
@@ -85,7 +85,7 @@ def test_slimkv_equations_3_to_5_and_listing_1(combine):
     pos, k, v, rng = inputs(2)
     w, budget, kernel = 5, 12, 5
     probs = window_probs(rng, w)
-    got, _ = kept(SlimKV(budget=budget, window=w, kernel=kernel, combine=combine), pos, k, v, AttentionStats(window_probs={w: probs}))
+    got, _ = kept(SlimKV(budget=budget, observation_window=w, kernel=kernel, combine=combine), pos, k, v, AttentionStats(window_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         for h in range(KVH):
             s1 = probs[r, h][:, :, T - n : T - w].sum(axis=(0, 1))  # eq. 3: over the group's heads and window queries
@@ -136,7 +136,7 @@ def kvpress_layer_budget(q_len, ratio, window, beta, layer, num_layers):
 
 def test_pyramidkv_budgets_follow_the_formula():
     for ratio in (0.25, 0.5, 0.8):
-        p = PyramidKV(ratio=ratio, window=8, beta=20, num_layers=6)
+        p = PyramidKV(ratio=ratio, observation_window=8, beta=20, num_layers=6)
         for q in (40, 63, 100, 257, 1000):
             for layer in range(6):
                 want = min(max(kvpress_layer_budget(q, ratio, 8, 20, layer, 6), 1), q)
@@ -168,8 +168,8 @@ def test_attention_statistics_match_a_direct_softmax():
 
 
 @pytest.mark.parametrize("policy", [
-    SnapKV(budget=24, window=8, kernel=5), SlimKV(budget=24, window=8, kernel=5), KNorm(budget=24),
-    TOVA(budget=24), ObservedAttention(budget=24), PyramidKV(budget=24, window=8, kernel=5, num_layers=2),
+    SnapKV(budget=24, observation_window=8, kernel=5), SlimKV(budget=24, observation_window=8, kernel=5), KNorm(budget=24),
+    TOVA(budget=24), ObservedAttention(budget=24), PyramidKV(budget=24, observation_window=8, kernel=5, num_layers=2),
 ], ids=lambda p: type(p).__name__)
 def test_cache_holds_the_budget_and_decodes(sharp_dir, policy):
     model = load(sharp_dir).model
@@ -192,7 +192,7 @@ def test_errors():
         SnapKV()
     with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):
         SnapKV(ratio=1.0)
-    with pytest.raises(ValueError, match="budget=16 must be at least window=32"):
+    with pytest.raises(ValueError, match="budget=16 must be at least observation_window=32"):
         SnapKV(budget=16)
     with pytest.raises(ValueError, match="pool='mean'"):
         SnapKV(budget=64, pool="mean")
@@ -211,5 +211,5 @@ def test_token_by_token_scoring_refuses_prefill_only_compressors(sharp_dir):
     model = load(sharp_dir).model
     ids = random_ids(40, 260, seed=8)
     with pytest.raises(ValueError, match=r"SnapKV\(.*compresses a whole prompt once"):
-        perplexity(model, ids, SnapKV(budget=16, window=4))
+        perplexity(model, ids, SnapKV(budget=16, observation_window=4))
     assert np.isfinite(perplexity(model, ids, H2O(budget=16, recent=4, prefill_mode="stream")))

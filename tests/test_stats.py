@@ -28,7 +28,7 @@ def test_requests_are_static_values_that_compose():
 
 def test_a_combinator_asks_for_what_its_members_ask():
     """A layer split by heads asks the union of its groups' requests; a layer split resolves to its member's."""
-    snap, h2o = SnapKV(budget=8, window=4), H2O(budget=8, recent=4)
+    snap, h2o = SnapKV(budget=8, observation_window=4), H2O(budget=8, recent=4)
     heads = HeadSplit(layers=((((0,), snap), ((1,), h2o)),))
     assert heads.prefill_stats(0) == StatsRequest(colsum=True, windows=frozenset({4}))
     assert heads.decode_stats(0) == StatsRequest(probs=True)

@@ -36,7 +36,7 @@ def test_ring_holder_is_the_closed_form_of_writing_token_by_token():
     [
         (StreamingLLM(budget=12, sinks=4), streaming_keep(4, 12)),
         (StreamingLLM(budget=12, sinks=0), streaming_keep(0, 12)),
-        (LocalWindow(window=7), streaming_keep(0, 7)),
+        (LocalWindow(size=7), streaming_keep(0, 7)),
         (FullCache(), lambda ps: ps),
     ],
     ids=["streaming", "streaming-nosink", "local", "full"],
@@ -108,7 +108,7 @@ def test_capacity_is_the_budget_not_the_context():
     p = StreamingLLM(budget=256, sinks=4)
     assert p.capacity(0, 16_384) == 256
     assert p.capacity(0, 100) == 100  # never more slots than tokens
-    assert LocalWindow(window=64).capacity(3, 10_000) == 64
+    assert LocalWindow(size=64).capacity(3, 10_000) == 64
     assert FullCache().capacity(0, 1234) == 1234
 
 
@@ -119,8 +119,8 @@ def test_budget_smaller_than_sinks_plus_one_is_an_error(budget, sinks):
 
 
 def test_policy_errors():
-    with pytest.raises(ValueError, match="window=0"):
-        LocalWindow(window=0)
+    with pytest.raises(ValueError, match="size=0"):
+        LocalWindow(size=0)
     with pytest.raises(ValueError, match="positions='relative'"):
         StreamingLLM(positions="relative")
     with pytest.raises(ValueError, match="unknown policy 'razorr'"):
@@ -132,15 +132,15 @@ def test_policy_errors():
 def test_policies_are_hashable_static_arguments():
     a, b = StreamingLLM(budget=64, sinks=4), StreamingLLM(budget=64, sinks=4)
     assert a == b and hash(a) == hash(b)
-    assert len({a, b, StreamingLLM(budget=64, sinks=2), FullCache(), LocalWindow(window=64)}) == 4
-    for x, y in itertools.combinations([FullCache(), LocalWindow(window=8), StreamingLLM(budget=8, sinks=0)], 2):
+    assert len({a, b, StreamingLLM(budget=64, sinks=2), FullCache(), LocalWindow(size=64)}) == 4
+    for x, y in itertools.combinations([FullCache(), LocalWindow(size=8), StreamingLLM(budget=8, sinks=0)], 2):
         assert x != y
 
 
 @pytest.mark.parametrize("mode", ["full", "stream"])
 @pytest.mark.parametrize("make", [
     lambda r, m: StreamingLLM(budget=None, ratio=r, sinks=4, prefill_mode=m),
-    lambda r, m: LocalWindow(window=None, ratio=r, prefill_mode=m),
+    lambda r, m: LocalWindow(size=None, ratio=r, prefill_mode=m),
 ], ids=["streaming", "local"])
 def test_ratio_budget_keeps_floor_of_each_rows_prompt_and_holds_it_while_decoding(tiny, make, mode):
     """kvpress's compression_ratio for the ring policies: a row of n prompt tokens keeps
@@ -175,8 +175,8 @@ def test_ratio_budget_keeps_floor_of_each_rows_prompt_and_holds_it_while_decodin
 def test_ratio_and_budget_are_exclusive_and_ratio_needs_the_whole_prompt():
     with pytest.raises(ValueError, match="exactly one of budget"):
         StreamingLLM(budget=128, ratio=0.5)
-    with pytest.raises(ValueError, match="exactly one of window"):
-        LocalWindow(window=None)
+    with pytest.raises(ValueError, match="exactly one of size"):
+        LocalWindow(size=None)
     with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
         StreamingLLM(budget=None, ratio=0.5, prefill_mode="chunked", chunk=8)
     with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):

@@ -56,7 +56,7 @@ REGISTRY = {
     ),
     # --ratio replaces the token budget here too: each row keeps floor(n * (1 - ratio)) of its n prompt tokens
     "local": lambda budget, ratio=None, positions="absolute", prefill_mode="full", chunk=None: LocalWindow(
-        window=_sized(budget, ratio), ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
+        size=_sized(budget, ratio), ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
     "streaming": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="full", chunk=None:
     StreamingLLM(
@@ -84,25 +84,27 @@ def _scored(cls, budget, ratio=None, **kw):
 
 
 REGISTRY.update({
-    "snapkv": lambda budget, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", positions="absolute",
-    prefill_mode="full", chunk=None: _scored(SnapKV, budget, ratio, window=window, kernel=kernel, pool=pool,
-                                             group_agg=group_agg, positions=positions, prefill_mode=prefill_mode,
-                                             chunk=chunk),
-    "pyramidkv": lambda budget, num_layers, ratio=None, window=32, kernel=7, pool="max", group_agg="mean", beta=20,
-        positions="absolute", prefill_mode="full", chunk=None: _scored(
-            PyramidKV, budget, ratio, window=window, kernel=kernel, pool=pool, group_agg=group_agg, beta=beta,
-            num_layers=num_layers, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
-    "slimkv": lambda budget, ratio=None, window=32, kernel=7, pool="avg", combine="product", positions="absolute",
-    prefill_mode="full", chunk=None: _scored(SlimKV, budget, ratio, window=window, kernel=kernel, pool=pool,
-                                             combine=combine, positions=positions, prefill_mode=prefill_mode,
-                                             chunk=chunk),
-    "h2o-prefill": lambda budget, ratio=None, window=0, group_agg="mean", positions="absolute", prefill_mode="full",
-    chunk=None: _scored(ObservedAttention, budget, ratio, window=window, group_agg=group_agg, positions=positions,
-                        prefill_mode=prefill_mode, chunk=chunk),
+    "snapkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    positions="absolute", prefill_mode="full", chunk=None: _scored(
+        SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool, group_agg=group_agg,
+        positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "pyramidkv": lambda budget, num_layers, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    beta=20, positions="absolute", prefill_mode="full", chunk=None: _scored(
+        PyramidKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool, group_agg=group_agg,
+        beta=beta, num_layers=num_layers, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "slimkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="avg", combine="product",
+    positions="absolute", prefill_mode="full", chunk=None: _scored(
+        SlimKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool, combine=combine,
+        positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "h2o-prefill": lambda budget, ratio=None, observation_window=0, group_agg="mean", positions="absolute",
+    prefill_mode="full", chunk=None: _scored(
+        ObservedAttention, budget, ratio, observation_window=observation_window, group_agg=group_agg,
+        positions=positions, prefill_mode=prefill_mode, chunk=chunk),
     "tova": lambda budget, ratio=None, positions="absolute", prefill_mode="full", chunk=None: _scored(
         TOVA, budget, ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
-    "knorm": lambda budget, ratio=None, window=0, positions="absolute", prefill_mode="full", chunk=None:
-        _scored(KNorm, budget, ratio, window=window, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
+    "knorm": lambda budget, ratio=None, observation_window=0, positions="absolute", prefill_mode="full", chunk=None:
+        _scored(KNorm, budget, ratio, observation_window=observation_window, positions=positions,
+                prefill_mode=prefill_mode, chunk=chunk),
     # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of --budget
     "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
         budget=_sized(budget, ratio), ratio=ratio,

@@ -62,6 +62,7 @@ class AnchorCache(RatioBudget, LayerPolicy):
     ratio: float | None = None
     prefill_mode: PrefillMode = "stream"
     anchors = renamed_attribute("anchors", "anchor_slots")
+    window = renamed_attribute("window", "recent")
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,14 +77,14 @@ class AnchorCache(RatioBudget, LayerPolicy):
             )
         if self.group_agg not in GROUP_AGGREGATIONS:
             raise InvalidInput(f"MAT: group_agg={self.group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
-        if self.chunk is not None and self.chunk > self.window:
-            raise InvalidInput(f"MAT: chunk={self.chunk} exceeds the window c - beta = {self.window}: a chunk's "
+        if self.chunk is not None and self.chunk > self.recent:
+            raise InvalidInput(f"MAT: chunk={self.chunk} exceeds the window c - beta = {self.recent}: a chunk's "
                                "tokens must all be in the window when it ends, so that its anchors are known before "
                                "it attends")
 
     @property
-    def window(self) -> int:
-        """`c - β` under a token budget (a ratio gives each row its own: `_row_budget`)."""
+    def recent(self) -> int:
+        """The recent window `c - β` under a token budget (a ratio gives each row its own: `_row_budget`)."""
         return self.budget - self.anchor_slots
 
     def least_slots(self) -> int:

@@ -1,7 +1,7 @@
 """Decode-time re-compression (kvpress's DecodingPress): a prompt compressor applied again every `every`
 generated tokens, so long outputs (reasoning traces) stay within budget + every slots.
 
-`Recompress(SnapKV(budget=B, window=W), every=N)` compresses the prompt as SnapKV does, into a cache of
+`Recompress(SnapKV(budget=B, observation_window=W), every=N)` compresses the prompt as SnapKV does, into a cache of
 `B + N` slots, then appends generated tokens; when the cache is full it re-scores every slot with the
 scorer's own rule and evicts back to the scorer's keep count (B), always keeping the latest W tokens.
 
@@ -44,9 +44,9 @@ class Recompress(Policy):
                                "a ratio is a share of a prompt")
         if self.every < 1:
             raise InvalidInput(f"Recompress: every={self.every} must be >= 1")
-        if self.every < self.scorer.window:
-            raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's window="
-                               f"{self.scorer.window}: the window's queries are the last ones before a re-compression")
+        if self.every < self.scorer.observation_window:
+            raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's observation_window="
+                               f"{self.scorer.observation_window}: the window's queries are the last ones before a re-compression")
 
     evicts_while_decoding = True
 
@@ -96,7 +96,7 @@ class Recompress(Policy):
     def _window(self, layer) -> int | None:
         """How many queries before a re-compression count; None: all of them (the observed attention)."""
         wanted = self.scorer.prefill_stats(layer)
-        return None if wanted.colsum else self.scorer.window
+        return None if wanted.colsum else self.scorer.observation_window
 
     def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
         free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
@@ -113,9 +113,9 @@ class Recompress(Policy):
         c = kvcache.take_slots(cache, order)  # position order, empty slots last
         real = c.pos >= 0
         acc = c.score[:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
-        stats = AttentionStats(colsum=acc[:, :, :, 0], window_probs={self.scorer.window: acc, 1: acc})
+        stats = AttentionStats(colsum=acc[:, :, :, 0], window_probs={self.scorer.observation_window: acc, 1: acc})
         score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
-        in_window = real & (c.pos > (pos - self.scorer.window)[:, None, None])
+        in_window = real & (c.pos > (pos - self.scorer.observation_window)[:, None, None])
         length = (pos + 1)[:, None, None]
         keep = kvcache.keep_top(score, real, in_window, self.scorer.keep_count(layer, length))
         kept = kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))

@@ -16,6 +16,7 @@ from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
 
@@ -129,24 +130,26 @@ class FullCache(RingPolicy):
 
     def with_window(self, window):
         # Everything a sliding-window model can still attend to: a `window`-slot ring buffer.
-        return LocalWindow(window=window, positions=self.positions, prefill_mode=self.prefill_mode, chunk=self.chunk)
+        return LocalWindow(size=window, positions=self.positions, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
 
+@renamed_keywords(window="size")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalWindow(RingPolicy):
-    """Keeps the `window` most recent tokens (the current one included)."""
+    """Keeps the `size` most recent tokens (the current one included)."""
 
-    window: int | None = 256
+    size: int | None = 256
     ratio: float | None = None
+    window = renamed_attribute("window", "size")
 
     def __post_init__(self):
         super().__post_init__()
-        check_ratio(self, self.window, "window")
-        if self.window is not None and self.window < 1:
-            raise InvalidInput(f"LocalWindow: window={self.window} must be >= 1")
+        check_ratio(self, self.size, "size")
+        if self.size is not None and self.size < 1:
+            raise InvalidInput(f"LocalWindow: size={self.size} must be >= 1")
 
     def _layout(self, max_len):
-        return 0, min(self.window, max_len)
+        return 0, min(self.size, max_len)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

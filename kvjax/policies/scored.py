@@ -2,7 +2,7 @@
 
 Each method is one score function returning `[batch, kv_heads, T]` over the prompt; one shared
 selection keeps, per KV head, the top-scored prefix tokens plus the observation window (the last
-`window` prompt tokens, always kept), in a cache sized to what is kept plus the decode tokens,
+`observation_window` prompt tokens, always kept), in a cache sized to what is kept plus the decode tokens,
 so the memory really shrinks. Decoding then appends (these methods compress at prefill only;
 H2O's decode-time eviction is `H2O`). Scores are computed per KV group from all query heads of
 the group (`group_agg`): the cache holds KV heads, never repeated query heads.
@@ -12,7 +12,7 @@ prompt removed (kvpress's `compression_ratio`: keep `max(1, int(L * (1 - ratio))
 no longer than the budget is kept whole.
 
 Conventions (defaults are the papers'; kvpress's are options where they differ):
-* SnapKV: the last `window` queries' attention (softmax over all keys, causal inside the window),
+* SnapKV: the last `observation_window` queries' attention (softmax over all keys, causal inside the window),
   averaged over those queries, pooled over positions, aggregated over the group. Paper LongBench
   runs: window 32, kernel 7, max-pool; kvpress: window 64, kernel 5, avg-pool, mean over the group.
 * SlimKV: S1 (eq. 3) = window attention summed over window queries and the group's heads,
@@ -34,6 +34,7 @@ import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
+from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 from kvjax.stats import StatsRequest
@@ -66,7 +67,8 @@ class ScoredPolicy(LayerPolicy):
 
     budget: int | None = None
     ratio: float | None = None
-    window: int = 32
+    observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
+    window = renamed_attribute("window", "observation_window")
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
 
     def __post_init__(self):
@@ -76,21 +78,21 @@ class ScoredPolicy(LayerPolicy):
             raise InvalidInput(f"{name}: give exactly one of budget (tokens) or ratio (fraction removed)")
         if self.ratio is not None and not 0 <= self.ratio < 1:
             raise InvalidInput(f"{name}: ratio={self.ratio} must be in [0, 1)")
-        if self.window < 0:
-            raise InvalidInput(f"{name}: window={self.window} must be >= 0")
+        if self.observation_window < 0:
+            raise InvalidInput(f"{name}: observation_window={self.observation_window} must be >= 0")
         if self.budget is not None and self.budget < 1:
             raise InvalidInput(f"{name}: budget={self.budget} must be >= 1 (tokens kept per KV head)")
-        if self.budget is not None and self.budget < self.window:
-            raise InvalidInput(f"{name}: budget={self.budget} must be at least window={self.window}: the last "
-                             "`window` prompt tokens are always kept, so a smaller budget cannot hold them")
+        if self.budget is not None and self.budget < self.observation_window:
+            raise InvalidInput(f"{name}: budget={self.budget} must be at least observation_window={self.observation_window}: the last "
+                             "`observation_window` prompt tokens are always kept, so a smaller budget cannot hold them")
         if self.prefill_mode == "stream":
             raise InvalidInput(f"{name} compresses a prompt at once: prefill_mode must be 'full' or 'chunked'")
         if self.prefill_mode == "chunked" and self.ratio is not None:
             raise InvalidInput(f"{name}: a ratio is a share of the whole prompt, which a chunked prefill has not read "
                                "when it evicts; give a budget (--budget) with prefill_mode='chunked'")
-        if self.prefill_mode == "chunked" and self.chunk < max(self.window, 1):
-            raise InvalidInput(f"{name}: chunk={self.chunk} is shorter than window={self.window}: each chunk is scored "
-                               "by its last `window` queries, so a chunk must hold them")
+        if self.prefill_mode == "chunked" and self.chunk < max(self.observation_window, 1):
+            raise InvalidInput(f"{name}: chunk={self.chunk} is shorter than observation_window={self.observation_window}: each chunk is "
+                               "scored by its last `observation_window` queries, so a chunk must hold them")
 
     # -- per-method parts -------------------------------------------------------------
     def score(self, layer, k, v, pos, stats) -> jax.Array:
@@ -115,7 +117,7 @@ class ScoredPolicy(LayerPolicy):
         n_keep = self.keep_count(layer, length)[:, None, None]
         p = pos[:, None, :]
         real = p >= 0
-        in_window = real & (p >= (length - self.window)[:, None, None])
+        in_window = real & (p >= (length - self.observation_window)[:, None, None])
         keep = kvcache.keep_top(self.score(layer, k, v, pos, stats), real, in_window, n_keep)
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
@@ -126,7 +128,7 @@ class ScoredPolicy(LayerPolicy):
         both = kvcache.chunk_slots(cache, k, v, pos)
         length = jnp.max(both.pos, axis=(1, 2)) + 1  # [b]: tokens read so far
         real = both.pos >= 0
-        in_window = real & (both.pos >= (length - self.window)[:, None, None])
+        in_window = real & (both.pos >= (length - self.observation_window)[:, None, None])
         rank, stored = self._chunk_scores(layer, both, stats)
         keep = kvcache.keep_top(rank, real, in_window, self.keep_count(layer, length)[:, None, None])
         both = dataclasses.replace(both, score=stored.astype(both.score.dtype))
@@ -144,10 +146,11 @@ class ScoredPolicy(LayerPolicy):
         `pos`: `[b, t]` (a prompt) or `[b, kvh, t]` (a chunked prefill's slots)."""
         p = pos if pos.ndim == 3 else pos[:, None, :]
         length = jnp.max(p, axis=(1, 2), keepdims=True) + 1
-        prefix = (p >= 0) & (p < length - self.window)
+        prefix = (p >= 0) & (p < length - self.observation_window)
         return jnp.where(prefix if s.ndim == 3 else prefix[:, :, None, :], s, 0.0)
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapKV(ScoredPolicy):
     kernel: int = 7
@@ -157,19 +160,20 @@ class SnapKV(ScoredPolicy):
     def __post_init__(self):
         super().__post_init__()
         _check(self, pool=self.pool, group_agg=self.group_agg, kernel=self.kernel)
-        if self.window < 1:
-            raise InvalidInput(f"{type(self).__name__}: window={self.window} must be >= 1 (the observation window)")
+        if self.observation_window < 1:
+            raise InvalidInput(f"{type(self).__name__}: observation_window={self.observation_window} must be >= 1")
 
     def prefill_stats(self, layer):
-        return StatsRequest.window(self.window)
+        return StatsRequest.window(self.observation_window)
 
     def score(self, layer, k, v, pos, stats):
-        probs = stats.window(self.window)  # [b, kvh, g, w, t]
+        probs = stats.window(self.observation_window)  # [b, kvh, g, w, t]
         n = jnp.maximum(jnp.sum(jnp.any(probs > 0, axis=-1), axis=3), 1)  # real window queries
         s = self._prefix_only(probs.sum(axis=3) / n[..., None], pos)
         return aggregate(pool1d(s, self.kernel, self.pool), self.group_agg)
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PyramidKV(SnapKV):
     """SnapKV scoring with per-layer budgets decreasing linearly with depth (PyramidKV's formula,
@@ -194,7 +198,7 @@ class PyramidKV(SnapKV):
     def keep_count(self, layer, length):
         xp = jnp if isinstance(length, jax.Array) else np
         q = length.astype(xp.float32) if xp is jnp else np.asarray(length, np.float64)
-        w = self.window
+        w = self.observation_window
         m = self.budget if self.budget is not None else w + q * (1 - self.ratio)
         m = xp.minimum(m, q + w) if self.budget is not None else m
         min_num = (m - w) / self.beta
@@ -210,6 +214,7 @@ class PyramidKV(SnapKV):
         return xp.clip(out, 1, q).astype(xp.int32)
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlimKV(ScoredPolicy):
     kernel: int = 7
@@ -223,24 +228,25 @@ class SlimKV(ScoredPolicy):
         if self.combine not in COMBINES:
             raise InvalidInput(f"SlimKV: combine={self.combine!r}; expected 'product' (eq. 5), 'sum' (Listing 1), "
                                "'s1' or 's2' (Table 3: one score alone)")
-        if self.window < 1:
-            raise InvalidInput(f"SlimKV: window={self.window} must be >= 1 (the observation window)")
+        if self.observation_window < 1:
+            raise InvalidInput(f"SlimKV: observation_window={self.observation_window} must be >= 1")
 
     def prefill_stats(self, layer):
-        return StatsRequest.window(self.window)
+        return StatsRequest.window(self.observation_window)
 
     def score(self, layer, k, v, pos, stats):
-        s1 = stats.window(self.window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
+        s1 = stats.window(self.observation_window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
         s2 = jnp.max(jnp.abs(v.astype(s1.dtype)), axis=-1)  # eq. 4
         s = {"product": lambda: s1 * s2, "sum": lambda: s1 + s2, "s1": lambda: s1, "s2": lambda: s2}[self.combine]()
         return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObservedAttention(ScoredPolicy):
     """H2O's score at prefill: attention each key received, summed over all prompt queries."""
 
-    window: int = 0
+    observation_window: int = 0
     normalize: bool = False
     group_agg: str = "mean"
 
@@ -267,9 +273,10 @@ class ObservedAttention(ScoredPolicy):
         return self._normalized(total, both.pos), total
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TOVA(ScoredPolicy):
-    window: int = 1
+    observation_window: int = 1
 
     def prefill_stats(self, layer):
         return StatsRequest.window(1)
@@ -280,9 +287,10 @@ class TOVA(ScoredPolicy):
         return jnp.broadcast_to(layer_mean, probs.shape[:2] + probs.shape[3:])
 
 
+@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KNorm(ScoredPolicy):
-    window: int = 0
+    observation_window: int = 0
 
     def score(self, layer, k, v, pos, stats):
         return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
