@@ -525,12 +525,15 @@ def decode_attention(
       or ALiBi bias, as prefill's (-inf-like if evicted).
 
     `impl="pallas"` runs `kvjax.pallas.decode_attention`, except with ALiBi or a sliding
-    window, which the kernel does not take (those models decode here).
+    window, which the kernel does not take: those models decode here, and say so once (a warning).
     """
     check_impl(impl)
     _no_softcap_kernel(softcap, impl)
     if stats.colsum or stats.windows:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
+    if impl == "pallas" and (alibi is not None or window is not None):
+        _warn_once("attention_impl='pallas': decoding with ALiBi or a sliding window runs in XLA; the Pallas decode "
+                   "kernel takes neither")
     if impl == "pallas" and alibi is None and window is None:
         variant, interpret = kernels.platform_variant()
         return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
