@@ -59,6 +59,11 @@ def ntk_theta(theta: float, scale: float, head_dim: int) -> float:
     return theta * scale ** (head_dim / (head_dim - 2))
 
 
+# The model's answer as the metric reads it: the number after "is", the name after "Answer:", "Paragraph k"
+# or the count after "is: ", the next line of code.
+ANSWER_FORMS = {"stdlib_passkey": " {}.", "stdlib_kv_retrieval": " {}.", "stdlib_qa": " {}", "stdlib_lcc": "{}\n"}
+
+
 def suite_examples(tok, seq_len: int, samples: int, seed: int):
     """(task, prompt text, answer text, references) of the evaluation suites' tasks, from training text and
     seeds: the LongBench-format datasets at every scale that fits `seq_len`, RULER's tasks at its lengths."""
@@ -70,11 +75,7 @@ def suite_examples(tok, seq_len: int, samples: int, seed: int):
     for k, (name, build) in enumerate(tqdm(suite.BUILDERS.items(), desc="suite prompts")):
         for scale in scales:
             for row in build(np.random.default_rng([seed, k, scale]), samples, split="train", scale=scale):
-                # the model's answer as the metric reads it: the number after "is", the name after "Answer:",
-                # "Paragraph k" or the count after "is: ", the next line of code
-                answer = row["answers"][0]
-                answer = {"stdlib_passkey": f" {answer}.", "stdlib_kv_retrieval": f" {answer}.",
-                          "stdlib_qa": f" {answer}", "stdlib_lcc": f"{answer}\n"}.get(name, answer)
+                answer = ANSWER_FORMS.get(name, "{}").format(row["answers"][0])
                 yield name, build_prompt(tok, name, row, 10**9, chat=False), answer, row["answers"]
     count = ruler.token_counter(tok)
     lengths = [n for n in (768, 1024, 1536, 2048, 3072, 4096) if n <= seq_len]

@@ -223,6 +223,40 @@ def test_cli_refuses_to_resume_over_another_models_predictions(tmp_path, tiny_di
     assert lb_cli.main(["--model", str(other)] + argv[:-1] + [str(tmp_path / "out2")]) == 0
 
 
+def test_cli_refuses_to_resume_under_another_harness_config(tmp_path, tiny_dir, monkeypatch):
+    """Predictions depend on the templates and generation budgets: an edited config.json is another run."""
+    data = _suite_dir(tmp_path, n=2)
+    argv = ["--model", str(tiny_dir), "--data-dir", str(data), "--policy", "full", "--out", str(tmp_path / "out")]
+    assert lb_cli.main(argv) == 0
+    edited = json.loads(harness.CONFIG_FILE.read_text())
+    edited["max_new_tokens"]["stdlib_passkey"] += 1
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    monkeypatch.setattr(harness, "CONFIG_FILE", tmp_path / "config.json")
+    harness.config.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"another configuration \(harness config: "):
+            lb_cli.main(argv)
+    finally:
+        harness.config.cache_clear()
+
+
+@pytest.mark.parametrize("data_dir", ["data", "data_small"])
+def test_every_stdlib_answer_fits_its_generation_budget(data_dir):
+    """Each reference answer, in the form kvjax-small is taught to give it, fits the dataset's max_new_tokens
+    under the models' 512-token BPE (digits one by one): "Paragraph 3" alone is 9 tokens, and a budget of 8
+    had cut every passage-retrieval answer before its number, scoring 0 whatever the cache."""
+    from experiments.train_small import ANSWER_FORMS
+    from models import DEFAULT_DIR
+    from models.loading import load_tokenizer
+
+    tok, budgets = load_tokenizer(DEFAULT_DIR), harness.config()["max_new_tokens"]
+    for path in sorted((DATA_DIR.parent / data_dir).glob("stdlib_*.jsonl")):
+        name = path.stem
+        longest = max(len(tok(ANSWER_FORMS.get(name, "{}").format(a), add_special_tokens=False)["input_ids"])
+                      for line in path.read_text().splitlines() for a in json.loads(line)["answers"])
+        assert longest <= budgets[name], (name, longest, budgets[name])
+
+
 def test_agnostic_split_is_the_template_after_the_context(tiny):
     """--protocol agnostic: a built prompt splits into context ids and question ids, the question being
     the dataset template's text after `{context}`; together they read the whole prompt."""

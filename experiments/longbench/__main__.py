@@ -31,7 +31,7 @@ from experiments.common import (
 )
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
-from experiments.records import claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import claim_results_dir, content_fingerprint, dumps_finite, options_of, write_atomic
 from models import SMALL_DIR
 
 DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     out = Path(args.out)
     # No resuming over another configuration's records (each policy's are in their own directory).
-    claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples")) | {"--data-dir": str(data_dir.resolve())})
+    # The templates, generation budgets and metrics (config.json) shape every prediction: records made under
+    # another config are not this run's.
+    claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples"))
+                      | {"--data-dir": str(data_dir.resolve()), "harness config": content_fingerprint(harness.CONFIG_FILE)})
     out.mkdir(parents=True, exist_ok=True)
     opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e,
                            protocol=args.protocol)
