@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments import cli, corpus
-from experiments.common import nonnegative_int, positive_int
+from experiments.common import nonnegative_int, positive_float, positive_int
 from experiments.records import dumps_finite, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
@@ -139,8 +139,8 @@ def parse(argv):
     p.add_argument("--long-batch", type=positive_int, default=2)
     p.add_argument("--extend-steps", type=nonnegative_int, default=0,
                    help="a third stage at --seq-len from the long stage's model (0: none)")
-    p.add_argument("--extend-lr", type=float, default=5e-4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--extend-lr", type=positive_float, default=5e-4)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--answer-weight", type=float, default=4.0)
