@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from kvjax.attention import AnchorMask
+from kvjax.masks import AnchorMask
 
 AC_TOKEN = "<AC>"
 

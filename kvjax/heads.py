@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention
+from kvjax import reference
 
 # Score elements per query block: bounds the `[heads, block, T]` buffer of the probe.
 _BLOCK_ELEMENTS = 1 << 24
@@ -66,10 +66,10 @@ def _layers(model, tokens: Int[Array, "b t"]):
 def _logits(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
     """Scaled, soft-capped, biased attention logits `[b, kvh, g, tq, tk]` of query block `q`
     `[b, h, tq, d]` (masked entries -inf), as the layer's attention computes them."""
-    qg = attention._group(q, k.shape[1])
-    s = attention._softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale,
+    qg = reference._group(q, k.shape[1])
+    s = reference._softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale,
                            softcap)
-    return attention._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
+    return reference._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
 
 
 def _probs(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
@@ -87,7 +87,7 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     for _, q, k, attn in _layers(model, tokens):
         p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn._alibi(), attn.window, attn.softcap)
         p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
-        out.append(np.where(p <= attention._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
+        out.append(np.where(p <= reference._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
 
 
@@ -234,7 +234,7 @@ def alibi_scopes(model, eps: float = 1e-3, bound: str = "paper") -> np.ndarray:
         raise ValueError(f"bound={bound!r}; expected one of {BOUNDS}")
     if c.qkv_bias:
         raise NotImplementedError("alibi_scopes: Theorem 1 assumes q and k without bias")
-    slopes = attention.alibi_slopes(c.num_heads).astype(np.float64)
+    slopes = reference.alibi_slopes(c.num_heads).astype(np.float64)
     g = c.num_heads // c.num_kv_heads
     hd = c.head_dim
     out = np.zeros((c.num_layers, c.num_heads))

@@ -1,6 +1,7 @@
 """Pallas kernels for prefill and decode attention (`attention_impl="pallas"`).
 
-`kvjax.attention` is their specification and dispatches to them. The variant follows
+`kvjax.reference` is their specification (their masks are `kvjax.masks`, shared with it) and
+`kvjax.attention` dispatches to them. The variant follows
 the backend: Triton on GPU, Mosaic on TPU, and on CPU the GPU kernel in interpret
 mode (how the tests run both variants; slow, for checking only).
 """

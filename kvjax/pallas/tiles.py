@@ -3,7 +3,7 @@
 Every kernel works on tiles of queries `[bq, d]` against keys `[bk, d]` and folds
 them into FlashAttention's online softmax (running max `m`, denominator `l`,
 unnormalised output `acc`). Which keys a query sees comes from per-token int32
-metadata, the same rules as `kvjax.attention` (the specification):
+metadata, through the rules of `kvjax.masks` (the spec the jnp reference `kvjax.reference` uses too):
 
 * query metadata `qm [t, 4]`: position (-1 on padding), AnLLM segment, is-anchor, unused;
 * key metadata `km [4, s]`: position, segment, is-anchor, keep (AnLLM's kept span);
@@ -24,7 +24,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-MASKED = -1e30  # as kvjax.attention: finite, so a fully masked tile never makes NaN
+from kvjax import masks
+
+MASKED = masks.MASKED  # finite, so a fully masked tile never makes NaN
 QM, KM = 4, 4  # metadata columns / rows
 
 POS, SEG, ANCHOR, KEEP = 0, 1, 2, 3
@@ -83,20 +85,16 @@ def tile_logits(
     """Scaled logits of one tile with ALiBi (`slope` or None) and every mask applied."""
     s = qk(q, k) * scale
     if slope is not None:
-        s = s + slope * (km.pos - qm.pos).astype(jnp.float32)
+        s = s + masks.alibi_bias(slope, qm.pos, km.pos, jnp.float32)
     return jnp.where(tile_visible(qm, km, gate, window=window), s, MASKED)
 
 
 def tile_visible(qm: QueryMeta, km: KeyMeta, gate, *, window) -> Bool[Array, "bq bk"]:
-    qp, kp = qm.pos, km.pos
-    vis = (kp >= 0) & (kp <= qp)
-    if window is not None:
-        vis &= kp > qp - window
-    if qm.seg is not None:  # eq. 4: own sequence, or an earlier sequence's anchor seen by a non-anchor; kept span
-        ka, qa = km.anchor > 0, qm.anchor > 0
-        vis &= (qm.seg == km.seg) | (ka & ~qa & (km.seg < qm.seg)) | (km.keep > 0)
+    vis = masks.causal(qm.pos, km.pos, window)
+    if qm.seg is not None:
+        vis &= masks.eq4(qm.seg, qm.anchor > 0, km.seg, km.anchor > 0, km.keep > 0)
     if gate is not None:
-        vis &= (gate > 0) | (kp == qp)
+        vis &= masks.gate(gate > 0, qm.pos, km.pos)
     return vis
 
 

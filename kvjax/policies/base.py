@@ -171,7 +171,7 @@ class Policy(abc.ABC):
         return self
 
     def prompt_mask(self, tokens, pos):
-        """An `attention.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
+        """An `kvjax.masks.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
         del tokens, pos
         return None
 

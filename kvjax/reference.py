@@ -1,0 +1,446 @@
+"""Reference attention in plain jnp: the specification the Pallas kernels must match.
+
+Layouts: queries `[b, h, t, d]`, keys/values `[b, kvh, s, d]` with `h = kvh * g`
+(GQA: query head `i` reads KV head `i // g`, as in transformers). Scores and
+softmax run in float32 for half-precision inputs (float64 for float64 ones). Which keys a query
+sees is `kvjax.masks`, the spec the kernels build their tiles from too.
+
+This module imports no kernel: `kvjax.attention` chooses between it, the Pallas kernels and cuDNN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax import masks
+from kvjax.masks import AnchorMask
+from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
+
+_MASKED = masks.MASKED
+# Queries per block in prefill: bounds the score buffer to [block, T] per head.
+PREFILL_BLOCK = 512
+
+def _group(q: Float[Array, "b h t d"], kv_heads: int) -> Float[Array, "b kvh g t d"]:
+    b, h, t, d = q.shape
+    if h % kv_heads:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv_heads})")
+    return q.reshape(b, kv_heads, h // kv_heads, t, d)
+
+
+def _acc(dtype):
+    """Accumulation/softmax dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes (Press et al. 2022): geometric from 2^(-8/n) for a power of two n; otherwise
+    those of the closest lower power of two followed by every other slope of the next one."""
+
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return np.asarray(power_of_2(num_heads), np.float32)
+    low = 2 ** math.floor(math.log2(num_heads))
+    rest = alibi_slopes(2 * low)[0::2][: num_heads - low]
+    return np.concatenate([power_of_2(low), rest]).astype(np.float32)
+
+
+def _softcap(s, cap: float | None):
+    """Gemma 2's attention-logit soft-capping, `cap * tanh(s / cap)`, on the scaled scores."""
+    return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _bias_and_mask(s, q_pos, k_pos, alibi, window):
+    """Adds ALiBi (slope * (k - q)) and masks invisible keys. s: [b, kvh, g, tq, tk];
+    q_pos: [b, kvh | 1, tq]; k_pos: [b, kvh | 1, tk] (positions, or ranks in rolling mode)."""
+    qp, kp = q_pos[:, :, None, :, None], k_pos[:, :, None, None, :]  # [b, kvh|1, 1, tq, tk] once broadcast
+    if alibi is not None:
+        kvh, g = s.shape[1], s.shape[2]
+        s = s + masks.alibi_bias(jnp.asarray(alibi, s.dtype).reshape(1, kvh, g, 1, 1), qp, kp, s.dtype)
+    return jnp.where(masks.causal(qp, kp, window), s, _MASKED)
+
+
+def _eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
+    """Eq. 4 between per-token arrays `[b, tq]` and `[b, tk]`: `[b, tq, tk]`."""
+    return masks.eq4(q_seg[:, :, None], q_anchor[:, :, None], k_seg[:, None, :], k_anchor[:, None, :],
+                     k_keep[:, None, :])
+
+
+def _softmax(s, q_pos, k_pos, key_keep):
+    """Softmax over the keys (last axis); with Attention-Gate's `key_keep` `[b, kvh, s]` (eq. 7), each
+    key's weight is multiplied by its keep flag, a query's own key always by 1.
+
+    Flags in {0, 1} make this exactly the masked softmax. Flags from the gate's straight-through
+    estimator are exactly binary too, but a product (rather than a -inf mask) carries the
+    gradient to evicted keys' flags as well: d p / d flag = how much re-admitting the key would
+    change the output, which is what the gate learns from.
+    """
+    if key_keep is None:
+        return jax.nn.softmax(s, axis=-1)
+    diagonal = masks.own_key(q_pos[:, None, None, :, None], k_pos[:, None, None, None, :])
+    w = jnp.where(diagonal, 1.0, key_keep[:, :, None, None, :].astype(s.dtype))
+    causal = s > _MASKED
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(causal & (w > 0), s, _MASKED), axis=-1, keepdims=True))
+    # An evicted key may out-score every kept one: clip its exponent so 0 * exp never overflows.
+    e = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m, 60.0)), 0.0)
+    z = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(z > 0, z, 1.0)  # a padding query (no visible key) gets zeros
+
+
+def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchor_mask=None, key_keep=None,
+                   softcap=None):
+    """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
+
+    With `colsum`, also returns each key's probability mass summed over the block's real
+    queries, from the same probabilities (H2O's score costs no second pass). `anchor_mask`
+    (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
+    restricts the keys to eq. 4."""
+    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
+    s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
+    if anchor_mask is not None:
+        seen = _eq4(q_anc[0], q_anc[1], anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep)
+        s = jnp.where(seen[:, None, None], s, _MASKED)
+    p = _softmax(s, q_pos, k_pos, key_keep)
+    out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
+    if not colsum:
+        return out, None
+    return out, jnp.sum(jnp.where((q_pos >= 0)[:, None, None, :, None], p, 0.0), axis=3)
+
+
+def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, anchor_mask, key_keep, softcap, block):
+    """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
+    `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
+    that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
+    wholly older than it) are never computed. The same masks and softmax as `_prefill_block`, so
+    the same numbers; with `want_colsum`, a second pass over the same tiles, once each query's
+    normaliser is known, sums each key's probability over the real queries.
+
+    qg: [b, kvh, g, t, d] (t a multiple of `block`); k, v: [b, kvh, t, d]; pos: [b, t]; v_mean: [b, kvh, d],
+    what a query that sees no key (padding) gets, as the reference's softmax over all-masked logits
+    gives it: the mean value over the prompt's keys."""
+    b, kvh, g, t, d = qg.shape
+    n = t // block
+    acc_t = _acc(qg.dtype)
+    kb = k.reshape(b, kvh, n, block, d)
+    vb = v.reshape(b, kvh, n, block, d)
+    pb = pos.reshape(b, n, block)
+    seg = None if anchor_mask is None else tuple(x.reshape(b, n, block) for x in
+                                                 (anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep))
+    keep = None if key_keep is None else key_keep.reshape(b, kvh, n, block)
+    v_mean = v_mean[:, :, None, None, :]
+
+    def live(i, j):
+        ok = j <= i
+        if window is not None:  # the block's newest key is at least `window` older than the query block's oldest
+            ok &= (j + 1) * block - 1 > i * block - window
+        return ok
+
+    def tile(i, j, qi):
+        """Logits, visibility and key weights of query block i against key block j."""
+        kj, pj = kb[:, :, j], pb[:, j]
+        s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=acc_t) * scale, softcap)
+        s = _bias_and_mask(s, pb[:, i][:, None], pj[:, None], alibi, window)
+        if seg is not None:
+            seen = _eq4(seg[0][:, i], seg[1][:, i], seg[0][:, j], seg[1][:, j], seg[2][:, j])
+            s = jnp.where(seen[:, None, None], s, _MASKED)
+        causal = s > _MASKED
+        if keep is None:
+            return s, causal, causal
+        diagonal = masks.own_key(pb[:, i][:, None, None, :, None], pj[:, None, None, None, :])
+        w = jnp.where(diagonal, 1.0, keep[:, :, j][:, :, None, None, :].astype(s.dtype))
+        return s, causal, w
+
+    def one(i, qi):
+        def step(carry, j):
+            def compute(carry):
+                m, z, acc = carry
+                s, causal, w = tile(i, j, qi)
+                counted = causal & (w > 0) if keep is not None else causal
+                m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(jnp.where(counted, s, _MASKED), axis=-1)))
+                e = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m_new[..., None], 60.0)), 0.0)
+                alpha = jnp.exp(m - m_new)
+                acc = acc * alpha[..., None] + jnp.einsum("bkgqs,bksd->bkgqd", e.astype(v.dtype), vb[:, :, j],
+                                                          preferred_element_type=acc_t)
+                return m_new, z * alpha + jnp.sum(e, axis=-1), acc
+
+            return jax.lax.cond(live(i, j), compute, lambda c: c, carry), None
+
+        init = (jnp.full((b, kvh, g, block), _MASKED, acc_t), jnp.zeros((b, kvh, g, block), acc_t),
+                jnp.zeros((b, kvh, g, block, d), acc_t))
+        (m, z, acc), _ = jax.lax.scan(step, init, jnp.arange(n))
+        # a query that sees no key (padding): the reference's value for it (uniform softmax, or zeros with gates)
+        none = jnp.zeros_like(v_mean) if keep is not None else v_mean
+        out = jnp.where((z > 0)[..., None], acc / jnp.where(z > 0, z, 1.0)[..., None], none)
+        if not want_colsum:
+            return out, None
+        real = (pb[:, i] >= 0)[:, None, None, :, None]
+
+        def col(j):
+            def compute(_):
+                s, causal, w = tile(i, j, qi)
+                p = jnp.where(causal, w * jnp.exp(jnp.minimum(s - m[..., None], 60.0)), 0.0) / jnp.where(
+                    z > 0, z, 1.0)[..., None]
+                return jnp.sum(jnp.where(real, p, 0.0), axis=3)
+
+            return jax.lax.cond(live(i, j), compute, lambda _: jnp.zeros((b, kvh, g, block), acc_t), None)
+
+        return out, jax.lax.map(col, jnp.arange(n)).transpose(1, 2, 3, 0, 4).reshape(b, kvh, g, t)
+
+    qblocks = qg.reshape(b, kvh, g, n, block, d).transpose(3, 0, 1, 2, 4, 5)
+    out, colsum = jax.lax.map(lambda xs: one(xs[0], xs[1]), (jnp.arange(n), qblocks))
+    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, g, t, d)
+    return out, None if colsum is None else colsum.sum(axis=0)
+
+
+
+def prefill_attention(
+    q: Float[Array, "b h t d"],
+    k: Float[Array, "b kvh s d"],
+    v: Float[Array, "b kvh s d"],
+    q_pos: Int[Array, "b t"],
+    k_pos: Int[Array, "b s"],
+    *,
+    scale: float,
+    stats: StatsRequest = NO_STATS,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
+    anchor_mask: AnchorMask | None = None,
+    key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
+    block: int = PREFILL_BLOCK,
+    softcap: float | None = None,
+    self_attention: bool = False,
+) -> tuple[Float[Array, "b h t d"], AttentionStats]:
+    """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
+
+    `self_attention`: the queries and keys are the same left-padded tokens (`q_pos` is `k_pos`, in
+    time order), as in a prompt's prefill; then a prompt longer than `block` runs in tiles that skip
+    every key block after the query block (and, with a window, those wholly before it).
+
+    `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
+    only its `window` latest keys (Mistral's sliding window); `anchor_mask`: AnLLM's eq. 4;
+    `key_keep`: per KV head, the keys later queries may see (Attention-Gate's eq. 7; a query
+    always sees its own key): bool, or the gate's float flags (differentiable, see `_softmax`).
+
+    Optional statistics (`stats`, an `AttentionStats` of the requested ones):
+
+    * `first_logit`: `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
+    * `window_probs[W]`: `[b, kvh, g, W, s]` the attention probabilities of the last W queries
+      (SnapKV's observation window; also TOVA with W = 1). Only `W x s`, never `s x s`.
+    * `colsum`: `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
+      accumulated attention), accumulated block by block.
+    """
+    if stats.probs:
+        raise ValueError("prefill_attention cannot compute statistics ['probs'] (a decode statistic)")
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    qg = _group(q, kvh)
+    want_colsum = stats.colsum
+    q_anc = None if anchor_mask is None else (anchor_mask.segment, anchor_mask.anchor)
+    if self_attention and t > block:
+        if k.shape[2] != t:
+            raise ValueError(f"self_attention: queries ({t}) and keys ({k.shape[2]}) must be the same tokens")
+        pad = -t % block
+        v_mean = jnp.mean(v.astype(_acc(v.dtype)), axis=2)
+        pad_t = lambda x, axis, value=0: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)],  # noqa: E731
+                                                  constant_values=value)
+        pos = pad_t(q_pos, 1, -1)
+        anc = None if anchor_mask is None else AnchorMask(pad_t(anchor_mask.segment, 1), pad_t(anchor_mask.anchor, 1),
+                                                      pad_t(anchor_mask.keep, 1))
+        out, colsum = _prefill_skipping(pad_t(qg, 3), pad_t(k, 2), pad_t(v, 2), pos, v_mean, scale, alibi, window,
+                                        want_colsum, anc, None if key_keep is None else pad_t(key_keep, 2), softcap,
+                                        block)
+        out = out[:, :, :, :t]
+        colsum = None if colsum is None else colsum[..., :t]
+    elif t <= block:
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchor_mask,
+                                     key_keep, softcap)
+    else:
+        n = -(-t // block)
+        pad = n * block - t
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+        qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+        qg = qg.reshape(b, kvh, h // kvh, n, block, d).transpose(3, 0, 1, 2, 4, 5)
+        qp = qp.reshape(b, n, block).transpose(1, 0, 2)
+        blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, n, block).transpose(1, 0, 2)
+        qa = None if anchor_mask is None else (blocks(anchor_mask.segment), blocks(anchor_mask.anchor))
+        out, colsum = jax.lax.map(
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchor_mask,
+                                      key_keep, softcap),
+            (qg, qp, qa),
+        )
+        out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
+        colsum = None if colsum is None else colsum.sum(axis=0)
+    first_logit, window_probs = prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, alibi=alibi, window=window,
+                                                  anchor_mask=anchor_mask, key_keep=key_keep, softcap=softcap)
+    out_stats = AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
+    return out.reshape(b, h, t, d).astype(q.dtype), out_stats
+
+
+def prompt_statistics(
+    q: Float[Array, "b h t d"],
+    k: Float[Array, "b kvh s d"],
+    q_pos: Int[Array, "b t"],
+    k_pos: Int[Array, "b s"],
+    stats: StatsRequest,
+    *,
+    scale: float,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
+    anchor_mask: AnchorMask | None = None,
+    key_keep=None,
+    softcap: float | None = None,
+) -> tuple[Float[Array, "b kvh g t"] | None, dict[int, Float[Array, "b kvh g w s"]]]:
+    """`(first_logit, window_probs)` of a prompt's attention as `prefill_attention` defines them: O(W x s),
+    so computed here whatever code ran the attention itself (the kernels return only the output and `colsum`)."""
+    kvh, t = k.shape[1], q.shape[2]
+    window_probs = {}
+    for w in sorted(stats.windows):
+        start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
+        qw = _group(q[:, :, start:], kvh)
+        sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
+        sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
+        if anchor_mask is not None:
+            sw = jnp.where(anchor_mask.visible(slice(start, None))[:, None, None], sw, _MASKED)
+        real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
+        window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
+    first_logit = None
+    if stats.first_logit:
+        first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
+        k0 = jnp.take_along_axis(k, first[:, None, None, None], axis=2)[:, :, 0]  # [b, kvh, d]
+        first_logit = jnp.einsum("bkgqd,bkd->bkgq", _group(q, kvh), k0, preferred_element_type=_acc(q.dtype)) * scale
+    return first_logit, window_probs
+
+
+def prefix_attention(
+    q: Float[Array, "b h t d"],
+    k: Float[Array, "b kvh t d"],
+    v: Float[Array, "b kvh t d"],
+    pos: Int[Array, "b t"],
+    cache_k: Float[Array, "b kvh c d"],
+    cache_v: Float[Array, "b kvh c d"],
+    slot_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"],
+    *,
+    scale: float,
+    slot_visible: Bool[Array, "b kvh t c"] | None = None,
+    chunk_visible: Bool[Array, "b t t"] | None = None,
+    anchor_mask: AnchorMask | None = None,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    stats: StatsRequest = NO_STATS,
+    q_sinks: Float[Array, "b h t d"] | None = None,
+    sinks: int = 0,
+) -> tuple[Float[Array, "b h t d"], AttentionStats]:
+    """A chunk of `t` new tokens attending a cache of `C` slots and, causally, itself.
+
+    What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a) and what a
+    chunked prefill runs: the cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias,
+    and may be further restricted per query by `slot_visible`; inside the chunk `chunk_visible`
+    (`[b, query, key]`) and `anchor_mask` (eq. 4) restrict the causal mask. One softmax over slots and
+    chunk. Masks and ALiBi use absolute positions.
+
+    `q_sinks`, `sinks`: the queries rotated for keys at positions `< sinks` (slots or chunk), `q`
+    being used for the others: a ring in rolling positions measures a sink's distance from the
+    query's rank, not its position (`Policy.rolling_sinks`).
+
+    `stats`, over the keys `[cache slots; chunk]` (the candidates `Policy.absorb` chooses from):
+    `window_probs[W]` `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
+    (W <= t); `colsum` `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
+    `first_logit` `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
+    chunk token), without bias or soft-cap, as `prefill_attention` returns it.
+    """
+    kvh = k.shape[1]
+    qg = _group(q, kvh)
+    b, _, g, t, d = qg.shape
+    acc = _acc(q.dtype)
+
+    def logits(keys, key_pos):
+        s = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, keys, preferred_element_type=acc) * scale, softcap)
+        if q_sinks is None:
+            return s
+        s_sink = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", _group(q_sinks, kvh), keys, preferred_element_type=acc)
+                          * scale, softcap)
+        return jnp.where((key_pos < sinks)[:, :, None, None, :], s_sink, s)
+
+    sc = _bias_and_mask(logits(cache_k, slot_pos) + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos,
+                        alibi, window)
+    if slot_visible is not None:
+        sc = jnp.where(slot_visible[:, :, None], sc, _MASKED)
+    sx = _bias_and_mask(logits(k, jnp.broadcast_to(pos[:, None], (b, kvh, t))), pos[:, None], pos[:, None], alibi,
+                        window)
+    if chunk_visible is not None:
+        sx = jnp.where(chunk_visible[:, None, None], sx, _MASKED)
+    if anchor_mask is not None:
+        sx = jnp.where(anchor_mask.visible()[:, None, None], sx, _MASKED)
+    p = jax.nn.softmax(jnp.concatenate([sc, sx], axis=-1), axis=-1)
+    c = cache_k.shape[2]
+    out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
+    out += jnp.einsum("bkgqs,bksd->bkgqd", p[..., c:].astype(v.dtype), v, preferred_element_type=acc)
+    real = (pos >= 0)[:, None, None, :, None]  # padding queries contribute nothing
+    if stats.probs or any(w > t for w in stats.windows):
+        raise ValueError(f"prefix_attention cannot compute {stats.names()} for a chunk of {t} tokens")
+    first_logit = None
+    if stats.first_logit:
+        at0 = lambda keys, p0: jnp.sum(jnp.where(p0[..., None], keys, 0), axis=2)  # noqa: E731
+        k0 = at0(cache_k, slot_pos == 0) + at0(k, jnp.broadcast_to((pos == 0)[:, None], k.shape[:3]))
+        first_logit = jnp.einsum("bkgqd,bkd->bkgq", qg, k0.astype(qg.dtype), preferred_element_type=acc) * scale
+    out_stats = AttentionStats(
+        first_logit=first_logit, colsum=jnp.sum(jnp.where(real, p, 0.0), axis=3) if stats.colsum else None,
+        window_probs={w: jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0) for w in sorted(stats.windows)})
+    return out.reshape(b, kvh * g, t, d).astype(q.dtype), out_stats
+
+
+
+def decode_attention(
+    q: Float[Array, "b h d"],
+    k: Float[Array, "b kvh c d"],
+    v: Float[Array, "b kvh c d"],
+    slot_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"],
+    *,
+    scale: float,
+    stats: StatsRequest = NO_STATS,
+    q_coord: Int[Array, "b kvh"] | None = None,
+    k_coord: Int[Array, "b kvh c"] | None = None,
+    alibi: np.ndarray | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[Float[Array, "b h d"], AttentionStats]:
+    """One query per row against `C` cache slots (the query's own token already inserted).
+
+    Validity comes from `slot_pos >= 0`; `log_w` is added to each slot's logit
+    (RazorAttention's `log N_d` compensation weight). ALiBi and the sliding window use
+    `k_coord - q_coord`: absolute positions, or ranks in the cache in rolling mode.
+    Optional statistics:
+
+    * `probs`: `[b, kvh, c]` attention probabilities summed over the group's query heads;
+    * `first_logit`: `[b, kvh, g]` `q.k_0 * scale` for the slot holding position 0, without its `log_w`
+      or ALiBi bias, as prefill's (-inf-like if evicted).
+    """
+    if stats.colsum or stats.windows:
+        raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
+    b, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
+    s = _softcap(raw, softcap) + log_w[:, :, None, :]
+    if alibi is not None or window is not None:
+        s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1), alibi, window)[:, :, :, 0]
+    s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
+    first_logit = None
+    if stats.first_logit:
+        # MAT's pi is q.k_0 / sqrt(d) (the paper's definition), the same quantity prefill returns:
+        # without the slot's log_w or an ALiBi bias, which would rank anchors by distance too.
+        first_logit = jnp.max(jnp.where((slot_pos == 0)[:, :, None, :], raw, _MASKED), axis=-1)
+    out_stats = AttentionStats(first_logit=first_logit, probs=p.sum(axis=2) if stats.probs else None)
+    return out.reshape(b, h, d).astype(q.dtype), out_stats
