@@ -534,14 +534,14 @@ class Llama(nnx.Module):
         layer's policy yourself, pass a `PerLayer` (its sliding layers are still bounded by W)."""
         c = self.cfg
         if c.layer_types is None:
-            return policy if c.sliding_window is None else policy.with_window(c.sliding_window)
+            return policy if c.sliding_window is None else policy.on_sliding_window(c.sliding_window)
         if isinstance(policy, PerLayer):
-            return PerLayer(layers=tuple(p if c.window_of(i) is None else p.with_window(c.window_of(i))
+            return PerLayer(layers=tuple(p if c.window_of(i) is None else p.on_sliding_window(c.window_of(i))
                                          for i, p in enumerate(policy.layers)))
         return PerLayer(layers=tuple(
             policy if c.window_of(i) is None else
             FullCache(positions=policy.position_mode(i), prefill_mode=policy.prefill_mode, chunk=policy.chunk
-                      ).with_window(c.window_of(i))
+                      ).on_sliding_window(c.window_of(i))
             for i in range(c.num_layers)))
 
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:

@@ -2,7 +2,7 @@
 
 A query attends to its `sliding_window` latest tokens (itself included), as transformers'
 sliding-window mask does. Under FullCache a windowed model keeps a `sliding_window`-slot
-ring buffer (`FullCache.with_window`), not the whole context.
+ring buffer (`FullCache.on_sliding_window`), not the whole context.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
-from kvjax.policies import KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM, TOVA
+from kvjax.policies import TOVA, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
 from models import load
 from tests.conftest import left_pad, stepper
 

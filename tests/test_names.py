@@ -81,3 +81,26 @@ def test_the_old_window_flag(tiny_dir, capsys):
     with pytest.raises(ValueError, match=r"^--window: no policy of streaming takes it"):
         gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--window", "4"])
     assert "warning: --window is deprecated; use --observation-window" in capsys.readouterr().err
+
+
+def test_the_sliding_window_hook_is_on_sliding_window():
+    """`with_window` meant the model's sliding window: now `on_sliding_window`. Calling the old name warns and
+    gives the same policy; a subclass that still overrides only `with_window` is still obeyed (warning), and its
+    `super().with_window` call does not loop."""
+    from kvjax.policies.ring import FullCache, StreamingLLM
+
+    assert FullCache().on_sliding_window(8) == LocalWindow(size=8)
+    with pytest.warns(DeprecationWarning, match="Policy.with_window is deprecated; use on_sliding_window"):
+        assert FullCache().with_window(8) == LocalWindow(size=8)
+    with pytest.warns(DeprecationWarning, match="Policy.with_window is deprecated"):
+        assert StreamingLLM(sinks=4, budget=16).with_window(8) == StreamingLLM(sinks=4, budget=16)
+
+    class OldStyle(StreamingLLM):
+        def with_window(self, window):
+            return LocalWindow(size=window) if window < 100 else super().with_window(window)
+
+    with pytest.warns(DeprecationWarning, match="OldStyle.with_window is deprecated; override on_sliding_window"):
+        assert OldStyle(sinks=4, budget=16).on_sliding_window(8) == LocalWindow(size=8)
+    with pytest.warns(DeprecationWarning):
+        policy = OldStyle(sinks=4, budget=16)
+        assert policy.on_sliding_window(200) is policy

@@ -19,9 +19,8 @@ from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.generate import generate
 from kvjax.pallas import decode as pdecode
-from kvjax.pallas import platform_variant
+from kvjax.pallas import platform_variant, tiles
 from kvjax.pallas import prefill as pprefill
-from kvjax.pallas import tiles
 from kvjax.policies import H2O, FullCache, SnapKV, StreamingLLM
 from kvjax.stats import AttentionStats, StatsRequest
 from models import load

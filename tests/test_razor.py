@@ -335,7 +335,7 @@ def test_alibi_razor_keeps_each_heads_scope():
 
 
 def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
-    """Seen before: RazorAttention inherited `with_window` as the identity, so on a sliding-window
+    """Seen before: RazorAttention inherited `on_sliding_window` as the identity, so on a sliding-window
     model (Mistral) its retrieval heads kept the whole context, which the model can no longer see.
     Now they keep a ring of the window's size: bytes of a window, and with every head a retrieval
     head the logits equal the sliding-window model's full forward."""

@@ -10,7 +10,7 @@ import pytest
 from experiments import corpus
 from experiments import train_tiny as tt
 from experiments.records import ResultLog
-from experiments.tasks import Curriculum, PASSKEY_QUESTION, RowSampler
+from experiments.tasks import PASSKEY_QUESTION, Curriculum, RowSampler
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,8 @@ class ByLayer(LayerDispatch):
         self.shallow.check(num_layers, num_kv_heads)
         self.deep.check(num_layers, num_kv_heads)
 
-    def with_window(self, window):
-        return dataclasses.replace(self, shallow=self.shallow.with_window(window), deep=self.deep.with_window(window))
+    def on_sliding_window(self, window):
+        return dataclasses.replace(self, shallow=self.shallow.on_sliding_window(window), deep=self.deep.on_sliding_window(window))
 
     def _at(self, layer: int) -> Policy:
         return self.shallow if layer < self.split else self.deep
@@ -146,8 +146,8 @@ class PerLayer(LayerDispatch):
         for m in set(self.layers):
             m.check(num_layers, num_kv_heads)
 
-    def with_window(self, window):
-        return dataclasses.replace(self, layers=tuple(p.with_window(window) for p in self.layers))
+    def on_sliding_window(self, window):
+        return dataclasses.replace(self, layers=tuple(p.on_sliding_window(window) for p in self.layers))
 
     def _at(self, layer: int) -> Policy:
         return self.layers[layer]
@@ -288,9 +288,9 @@ class HeadSplit(ByHead):
     def head_split(self, layer):
         return self.layers[layer]
 
-    def with_window(self, window):
+    def on_sliding_window(self, window):
         return dataclasses.replace(self, layers=tuple(
-            tuple((heads, sub.with_window(window)) for heads, sub in split) for split in self.layers
+            tuple((heads, sub.on_sliding_window(window)) for heads, sub in split) for split in self.layers
         ))
 
     def describe(self):

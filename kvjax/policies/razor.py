@@ -292,7 +292,7 @@ class RazorAttention(ByHead):
     sinks: int = 4  # N0
     compensate: bool = True
     fold: Literal["decode", "prefill"] = "decode"
-    # The model's sliding window (`with_window`): its retrieval heads then keep a ring of that many
+    # The model's sliding window (`on_sliding_window`): its retrieval heads then keep a ring of that many
     # slots, all such a model can still attend to, instead of the whole context.
     sliding_window: int | None = None
     # "full" (Algorithm 1: L = max(S0, N / C) from the prompt's length N), or the prompt read token by
@@ -342,7 +342,7 @@ class RazorAttention(ByHead):
         local = [h for h in heads if not self.is_retrieval(layer, h)]
         modes = dict(prefill_mode=self.prefill_mode, chunk=self.chunk)
         whole = FullCache(**modes)
-        whole = whole if self.sliding_window is None else whole.with_window(self.sliding_window)
+        whole = whole if self.sliding_window is None else whole.on_sliding_window(self.sliding_window)
         split = [(full, whole)] if full else []
         common = dict(sinks=self.sinks, buffer=self.buffer, compression=self.compression, ratio=self.ratio,
                       compensate=self.compensate, fold=self.fold, **modes)
@@ -357,7 +357,7 @@ class RazorAttention(ByHead):
             split.append((tuple(hs), CompensatedWindow(**common, scopes=tuple(self.scopes[layer][h] for h in hs))))
         return tuple(split)
 
-    def with_window(self, window):
+    def on_sliding_window(self, window):
         return dataclasses.replace(self, sliding_window=window if self.sliding_window is None
                                    else min(window, self.sliding_window))
 

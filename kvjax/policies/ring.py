@@ -128,7 +128,7 @@ class FullCache(RingPolicy):
     def _layout(self, max_len):
         return 0, max_len
 
-    def with_window(self, window):
+    def on_sliding_window(self, window):
         # Everything a sliding-window model can still attend to: a `window`-slot ring buffer.
         return LocalWindow(size=window, positions=self.positions, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
