@@ -24,13 +24,17 @@ class StatsRequest:
     * `colsum`: each key's probability summed over the queries (H2O's accumulated attention);
     * `windows`: for each W, the probabilities of the last W queries (SnapKV's observation window,
       TOVA's last query with W = 1);
-    * `probs`: in decode, the query's probabilities over the cache slots, summed over the group.
+    * `probs`: in decode, the query's probabilities over the cache slots, summed over the group;
+    * `gate_keep`: at prefill, the prompt is attended under the model's Attention-Gates (eq. 7) and their
+      keep flags are handed on. The model computes them (the gates are its weights), not attention:
+      attention only applies them as `key_keep`.
     """
 
     first_logit: bool = False
     colsum: bool = False
     windows: frozenset[int] = frozenset()
     probs: bool = False
+    gate_keep: bool = False
 
     def __post_init__(self):
         windows = frozenset(self.windows)
@@ -44,10 +48,10 @@ class StatsRequest:
 
     def __or__(self, other: StatsRequest) -> StatsRequest:
         return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
-                            self.windows | other.windows, self.probs or other.probs)
+                            self.windows | other.windows, self.probs or other.probs, self.gate_keep or other.gate_keep)
 
     def __bool__(self) -> bool:
-        return self.first_logit or self.colsum or bool(self.windows) or self.probs
+        return self.first_logit or self.colsum or bool(self.windows) or self.probs or self.gate_keep
 
     def names(self) -> list[str]:
         """The requested statistics in words, for error messages."""

@@ -31,7 +31,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
 from kvjax.deprecated import renamed_keywords
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy
+from kvjax.policies.base import Context, Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
@@ -208,6 +208,25 @@ def _linear(i, o, bias, dtype, rngs, std=0.02):
     return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
 
+def rule_groups(rule: Policy, layer: int, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
+    """`[(kv_heads, rule, cache)]`: the layer's one rule over all its KV heads (`kv_heads` None), or, when
+    `rule.head_split(layer)` splits them, each group's heads, rule and cache. The one place head groups
+    are resolved: prefill, chunks, decoding and `size_rows` all go through it."""
+    split = rule.head_split(layer)
+    if split is None:
+        return [(None, rule, cache)]
+    return [(list(heads), sub, c) for (heads, sub), c in zip(split, cache.groups)]
+
+
+def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
+    """The layer's cache from what `rule_groups`' rules returned, in its order."""
+    return caches[0] if isinstance(cache, LayerCache) else HeadwiseCache(tuple(caches), cache.heads)
+
+
+def kv_heads(x: Float[Array, "b kvh ..."], heads: list[int] | None) -> Float[Array, "b kvh2 ..."]:
+    return x if heads is None else x[:, heads]
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -256,10 +275,10 @@ class Attention(nnx.Module):
         policy = None if policy is None else policy.at_layer(self.layer)  # this layer's rule
         wanted = NO_STATS if policy is None else policy.prefill_stats(self.layer)
         keep = None
-        if policy is not None and policy.uses_gate and self.gate is None:
+        if wanted.gate_keep and self.gate is None:
             raise ValueError(f"{policy.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
                              "(--gate-params DIR)")
-        if self.gate is not None and (policy is None or policy.uses_gate):
+        if self.gate is not None and (policy is None or wanted.gate_keep):
             keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
@@ -267,10 +286,13 @@ class Attention(nnx.Module):
         )
         if policy is not None:
             k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
-            extra = {"tokens": tokens} if policy.uses_tokens else {}
             if keep is not None:
                 stats = dataclasses.replace(stats, gate_keep=keep > 0)
-            cache = policy.prefill(self.layer, cache, k_store, v, pos, stats, **extra)
+            ctx = Context(pos, tokens)
+            cache = regroup(cache, [
+                rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
+                             stats if heads is None else stats.map(lambda a: a[:, heads]))
+                for heads, rule, c in rule_groups(policy, self.layer, cache)])
         return self._out(o), cache, keep
 
     def extend(
@@ -304,29 +326,27 @@ class Attention(nnx.Module):
 
     def _per_group(self, rule: Policy, cache: AnyLayerCache, q, k, v, run):
         """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when `rule`
-        splits the KV heads (`HeadwiseCache`), each group with its query heads, its KV heads, its own
-        rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order. The
-        one place head groups are dispatched, for decoding and for chunks."""
-        split = rule.head_split(self.layer)
+        splits the KV heads (`rule_groups`), each group with its query heads, its KV heads, its own
+        rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
         slopes = self._alibi()
-        if split is None:
-            return run(q, k, v, rule, cache, slopes)
         g = self.cfg.num_heads // self.cfg.num_kv_heads
-        outs, groups, order = [], [], []
-        for (heads, sub), c in zip(split, cache.groups):
+        outs, caches, order = [], [], []
+        for heads, sub, c in rule_groups(rule, self.layer, cache):
+            if heads is None:
+                return run(q, k, v, sub, c, slopes)
             qh = [h * g + j for h in heads for j in range(g)]
-            o, c = run(q[:, qh], k[:, list(heads)], v[:, list(heads)], sub, c, None if slopes is None else slopes[qh])
+            o, c = run(q[:, qh], k[:, heads], v[:, heads], sub, c, None if slopes is None else slopes[qh])
             outs.append(o)
-            groups.append(c)
+            caches.append(c)
             order += qh
-        return jnp.concatenate(outs, axis=1)[:, np.argsort(order)], HeadwiseCache(tuple(groups), cache.heads)
+        return jnp.concatenate(outs, axis=1)[:, np.argsort(order)], regroup(cache, caches)
 
     def _chunk_heads(self, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
         """The query heads `q` `[b, h', n, d]` of one chunk, reading KV heads `k, v` `[b, kvh', n, d]`
         and their `cache` under `rule`: `(output [b, h', n, d], cache)`."""
-        cache = rule.make_room(self.layer, cache, pos)
-        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, pos, tokens)
-        extra = {"tokens": tokens} if rule.uses_tokens else {}
+        ctx = Context(pos, tokens)
+        cache = rule.make_room(self.layer, cache, ctx)
+        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, ctx)
         kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
                   window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer),
                   impl=self.cfg.attention_impl)
@@ -334,7 +354,7 @@ class Attention(nnx.Module):
             k_rot = self._rotate(k, pos[:, None, :])
             o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
                                                   cache.pos, cache.log_w, **kw)
-            return o, rule.absorb(self.layer, cache, k_rot, v, pos, stats, **extra)
+            return o, rule.absorb(self.layer, cache, k_rot, v, ctx, stats)
         # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at
         # its true distance (rotated relative to the chunk's last position, keeping angles small); a sink
         # is ranked first, so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
@@ -348,7 +368,7 @@ class Attention(nnx.Module):
             self._rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
             q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
         )
-        return o, rule.absorb(self.layer, cache, k, v, pos, stats, **extra)
+        return o, rule.absorb(self.layer, cache, k, v, ctx, stats)
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -381,8 +401,8 @@ class Attention(nnx.Module):
         b, kvh = k.shape[:2]
         rolling = policy.position_mode(self.layer) == "rolling"
         k_store = k if rolling else self._rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
-        extra = {"tokens": tokens} if policy.uses_tokens else {}
-        cache = policy.step(self.layer, cache, k_store, v, pos, **extra)
+        ctx = Context(pos, tokens)
+        cache = policy.step(self.layer, cache, k_store, v, ctx)
         if rolling:
             # StreamingLLM: positions are ranks inside the cache, the query being the newest.
             k_coord = kvcache.ranks(cache.pos)
@@ -409,7 +429,7 @@ class Attention(nnx.Module):
             impl=c.attention_impl,
             softcap=self.softcap,
         )
-        return o, policy.observe(self.layer, cache, pos, stats)
+        return o, policy.observe(self.layer, cache, ctx, stats)
 
 
 class MLP(nnx.Module):
@@ -565,16 +585,9 @@ class Llama(nnx.Module):
         """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
         each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
         policy = self.native_policy(policy)
-        out = []
-        for i, c in enumerate(cache):
-            rule = policy.at_layer(i)
-            split = rule.head_split(i)
-            if split is None:
-                out.append(rule.size_rows(i, c, positions))
-            else:
-                out.append(HeadwiseCache(tuple(sub.size_rows(i, g, positions) for (_, sub), g in zip(split, c.groups)),
-                                         c.heads))
-        return tuple(out)
+        ctx = Context(positions)
+        return tuple(regroup(c, [rule.size_rows(i, g, ctx) for _, rule, g in rule_groups(policy.at_layer(i), i, c)])
+                     for i, c in enumerate(cache))
 
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
@@ -595,7 +608,7 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         out = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            anchor_mask = policy.at_layer(i).prompt_mask(tokens, positions)  # AnLLM: eq. 4 over the prompt
+            anchor_mask = policy.at_layer(i).prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
             x, cache, _ = layer.prefill(x, positions, policy, cache, anchor_mask, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
@@ -659,7 +672,7 @@ class Llama(nnx.Module):
                                  f"has head groups or rolling positions in layer {i}")
         x = self.embed(tokens)
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            x = layer.extend(x, positions, policy, c, policy.at_layer(i).prompt_mask(tokens, positions))
+            x = layer.extend(x, positions, policy, c, policy.at_layer(i).prompt_mask(Context(positions, tokens)))
         return self._logits(x)
 
     def stream(

@@ -28,6 +28,7 @@ from kvjax.policies import (
     make_policy,
     mat,
 )
+from kvjax.policies.base import Context
 from kvjax.scoring import _chunk_logprobs, chunked_logprobs, stream_logprobs
 from models import load
 from tests.conftest import compile_log
@@ -188,8 +189,8 @@ def test_chunked_snapkv_matches_numpy_reference():
         _, stats = attention.prefix_attention(
             jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
             cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.chunk_stats(0))
-        cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
-                              stats)
+        cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]),
+                              Context(jnp.asarray(pos[:, sl])), stats)
         ours.append(kvcache.kept_sets((cache,))[0])
         # the kept slots hold the right keys
         held = np.asarray(cache.pos[0])
@@ -300,7 +301,7 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
     acc = [dict() for _ in range(kvh)]
     checked = 0
     for t in range(steps):
-        p_ = jnp.asarray([t], jnp.int32)
+        p_ = Context(jnp.asarray([t], jnp.int32))
         cache = policy.step(0, cache, jnp.asarray(k[t][None]), jnp.asarray(k[t][None]), p_)
         _, stats = attention.decode_attention(jnp.asarray(q[t][None]), cache.k, cache.v, cache.pos, cache.log_w,
                                               scale=d**-0.5, stats=policy.decode_stats(0))

@@ -8,6 +8,7 @@ import pytest
 
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
+from kvjax.policies.base import Context
 from kvjax.policies.h2o import H2O
 from kvjax.stats import AttentionStats
 from models import load
@@ -52,7 +53,7 @@ def test_h2o_full_prefill_keeps_top_observed_attention_and_recent():
     colsum = rng.rand(b, kvh, g, t).astype(np.float32)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
     p = H2O(budget=10, recent=3)
-    cache = p.prefill(0, kvcache.empty(b, kvh, 10, d, jnp.float32), k, k, pos, AttentionStats(colsum=jnp.asarray(colsum)))
+    cache = p.prefill(0, kvcache.empty(b, kvh, 10, d, jnp.float32), k, k, Context(pos), AttentionStats(colsum=jnp.asarray(colsum)))
     for h in range(kvh):
         acc = colsum[0, h].sum(0)
         heavy = np.argsort(-acc[: t - 3], kind="stable")[:7]

@@ -10,6 +10,7 @@ import pytest
 from kvjax import StreamingLLM, generate
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
+from kvjax.policies.base import Context
 from kvjax.policies.compose import EVERY_LAYER
 from kvjax.policies.mat import (
     AnchorCache,
@@ -136,7 +137,7 @@ def test_anchor_prefill_closed_form_with_ties():
     policy = AnchorCache(budget=C, anchor_slots=BETA, prefill_mode="full")
     empty = kvcache.empty(b, kvh, C, d, jnp.float32)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
-    cache = policy.prefill(1, empty, k, k, jnp.asarray(pos), AttentionStats(first_logit=jnp.asarray(pi_heads)))
+    cache = policy.prefill(1, empty, k, k, Context(jnp.asarray(pos)), AttentionStats(first_logit=jnp.asarray(pi_heads)))
     update = mat_update(C, BETA, shallow_layers=0, sinks=0)
     for r, n in enumerate(lengths):
         for h in range(kvh):

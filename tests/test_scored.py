@@ -13,6 +13,7 @@ from kvjax import cache as kvcache
 from kvjax import generate
 from kvjax.attention import prefill_attention
 from kvjax.cache import kept_sets, nbytes
+from kvjax.policies.base import Context
 from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
 from kvjax.stats import AttentionStats, StatsRequest
 from models import load
@@ -47,7 +48,7 @@ def window_probs(rng, w):
 def kept(policy, pos, k, v, stats):
     cap = policy.capacity(0, T + 4, T)
     cache = policy.prefill(0, kvcache.empty(B, KVH, cap, D, jnp.float32), jnp.asarray(k), jnp.asarray(v),
-                           jnp.asarray(pos), jax.tree.map(jnp.asarray, stats))
+                           Context(jnp.asarray(pos)), jax.tree.map(jnp.asarray, stats))
     return [kept_sets((cache,), row=r)[0] for r in range(B)], cache
 
 

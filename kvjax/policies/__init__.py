@@ -1,7 +1,7 @@
 """Cache policies: frozen dataclasses of pure functions (see `base.Policy`)."""
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, Policy
+from kvjax.policies.base import Context, LayerPolicy, Policy
 from kvjax.policies.compose import (
     EVERY_LAYER,
     ByHead,
@@ -142,7 +142,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
+    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",

@@ -43,8 +43,6 @@ class AnchorReduction(LayerPolicy):
     span: tuple[int, int] | None = None
     anchors = renamed_attribute("anchors", "anchor_slots")
 
-    uses_tokens = True
-
     def __post_init__(self):
         super().__post_init__()
         if not self.anchor_ids:
@@ -70,7 +68,8 @@ class AnchorReduction(LayerPolicy):
             return jnp.zeros(pos.shape, bool)
         return (pos >= self.span[0]) & (pos < self.span[1])
 
-    def prompt_mask(self, tokens, pos):
+    def prompt_mask(self, ctx):
+        tokens, pos = ctx.tokens, ctx.pos
         valid = pos >= 0
         return anchor_mask(anchor_flags(tokens, self.anchor_ids), valid, self._in_span(pos) & valid)
 
@@ -85,7 +84,8 @@ class AnchorReduction(LayerPolicy):
         b, t, c = seen.shape
         return jnp.broadcast_to(seen[:, None], (b, cache.k.shape[1], t, c))
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos, tokens = ctx.pos, ctx.tokens
         b, kvh, t, _ = k.shape
         valid = pos >= 0
         anchor = anchor_flags(tokens, self.anchor_ids) & valid
@@ -104,11 +104,12 @@ class AnchorReduction(LayerPolicy):
     # `Llama.extend`), after the oldest current-sequence tokens it displaces are dropped (as `step`
     # drops one before a token attends); then REDUCTION runs over cache ∪ chunk. At chunk 1 this is
     # `step` + `observe` exactly.
-    def chunk_visible(self, layer, cache: LayerCache, pos, tokens):
-        mask = self.prompt_mask(tokens, pos)
+    def chunk_visible(self, layer, cache: LayerCache, ctx):
+        mask = self.prompt_mask(ctx)
         return self.prefix_visible(layer, cache, mask), mask.visible()
 
-    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
+        pos = ctx.pos
         a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s) & (cache.pos >= 0)
@@ -118,7 +119,8 @@ class AnchorReduction(LayerPolicy):
         drop = seq & (rank < need)  # the oldest of the current sequence
         return kvcache.take_slots(cache, jnp.where(drop, -1, slots))
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats, tokens=None) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos, tokens = ctx.pos, ctx.tokens
         a, s = self.anchor_slots, self.sequence
         n = k.shape[2]
         both = kvcache.chunk_slots(cache, k, v, pos)
@@ -138,7 +140,8 @@ class AnchorReduction(LayerPolicy):
         out = kvcache.take_slots(both, src)
         return dataclasses.replace(out, score=jnp.zeros_like(out.score), log_w=jnp.zeros_like(out.log_w))
 
-    def step(self, layer, cache: LayerCache, k, v, pos, tokens=None) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos, tokens = ctx.pos, ctx.tokens
         a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s)
@@ -151,8 +154,9 @@ class AnchorReduction(LayerPolicy):
         hide = is_anchor[:, None, None] & (slots < a)
         return dataclasses.replace(cache, log_w=jnp.where(hide, _HIDE, 0.0).astype(cache.log_w.dtype))
 
-    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
         """After an anchor was processed, REDUCTION: it moves to the anchor slots, the sequence empties."""
+        pos = ctx.pos
         a, s = self.anchor_slots, self.sequence
         slots = jnp.arange(cache.capacity)
         seq = (slots >= a) & (slots < a + s)

@@ -5,27 +5,31 @@ argument. Its methods are pure functions of arrays; `layer` is a Python int, so
 a policy may behave differently per layer (MAT's shallow/deep split, PyramidKV's
 per-layer budgets) and still trace to static shapes.
 
-The model calls, per layer:
+The model resolves each layer's rule once (`rule = policy.at_layer(layer)`; a rule that splits the
+layer's KV heads, `rule.head_split(layer)`, is resolved into one rule per head group, each with its
+own cache) and calls only that rule, always with the same arguments: `ctx`, a `Context` of the
+tokens' positions and ids, and the `stats` attention returned. Per layer:
 
 * prefill (`prefill_mode == "full"`): full causal attention over the prompt, then
-  `cache = policy.prefill(layer, empty_cache, k, v, pos, stats)`;
-* decode: `cache = policy.step(layer, cache, k, v, pos)` inserts the new token
+  `cache = rule.prefill(layer, empty_cache, k, v, ctx, stats)`;
+* decode: `cache = rule.step(layer, cache, k, v, ctx)` inserts the new token
   (evicting if needed), attention runs over the cache (the new token included),
-  then `cache = policy.observe(layer, cache, pos, stats)` lets the policy update
+  then `cache = rule.observe(layer, cache, ctx, stats)` lets the rule update
   its per-slot statistics from what attention returned (nothing is recomputed);
-* prefill (`prefill_mode == "stream"`): `cache = policy.size_rows(layer, empty_cache, pos)` sets
+* prefill (`prefill_mode == "stream"`): `cache = rule.size_rows(layer, empty_cache, ctx)` sets
   what depends on each row's whole prompt (a ratio budget), then the prompt goes token by token
-  through the decode path, so every prompt token only sees what the policy kept, as in
+  through the decode path, so every prompt token only sees what the rule kept, as in
   StreamingLLM's perplexity protocol and MAT's evaluation.
 * prefill (`prefill_mode == "chunked"`, `chunk = n`): the prompt goes `n` tokens at a time. Per
-  chunk, `cache = policy.make_room(layer, cache, pos)`, then the chunk attends the cache (the
+  chunk, `cache = rule.make_room(layer, cache, ctx)`, then the chunk attends the cache (the
   slots `chunk_visible` allows each query) and itself causally, returning `chunk_stats` over
-  `[cache slots; chunk]`, then `cache = policy.absorb(layer, cache, k, v, pos, stats)` takes the
+  `[cache slots; chunk]`, then `cache = rule.absorb(layer, cache, k, v, ctx, stats)` takes the
   chunk in and evicts back to the budget. Memory is O(budget + chunk) whatever the prompt's length.
 
 `prefill_stats(layer)` / `chunk_stats(layer)` / `decode_stats(layer)` name the statistics attention
 must return, as a `kvjax.stats.StatsRequest`; attention hands them over as an `AttentionStats`. The
-default is none, so attention computes none.
+default is none, so attention computes none. A rule that asks for `gate_keep` has the prompt attended
+under the model's Attention-Gates (eq. 7) and gets their flags in `stats.gate_keep`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a rule is told about the tokens it caches, besides their keys and values: the same for every
+    rule and every call, so no rule needs a flag to be handed what it reads (AnLLM reads the ids).
+
+    `pos`: positions, -1 on padding; `tokens`: the token ids (None where the caller has none, e.g. a
+    hidden-state forward). `[b, t]` for a prompt or a chunk, `[b]` for one decode step."""
+
+    pos: Int[Array, "b *t"]
+    tokens: Int[Array, "b *t"] | None = None
+
+
 PositionMode = Literal["absolute", "rolling"]
 PrefillMode = Literal["full", "stream", "chunked"]
 POSITION_MODES = ("absolute", "rolling")
@@ -59,11 +77,6 @@ class Policy(abc.ABC):
     chunk: int | None = None
     # Why `absorb` is not implemented (said when prefill_mode="chunked" is asked of this policy).
     chunk_refusal: str = "it has no rule to fold a chunk of the prompt into its cache"
-    # True for policies that read token ids (AnLLM's anchors): `prefill` and `step` then get `tokens=`.
-    uses_tokens: bool = False
-    # True for policies that run the model's Attention-Gates at prefill (their flags mask the prompt's
-    # attention, eq. 7, and reach `prefill` as stats.gate_keep); other policies ignore the gates.
-    uses_gate: bool = False
     # False for policies that compress a whole prompt once and then only append (SnapKV & co):
     # fed token by token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
@@ -84,10 +97,10 @@ class Policy(abc.ABC):
         cache: LayerCache,
         k: Float[Array, "b kvh t d"],
         v: Float[Array, "b kvh t d"],
-        pos: Int[Array, "b t"],
+        ctx: Context,
         stats: AttentionStats,
     ) -> LayerCache:
-        """Compresses a whole (left-padded, pos = -1 on padding) prompt into `cache`."""
+        """Compresses a whole (left-padded, ctx.pos = -1 on padding) prompt into `cache`."""
 
     @abc.abstractmethod
     def step(
@@ -96,28 +109,28 @@ class Policy(abc.ABC):
         cache: LayerCache,
         k: Float[Array, "b kvh d"],
         v: Float[Array, "b kvh d"],
-        pos: Int[Array, "b"],
+        ctx: Context,
     ) -> LayerCache:
-        """Inserts one token per row, evicting if full. Rows with pos < 0 are unchanged."""
+        """Inserts one token per row (`ctx.pos` `[b]`), evicting if full. Rows with pos < 0 are unchanged."""
 
     # -- chunked prefill (prefill_mode == "chunked") ------------------------------------------
     def chunk_stats(self, layer: int) -> StatsRequest:
         """Statistics a chunk's attention returns to `absorb`, over the keys `[cache slots; chunk]`."""
         return self.prefill_stats(layer)
 
-    def make_room(self, layer: int, cache: LayerCache, pos: Int[Array, "b n"]) -> LayerCache:
-        """Before a chunk at positions `pos` attends: evicts what the chunk's tokens will replace
+    def make_room(self, layer: int, cache: LayerCache, ctx: Context) -> LayerCache:
+        """Before a chunk at positions `ctx.pos` `[b, n]` attends: evicts what the chunk's tokens will replace
         (H2O frees its victims here, as its `step` does before a token attends). Default: nothing."""
-        del layer, pos
+        del layer, ctx
         return cache
 
     def chunk_visible(
-        self, layer: int, cache: LayerCache, pos: Int[Array, "b n"], tokens: Int[Array, "b n"]
+        self, layer: int, cache: LayerCache, ctx: Context
     ) -> tuple[Bool[Array, "b kvh n c"] | None, Bool[Array, "b n n"] | None]:
         """Which cache slots and which earlier chunk tokens each query of the chunk may see, beyond
         causality: what the cache would hold when that token is reached (a ring's sinks + window),
         or what the rule's mask allows (AnLLM's eq. 4). None: all of them."""
-        del layer, cache, pos, tokens
+        del layer, cache, ctx
         return None, None
 
     def rolling_sinks(self, layer: int, capacity: int) -> int:
@@ -133,23 +146,22 @@ class Policy(abc.ABC):
         cache: LayerCache,
         k: Float[Array, "b kvh n d"],
         v: Float[Array, "b kvh n d"],
-        pos: Int[Array, "b n"],
+        ctx: Context,
         stats: AttentionStats,
     ) -> LayerCache:
-        """Takes a chunk (positions `pos`, -1 on padding) into `cache`, evicting back to the budget
-        (with `tokens=` for a rule that reads token ids, as `prefill` and `step`)."""
+        """Takes a chunk (positions `ctx.pos` `[b, n]`, -1 on padding) into `cache`, evicting back to the budget."""
         raise InvalidInput(f"{self.describe()} cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
-    def size_rows(self, layer: int, cache: LayerCache, pos: Int[Array, "b t"]) -> LayerCache:
-        """Before a whole prompt at positions `pos` (-1 on padding) is read token by token into the
+    def size_rows(self, layer: int, cache: LayerCache, ctx: Context) -> LayerCache:
+        """Before a whole prompt at positions `ctx.pos` `[b, t]` (-1 on padding) is read token by token into the
         fresh `cache` (prefill_mode "stream", or text scored token by token): a budget that depends on
         each row's prompt (a ratio) is set here, since `step` sees one token at a time. Default: nothing."""
-        del layer, pos
+        del layer, ctx
         return cache
 
-    def observe(self, layer: int, cache: LayerCache, pos: Int[Array, "b"], stats: AttentionStats) -> LayerCache:
-        """Updates per-slot statistics after the decode attention of the token at `pos`."""
-        del layer, pos, stats
+    def observe(self, layer: int, cache: LayerCache, ctx: Context, stats: AttentionStats) -> LayerCache:
+        """Updates per-slot statistics after the decode attention of the token at `ctx.pos` `[b]`."""
+        del layer, ctx, stats
         return cache
 
     def prefill_stats(self, layer: int) -> StatsRequest:
@@ -171,9 +183,9 @@ class Policy(abc.ABC):
         del layer
         return self
 
-    def prompt_mask(self, tokens, pos):
-        """An `kvjax.masks.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
-        del tokens, pos
+    def prompt_mask(self, ctx: Context):
+        """A `kvjax.masks.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
+        del ctx
         return None
 
     def prefix_visible(self, layer: int, cache: LayerCache, anchor_mask) -> Bool[Array, "b kvh t c"] | None:
@@ -309,8 +321,8 @@ class RatioBudget:
         """Each row's slot count for its prompt at positions `pos` (left or right padded with -1)."""
         return jnp.minimum(self.row_slots(jnp.max(pos, axis=1) + 1), cache.capacity)
 
-    def size_rows(self, layer, cache: LayerCache, pos) -> LayerCache:
-        return cache if self.ratio is None else kvcache.limit_rows(cache, self.prompt_rows(cache, pos))
+    def size_rows(self, layer, cache: LayerCache, ctx: Context) -> LayerCache:
+        return cache if self.ratio is None else kvcache.limit_rows(cache, self.prompt_rows(cache, ctx.pos))
 
     def describe(self) -> str:
         # A token budget's description stays what it was before ratios existed (records are keyed by it).

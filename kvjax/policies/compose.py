@@ -41,14 +41,6 @@ class LayerDispatch(Policy):
         return all(m.evicts_while_decoding for m in self._members())
 
     @property
-    def uses_tokens(self):
-        return any(m.uses_tokens for m in self._members())
-
-    @property
-    def uses_gate(self):
-        return any(m.uses_gate for m in self._members())
-
-    @property
     def prefill_mode(self):
         return self._members()[0].prefill_mode
 
@@ -67,10 +59,10 @@ class LayerDispatch(Policy):
         return self.at_layer(layer).head_split(layer)
 
     # Layers are processed by `at_layer(layer)`'s own methods; these only say so loudly if called.
-    def prefill(self, layer, cache, k, v, pos, stats, **kw):
+    def prefill(self, layer, cache, k, v, ctx, stats):
         raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).prefill(...)")
 
-    def step(self, layer, cache, k, v, pos, **kw):
+    def step(self, layer, cache, k, v, ctx):
         raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).step(...)")
 
     def shrink(self, cache, room: int):
@@ -186,9 +178,6 @@ class ByHead(Policy):
     def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], Policy], ...]:
         raise NotImplementedError
 
-    def _groups(self, layer):
-        return [(list(heads), sub) for heads, sub in self.head_split(layer)]
-
     def _subs(self, layer):
         return [sub for _, sub in self.head_split(layer)]
 
@@ -221,7 +210,7 @@ class ByHead(Policy):
                 raise InvalidInput(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
                                  f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
             for _, sub in split:
-                if sub.uses_tokens or sub.uses_gate:
+                if type(sub).prompt_mask is not Policy.prompt_mask or sub.prefill_stats(layer).gate_keep:
                     # AnLLM's eq. 4 mask and the gate's keep flags shape the whole layer's prompt attention
                     # (every head of it): one head group cannot have them while its neighbours do not.
                     raise InvalidInput(f"{type(self).__name__}: {sub.describe()} cannot cache a head group of layer "
@@ -242,26 +231,12 @@ class ByHead(Policy):
     def decode_stats(self, layer):
         return functools.reduce(operator.or_, (sub.decode_stats(layer) for sub in self._subs(layer)), NO_STATS)
 
-    def prefill(self, layer, cache, k, v, pos, stats):
-        groups = tuple(
-            sub.prefill(layer, c, k[:, heads], v[:, heads], pos, stats.map(lambda s: s[:, heads]))
-            for (heads, sub), c in zip(self._groups(layer), cache.groups)
-        )
-        return dataclasses.replace(cache, groups=groups)
+    # The model caches each head group with its own rule (`head_split`); the split itself caches nothing.
+    def prefill(self, layer, cache, k, v, ctx, stats):
+        raise TypeError(f"{type(self).__name__} caches nothing itself: each group of .head_split({layer}) does")
 
-    def step(self, layer, cache, k, v, pos):
-        groups = tuple(
-            sub.step(layer, c, k[:, heads], v[:, heads], pos)
-            for (heads, sub), c in zip(self._groups(layer), cache.groups)
-        )
-        return dataclasses.replace(cache, groups=groups)
-
-    def observe(self, layer, cache, pos, stats):
-        groups = tuple(
-            sub.observe(layer, c, pos, stats.map(lambda s: s[:, heads]))
-            for (heads, sub), c in zip(self._groups(layer), cache.groups)
-        )
-        return dataclasses.replace(cache, groups=groups)
+    def step(self, layer, cache, k, v, ctx):
+        raise TypeError(f"{type(self).__name__} caches nothing itself: each group of .head_split({layer}) does")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
+from kvjax.stats import StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,7 @@ class GateEviction(LayerPolicy):
 
     bucket: int = 64
     kept: tuple[int, ...] | None = None
-    uses_gate = True  # class attributes, not fields
-    evicts_while_decoding = False
+    evicts_while_decoding = False  # a class attribute, not a field
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,11 +51,17 @@ class GateEviction(LayerPolicy):
         if self.kept is not None and len(self.kept) != num_layers:
             raise InvalidInput(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill_stats(self, layer):
+        # The gates' flags mask the prompt's attention (eq. 7) and decide what is kept.
+        return StatsRequest(gate_keep=True)
+
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         keep = stats.gate_keep & (pos >= 0)[:, None, :]
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         return kvcache.append(cache, k, v, pos)
 
     def shrink(self, cache, room: int):

@@ -60,7 +60,8 @@ class H2O(RatioBudget, LayerPolicy):
     def decode_stats(self, layer):
         return StatsRequest(probs=True)
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         acc = stats.colsum.sum(axis=2)  # [b, kvh, t]: over the group's query heads
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         p = pos[:, None, :]
@@ -69,9 +70,10 @@ class H2O(RatioBudget, LayerPolicy):
         rows = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
         keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, rows))
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
-        return self.size_rows(layer, out, pos)
+        return self.size_rows(layer, out, ctx)
 
-    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
+        pos = ctx.pos
         arriving = jnp.sum(pos >= 0, axis=1)  # [b]
         first = jnp.max(pos, axis=1) - arriving + 1  # the chunk's first real position
         need = jnp.maximum(arriving[:, None] - jnp.sum(cache.pos == kvcache.EMPTY, axis=-1), 0)  # [b, kvh]
@@ -85,17 +87,20 @@ class H2O(RatioBudget, LayerPolicy):
         src = jnp.where(evict, -1, jnp.arange(cache.capacity))
         return kvcache.take_slots(cache, src)
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         both = kvcache.chunk_slots(cache, k, v, pos)  # make_room left a free slot for each chunk token
         both = dataclasses.replace(both, score=(both.score + stats.colsum.sum(axis=2)).astype(both.score.dtype))
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         candidate = (cache.pos >= 0) & (cache.pos <= (pos - self.recent)[:, None, None])
         slot = kvcache.victim_slot(cache, candidate, evict_highest=False)  # the lightest hitter
         return kvcache.write(cache, slot, k, v, pos)  # the new token starts at 0
 
-    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         live = (pos >= 0)[:, None, None]  # padding steps add nothing
         add = jnp.where(live & (cache.pos >= 0), stats.probs, 0.0)
         return dataclasses.replace(cache, score=(cache.score + add).astype(cache.score.dtype))

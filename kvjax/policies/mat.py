@@ -125,18 +125,20 @@ class AnchorCache(RatioBudget, LayerPolicy):
             (length <= budget) | (p == 0) | (p >= length - window) | (left_window & (rank < self.anchor_slots - 1))
         )
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         pi = self._pi(stats.first_logit)  # [b, kvh, t]
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         budget = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
         keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length, budget), pi.shape)
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
-        return self.size_rows(layer, out, pos)
+        return self.size_rows(layer, out, ctx)
 
     # Chunked: every token of a chunk ends in the window (chunk <= c - beta), so the state after the
     # chunk, Algorithm 1's closed form, is known from the cache alone before the chunk attends: the
     # cache is cut to it first (at chunk 1, exactly `step`'s eviction), then the chunk is appended.
-    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
+        pos = ctx.pos
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]  # after the chunk
         length = jnp.maximum(length, jnp.max(cache.pos, axis=(1, 2))[:, None, None] + 1)
         order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
@@ -144,21 +146,24 @@ class AnchorCache(RatioBudget, LayerPolicy):
         keep = self._closed_form(c.pos, c.score, length, self.budget)  # (chunked: a token budget)
         return kvcache.take_slots(c, jnp.where(keep, jnp.arange(c.capacity), -1))
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         both = kvcache.chunk_slots(cache, k, v, pos)
         n = k.shape[2]
         pi = jnp.concatenate([both.score[..., :-n], self._pi(stats.first_logit)], axis=-1)  # the chunk's own pi
         both = dataclasses.replace(both, score=pi.astype(both.score.dtype))
         return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         window = self._row_budget(cache) - self.anchor_slots  # [b, kvh]
         leaving = pos[:, None, None] - window[..., None]  # the window's oldest token after this insert
         candidate = (cache.pos >= 1) & (cache.pos <= leaving)
         slot = kvcache.victim_slot(cache, candidate, evict_highest=True)  # highest pi (eq. 4)
         return kvcache.write(cache, slot, k, v, pos)
 
-    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         pi = self._pi(stats.first_logit)  # [b, kvh]
         mine = (cache.pos == pos[:, None, None]) & (pos[:, None, None] >= 0)
         return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))

@@ -133,7 +133,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
             win = buffer_length(n, self.buffer, self.compression)
         return jnp.broadcast_to(win[:, None], (n.shape[0], kvh))
 
-    def size_rows(self, layer, cache: LayerCache, pos) -> LayerCache:
+    def size_rows(self, layer, cache: LayerCache, ctx) -> LayerCache:
+        pos = ctx.pos
         # Read token by token, a row's window is known only with a ratio (its prompt's share); it rides in
         # the slots' score, as after a full prefill. Without one N is unknown and the window is S0.
         if self.ratio is None:
@@ -142,7 +143,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
         window_slots = jnp.arange(cache.capacity) < self._layout(cache.capacity)[1]  # not the compensation slot
         return dataclasses.replace(cache, score=jnp.where(window_slots, win, cache.score).astype(cache.score.dtype))
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         b, kvh, t, _ = k.shape
         n = jnp.max(pos, axis=1) + 1  # real tokens per row (left padded)
         win = self._row_windows(n, kvh)  # [b, kvh]
@@ -177,7 +179,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
     # Chunked (fold="decode"): before a chunk attends, the window tokens its tokens push out are folded
     # into the compensation slot, as `step` folds one before a token attends (at chunk 1, exactly the
     # stream); then the chunk's tokens take the freed window slots (sinks their own).
-    def make_room(self, layer, cache: LayerCache, pos) -> LayerCache:
+    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
+        pos = ctx.pos
         start, end = self._layout(cache.capacity)
         slots = jnp.arange(cache.capacity)
         held = (slots >= start) & (slots < end) & (cache.pos >= 0)
@@ -189,7 +192,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
             cache = _fold_all(cache, leaving)
         return kvcache.take_slots(cache, jnp.where(leaving, -1, slots))
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         start, end = self._layout(cache.capacity)
         c = cache.capacity
         win = self._decode_window(cache, start, end)
@@ -209,7 +213,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
             src.append(jnp.full(sink_src.shape[:2] + (1,), c - 1, jnp.int32))
         return kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         start, end = self._layout(cache.capacity)
         slots = jnp.arange(cache.capacity)
         in_window = (slots >= start) & (slots < end)

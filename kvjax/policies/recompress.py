@@ -80,17 +80,18 @@ class Recompress(Policy):
     def chunk_stats(self, layer):
         return self.scorer.chunk_stats(layer)
 
-    def prefill(self, layer, cache, k, v, pos, stats):
-        return self.scorer.prefill(layer, cache, k, v, pos, stats)
+    def prefill(self, layer, cache, k, v, ctx, stats):
+        return self.scorer.prefill(layer, cache, k, v, ctx, stats)
 
-    def absorb(self, layer, cache, k, v, pos, stats):
-        return self.scorer.absorb(layer, cache, k, v, pos, stats)
+    def absorb(self, layer, cache, k, v, ctx, stats):
+        return self.scorer.absorb(layer, cache, k, v, ctx, stats)
 
     # Decoding: append, accumulate the window's attention, re-compress when full.
     def decode_stats(self, layer):
         return StatsRequest(probs=True)
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         return kvcache.append(cache, k, v, pos)  # a re-compression always leaves `every` free slots
 
     def _window(self, layer) -> int | None:
@@ -98,7 +99,8 @@ class Recompress(Policy):
         wanted = self.scorer.prefill_stats(layer)
         return None if wanted.colsum else self.scorer.observation_window
 
-    def observe(self, layer, cache: LayerCache, pos, stats) -> LayerCache:
+    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
         w = self._window(layer)
         counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)

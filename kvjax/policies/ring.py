@@ -63,7 +63,8 @@ class RingPolicy(RatioBudget, LayerPolicy):
     def capacity(self, layer: int, max_len: int, prompt_len: int = 0) -> int:
         return self._layout(max_len)[1] if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         sinks, cap = self._layout_for(cache)
         t = k.shape[2]
         length = jnp.max(pos, axis=1) + 1  # real tokens per row; prompts are left padded
@@ -71,9 +72,10 @@ class RingPolicy(RatioBudget, LayerPolicy):
         held = ring_holder(length, sinks, rows, cap)  # [b, c] positions
         src = jnp.where(held >= 0, held + (t - length)[:, None], -1)  # time index of that position
         src = jnp.broadcast_to(src[:, None, :], (k.shape[0], k.shape[1], cap))
-        return self.size_rows(layer, kvcache.gather_prompt(cache, k, v, pos, src), pos)
+        return self.size_rows(layer, kvcache.gather_prompt(cache, k, v, pos, src), ctx)
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         sinks, cap = self._layout_for(cache)
         # each row's own slot count: the array's, less the slots its prompt's ratio left unused
         rows = cap - jnp.sum(cache.pos == kvcache.DISABLED, axis=-1)  # [b, kvh]
@@ -81,7 +83,8 @@ class RingPolicy(RatioBudget, LayerPolicy):
         return kvcache.write(cache, slot, k, v, pos)
 
     # -- chunked prefill: exactly the stream, whatever the chunk size ---------------------------
-    def chunk_visible(self, layer, cache: LayerCache, pos, tokens):
+    def chunk_visible(self, layer, cache: LayerCache, ctx):
+        pos = ctx.pos
         # Token p, streamed, sees the sinks and the window p - w + 1 .. p: the ring has overwritten the rest.
         sinks, cap = self._layout_for(cache)
         w = cap - sinks
@@ -91,7 +94,8 @@ class RingPolicy(RatioBudget, LayerPolicy):
     def rolling_sinks(self, layer, capacity):
         return self._layout_for_capacity(capacity)[0]
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         sinks, cap = self._layout_for(cache)
         n = k.shape[2]
         length = jnp.maximum(jnp.max(pos, axis=1), jnp.max(cache.pos, axis=(1, 2))) + 1  # [b]

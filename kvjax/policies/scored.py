@@ -112,7 +112,8 @@ class ScoredPolicy(LayerPolicy):
         kept = int(np.max(self.keep_count(layer, np.arange(1, prompt_len + 1)))) if prompt_len else 0
         return kept + (max_len - prompt_len)
 
-    def prefill(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         length = jnp.max(pos, axis=1) + 1  # [b]
         n_keep = self.keep_count(layer, length)[:, None, None]
         p = pos[:, None, :]
@@ -121,7 +122,8 @@ class ScoredPolicy(LayerPolicy):
         keep = kvcache.keep_top(self.score(layer, k, v, pos, stats), real, in_window, n_keep)
         return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
 
-    def absorb(self, layer, cache: LayerCache, k, v, pos, stats) -> LayerCache:
+    def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
         # The whole prompt's rule on what a chunked prefill holds: score the cache's slots and the chunk
         # (in position order: the cache keeps its tokens right-aligned, empty slots first, so pooling
         # sees neighbours as in a prompt), keep the window of the latest tokens and the top scores.
@@ -138,7 +140,8 @@ class ScoredPolicy(LayerPolicy):
         """(the score a chunked prefill ranks by, the per-slot score it stores) over cache ∪ chunk."""
         return self.score(layer, both.k, both.v, both.pos, stats), both.score
 
-    def step(self, layer, cache: LayerCache, k, v, pos) -> LayerCache:
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        pos = ctx.pos
         return kvcache.append(cache, k, v, pos)  # capacity() reserved a slot per new token
 
     def _prefix_only(self, s, pos):

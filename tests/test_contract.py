@@ -1,0 +1,78 @@
+"""The one rule contract: every rule gets the same `Context` (positions and token ids), so a rule that
+reads the ids composes per layer with no flag to forward; head groups resolve in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kvcache
+from kvjax.policies import Context, FullCache, GateEviction, LayerPolicy, Policy, StreamingLLM, by_head, by_layer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeepEvenIds(LayerPolicy):
+    """A rule that reads token ids (as AnLLM does): it keeps the prompt tokens whose id is even."""
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return max_len
+
+    def prefill(self, layer, cache, k, v, ctx, stats):
+        keep = (ctx.tokens % 2 == 0) & (ctx.pos >= 0)
+        keep = jnp.broadcast_to(keep[:, None], k.shape[:3])
+        return kvcache.gather_prompt(cache, k, v, ctx.pos, kvcache.compact(keep, cache.capacity))
+
+    def step(self, layer, cache, k, v, ctx):
+        return kvcache.append(cache, k, v, ctx.pos)
+
+
+def test_no_rule_declares_what_it_reads():
+    assert not [name for name in dir(Policy) if name.startswith("uses_")]
+
+
+def test_a_rule_reading_token_ids_gets_them_inside_by_layer(tiny):
+    """Layer 0 keeps the even ids (counted by hand from the prompt), layer 1 keeps everything, whether the
+    rule is the policy or a member of `by_layer`; decoding then appends to both."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(4, tiny.model.cfg.vocab_size, 20)
+    toks, pos = jnp.asarray(ids[None], jnp.int32), jnp.arange(20, dtype=jnp.int32)[None]
+    even = [j for j in range(20) if ids[j] % 2 == 0]
+    assert 0 < len(even) < 20
+    for policy in (KeepEvenIds(), by_layer(KeepEvenIds(), FullCache(), split=1)):
+        _, cache = tiny.model.prefill(toks, pos, policy, 24)
+        got = np.asarray(cache[0].pos[0])
+        for h in range(tiny.model.cfg.num_kv_heads):
+            assert got[h][got[h] >= 0].tolist() == even
+        whole = np.asarray(cache[1].pos[0, 0])
+        assert whole[whole >= 0].tolist() == (even if isinstance(policy, KeepEvenIds) else list(range(20)))
+        _, cache = tiny.model.decode(jnp.asarray([5], jnp.int32), jnp.asarray([20], jnp.int32), cache, policy)
+        assert 20 in np.asarray(cache[0].pos[0, 0]).tolist() and 20 in np.asarray(cache[1].pos[0, 0]).tolist()
+
+
+def test_a_gate_in_one_head_group_is_refused_with_the_reason(tiny):
+    """The gate's flags mask the whole layer's prompt attention (eq. 7), so one head group cannot have
+    them while its neighbours do not: the policy is refused by name, as AnLLM's eq. 4 is."""
+    policy = by_head([[True, False]] * tiny.model.cfg.num_layers, GateEviction(), StreamingLLM(sinks=1, budget=8))
+    with pytest.raises(ValueError, match="GateEviction.*cannot cache a head group of layer 0.*by_layer"):
+        tiny.model.init_cache(policy, 1, 64, 32)
+
+
+def test_the_context_is_a_pytree():
+    """It crosses `jax.jit` and `lax.scan` as arrays: a new position or id is never a new program."""
+    import jax
+
+    ctx = Context(jnp.arange(3), jnp.asarray([7, 8, 9]))
+    assert len(jax.tree.leaves(ctx)) == 2
+    traces = []
+
+    @jax.jit
+    def f(c):
+        traces.append(1)
+        return c.pos + c.tokens
+
+    f(ctx)
+    f(Context(jnp.arange(3) + 5, jnp.asarray([1, 2, 3])))
+    assert len(traces) == 1
