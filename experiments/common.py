@@ -335,12 +335,13 @@ def _as_flags(message: str) -> str:
     return re.sub(r"\b([a-z_]+)=", flag, message)
 
 
-def attach_gate_params(args: argparse.Namespace, model) -> None:
-    """Loads --gate-params into `model`; --policy gate without them is an error."""
+def attach_gate_params(args: argparse.Namespace, lm) -> None:
+    """Loads --gate-params into the model `lm` (a `LoadedModel`, whose identity records them);
+    --policy gate without them is an error."""
     if getattr(args, "gate_params", None):
-        from kvjax.gate import load_gates
+        from experiments.driver import attach_gates
 
-        load_gates(model, args.gate_params)
+        attach_gates(lm, args.gate_params)
     elif getattr(args, "policy", None) == "gate":
         raise SystemExit("error: --policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
 
@@ -370,16 +371,6 @@ def load_with_tokenizer(p: argparse.ArgumentParser, path, **load_kw):
     if lm.tokenizer is None:
         p.error(f"{path} has no tokenizer files")
     return lm
-
-
-def resolve_model(p: argparse.ArgumentParser, path=None, **load_kw):
-    """`--model DIR` loaded with its tokenizer, or the embedded default model when `path` is None."""
-    if path is None:
-        path, random_weights = default_model_dir()
-        if random_weights:
-            print(f"NOTE: RANDOM WEIGHTS - {DEFAULT_MODEL_DIR} is missing, so the default model is a tiny "
-                  f"randomly initialised Llama ({path}); its results mean nothing.")
-    return load_with_tokenizer(p, path, **load_kw)
 
 
 def read_text(files: list[str] | None) -> str:

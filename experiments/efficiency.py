@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
@@ -35,9 +33,7 @@ from experiments.common import (
     chosen_policies,
     int_list,
     positive_int,
-    resolve_model,
 )
-from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, position_limit, prefill_fn
@@ -76,13 +72,13 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
             "peak_bytes": peak_bytes()}
 
 
-def write_report(out: Path, rows: list[dict], meta: dict) -> None:
+def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures) of the timings; draws OUT/efficiency.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Efficiency on {meta['device']} (jax {meta['jax']}): {meta['model']}, batch {meta['batch']}, "
              f"{meta['new']} new tokens, greedy", "",
              "| policy | context | prefill ms | decode tok/s | cache MiB | peak MiB |", "|---|---|---|---|---|---|"]
@@ -90,7 +86,6 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
         peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         lines.append(f"| {r['label']} | {r['length']} | {1e3 * r['prefill_s']:.1f} | {r['decode_tok_s']:.1f} | "
                      f"{r['cache_bytes'] / 2**20:.3f} | {peak} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for lab in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == lab]
@@ -102,8 +97,45 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
         ax.set(xlabel="context tokens", ylabel=y, xscale="log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "efficiency.png", dpi=110)
     plt.close(fig)
+    return "\n".join(lines), {"meta": meta, "rows": rows}, [out / "efficiency.png"]
+
+
+def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32, batch: int = 1, repeats: int = 3,
+          progress: bool = True) -> driver.SuiteResult:
+    """Prefill seconds, decode tokens/s and cache bytes of each policy (`{label: policy}`, a list or
+    one) at each context length (default max/4, max/2, max - new), into `out`; summary
+    `{"meta": ..., "rows": [one per policy x length]}`."""
+    cfg = lm.config
+    if new < 2:
+        raise driver.ArgumentError(f"new={new} must be >= 2 (one prefill token, then decoded ones)")
+    n = cfg.max_position_embeddings
+    lengths = list(lengths or [n // 4, n // 2, n - new])
+    policies = driver.labelled(policies)
+    for lab, pol in policies.items():
+        limit = position_limit(pol, cfg, new)
+        too_long = [L for L in lengths if limit is not None and L > limit]
+        if too_long:
+            raise driver.ArgumentError(
+                f"lengths={too_long} + new={new} exceed max_position_embeddings={n} under {lab} (rolling positions "
+                "with prefill_mode=stream or chunked lift the limit)")
+    log = driver.open_records(out, lm, "cells.jsonl", {"new": new, "batch": batch, "repeats": repeats})
+    dtype, impl = lm.load_options.get("dtype", "float32"), lm.load_options.get("attention_impl", "xla")
+    rows = []
+    for L in driver.cells(lengths, "context lengths", progress):
+        prompts = np.random.default_rng(L).integers(4, cfg.vocab_size, (batch, L)).tolist()
+        for lab, pol in policies.items():
+            rid = f"{lm.path}|{dtype}|{impl}|{pol.describe()}|{L}|{batch}|{new}"
+            if rid not in log:  # a rerun keeps the cells already timed
+                log.add({"id": rid, "policy": pol.describe(), "length": L,
+                         **time_policy(lm.model, prompts, pol, new, repeats)})
+            rows.append(log.records[rid] | {"label": lab})
+    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": str(lm.path), "batch": batch,
+            "new": new, "dtype": dtype}
+    table, summary, figures = write_report(Path(out), rows, meta)
+    return driver.finish("efficiency", out, table, summary, policies, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,37 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
     args = p.parse_args(argv)
-    if args.new < 2:
-        p.error(f"argument --new: {args.new} must be >= 2 (one prefill token, then decoded ones)")
-    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+    lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
-    cfg = lm.config
-    labels, policies = chosen_policies(p, args, cfg.num_layers)
-    n = cfg.max_position_embeddings
-    lengths = args.lengths or [n // 4, n // 2, n - args.new]
-    for lab, pol in zip(labels, policies):
-        limit = position_limit(pol, cfg, args.new)
-        too_long = [L for L in lengths if limit is not None and L > limit]
-        if too_long:
-            p.error(f"--lengths {too_long} + --new {args.new} exceed max_position_embeddings={n} under {lab} "
-                    "(rolling positions with --prefill-mode stream or chunked lift the limit)")
-    out = Path(args.out)
-    claim_results_dir(out, lm, options_of(args, selection=("lengths",)))  # no resuming over another configuration's
-    log = ResultLog(out / "cells.jsonl")  # a rerun keeps the cells already timed
-    rows = []
-    for L in tqdm(lengths, desc="context lengths"):
-        prompts = np.random.default_rng(L).integers(4, cfg.vocab_size, (args.batch, L)).tolist()
-        for lab, pol in zip(labels, policies):
-            rid = f"{lm.path}|{args.dtype}|{args.attention_impl}|{pol.describe()}|{L}|{args.batch}|{args.new}"
-            if rid not in log:
-                log.add({"id": rid, "policy": pol.describe(), "length": L,
-                         **time_policy(lm.model, prompts, pol, args.new, args.repeats)})
-            rows.append(log.records[rid] | {"label": lab})
-    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": str(lm.path), "batch": args.batch,
-            "new": args.new, "dtype": args.dtype}
-    write_report(out, rows, meta)
-    print((out / "results.md").read_text())
+    attach_gate_params(args, lm)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths, new=args.new,
+                      batch=args.batch, repeats=args.repeats)
+    print(res.table)
     return 0
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, nonnegative_int, positive_int
-from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import dumps_finite, write_atomic
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
 from kvjax.anllm_anchors import AC_TOKEN, place_anchors
@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     # Every option shapes the items or the anchors: no resuming over another configuration's records.
-    claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data",), selection=("time_items",)))
-    log = ResultLog(out / "items.jsonl", key="i")
+    log = driver.open_records(out, lm, "items.jsonl", {
+        "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
+        "options": args.options, "seed": args.seed}, files=("data",), key="i")
     for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
         if i not in log:
             it = items[i]

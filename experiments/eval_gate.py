@@ -30,12 +30,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
-from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import ResultLog, dumps_finite, write_atomic
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
-from kvjax.gate import eviction_ratios, load_gates, without_gates
+from kvjax.gate import eviction_ratios, without_gates
 from kvjax.policies import GateEviction, make_policy
 from kvjax.train import next_token_loss
 
@@ -181,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.prefix < 1:
         p.error(f"argument --prefix: {args.prefix} must be in (0, 1)")
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    load_gates(lm.model, args.gate_params)
+    driver.attach_gates(lm, args.gate_params)
     out = Path(args.out or Path(args.gate_params) / "eval")
     # Resumable part by part (OUT/parts.jsonl), never over another configuration's parts.
-    claim_results_dir(out, lm, options_of(args, policy_keyed=False, files=("data", "gate_params")))
+    log = driver.open_records(out, lm, "parts.jsonl", {"data": args.data, "windows": args.windows,
+                                                       "seq_len": args.seq_len, "prefix": args.prefix,
+                                                       "baseline_eviction": args.baseline_eviction}, files=("data",))
     result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix,
-                      baseline_eviction=args.baseline_eviction, log=ResultLog(out / "parts.jsonl"))
+                      baseline_eviction=args.baseline_eviction, log=log)
     dumps_finite(result)  # a NaN loss is an error, not a number in the table
     write_report(out, result)
     return 0

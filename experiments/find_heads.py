@@ -17,11 +17,53 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import add_run_args
 from kvjax import heads as H
 from kvjax.errors import require_finite
 from models import load
+
+
+def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_ratio: float = 0.14,
+         echo_ratio: float = 0.01, eps: float = 1e-3, bound: str = "paper", control: str | None = None,
+         plot: str | None = None, progress: bool = False) -> tuple[dict, H.HeadScores]:
+    """RazorAttention's probe on `lm`: scores every head, selects the retrieval heads and writes the
+    heads file `out` (and its heatmap, `plot` or next to it). Returns (the file's fields, the scores)."""
+    for name, value in (("induction_ratio", induction_ratio), ("echo_ratio", echo_ratio)):
+        if not 0 <= value <= 1:
+            raise driver.ArgumentError(f"{name}={value} must be in [0, 1]")
+    cfg = lm.config
+    length = 1 + k * repeats
+    if length > cfg.max_position_embeddings:
+        raise driver.ArgumentError(f"the probe is {length} tokens (1 + k * repeats) but the model allows "
+                                   f"{cfg.max_position_embeddings}; pass a smaller k=")
+    specials = [i for i in (cfg.pad_token_id, *cfg.eos_token_ids) if i is not None]
+    tokens = H.probe_tokens(cfg.vocab_size, k, repeats, cfg.bos_token_id, seed, exclude=specials)
+    scores = H.head_scores(lm.model, tokens, progress=progress)
+    # A NaN score would rank heads arbitrarily and silently pick the "retrieval" heads.
+    require_finite(np.asarray(scores.echo), "echo scores (row = layer)", step="head")
+    require_finite(np.asarray(scores.induction), "induction scores (row = layer)", step="head")
+    q_mask, kv_mask = H.select_retrieval(scores, cfg.num_kv_heads, induction_ratio, echo_ratio)
+    if control is not None:
+        kv_mask = H.control_heads(kv_mask, control, seed)
+        g = cfg.num_heads // cfg.num_kv_heads
+        q_mask = np.repeat(kv_mask, g, axis=1)  # a KV head's query heads
+    fields = dict(
+        model=str(lm.path), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        position_embedding=cfg.position_embedding, probe=dict(k=k, repeats=repeats, seed=seed),
+        induction_ratio=induction_ratio, echo_ratio=echo_ratio, control=control,
+        echo=scores.echo, induction=scores.induction,
+        retrieval_heads=q_mask, retrieval_kv_heads=kv_mask,
+    )
+    if cfg.position_embedding == "alibi":
+        scopes = H.alibi_scopes(lm.model, eps, bound)
+        fields.update(eps=eps, bound=bound, scopes=scopes, kv_scopes=H.kv_scopes(scopes, cfg.num_kv_heads))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    H.save_heads(out, **fields)
+    plot = Path(plot) if plot else out.with_suffix(".png")
+    H.plot_heads(scores, q_mask, plot)
+    return fields | {"plot": plot}, scores
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,44 +84,18 @@ def main(argv: list[str] | None = None) -> int:
                         "finds drawn at random (--seed), instead of the retrieval heads")
     add_run_args(p)
     args = p.parse_args(argv)
-    for name in ("induction_ratio", "echo_ratio"):
+    for name in ("induction_ratio", "echo_ratio"):  # at parsing, before the model loads
         value = getattr(args, name)
         if not 0 <= value <= 1:
             p.error(f"--{name.replace('_', '-')}={value} must be in [0, 1]")
 
     lm = load(args.model, dtype=args.dtype, allow_nonfinite=args.allow_nonfinite)
     cfg = lm.config
-    length = 1 + args.k * args.repeats
-    if length > cfg.max_position_embeddings:
-        p.error(f"the probe is {length} tokens (1 + k * repeats) but the model allows "
-                f"{cfg.max_position_embeddings}; pass a smaller --k")
-    specials = [i for i in (cfg.pad_token_id, *cfg.eos_token_ids) if i is not None]
-    tokens = H.probe_tokens(cfg.vocab_size, args.k, args.repeats, cfg.bos_token_id, args.seed, exclude=specials)
-    scores = H.head_scores(lm.model, tokens, progress=True)
-    # A NaN score would rank heads arbitrarily and silently pick the "retrieval" heads.
-    require_finite(np.asarray(scores.echo), "echo scores (row = layer)", step="head")
-    require_finite(np.asarray(scores.induction), "induction scores (row = layer)", step="head")
-    q_mask, kv_mask = H.select_retrieval(scores, cfg.num_kv_heads, args.induction_ratio, args.echo_ratio)
-    if args.control is not None:
-        kv_mask = H.control_heads(kv_mask, args.control, args.seed)
-        g = cfg.num_heads // cfg.num_kv_heads
-        q_mask = np.repeat(kv_mask, g, axis=1)  # a KV head's query heads
-    fields = dict(
-        model=str(args.model), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-        position_embedding=cfg.position_embedding, probe=dict(k=args.k, repeats=args.repeats, seed=args.seed),
-        induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio, control=args.control,
-        echo=scores.echo, induction=scores.induction,
-        retrieval_heads=q_mask, retrieval_kv_heads=kv_mask,
-    )
-    if cfg.position_embedding == "alibi":
-        scopes = H.alibi_scopes(lm.model, args.eps, args.bound)
-        fields.update(eps=args.eps, bound=args.bound, scopes=scopes, kv_scopes=H.kv_scopes(scopes, cfg.num_kv_heads))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    H.save_heads(out, **fields)
-    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
-    H.plot_heads(scores, q_mask, plot)
-
+    fields, scores = driver.call(p, find, lm, args.out, k=args.k, repeats=args.repeats, seed=args.seed,
+                                 induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio, eps=args.eps,
+                                 bound=args.bound, control=args.control, plot=args.plot, progress=True)
+    q_mask, kv_mask, plot = fields["retrieval_heads"], fields["retrieval_kv_heads"], fields["plot"]
+    out, length = Path(args.out), 1 + args.k * args.repeats
     n = cfg.num_layers * cfg.num_heads
     print(f"probe    {length} tokens (BOS + {args.k} x {args.repeats}) through {cfg.num_layers} layers x {cfg.num_heads} heads")
     for name, m in (("induction", scores.induction), ("echo", scores.echo)):

@@ -17,15 +17,13 @@ OUT/results.{json,md} and a heatmap per policy, OUT/heatmap_<policy>.png.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_protocol_arg,
@@ -35,10 +33,8 @@ from experiments.common import (
     float_list,
     int_list,
     positive_int,
-    resolve_model,
     split_question,
 )
-from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput, MissingFile
 
@@ -55,7 +51,7 @@ def haystack_text(directory: str | None) -> str:
         return "\n\n".join(topics[k] for k in sorted(topics))
     files = sorted(Path(directory).glob("*.txt"))
     if not files:
-        raise MissingFile(f"--haystack {directory} has no .txt files")
+        raise MissingFile(f"the haystack directory {directory} has no .txt files")
     return "\n\n".join(f.read_text() for f in files)
 
 
@@ -105,13 +101,15 @@ def exact_match(answer: str, key: str) -> bool:
     return key.strip().lower() in answer.lower()
 
 
-def write_report(out: Path, records: list[dict], labels: list[str]) -> None:
+def write_report(out: Path, records: list[dict], labels: list[str]) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures): exact match and ROUGE-1 per policy, a heatmap each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary, lines = {}, []
+    summary, lines, figures = {}, [], []
+    out.mkdir(parents=True, exist_ok=True)
     for lab in labels:
         recs = [r for r in records if r["label"] == lab]
         if not recs:
@@ -140,10 +138,51 @@ def write_report(out: Path, records: list[dict], labels: list[str]) -> None:
         ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=lab)
         fig.colorbar(im, ax=ax, label="exact match")
         fig.tight_layout()
-        fig.savefig(out / f"heatmap_{re.sub(r'[^A-Za-z0-9_-]+', '_', lab)}.png", dpi=100)
+        figures.append(out / f"heatmap_{re.sub(r'[^A-Za-z0-9_-]+', '_', lab)}.png")
+        fig.savefig(figures[-1], dpi=100)
         plt.close(fig)
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
-    (out / "results.md").write_text("\n".join(lines))
+    return "\n".join(lines), summary, figures
+
+
+def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 25.0, 50.0, 75.0, 100.0),
+          haystack: str | None = None, needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER,
+          batch: int = 5, protocol: str = "aware", progress: bool = True) -> driver.SuiteResult:
+    """Needle in a haystack for each policy (`{label: policy}`, a list or one) over lengths x depths
+    (percentages), into `out`; summary `{label: {"exact_match", "rouge1_recall", grids, ...}}`.
+    `lengths` default to five up to the model's window; `haystack` is a directory of .txt files
+    (default: the standard-library reference documentation)."""
+    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    top = n - MAX_NEW_TOKENS
+    lengths = list(lengths or sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)}))
+    if not all(0 <= d <= 100 for d in depths):
+        raise driver.ArgumentError(f"depths={list(depths)} must each be a percentage in [0, 100]")
+    hay = tok(haystack_text(haystack), add_special_tokens=False)["input_ids"]
+    policies = driver.labelled(policies)
+    log = driver.open_records(out, lm, "cells.jsonl", {"haystack": haystack, "needle": needle, "question": question,
+                                                       "answer": answer, "batch": batch, "protocol": protocol},
+                              files=("haystack",))
+    setting = f"{needle}|{question}"
+    q_ids = tok(question, add_special_tokens=False)["input_ids"]  # needle_prompt's question tokens
+    for lab, pol in policies.items():
+        todo = [(L, d) for L in lengths for d in depths if f"{pol.describe()}|{setting}|{L}|{d}" not in log]
+        for L in driver.cells(lengths, f"needle {lab}", progress):
+            cells = [(L2, d) for L2, d in todo if L2 == L]
+            for s in range(0, len(cells), batch):
+                chunk = cells[s : s + batch]
+                prompts = [needle_prompt(tok, hay, L, d, needle, question) for _, d in chunk]
+                contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts), protocol)
+                gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
+                               sampling=Sampling())
+                for (_, d), (_, at), seq in zip(chunk, prompts, gen.sequences()):
+                    text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
+                    log.add({"id": f"{pol.describe()}|{setting}|{L}|{d}", "label": lab, "policy": pol.describe(),
+                             "length": L, "depth": d, "needle_at": at, "answer": text,
+                             "rouge1_recall": rouge1_recall(text, needle), "exact": exact_match(text, answer)})
+    wanted = {f"{pol.describe()}|{setting}|{L}|{d}": lab for lab, pol in policies.items()
+              for L in lengths for d in depths}
+    records = [r | {"label": wanted[r["id"]]} for r in log if r["id"] in wanted]
+    table, summary, figures = write_report(Path(out), records, list(policies))
+    return driver.finish("needle", out, table, summary, policies, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,43 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
-    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
+    attach_gate_params(args, lm)
     labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    top = n - MAX_NEW_TOKENS
-    lengths = args.lengths or sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)})
-    depths = args.depths
-    hay = tok(haystack_text(args.haystack), add_special_tokens=False)["input_ids"]
-    out = Path(args.out)
-    # No resuming over another configuration's records.
-    claim_results_dir(out, lm, options_of(args, files=("haystack",), selection=("lengths", "depths")))
-    out.mkdir(parents=True, exist_ok=True)
-    log = ResultLog(out / "cells.jsonl")
-    setting = f"{args.needle}|{args.question}"
-    q_ids = tok(args.question, add_special_tokens=False)["input_ids"]  # needle_prompt's question tokens
-    for lab, pol in zip(labels, policies):
-        todo = [(L, d) for L in lengths for d in depths if f"{pol.describe()}|{setting}|{L}|{d}" not in log]
-        for L in tqdm(lengths, desc=f"needle {lab}"):
-            cells = [(L2, d) for L2, d in todo if L2 == L]
-            for s in range(0, len(cells), args.batch):
-                chunk = cells[s : s + args.batch]
-                prompts = [needle_prompt(tok, hay, L, d, args.needle, args.question) for _, d in chunk]
-                contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts),
-                                                     args.protocol)
-                gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
-                               sampling=Sampling())
-                for (_, d), (_, at), seq in zip(chunk, prompts, gen.sequences()):
-                    text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
-                    log.add({"id": f"{pol.describe()}|{setting}|{L}|{d}", "label": lab, "policy": pol.describe(),
-                             "length": L, "depth": d, "needle_at": at, "answer": text,
-                             "rouge1_recall": rouge1_recall(text, args.needle), "exact": exact_match(text, args.answer)})
-    wanted = {f"{pol.describe()}|{setting}|{L}|{d}": lab for lab, pol in zip(labels, policies)
-              for L in lengths for d in depths}
-    records = [r | {"label": wanted[r["id"]]} for r in log if r["id"] in wanted]
-    write_report(out, records, labels)
-    print((out / "results.md").read_text())
-    print(f"wrote {out}/results.{{md,json}} and heatmap_*.png")
+    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths, depths=args.depths,
+                      haystack=args.haystack, needle=args.needle, question=args.question, answer=args.answer,
+                      batch=args.batch, protocol=args.protocol)
+    print(res.table)
+    print(f"wrote {res.out}/results.{{md,json}} and heatmap_*.png")
     return 0
 
 

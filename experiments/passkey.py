@@ -13,7 +13,6 @@ finish (a rerun resumes) and summarised in OUT/results.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_policy_args,
     add_protocol_arg,
@@ -32,10 +31,9 @@ from experiments.common import (
     nonnegative_int,
     policy_from_args,
     positive_int,
-    resolve_model,
     split_question,
 )
-from experiments.records import ResultLog, claim_results_dir, options_of
+from experiments.records import ResultLog
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput
@@ -125,14 +123,14 @@ def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
     return {n: {d: float(np.mean(v)) for d, v in sorted(row.items())} for n, row in sorted(cells.items())}
 
 
-def write_report(out: Path, tables: dict[str, dict]) -> None:
+def write_report(out: Path, tables: dict[str, dict]) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures) of the accuracy tables; draws OUT/results.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "results.json").write_text(json.dumps({p: {str(n): {str(d): a for d, a in row.items()}
-                                                      for n, row in t.items()} for p, t in tables.items()}, indent=2))
+    summary = {p: {str(n): {str(d): a for d, a in row.items()} for n, row in t.items()} for p, t in tables.items()}
     lines = []
     for label, table in tables.items():
         depths = sorted({d for row in table.values() for d in row})
@@ -142,7 +140,6 @@ def write_report(out: Path, tables: dict[str, dict]) -> None:
             cells = [f"{100 * row[d]:.0f}" if d in row else "" for d in depths]
             lines.append(f"| {n} | " + " | ".join(cells) + f" | {100 * np.mean(list(row.values())):.1f} |")
         lines.append("")
-    (out / "results.md").write_text("\n".join(lines))
     fig, axes = plt.subplots(1, len(tables), figsize=(4 * len(tables), 3), squeeze=False)
     for ax, (label, table) in zip(axes[0], tables.items()):
         depths = sorted({d for row in table.values() for d in row})
@@ -154,8 +151,40 @@ def write_report(out: Path, tables: dict[str, dict]) -> None:
         ax.set_ylabel("length")
         ax.set_title(label, fontsize=8)
     fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "results.png", dpi=100)
     plt.close(fig)
+    return "\n".join(lines), summary, [out / "results.png"]
+
+
+def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+          samples: int = 5, batch: int = 8, seed: int = 0, protocol: str = "aware", progress: bool = True
+          ) -> driver.SuiteResult:
+    """Passkey accuracy of each policy (`{label: policy}`, a list or one) per length and depth, into
+    `out`. `lengths` default to max/4, max/2 and max - 8 (those the prompt fits in). The table holds
+    every policy recorded in `out`, so runs of one policy at a time add up to one table; its summary is
+    `{policy description: {length: {depth: accuracy}}}`."""
+    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    if not all(0 <= d <= 1 for d in depths):
+        raise driver.ArgumentError(f"depths={list(depths)} must each be in [0, 1]")
+    lengths = list(lengths or default_lengths(tok, n))
+    too_long = [L for L in lengths if L + MAX_NEW_TOKENS > n]
+    if too_long:
+        raise driver.ArgumentError(f"lengths={too_long} + {MAX_NEW_TOKENS} generated tokens exceed the model's "
+                                   f"max_position_embeddings={n}")
+    too_short = [L for L in lengths if L < min_length(tok)]
+    if too_short:
+        raise driver.ArgumentError(f"lengths={too_short} are shorter than the passkey prompt without garbage "
+                                   f"({min_length(tok)} tokens with this tokenizer)")
+    log = driver.open_records(out, lm, "samples.jsonl", {"seed": seed, "batch": batch, "protocol": protocol})
+    policies = driver.labelled(policies)
+    for pol in policies.values():
+        run(lm.model, tok, pol, lengths, list(depths), samples, log, seed=seed, protocol=protocol, batch=batch,
+            label=pol.describe(), progress=progress)
+    tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in dict.fromkeys(
+        r["policy"] for r in log)}
+    table, summary, figures = write_report(Path(out), tables)
+    return driver.finish("passkey", out, table, summary, policies, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,35 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     add_policy_args(p, default="full")
     add_run_args(p)
     args = p.parse_args(argv)
-    if not all(0 <= d <= 1 for d in args.depths):
-        p.error(f"argument --depths: {args.depths} must each be in [0, 1]")
 
-    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
+    attach_gate_params(args, lm)
     policy = policy_from_args(args, num_layers=lm.config.num_layers)
-    n = lm.config.max_position_embeddings
-    lengths = args.lengths or default_lengths(lm.tokenizer, n)
-    too_long = [L for L in lengths if L + MAX_NEW_TOKENS > n]
-    if too_long:
-        p.error(f"argument --lengths: {too_long} + {MAX_NEW_TOKENS} generated tokens exceed the model's "
-                f"max_position_embeddings={n}")
-    too_short = [L for L in lengths if L < min_length(lm.tokenizer)]
-    if too_short:
-        p.error(f"argument --lengths: {too_short} are shorter than the passkey prompt without garbage "
-                f"({min_length(lm.tokenizer)} tokens with this tokenizer)")
-    out = Path(args.out)
-    claim_results_dir(out, lm, options_of(args, selection=("lengths", "depths", "samples")))  # no resuming over another configuration's records
-    label = policy.describe()
-    log = ResultLog(out / "samples.jsonl")
-    records = run(lm.model, lm.tokenizer, policy, lengths, args.depths, args.samples, log, seed=args.seed,
-                  protocol=args.protocol,
-                  batch=args.batch, label=label)
-    tables = {r["policy"]: None for r in log}
-    tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in tables}
-    write_report(out, tables)
-    print((out / "results.md").read_text())
-    print(f"{label}: {100 * np.mean([r['correct'] for r in records]):.1f} % over {len(records)} samples; "
-          f"wrote {out}/results.{{md,json,png}}")
+    res = driver.call(p, suite, lm, [policy], args.out, lengths=args.lengths, depths=args.depths,
+                      samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol)
+    records = [r for r in ResultLog(res.out / "samples.jsonl") if r["policy"] == policy.describe()]
+    print(res.table)
+    print(f"{policy.describe()}: {100 * np.mean([r['correct'] for r in records]):.1f} % over {len(records)} samples; "
+          f"wrote {res.out}/results.{{md,json,png}}")
     return 0
 
 

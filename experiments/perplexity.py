@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
@@ -38,9 +36,7 @@ from experiments.common import (
     int_list,
     positive_int,
     read_text,
-    resolve_model,
 )
-from experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax.scoring import logprobs
 
 
@@ -62,7 +58,9 @@ def measure(model, ids: list[int], policy) -> dict:
     return {"nll": float(-lp.mean()), "ppl": float(np.exp(-lp.mean())), "nll_per_token": (-lp).round(5).tolist()}
 
 
-def write_report(out: Path, records: list[dict], labels: list[str], lengths: list[int], max_pos: int) -> None:
+def write_report(out: Path, records: list[dict], labels: list[str], lengths: list[int], max_pos: int
+                 ) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures): the perplexity table, OUT/results.csv, and the two plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,9 +79,7 @@ def write_report(out: Path, records: list[dict], labels: list[str], lengths: lis
         lines.append(f"| {lab} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in row) + " |")
     lines += ["", f"\\* beyond the model's max_position_embeddings = {max_pos} (needs rolling positions); "
               "n/a: absolute positions would extrapolate, not run."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"ppl": table, "policies": {r["label"]: r["policy"] for r in records}},
-                                                 indent=2))
+    out.mkdir(parents=True, exist_ok=True)
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["policy", *lengths])
@@ -108,6 +104,50 @@ def write_report(out: Path, records: list[dict], labels: list[str], lengths: lis
     fig.tight_layout()
     fig.savefig(out / "perplexity.png", dpi=110)
     plt.close(fig)
+    summary = {"ppl": table, "policies": {r["label"]: r["policy"] for r in records}}
+    return "\n".join(lines), summary, [out / "perplexity.png"]
+
+
+def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int = 1, text: list[str] | None = None,
+          progress: bool = True) -> driver.SuiteResult:
+    """Perplexity of each policy (`{label: policy}`, a list or one) at each length, token by token,
+    into `out`; summary `{"ppl": {label: {length: ppl or None}}, "policies": ...}`. `lengths` default
+    to max/2, max, 2 max; `text` to the held-out standard-library text; `sequences` windows of each
+    length are averaged."""
+    cfg = lm.config
+    n = cfg.max_position_embeddings
+    lengths = list(lengths or [n // 2, n, 2 * n])
+    if min(lengths) < 2:
+        raise driver.ArgumentError(f"lengths={lengths}: each must be >= 2 tokens")
+    ids = lm.tokenizer(read_text(text) if text else heldout_text())["input_ids"]
+    if len(ids) < max(lengths) * sequences:
+        raise driver.ArgumentError(f"the text has {len(ids)} tokens, fewer than sequences={sequences} x the longest "
+                                   f"lengths={max(lengths)}")
+    policies = driver.labelled(policies)
+    log = driver.open_records(out, lm, "runs.jsonl", {"text": text}, files=("text",))
+    key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
+    todo = [(lab, pol, L, i) for lab, pol in policies.items() for L in lengths for i in range(sequences)
+            if key(pol, L, i) not in log]
+    for lab, pol, L, i in driver.cells(todo, "perplexity", progress):
+        rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
+        if beyond_window(pol, cfg.num_layers, L, n):
+            rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
+        else:
+            rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
+        log.add(rec)
+    done = {r["id"]: r for r in log}
+    records = []
+    for lab, pol in policies.items():
+        for L in lengths:
+            runs = [done[key(pol, L, i)] for i in range(sequences)]
+            if any("skipped" in r for r in runs):
+                records.append(runs[0] | {"label": lab})
+                continue
+            nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
+            records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
+                                      "ppl_per_sequence": [r["ppl"] for r in runs]})
+    table, summary, figures = write_report(Path(out), records, list(policies), lengths, n)
+    return driver.finish("perplexity", out, table, summary, policies, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,47 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
-    cfg = lm.config
-    labels, policies = chosen_policies(p, args, cfg.num_layers)
-    n = cfg.max_position_embeddings
-    lengths = args.lengths or [n // 2, n, 2 * n]
-    if min(lengths) < 2:
-        p.error(f"--lengths {lengths}: each must be >= 2 tokens")
-    text = read_text(args.text) if args.text else heldout_text()
-    ids = lm.tokenizer(text)["input_ids"]
-    if len(ids) < max(lengths) * args.sequences:
-        p.error(f"the text has {len(ids)} tokens, fewer than --sequences {args.sequences} x the longest --lengths "
-                f"{max(lengths)}")
-    out = Path(args.out)
-    # No resuming over another configuration's records.
-    claim_results_dir(out, lm, options_of(args, files=("text",), selection=("lengths", "sequences")))
-    log = ResultLog(out / "runs.jsonl")
-    key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
-    todo = [(lab, pol, L, i) for lab, pol in zip(labels, policies) for L in lengths for i in range(args.sequences)
-            if key(pol, L, i) not in log]
-    for lab, pol, L, i in tqdm(todo, desc="perplexity"):
-        rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
-        if beyond_window(pol, cfg.num_layers, L, n):
-            rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
-        else:
-            rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
-        log.add(rec)
-    done = {r["id"]: r for r in log}
-    records = []
-    for lab, pol in zip(labels, policies):
-        for L in lengths:
-            runs = [done[key(pol, L, i)] for i in range(args.sequences)]
-            if any("skipped" in r for r in runs):
-                records.append(runs[0] | {"label": lab})
-                continue
-            nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
-            records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
-                                      "ppl_per_sequence": [r["ppl"] for r in runs]})
-    write_report(out, records, labels, lengths, n)
-    print((out / "results.md").read_text())
-    print(f"wrote {out}/results.{{md,csv,json}}, perplexity.png")
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
+    attach_gate_params(args, lm)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths,
+                      sequences=args.sequences, text=args.text)
+    print(res.table)
+    print(f"wrote {res.out}/results.{{md,csv,json}}, perplexity.png")
     return 0
 
 

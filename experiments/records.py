@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from kvjax.errors import InvalidInput, NonFiniteError
@@ -178,9 +178,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
 PRESENTATION = frozenset({"out", "debug", "compare_default", "model"})
 
 
-def options_of(args: argparse.Namespace, *, policy_keyed: bool = True, files: Iterable[str] = (),
+def options_of(args: argparse.Namespace | Mapping, *, policy_keyed: bool = True, files: Iterable[str] = (),
                selection: Iterable[str] = ()) -> dict:
-    """The parsed options that change results, as `{"--flag": value}`, for `claim_results_dir`.
+    """The parsed options (or a suite's keyword arguments) that change results, as `{"--flag": value}`,
+    for `claim_results_dir`.
 
     `policy_keyed`: the suite keys each record by its policy's full description
     (`Policy.describe()`, every parameter), so `--policy`, `--compare`, `--budget` and the policy
@@ -197,7 +198,7 @@ def options_of(args: argparse.Namespace, *, policy_keyed: bool = True, files: It
     if policy_keyed:
         skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget", "recompress_every"}
     out = {}
-    for name, value in sorted(vars(args).items()):
+    for name, value in sorted((args if isinstance(args, Mapping) else vars(args)).items()):
         if name in skip or name.startswith("_"):  # "_typed_flags": how options were spelled, not what they are
             continue
         flag = "--" + name.replace("_", "-")

@@ -2,9 +2,10 @@
 
     python -m experiments.report [--model DIR] [--budget 256] [--budgets 128,256,512] [--out results/report]
 
-By default the model is kvjax-small (models/small; the 0.52 M default if it is missing). Sections
-(each a suite run into OUT/<section>/, so an interrupted report resumes cell by cell), each with the
-protocol that makes its comparison fair:
+By default the model is kvjax-small (models/small; the 0.52 M default if it is missing). The model is
+loaded once and each section calls its suite as a function (`experiments.driver`: typed options,
+a `SuiteResult` back) into OUT/<section>/, so an interrupted report resumes cell by cell. Each
+section states the protocol that makes its comparison fair:
 1. MAT vs StreamingLLM perplexity at equal budget, at every budget of --budgets, in and beyond the
    trained window, both with rolling positions (MAT Table 3);
 2. RazorAttention vs StreamingLLM vs H2O on needle in a haystack **at equal cache bytes**: Razor's
@@ -29,16 +30,10 @@ import json
 import sys
 from pathlib import Path
 
-from experiments import cli, efficiency, needle, passkey, perplexity, zeroshot
+from experiments import cli, driver, efficiency, find_heads, needle, passkey, perplexity, zeroshot
 from experiments.common import DEFAULT_MODEL_DIR, int_list, positive_int
 from experiments.longbench import __main__ as longbench
 from models import SMALL_DIR
-
-
-def _run(main, argv: list[str]) -> None:
-    code = main(argv)
-    if code:
-        raise RuntimeError(f"{main.__module__} {' '.join(argv)} exited with {code}")
 
 
 def _json(path: Path) -> dict:
@@ -70,14 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    m, b = ["--model", args.model], ["--budget", str(args.budget)]
-    from models.loading import read_config
-
-    cfg = read_config(Path(args.model))[0]
-    n = cfg.max_position_embeddings
+    lm = driver.load_model(args.model)  # once: every section runs on these weights
+    cfg = lm.config
+    n, depth = cfg.max_position_embeddings, cfg.num_layers
     # mat()'s default L_s = 2 would make every layer of a 2-layer model shallow, i.e. MAT = StreamingLLM
     shallow = args.shallow_layers if args.shallow_layers is not None else max(1, round(2 * cfg.num_layers / 32))
-    ls = ["--shallow-layers", str(shallow)]
+    # SnapKV's observation window of 32 is a sixteenth of a 512-token window
+    window = {"observation_window": 16} if n < 2048 else {}
     md = [f"# kvjax report: {args.model}", "", f"Budgets are cache slots per layer and KV head: {args.budget} outside "
           f"the sweeps, {', '.join(map(str, args.budgets))} in them (the model's window is {n} tokens); MAT's L_s = "
           f"{shallow} of {cfg.num_layers} layers. Command: `python -m experiments.report "
@@ -86,87 +80,76 @@ def main(argv: list[str] | None = None) -> int:
 
     if "perplexity" not in skip:
         d = out / "perplexity"
-        lengths = f"{n // 2},{n},{2 * n}"
-        _run(perplexity.main, m + ["--compare", "full", "--lengths", f"{n // 2},{n}", "--out", str(d / "full")])
-        full = _json(d / "full" / "results.json")["ppl"]
+        full = perplexity.suite(lm, driver.resolve_policies("full"), d / "full", lengths=[n // 2, n])
         md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
-               (d / "full" / "results.md").read_text()]
+               full.table, ""]
         for budget in args.budgets:
-            run = d / f"rolling-{budget}"
-            _run(perplexity.main, m + ["--budget", str(budget), "--compare", "streaming,mat", "--positions",
-                                       "rolling", "--lengths", lengths, *ls, "--out", str(run)])
-            roll = _json(run / "results.json")["ppl"]
-            md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", (run / "results.md").read_text(),
+            pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
+                                           num_layers=depth)
+            res = perplexity.suite(lm, pols, d / f"rolling-{budget}", lengths=[n // 2, n, 2 * n])
+            roll = res.summary["ppl"]
+            md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
                    f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
             better = all(roll["mat"][k] <= roll["streaming"][k] for k in roll["mat"] if roll["mat"][k] is not None)
             claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: {_verdict(better)} "
-                          f"(MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in window {full['full']})")
+                          f"(MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in window "
+                          f"{full.summary['ppl']['full']})")
 
     if "needle" not in skip:
         from kvjax.cache import equal_bytes_budget
-        from kvjax.policies import razor_from_heads
-        from models import load
 
         d = out / "needle"
         heads = Path(args.model) / "heads.json"
         if not heads.is_file():
             heads = out / "heads.json"
             if not heads.is_file():
-                from experiments import find_heads
-
-                k = max(16, (n - 1) // 4)
-                _run(find_heads.main, ["--model", args.model, "--out", str(heads), "--k", str(k), "--repeats", "4"])
+                find_heads.find(lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
         longest = n - needle.MAX_NEW_TOKENS
-        razor = razor_from_heads(str(heads), buffer=args.budget)
-        same_bytes = equal_bytes_budget(load(args.model, tokenizer=False).model, razor, longest, needle.MAX_NEW_TOKENS)
-        _run(needle.main, m + ["--compare", "full,streaming,h2o,razor", "--heads", str(heads), "--buffer",
-                               str(args.budget), "--budget", str(same_bytes), "--out", str(d)])
-        res = _json(d / "results.json")
+        razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
+        same_bytes = equal_bytes_budget(lm.model, razor, longest, needle.MAX_NEW_TOKENS)
+        pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
+        res = needle.suite(lm, pols, d)
         md += ["## 2. Needle in a haystack (RazorAttention) at equal cache bytes", "",
                f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
                f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
                f"many slots as a {same_bytes}-token budget per layer and KV head, the budget StreamingLLM and H2O "
-               "get here.", "", (d / "results.md").read_text(), ""]
-        md += [f"![{lab}](needle/heatmap_{lab}.png)" for lab in res] + [""]
-        em = {lab: r["exact_match"] for lab, r in res.items()}
+               "get here.", "", res.table, ""]
+        md += [f"![{lab}](needle/{f.name})" for lab, f in zip(res.summary, res.figures)] + [""]
+        em = {lab: r["exact_match"] for lab, r in res.summary.items()}
         claims.append(f"RazorAttention retrieves at least as well as StreamingLLM and H2O at equal cache bytes "
                       f"(budget {same_bytes}): {_verdict(em['razor'] >= max(em['streaming'], em['h2o']))} "
                       f"(exact match {em})")
 
     if "longbench" not in skip:
         md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
-        window = ["--observation-window", "16"] if n < 2048 else []  # SnapKV's 32 is a sixteenth of a 512-token window
         for budget in args.budgets:
             d = out / "longbench" / f"budget-{budget}"
-            _run(longbench.main, m + ["--budget", str(budget), "--compare", "full,streaming,h2o-prefill,snapkv,slimkv",
-                                      "--samples", str(args.samples), *window, "--out", str(d)])
-            avg = _json(d / "results.json")["average"]
-            md += [f"Budget {budget}:", "", (d / "results.md").read_text(),
-                   f"![longbench](longbench/budget-{budget}/results.png)", ""]
+            pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
+            res = longbench.suite(lm, pols, d, samples=args.samples)
+            avg = res.summary["average"]
+            md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
             claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite at budget {budget}: "
                           f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
 
     if "zeroshot" not in skip:
-        d = out / "zeroshot"
-        window = ["--observation-window", "16"] if n < 2048 else []
-        _run(zeroshot.main, m + b + ["--compare", "full,streaming,mat,snapkv", *window, *ls, "--out", str(d)])
-        res = _json(d / "results.json")["results"]
-        md += ["## 4. Zero-shot multiple choice, policy on the context", "", (d / "results.md").read_text(), ""]
+        pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
+                                       num_layers=depth, **window)
+        zs = zeroshot.suite(lm, pols, out / "zeroshot")
+        res = zs.summary["results"]
+        md += ["## 4. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
         claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
                       f"{_verdict(res['mat']['acc'] >= res['streaming']['acc'])} "
                       f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})})")
 
     if "passkey" not in skip:
-        d = out / "passkey"
-        for pol in ("full", "streaming", "mat"):
-            _run(passkey.main, m + ([] if pol == "full" else b) + ["--policy", pol, *(ls if pol == "mat" else []),
-                                                                   "--out", str(d)])
-        md += ["## 5. Passkey retrieval (accuracy %)", "", (d / "results.md").read_text(), ""]
+        pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
+                                       num_layers=depth)
+        md += ["## 5. Passkey retrieval (accuracy %)", "", passkey.suite(lm, pols, out / "passkey").table, ""]
 
     if "efficiency" not in skip:
-        d = out / "efficiency"
-        _run(efficiency.main, m + b + ["--compare", "full,streaming,mat", *ls, "--out", str(d)])
-        md += ["## 6. Efficiency (MAT Table 6)", "", (d / "results.md").read_text(),
+        pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
+                                       num_layers=depth)
+        md += ["## 6. Efficiency (MAT Table 6)", "", efficiency.suite(lm, pols, out / "efficiency").table, "",
                "![efficiency](efficiency/efficiency.png)", ""]
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "

@@ -30,13 +30,6 @@ SUITE_DIR = Path(__file__).resolve().parent / "longbench" / "data_small"
 STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
 
 
-def _main_json(main, argv: list[str], result: Path) -> dict:
-    code = main(argv)
-    if code:
-        raise RuntimeError(f"{main.__module__} {' '.join(argv)} exited with {code}")
-    return json.loads(result.read_text())
-
-
 def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -> dict:
     from experiments import find_heads
     from experiments.longbench import __main__ as longbench
@@ -58,23 +51,17 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
         "streaming_key_outside_window": all(r["needle_at"] + 20 < r["length"] - (STREAMING_BUDGET - 4) for r in st),
         "samples_per_cell": samples,
     }
-    m = ["--model", str(lm.path)]
-    r = _main_json(ruler.main, m + ["--lengths", str(n), "--tasks", "niah_single_1", "--samples",
-                                             str(5 * samples), "--compare", "full", "--out", str(work / "ruler")],
-                   work / "ruler" / "results.json")
+    r = ruler.suite(lm, {"full": FullCache()}, work / "ruler", lengths=[n], tasks=["niah_single_1"],
+                    samples=5 * samples).summary
     ev["ruler_niah_single_1"] = {"length": n, "score": r["scores"]["full"]["niah_single_1"][str(n)],
                                  "samples": 5 * samples}
-    lb = _main_json(longbench.main, m + ["--data-dir", str(SUITE_DIR), "--compare", "full", "--samples",
-                                         str(5 * samples), "--out", str(work / "longbench")],
-                    work / "longbench" / "result.json")
-    ev["longbench_full"] = {d: s["score"] for d, s in lb["scores"]["full"].items()}
+    lb = longbench.suite(lm, {"full": FullCache()}, work / "longbench", data_dir=str(SUITE_DIR), samples=5 * samples)
+    ev["longbench_full"] = {d: row["full"] for d, row in lb.summary["table"].items()}
     rows = np.stack([np.concatenate([[tok.bos_token_id], data["docs_heldout"][s : s + n - 1]])
                      for s in (0, len(data["docs_heldout"]) // 2)]).astype(np.int32)
     ev["sink"] = sink_shares(model, rows)
     heads = Path(lm.path) / "heads.json"
-    if find_heads.main(m + ["--out", str(heads), "--k", str(n // 8), "--repeats", "4"]):
-        raise RuntimeError("experiments.find_heads failed")
-    table = json.loads(heads.read_text())["retrieval_kv_heads"]
+    table = np.asarray(find_heads.find(lm, heads, k=n // 8, repeats=4)[0]["retrieval_kv_heads"]).tolist()
     ev["retrieval_heads"] = {"kv_heads": table, "count": int(sum(map(sum, table))),
                              "of": len(table) * len(table[0])}
     return ev

@@ -26,9 +26,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
@@ -38,9 +37,7 @@ from experiments.common import (
     parse_ratios,
     policies_at_ratios,
     positive_int,
-    resolve_model,
 )
-from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
 from kvjax import fewshot, scoring
 from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
@@ -133,6 +130,42 @@ def plot_vs_kv(path: Path, summary: dict) -> None:
     plt.close(fig)
 
 
+def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: int = 0, scoring: str = "prefix",
+          progress: bool = True) -> driver.SuiteResult:
+    """Zero-shot multiple-choice accuracy of each policy (`{label: policy}`, a list or one) on `data`
+    (JSON lines) or the built-in task of `items` items, into `out`; summary `{"task", "scoring",
+    "results": {label: {"acc", "acc_norm", ...}}}`. Labels `name@r` (from `--ratios`) are also
+    plotted against the KV budget."""
+    if scoring not in SCORINGS:
+        raise driver.ArgumentError(f"scoring={scoring!r} is not one of {list(SCORINGS)}")
+    rows = read_items(data) if data else builtin_task(items, seed)
+    task = data or f"builtin(items={items}, seed={seed})"
+    policies = driver.labelled(policies)
+    # records are keyed by policy, so the policies (and --ratios) may grow across reruns
+    log = driver.open_records(out, lm, "items.jsonl", {"data": data, "items": items, "seed": seed,
+                                                       "scoring": scoring}, files=("data",))
+    summary = {}
+    for lab, pol in policies.items():
+        ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
+        for rid, row in driver.cells(list(zip(ids, rows)), f"zeroshot {lab}", progress):
+            if rid not in log:
+                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol, scoring)})
+        recs = [log.records[r] for r in ids]
+        summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
+                        "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs)}
+    lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance "
+             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %), {scoring} scoring", "",
+             "| policy | KV % | acc | acc_norm |", "|---|---|---|---|"]
+    kv = lambda lab: f"{100 * (1 - float(lab.rsplit('@', 1)[1])):g}" if "@" in lab else ""  # noqa: E731
+    lines += [f"| {lab} | {kv(lab)} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
+    figures = []
+    if any("@" in lab for lab in summary):
+        figures.append(Path(out) / "accuracy_vs_kv.png")
+        plot_vs_kv(figures[-1], summary)
+    return driver.finish("zeroshot", out, "\n".join(lines), {"task": task, "scoring": scoring, "results": summary},
+                         policies, figures)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
@@ -149,43 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
     parse_ratios(p, args)
-    rows = read_items(args.data) if args.data else builtin_task(args.items, args.seed)
-    task = args.data or f"builtin(items={args.items}, seed={args.seed})"
 
-    lm = resolve_model(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
+    attach_gate_params(args, lm)
     if args.ratios:
         if args.compare and args.policy:
             p.error("give --policy or --compare, not both")
         names = (args.compare or args.policy or args.compare_default).split(",")
-        labels, policies = zip(*policies_at_ratios(args, names, lm.config.num_layers, args.ratios))
+        labelled = dict(policies_at_ratios(args, names, lm.config.num_layers, args.ratios))
     else:
-        labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    out = Path(args.out)
-    # no resuming over another configuration's; records are keyed by policy, so --ratios may grow
-    claim_results_dir(out, lm, options_of(args, files=("data",), selection=("ratios",)))
-    log = ResultLog(out / "items.jsonl")
-    summary = {}
-    for lab, pol in zip(labels, policies):
-        ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
-        for rid, row in tqdm(list(zip(ids, rows)), desc=f"zeroshot {lab}"):
-            if rid not in log:
-                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol,
-                                                                           args.scoring)})
-        recs = [log.records[r] for r in ids]
-        summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
-                        "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs)}
-    lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance "
-             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %), {args.scoring} scoring", "",
-             "| policy | KV % | acc | acc_norm |", "|---|---|---|---|"]
-    kv = lambda lab: f"{100 * (1 - float(lab.rsplit('@', 1)[1])):g}" if "@" in lab else ""  # noqa: E731
-    lines += [f"| {lab} | {kv(lab)} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.md", "\n".join(lines) + "\n")
-    write_atomic(out / "results.json", dumps_finite({"task": task, "scoring": args.scoring, "results": summary}))
-    if args.ratios:
-        plot_vs_kv(out / "accuracy_vs_kv.png", summary)
-    print((out / "results.md").read_text())
+        labelled = dict(zip(*chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)))
+    res = driver.call(p, suite, lm, labelled, args.out, data=args.data, items=args.items, seed=args.seed,
+                      scoring=args.scoring)
+    print(res.table)
     return 0
 
 

@@ -66,6 +66,9 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer, or None if the directory has none
     config: LlamaConfig
     path: Path
+    # How it was loaded (dtype, attention_impl, allow_nonfinite; gate_params once gates are attached):
+    # part of the identity of every result computed with it (experiments.driver.open_records).
+    load_options: dict = dataclasses.field(default_factory=dict)
 
 
 def resolve(path_or_id: str | Path) -> Path:
@@ -300,7 +303,9 @@ def load(
     tok = None
     if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tok = load_tokenizer(path)
-    return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path)
+    return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path,
+                       load_options={"dtype": jnp.dtype(dtype).name, "attention_impl": attention_impl,
+                                     "allow_nonfinite": allow_nonfinite})
 
 
 def load_tokenizer(path: Path):

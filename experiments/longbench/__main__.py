@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_protocol_arg,
@@ -27,11 +27,10 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     positive_int,
-    resolve_model,
 )
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
-from experiments.records import claim_results_dir, content_fingerprint, dumps_finite, options_of, write_atomic
+from experiments.records import content_fingerprint, dumps_finite, write_atomic
 from models import SMALL_DIR
 
 DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
@@ -60,7 +59,8 @@ def parse(argv):
     return p, p.parse_args(argv)
 
 
-def write_tables(out: Path, result: dict) -> None:
+def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures) of the datasets x policies table; writes OUT/results.csv."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,14 +86,12 @@ def write_tables(out: Path, result: dict) -> None:
                 b = result["scores"][lab][d]["buckets"]
                 lines.append(f"| {d} | {lab} | " + " | ".join(str(b.get(k, "")) for k in ("0-4k", "4-8k", "8k+"))
                              + " |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["dataset", *labels])
         for d in datasets:
             w.writerow([d, *(table[d][lab] for lab in labels)])
         w.writerow(["average", *(avg[lab] for lab in labels)])
-    write_atomic(out / "results.json", dumps_finite({"table": table, "average": avg}))
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(datasets), 3.2))
     width = 0.8 / len(labels)
     for i, lab in enumerate(labels):
@@ -105,52 +103,72 @@ def write_tables(out: Path, result: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
     plt.close(fig)
+    return "\n".join(lines), {"table": table, "average": avg}, [out / "results.png"]
+
+
+def chosen_datasets(lm, data_dir: str | None, datasets: list[str] | None, e: bool) -> tuple[str, list[str]]:
+    """(data directory, dataset names): the offline suite for the model's window unless given, every
+    dataset in it unless named; an unknown name is an error."""
+    if data_dir is None:
+        data_dir = str(SMALL_DATA_DIR if lm.config.max_position_embeddings >= 2048 else DATA_DIR)
+    names = list(datasets) if datasets else harness.dataset_names(Path(data_dir), e)
+    for n in names:
+        harness.check_dataset(n)
+    return data_dir, names
+
+
+def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str] | None = None, e: bool = False,
+          samples: int | None = None, max_length: int | None = None, batch: int = 8, chat: bool = True,
+          protocol: str = "aware", progress: bool = True) -> driver.SuiteResult:
+    """Every dataset of `data_dir` (default: kvjax's offline suite for the model's window) under each
+    policy (`{label: policy}`, a list or one), into `out`: predictions per sample (resumable),
+    OUT/result.json with every score; summary `{"table": {dataset: {label: score}}, "average": ...}`.
+    `e`: LongBench-E, scored per length bucket."""
+    data_dir, names = chosen_datasets(lm, data_dir, datasets, e)
+    policies = driver.labelled(policies)
+    # The templates, generation budgets and metrics (config.json) shape every prediction: records made under
+    # another config are not this run's. Each policy's predictions are in their own directory.
+    driver.claim(out, lm, {"data_dir": data_dir, "e": e, "max_length": max_length,
+                                                  "batch": batch, "chat": chat, "protocol": protocol},
+                 files=("data_dir",), extra={"--data-dir": str(Path(data_dir).resolve()),
+                                             "harness config": content_fingerprint(harness.CONFIG_FILE)})
+    out = Path(out)
+    opts = harness.Options(max_length=max_length, batch=batch, samples=samples, chat=chat, e=e, protocol=protocol)
+    scores: dict[str, dict] = {}
+    t0 = time.time()
+    for label, policy in policies.items():
+        scores[label] = {}
+        for d in driver.cells(names, label, progress):
+            preds = harness.predict(lm, policy, Path(data_dir), d, out, opts)
+            scores[label][d] = harness.score_dataset(d, preds, e)
+    result = {"model": str(lm.path), "data_dir": str(data_dir), "datasets": names, "e": e,
+              "policies": {lab: pol.describe() for lab, pol in policies.items()},
+              "slugs": {lab: harness.policy_slug(pol) for lab, pol in policies.items()},
+              "scores": scores, "seconds": round(time.time() - t0, 1)}
+    write_atomic(out / "result.json", dumps_finite(result))
+    table, summary, figures = write_tables(out, result)
+    return driver.finish("longbench", out, table, summary, policies, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
     model = args.model or (SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else None)
-    lm = resolve_model(p, model, dtype=args.dtype, attention_impl=args.attention_impl,
+    lm = driver.load_model(model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
-    if args.data_dir is None:
-        args.data_dir = str(SMALL_DATA_DIR if lm.config.max_position_embeddings >= 2048 else DATA_DIR)
-    data_dir = Path(args.data_dir)
-    names = args.datasets.split(",") if args.datasets else harness.dataset_names(data_dir, args.e)
-    for n in names:
-        harness.check_dataset(n)
-    attach_gate_params(args, lm.model)
+    datasets = args.datasets.split(",") if args.datasets else None
+    chosen_datasets(lm, args.data_dir, datasets, args.e)  # a wrong dataset is reported before a wrong policy
+    attach_gate_params(args, lm)
     chosen = (args.compare or args.policy or args.compare_default).split(",")
     if "razor" in chosen and args.buffer is None and args.compression is None:
         # RazorAttention's S0 = 4000 (the paper's, for 7B models at long contexts) would keep these whole
         # prompts: its local heads keep the budget instead (the description records it)
         args.buffer = args.budget or args.default_budget
     labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    out = Path(args.out)
-    # No resuming over another configuration's records (each policy's are in their own directory).
-    # The templates, generation budgets and metrics (config.json) shape every prediction: records made under
-    # another config are not this run's.
-    claim_results_dir(out, lm, options_of(args, files=("data_dir",), selection=("datasets", "samples"))
-                      | {"--data-dir": str(data_dir.resolve()), "harness config": content_fingerprint(harness.CONFIG_FILE)})
-    out.mkdir(parents=True, exist_ok=True)
-    opts = harness.Options(max_length=args.max_length, batch=args.batch, samples=args.samples, chat=args.chat, e=args.e,
-                           protocol=args.protocol)
-    scores: dict[str, dict] = {}
-    t0 = time.time()
-    from tqdm import tqdm
-
-    for label, policy in zip(labels, policies):
-        scores[label] = {}
-        for d in tqdm(names, desc=label):
-            preds = harness.predict(lm, policy, data_dir, d, out, opts)
-            scores[label][d] = harness.score_dataset(d, preds, args.e)
-    result = {"model": str(lm.path), "data_dir": str(data_dir), "datasets": names, "e": args.e,
-              "policies": {lab: pol.describe() for lab, pol in zip(labels, policies)},
-              "slugs": {lab: harness.policy_slug(pol) for lab, pol in zip(labels, policies)},
-              "scores": scores, "seconds": round(time.time() - t0, 1)}
-    write_atomic(out / "result.json", dumps_finite(result))
-    write_tables(out, result)
-    print((out / "results.md").read_text())
-    print(f"wrote {out}/result.json and results.{{md,csv,json,png}} ({result['seconds']:.0f} s)")
+    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, data_dir=args.data_dir,
+                      datasets=datasets, e=args.e, samples=args.samples,
+                      max_length=args.max_length, batch=args.batch, chat=args.chat, protocol=args.protocol)
+    print(res.table)
+    print(f"wrote {res.out}/result.json and results.{{md,csv,json,png}}")
     return 0
 
 

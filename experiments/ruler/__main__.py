@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
@@ -38,9 +38,8 @@ from experiments.common import (
     parse_ratios,
     policies_at_ratios,
     positive_int,
-    resolve_model,
 )
-from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import ResultLog, write_atomic
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate
@@ -92,24 +91,25 @@ def parse(argv):
     return p, args
 
 
-def cell_policies(p, args, num_layers: int, task: T.Task, length: int, gen: int) -> list[tuple[str, object]]:
-    """(label, policy) for one (task, length) cell: the command line's policies, or each at each ratio
-    (MAT's default beta a quarter of that ratio's share of the cell's prompt room, length - generated)."""
+def cell_policies(p, args, num_layers: int):
+    """The command line's policies: a `{label: policy}`, or with --ratios a function of a cell's prompt
+    room (length - generated) giving each policy at each ratio (MAT's default beta a quarter of that
+    ratio's share of the room)."""
     if not args.ratios:
-        return list(zip(*chosen_policies(p, args, num_layers)))
+        return dict(zip(*chosen_policies(p, args, num_layers)))
     names = (args.compare or args.policy or args.compare_default).split(",")
-    return policies_at_ratios(args, names, num_layers, args.ratios, room=length - gen)
+    return lambda room: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room))
 
 
-def cell_samples(out: Path, lm, task: T.Task, length: int, args, gen: int) -> list[T.Sample]:
-    """The cell's samples, generated once and kept in OUT/data (the identity ties them to the tokenizer)."""
+def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int) -> list[T.Sample]:
+    """The cell's `count` samples, generated once and kept in OUT/data (the identity ties them to the
+    tokenizer and the seed)."""
     path = out / "data" / f"{task.name}-{length}.jsonl"
     if path.is_file():
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if len(rows) >= args.samples:
-            return [T.Sample(**{**r, "outputs": tuple(r["outputs"])}) for r in rows[: args.samples]]
-    samples = T.generate(task, length, args.samples, T.token_counter(lm.tokenizer), seed=args.seed,
-                         tokens_to_generate=gen)
+        if len(rows) >= count:
+            return [T.Sample(**{**r, "outputs": tuple(r["outputs"])}) for r in rows[:count]]
+    samples = T.generate(task, length, count, T.token_counter(lm.tokenizer), seed=seed, tokens_to_generate=gen)
     write_atomic(path, "".join(json.dumps(s.__dict__ | {"outputs": list(s.outputs)}) + "\n" for s in samples))
     return samples
 
@@ -120,15 +120,16 @@ def encode(tok, sample: T.Sample) -> tuple[list[int], list[int]]:
                                                     add_special_tokens=False)["input_ids"]
 
 
-def predict(lm, policy, label: str, task: T.Task, length: int, samples, log: ResultLog, args, gen: int, bar):
+def predict(lm, policy, label: str, task: T.Task, length: int, samples, log: ResultLog, protocol: str, batch: int,
+            gen: int, bar):
     tok = lm.tokenizer
-    key = lambda s: f"{policy.describe()}|{args.protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
+    key = lambda s: f"{policy.describe()}|{protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
     todo = [s for s in samples if key(s) not in log]
     bar.update(len(samples) - len(todo))
-    for i in range(0, len(todo), args.batch):
-        chunk = todo[i:i + args.batch]
+    for i in range(0, len(todo), batch):
+        chunk = todo[i:i + batch]
         ids = [encode(tok, s) for s in chunk]
-        if args.protocol == "agnostic":
+        if protocol == "agnostic":
             gen_out = generate(lm.model, [c for c, _ in ids], policy, questions=[q for _, q in ids],
                                max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
         else:
@@ -143,8 +144,9 @@ def predict(lm, policy, label: str, task: T.Task, length: int, samples, log: Res
     return [log.records[key(s)] for s in samples]
 
 
-def write_report(out: Path, rows: list[dict], meta: dict) -> dict:
-    """Scores per (label, task, length) as RULER reports them (string_match_all), + averages and plots."""
+def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures): scores per (label, task, length) as RULER reports them
+    (string_match_all), averages, OUT/results.csv and the plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,7 +168,6 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> dict:
     result = {**meta, "scores": {lab: {t: {str(n): v for n, v in row.items()} for t, row in ts.items()}
                                  for lab, ts in table.items()},
               "average": {lab: {str(n): v for n, v in row.items()} for lab, row in avg.items()}}
-    write_atomic(out / "results.json", dumps_finite(result))
     lines = [f"RULER ({meta['protocol']} protocol, {meta['samples']} samples per cell, seed {meta['seed']}): "
              f"{meta['model']}", "", "Policies: " + "; ".join(f"**{lab}** = `{meta['policies'][lab]}`" for lab in labels),
              "", "| policy | length | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
@@ -182,15 +183,14 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> dict:
     unofficial = [t for t in tasks if not T.TASKS[t].official]
     if unofficial:
         lines += ["", f"`{'`, `'.join(unofficial)}`: RULER's essay tasks on standard-library text; not RULER's scores."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for lab in labels:
         ax.plot(lengths, [avg[lab][n] for n in lengths], marker="o", label=lab)
     ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="string_match_all (mean over tasks)", ylim=(-2, 102))
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out / "score_vs_length.png", dpi=110)
+    figures = [out / "score_vs_length.png"]
+    fig.savefig(figures[0], dpi=110)
     plt.close(fig)
     ratio_of = {lab: float(lab.rsplit("@", 1)[1]) for lab in labels if "@" in lab}
     if ratio_of:  # the leaderboard's plot: score against compression ratio, one panel per task
@@ -209,45 +209,64 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> dict:
         axes[0][0].set_ylabel("string_match_all")
         axes[0][-1].legend(fontsize=6)
         fig.tight_layout()
-        fig.savefig(out / "score_vs_ratio.png", dpi=110)
+        figures.append(out / "score_vs_ratio.png")
+        fig.savefig(figures[-1], dpi=110)
         plt.close(fig)
-    return result
+    return "\n".join(lines), result, figures
+
+
+def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[str] | None = None, samples: int = 10,
+          seed: int = T.DEFAULT_SEED, protocol: str = "agnostic", max_new_tokens: int | None = None, batch: int = 4,
+          progress: bool = True) -> driver.SuiteResult:
+    """RULER's `tasks` (default: its offline ones) at each sequence length (default: the model's
+    window) under each policy, into `out`; summary `{"scores": {label: {task: {length: score}}},
+    "average": ..., ...}`. `policies` is `{label: policy}` (a list, or one), or a function of a cell's
+    prompt room (length - tokens generated) giving them, as a ratio sweep needs."""
+    tasks = list(tasks or T.OFFICIAL)
+    unknown = [n for n in tasks if n not in T.TASKS]
+    if unknown:
+        raise driver.ArgumentError(f"tasks={unknown[0]!r} is unknown; RULER's offline tasks: {', '.join(T.TASKS)}")
+    if protocol not in ("agnostic", "aware"):
+        raise driver.ArgumentError(f"protocol={protocol!r} is not 'agnostic' or 'aware'")
+    n_pos = lm.config.max_position_embeddings
+    lengths = list(lengths or [n_pos])
+    too_long = [n for n in lengths if n > n_pos]
+    if too_long:
+        raise driver.ArgumentError(f"lengths={too_long} exceed the model's max_position_embeddings={n_pos}")
+    per_cell = policies if callable(policies) else (lambda room, fixed=driver.labelled(policies): fixed)
+    out = Path(out)
+    # lengths, tasks and samples only select records
+    log = driver.open_records(out, lm, "preds.jsonl", {"seed": seed, "protocol": protocol,
+                                                       "max_new_tokens": max_new_tokens, "batch": batch})
+    rows, described = [], {}
+    for n in lengths:
+        for name in tasks:
+            task = T.TASKS[name]
+            gen = max_new_tokens or task.tokens_to_generate
+            try:
+                cell = cell_samples(out, lm, task, n, samples, seed, gen)
+            except InvalidInput as err:
+                raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
+                                           "max_new_tokens=", usage=False) from None
+            for label, policy in per_cell(n - gen).items():
+                described[label] = policy.describe()
+                with tqdm(total=len(cell), desc=f"{name} {n} {label}", leave=False, disable=not progress) as bar:
+                    rows += predict(lm, policy, label, task, n, cell, log, protocol, batch, gen, bar)
+    meta = {"model": str(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described}
+    table, summary, figures = write_report(out, rows, meta)
+    return driver.finish("ruler", out, table, summary, described, figures)
 
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
-    lm = resolve_model(p, args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+    lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm.model)
-    n_pos = lm.config.max_position_embeddings
-    lengths = args.lengths or [n_pos]
-    too_long = [n for n in lengths if n > n_pos]
-    if too_long:
-        p.error(f"argument --lengths: {too_long} exceed the model's max_position_embeddings={n_pos}")
-    out = Path(args.out)
-    # No resuming over another configuration's records; lengths, tasks and samples only select records.
-    claim_results_dir(out, lm, options_of(args, selection=("lengths", "tasks", "samples", "task_names")))
-    log = ResultLog(out / "preds.jsonl")
-    rows, described = [], {}
-    for n in lengths:
-        for name in args.task_names:
-            task = T.TASKS[name]
-            gen = args.max_new_tokens or task.tokens_to_generate
-            try:
-                samples = cell_samples(out, lm, task, n, args, gen)
-            except InvalidInput as err:
-                raise InvalidInput(f"{err}; pass --tasks without {name}, a longer --lengths, or a smaller "
-                                   "--max-new-tokens") from None
-            for label, policy in cell_policies(p, args, lm.config.num_layers, task, n, gen):
-                described[label] = policy.describe()
-                with tqdm(total=len(samples), desc=f"{name} {n} {label}", leave=False) as bar:
-                    rows += predict(lm, policy, label, task, n, samples, log, args, gen, bar)
-    meta = {"model": str(lm.path), "protocol": args.protocol, "samples": args.samples, "seed": args.seed,
-            "policies": described}
-    write_report(out, rows, meta)
-    print((out / "results.md").read_text())
-    print(f"wrote {out}/results.{{md,csv,json}} and {out}/score_vs_length.png"
-          + (f", {out}/score_vs_ratio.png" if args.ratios else ""))
+    attach_gate_params(args, lm)
+    res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers), args.out, lengths=args.lengths,
+                      tasks=args.task_names, samples=args.samples, seed=args.seed, protocol=args.protocol,
+                      max_new_tokens=args.max_new_tokens, batch=args.batch)
+    print(res.table)
+    print(f"wrote {res.out}/results.{{md,csv,json}} and " + ", ".join(str(f) for f in res.figures))
     return 0
 
 

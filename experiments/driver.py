@@ -1,0 +1,194 @@
+"""One driver for every suite: resolve the model and the policies, claim OUT's identity, keep the
+records, loop, report.
+
+Each suite is a typed function, `suite(lm, policies, out, **options) -> SuiteResult`, called the same
+way by its command line (`main(argv)` parses flags, loads the model, and calls `suite`) and by
+`experiments.report`, which gets the tables and numbers back as a `SuiteResult` instead of reading
+JSON files. Called from Python, an error names the keyword argument (`lengths=[9]`); from the
+command line, the flag (`--lengths 9`).
+
+    from experiments import driver, passkey
+    lm = driver.load_model("models/small")
+    result = passkey.suite(lm, driver.resolve_policies("full,streaming", budget=256), "results/pk")
+    result.summary["streaming"]          # {length: {depth: accuracy}}
+
+The steps every suite shares live here: `open_records` (the identity of OUT is the model as loaded
+plus the suite's options that change a result, so a rerun resumes and another configuration is
+refused), `cells` (the loop over what is not yet recorded, with progress) and `finish` (the
+tables, written atomically, returned typed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from kvjax.errors import InvalidInput
+from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
+
+
+class ArgumentError(InvalidInput):
+    """A suite's argument is invalid, or (`usage=False`) does not fit the data or the model. The
+    message names keywords (`lengths=[9]`; a bare `tasks=` names the option itself); from the
+    command line they read as flags (`call`)."""
+
+    def __init__(self, message: str, *, usage: bool = True):
+        super().__init__(message)
+        self.usage = usage
+
+
+def call(parser: argparse.ArgumentParser, suite, *args, **kwargs) -> SuiteResult:
+    """`suite(*args, **kwargs)` from a command line, each keyword of an `ArgumentError` written as the
+    flag the user typed: a usage error ends as `parser`'s (exit 2 after the usage line, as argparse's
+    own), any other as one `error:` line (`experiments.cli`)."""
+    try:
+        return suite(*args, **kwargs)
+    except ArgumentError as err:
+        message = as_flags(str(err), {a.dest for a in parser._actions})
+        if err.usage:
+            parser.error(message)
+        raise InvalidInput(message) from None
+
+
+def as_flags(message: str, dests: set[str]) -> str:
+    """`lengths=[9] + new=8` -> `--lengths [9] + --new 8`, and a bare `tasks=` -> `--tasks`, for the
+    names in `dests` (a parser's options); every other `name=` stays."""
+    def flag(m: re.Match) -> str:
+        if m.group(1) not in dests:
+            return m.group(0)
+        return f"--{m.group(1).replace('_', '-')}" + ("" if m.group(2) is not None else " ")
+
+    return re.sub(r"\b([a-z_]+)=((?=[\s,;.)]|$))?", flag, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteResult:
+    """What a suite run returns: its markdown table (OUT/results.md), its numbers (OUT/results.json),
+    the figures it drew and each policy label's full description."""
+
+    suite: str
+    out: Path
+    table: str
+    summary: Mapping[str, Any]
+    policies: Mapping[str, str]
+    figures: tuple[Path, ...] = ()
+
+
+def load_model(path=None, *, dtype: str = "float32", attention_impl: str = "xla", allow_nonfinite: bool = False,
+               gate_params: str | None = None):
+    """The model a suite runs on, with its tokenizer (`path=None`: the embedded default model), and
+    Attention-Gate parameters attached when `gate_params` names a directory from
+    `experiments.train_gate`. How it was loaded is recorded on it (`lm.load_options`) and is part of
+    every results directory's identity."""
+    from experiments.common import DEFAULT_MODEL_DIR, default_model_dir
+    from models import load
+
+    if path is None:
+        path, random_weights = default_model_dir()
+        if random_weights:
+            print(f"NOTE: RANDOM WEIGHTS - {DEFAULT_MODEL_DIR} is missing, so the default model is a tiny "
+                  f"randomly initialised Llama ({path}); its results mean nothing.")
+    lm = load(path, dtype=dtype, attention_impl=attention_impl, allow_nonfinite=allow_nonfinite)
+    if lm.tokenizer is None:
+        raise InvalidInput(f"{path} has no tokenizer files")
+    if gate_params is not None:
+        attach_gates(lm, gate_params)
+    return lm
+
+
+def attach_gates(lm, gate_params: str) -> None:
+    """Loads the gates in `gate_params` into `lm.model`; they change what the gate policy keeps, so
+    the directory (and its content) joins the identity of every result computed with them."""
+    from kvjax.gate import load_gates
+
+    load_gates(lm.model, gate_params)
+    lm.load_options["gate_params"] = str(gate_params)
+
+
+def policy_options(names: Sequence[str], options: Mapping[str, Any]) -> tuple[list[dict], set[str]]:
+    """Each policy's share of `options` (those its constructor takes), and the options none takes."""
+    params = [inspect.signature(REGISTRY[n]).parameters for n in names]
+    given = {k: v for k, v in options.items() if v is not None}
+    return [{k: v for k, v in given.items() if k in ps} for ps in params], set(given) - {k for ps in params for k in ps}
+
+
+def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, num_layers: int | None = None,
+                     **options) -> dict[str, Policy]:
+    """`{label: policy}` for `names` ("full,streaming" or a list), each given the keyword `options` its
+    constructor takes and `budget` if it takes one: the Python form of `--compare`. An option that
+    no policy takes, or a budget none takes, is an error naming the keyword; a name given twice is
+    labelled name#i. `num_layers` goes to the policies that need the depth (PyramidKV)."""
+    names = names.split(",") if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise InvalidInput(f"unknown policy {unknown[0]!r}; available: {sorted(REGISTRY)}")
+    if budget is not None and all(n in NO_BUDGET for n in names):
+        raise InvalidInput(f"budget={budget}: no policy of {','.join(names)} takes a budget")
+    per_policy, unused = policy_options(names, options)
+    if unused:
+        raise InvalidInput(f"{', '.join(f'{k}=' for k in sorted(unused))}: no policy of {','.join(names)} takes it")
+    out = {}
+    for i, (n, kw) in enumerate(zip(names, per_policy)):
+        if num_layers is not None and "num_layers" in inspect.signature(REGISTRY[n]).parameters:
+            kw["num_layers"] = num_layers
+        out[n if names.count(n) == 1 else f"{n}#{i}"] = make_policy(n, None if n in NO_BUDGET else budget, **kw)
+    return out
+
+
+def labelled(policies: Mapping[str, Policy] | Sequence[Policy] | Policy) -> dict[str, Policy]:
+    """`{label: policy}`: a mapping as given, or a policy (or list) labelled by its description."""
+    if isinstance(policies, Policy):
+        policies = [policies]
+    if isinstance(policies, Mapping):
+        return dict(policies)
+    return {p.describe(): p for p in policies}
+
+
+def claim(out: str | Path, lm, options: Mapping[str, Any], *, files: Iterable[str] = (),
+          selection: Iterable[str] = (), extra: Mapping[str, Any] | None = None) -> Path:
+    """Claims `out` for this configuration: a rerun with the same identity resumes, another is
+    refused naming each difference.
+
+    The identity is the model as loaded (`lm.load_options`: dtype, attention, gates, ...) and the
+    suite's `options` that change a result, spelled as their flags so that the command line and
+    Python calls share a directory. `files` name options whose content counts; `selection` options
+    that only choose which records are computed (each record's key names its coordinates), so a
+    rerun asking for more of them resumes. `extra` entries join the identity as named (e.g. the
+    fingerprint of a harness's config). Policies are not here: records are keyed by each policy's
+    full description."""
+    out = Path(out)
+    load = {"gate_params": None, **getattr(lm, "load_options", {})}
+    claim_results_dir(out, lm, options_of({**load, **options}, policy_keyed=False, files={*files, "gate_params"},
+                                          selection=selection) | dict(extra or {}))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def open_records(out: str | Path, lm, log: str, options: Mapping[str, Any], *, key: str = "id", **identity
+                 ) -> ResultLog:
+    """`claim(out, lm, options, **identity)`, then the records of `out/log` keyed by `key` (resumable)."""
+    return ResultLog(claim(out, lm, options, **identity) / log, key=key)
+
+
+def cells(todo: Sequence, desc: str, progress: bool = True) -> tqdm:
+    """The loop over the cells not yet recorded, with a progress bar."""
+    return tqdm(todo, desc=desc, disable=not progress)
+
+
+def finish(suite: str, out: str | Path, table: str, summary: Mapping[str, Any], policies: Mapping[str, Policy | str],
+           figures: Iterable[Path] = ()) -> SuiteResult:
+    """Writes OUT/results.md and OUT/results.json (atomically; a non-finite number is an error) and
+    returns them typed."""
+    out = Path(out)
+    write_atomic(out / "results.md", table if table.endswith("\n") else table + "\n")
+    write_atomic(out / "results.json", dumps_finite(dict(summary)))
+    described = {lab: p if isinstance(p, str) else p.describe() for lab, p in policies.items()}
+    return SuiteResult(suite, out, table, summary, described, tuple(Path(f) for f in figures))

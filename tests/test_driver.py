@@ -1,0 +1,91 @@
+"""The suite driver (issue #22, item 6): a suite is a typed function, called the same way by its
+command line and by `experiments.report`; errors name what the caller wrote (a keyword from Python,
+a flag from the shell); a Python call and a command line share a results directory."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+
+import pytest
+
+from experiments import cli, driver, passkey, report
+from experiments.driver import ArgumentError, SuiteResult
+from kvjax.errors import InvalidInput
+from kvjax.policies import FullCache, StreamingLLM
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_dir):
+    return driver.load_model(tiny_dir)
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_suite_called_from_python_returns_its_tables_and_shares_its_directory_with_the_cli(lm, tiny_dir,
+                                                                                          tmp_path, capsys):
+    out = tmp_path / "pk"
+    pols = driver.resolve_policies("full,streaming", budget=32)
+    assert pols["full"] == FullCache() and pols["streaming"] == StreamingLLM(budget=32, sinks=4)
+    res = passkey.suite(lm, pols, out, lengths=[300], depths=[0.5], samples=1, progress=False)
+    assert isinstance(res, SuiteResult) and res.suite == "passkey" and res.out == out
+    # the typed result is what the files say, not a second computation
+    assert res.summary == json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().rstrip("\n") == res.table.rstrip("\n")
+    assert res.policies == {"full": FullCache().describe(), "streaming": pols["streaming"].describe()}
+    assert res.figures == (out / "results.png",) and res.figures[0].is_file()
+    recs = _records(out / "samples.jsonl")
+    assert len(recs) == 2
+    for r in recs:  # one sample per policy; its accuracy cell is that sample's verdict
+        assert res.summary[r["policy"]] == {"300": {"0.5": float(r["correct"])}}
+    # The command line with the same options resumes the Python call's records: one identity.
+    argv = ["--model", str(tiny_dir), "--lengths", "300", "--depths", "0.5", "--samples", "1", "--out", str(out)]
+    assert cli.run(passkey.main, argv) == 0
+    assert _records(out / "samples.jsonl") == recs
+    capsys.readouterr()
+    # and another seed is refused from Python, naming the option as the identity file spells it
+    with pytest.raises(InvalidInput, match="--seed: 0 -> 1"):
+        passkey.suite(lm, pols, out, lengths=[300], depths=[0.5], samples=1, seed=1, progress=False)
+
+
+def test_errors_name_the_keyword_from_python_and_the_flag_from_the_command_line(lm, tiny_dir, tmp_path, capsys):
+    with pytest.raises(ArgumentError, match=r"lengths=\[4093\] \+ 8 generated tokens exceed"):
+        passkey.suite(lm, [FullCache()], tmp_path / "a", lengths=[4093])
+    with pytest.raises(SystemExit):
+        passkey.main(["--model", str(tiny_dir), "--lengths", "4093", "--out", str(tmp_path / "b")])
+    assert "--lengths [4093] + 8 generated tokens exceed" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before claiming OUT
+    with pytest.raises(InvalidInput, match="kernel=: no policy of streaming takes it"):
+        driver.resolve_policies("streaming", budget=32, kernel=5)
+    with pytest.raises(InvalidInput, match="budget=8: no policy of full takes a budget"):
+        driver.resolve_policies("full", budget=8)
+    with pytest.raises(TypeError, match="lenghts"):  # a typo in a keyword is Python's own error
+        passkey.suite(lm, [FullCache()], tmp_path / "c", lenghts=[300])
+
+
+def test_as_flags_rewrites_only_the_parsers_options():
+    msg = "lengths=[9] + new=8 exceed max_position_embeddings=4096 (prefill_mode=stream lifts it)"
+    assert driver.as_flags(msg, {"lengths", "new", "prefill_mode"}) == (
+        "--lengths [9] + --new 8 exceed max_position_embeddings=4096 (--prefill-mode stream lifts it)")
+
+
+def test_a_name_given_twice_is_labelled_by_position():
+    pols = driver.resolve_policies(["streaming", "streaming"], budget=16)
+    assert list(pols) == ["streaming#0", "streaming#1"]
+
+
+def test_the_report_calls_the_suites_as_functions():
+    """No suite is run through its argv `main`, and no suite's results are read back from its files."""
+    tree = ast.parse(inspect.getsource(report))
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert "main" not in called and {"suite", "find", "resolve_policies", "load_model"} <= called
+    assert "results.json" not in inspect.getsource(report.main).split("for name, path, how in")[0]
+
+
+def test_as_flags_writes_a_bare_keyword_as_the_flag_alone():
+    msg = "vt does not fit; pass tasks= without vt, a longer lengths=, or a smaller max_new_tokens="
+    assert driver.as_flags(msg, {"tasks", "lengths", "max_new_tokens"}) == (
+        "vt does not fit; pass --tasks without vt, a longer --lengths, or a smaller --max-new-tokens")
