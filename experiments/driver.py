@@ -66,7 +66,7 @@ def as_flags(message: str, dests: set[str]) -> str:
             return m.group(0)
         return f"--{m.group(1).replace('_', '-')}" + ("" if m.group(2) is not None else " ")
 
-    return re.sub(r"\b([a-z_]+)=((?=[\s,;.)]|$))?", flag, message)
+    return re.sub(r"\b([a-z_]+)=((?=[\s,;:.)]|$))?", flag, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +166,19 @@ def claim(out: str | Path, lm, options: Mapping[str, Any], *, files: Iterable[st
     full description."""
     out = Path(out)
     load = {"gate_params": None, **getattr(lm, "load_options", {})}
-    claim_results_dir(out, lm, options_of({**load, **options}, policy_keyed=False, files={*files, "gate_params"},
-                                          selection=selection) | dict(extra or {}))
+    try:
+        claim_results_dir(out, lm, options_of({**load, **options}, policy_keyed=False, files={*files, "gate_params"},
+                                              selection=selection) | dict(extra or {}))
+    except InvalidInput as err:  # a refusal names options as the identity file spells them: `--seed`, `--out`
+        raise ArgumentError(as_keywords(str(err)), usage=False) from None
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def as_keywords(message: str) -> str:
+    """`--seed: 0 -> 1; pass a new --out` -> `seed=: 0 -> 1; pass a new out=`: the identity's flags as the
+    keywords a Python caller wrote (`call` turns them back into flags for the command line)."""
+    return re.sub(r"(?<![\w-])--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_") + "=", message)
 
 
 def open_records(out: str | Path, lm, log: str, options: Mapping[str, Any], *, key: str = "id", **identity

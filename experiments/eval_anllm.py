@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     # Every option shapes the items or the anchors: no resuming over another configuration's records.
-    log = driver.open_records(out, lm, "items.jsonl", {
+    log = driver.call(p, driver.open_records, out, lm, "items.jsonl", {
         "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
         "options": args.options, "seed": args.seed}, files=("data",), key="i")
     for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):

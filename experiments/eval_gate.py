@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     driver.attach_gates(lm, args.gate_params)
     out = Path(args.out or Path(args.gate_params) / "eval")
     # Resumable part by part (OUT/parts.jsonl), never over another configuration's parts.
-    log = driver.open_records(out, lm, "parts.jsonl", {"data": args.data, "windows": args.windows,
+    log = driver.call(p, driver.open_records, out, lm, "parts.jsonl", {"data": args.data, "windows": args.windows,
                                                        "seq_len": args.seq_len, "prefix": args.prefix,
                                                        "baseline_eviction": args.baseline_eviction}, files=("data",))
     result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix,

@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if "perplexity" not in skip:
         d = out / "perplexity"
-        full = perplexity.suite(lm, driver.resolve_policies("full"), d / "full", lengths=[n // 2, n])
+        full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full", lengths=[n // 2, n])
         md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
                full.table, ""]
         for budget in args.budgets:
             pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
                                            num_layers=depth)
-            res = perplexity.suite(lm, pols, d / f"rolling-{budget}", lengths=[n // 2, n, 2 * n])
+            res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=[n // 2, n, 2 * n])
             roll = res.summary["ppl"]
             md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
                    f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
@@ -103,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         if not heads.is_file():
             heads = out / "heads.json"
             if not heads.is_file():
-                find_heads.find(lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
+                driver.call(p, find_heads.find, lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
         longest = n - needle.MAX_NEW_TOKENS
         razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
         same_bytes = equal_bytes_budget(lm.model, razor, longest, needle.MAX_NEW_TOKENS)
         pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
-        res = needle.suite(lm, pols, d)
+        res = driver.call(p, needle.suite, lm, pols, d)
         md += ["## 2. Needle in a haystack (RazorAttention) at equal cache bytes", "",
                f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
                f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget in args.budgets:
             d = out / "longbench" / f"budget-{budget}"
             pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
-            res = longbench.suite(lm, pols, d, samples=args.samples)
+            res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples)
             avg = res.summary["average"]
             md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
             claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite at budget {budget}: "
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if "zeroshot" not in skip:
         pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth, **window)
-        zs = zeroshot.suite(lm, pols, out / "zeroshot")
+        zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot")
         res = zs.summary["results"]
         md += ["## 4. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
         claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
@@ -144,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if "passkey" not in skip:
         pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth)
-        md += ["## 5. Passkey retrieval (accuracy %)", "", passkey.suite(lm, pols, out / "passkey").table, ""]
+        md += ["## 5. Passkey retrieval (accuracy %)", "", driver.call(p, passkey.suite, lm, pols, out / "passkey").table, ""]
 
     if "efficiency" not in skip:
         pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth)
-        md += ["## 6. Efficiency (MAT Table 6)", "", efficiency.suite(lm, pols, out / "efficiency").table, "",
+        md += ["## 6. Efficiency (MAT Table 6)", "", driver.call(p, efficiency.suite, lm, pols, out / "efficiency").table, "",
                "![efficiency](efficiency/efficiency.png)", ""]
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "

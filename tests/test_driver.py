@@ -46,9 +46,11 @@ def test_a_suite_called_from_python_returns_its_tables_and_shares_its_directory_
     assert cli.run(passkey.main, argv) == 0
     assert _records(out / "samples.jsonl") == recs
     capsys.readouterr()
-    # and another seed is refused from Python, naming the option as the identity file spells it
-    with pytest.raises(InvalidInput, match="--seed: 0 -> 1"):
+    # and another seed is refused from Python naming the keyword (the shell's refusal names --seed)
+    with pytest.raises(InvalidInput, match=r"\(seed=: 0 -> 1\); pass a new out= or delete"):
         passkey.suite(lm, pols, out, lengths=[300], depths=[0.5], samples=1, seed=1, progress=False)
+    code = cli.run(passkey.main, argv + ["--seed", "1"])
+    assert code == 2 and "(--seed: 0 -> 1); pass a new --out or delete" in capsys.readouterr().err
 
 
 def test_errors_name_the_keyword_from_python_and_the_flag_from_the_command_line(lm, tiny_dir, tmp_path, capsys):
@@ -80,9 +82,16 @@ def test_a_name_given_twice_is_labelled_by_position():
 def test_the_report_calls_the_suites_as_functions():
     """No suite is run through its argv `main`, and no suite's results are read back from its files."""
     tree = ast.parse(inspect.getsource(report))
-    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
-    assert "main" not in called and {"suite", "find", "resolve_policies", "load_model"} <= called
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert "main" not in used and {"suite", "find", "resolve_policies", "load_model"} <= used
     assert "results.json" not in inspect.getsource(report.main).split("for name, path, how in")[0]
+
+
+def test_identity_flags_read_as_keywords_from_python_and_back_as_flags():
+    msg = "OUT holds results of another configuration (--seed: 0 -> 1; --data content: ['a'] -> ['b']); pass a new --out"
+    py = driver.as_keywords(msg)
+    assert py == "OUT holds results of another configuration (seed=: 0 -> 1; data= content: ['a'] -> ['b']); pass a new out="
+    assert driver.as_flags(py, {"seed", "data", "out"}) == msg
 
 
 def test_as_flags_writes_a_bare_keyword_as_the_flag_alone():
