@@ -33,6 +33,7 @@ from kvjax.deprecated import renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.compose import PerLayer
+from kvjax.policies.plan import LayerPlan, Plan, resolve
 from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 from kvjax.stats import NO_STATS
@@ -208,14 +209,13 @@ def _linear(i, o, bias, dtype, rngs, std=0.02):
     return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
 
-def rule_groups(rule: Policy, layer: int, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
-    """`[(kv_heads, rule, cache)]`: the layer's one rule over all its KV heads (`kv_heads` None), or, when
-    `rule.head_split(layer)` splits them, each group's heads, rule and cache. The one place head groups
-    are resolved: prefill, chunks, decoding and `size_rows` all go through it."""
-    split = rule.head_split(layer)
-    if split is None:
-        return [(None, rule, cache)]
-    return [(list(heads), sub, c) for (heads, sub), c in zip(split, cache.groups)]
+def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
+    """`[(kv_heads, rule, cache)]` of a layer's plan: its one rule over all its KV heads (`kv_heads`
+    None), or each head group's heads, rule and cache. Prefill, chunks, decoding and `size_rows` all
+    go through it."""
+    if not plan.split:
+        return [(None, plan.groups[0].rule, cache)]
+    return [(list(g.kv_heads), g.rule, c) for g, c in zip(plan.groups, cache.groups)]
 
 
 def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
@@ -263,43 +263,43 @@ class Attention(nnx.Module):
         self,
         x: Float[Array, "b t D"],
         pos: Int[Array, "b t"],
-        policy: Policy | None,
+        plan: LayerPlan | None,
         cache: LayerCache | None,
         anchor_mask: attention.AnchorMask | None = None,
         tokens: Int[Array, "b t"] | None = None,
     ):
         """Attention over a prompt: `(output, cache, keep)`, `keep` `[b, kvh, t]` the gate's flags
-        (eq. 7) when a gate runs: in the plain forward, and at prefill under a policy that uses it."""
+        (eq. 7) when a gate runs: in the plain forward (`plan` None), and at prefill under a plan
+        whose rules ask for them. With a plan, each of its groups caches its heads under its rule."""
         q, k, v = self._qkv(x)
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
-        policy = None if policy is None else policy.at_layer(self.layer)  # this layer's rule
-        wanted = NO_STATS if policy is None else policy.prefill_stats(self.layer)
+        wanted = NO_STATS if plan is None else plan.prefill_stats()
         keep = None
         if wanted.gate_keep and self.gate is None:
-            raise ValueError(f"{policy.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
+            raise ValueError(f"{plan.rule.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
                              "(--gate-params DIR)")
-        if self.gate is not None and (policy is None or wanted.gate_keep):
+        if self.gate is not None and (plan is None or wanted.gate_keep):
             keep = self.gate(x, pos)
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
             anchor_mask=anchor_mask, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
-        if policy is not None:
-            k_store = k if policy.position_mode(self.layer) == "rolling" else k_rot
+        if plan is not None:
+            k_store = k if plan.position_mode == "rolling" else k_rot
             if keep is not None:
                 stats = dataclasses.replace(stats, gate_keep=keep > 0)
             ctx = Context(pos, tokens)
             cache = regroup(cache, [
                 rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
                              stats if heads is None else stats.map(lambda a: a[:, heads]))
-                for heads, rule, c in rule_groups(policy, self.layer, cache)])
+                for heads, rule, c in rule_groups(plan, cache)])
         return self._out(o), cache, keep
 
     def extend(
         self,
         x: Float[Array, "b t D"],
         pos: Int[Array, "b t"],
-        policy: Policy,
+        plan: LayerPlan,
         cache: LayerCache,
         anchor_mask: attention.AnchorMask | None = None,
     ) -> Float[Array, "b t D"]:
@@ -308,30 +308,30 @@ class Attention(nnx.Module):
         q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         o, _ = attention.prefix_attention(
             q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
-            slot_visible=policy.at_layer(self.layer).prefix_visible(self.layer, cache, anchor_mask), anchor_mask=anchor_mask,
+            slot_visible=plan.rule.prefix_visible(self.layer, cache, anchor_mask), anchor_mask=anchor_mask,
             alibi=self._alibi(), window=self.window, softcap=self.softcap, impl=self.cfg.attention_impl,
         )
         return self._out(o)
 
     def chunk(
-        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], policy: Policy, cache: AnyLayerCache,
+        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], plan: LayerPlan, cache: AnyLayerCache,
         tokens: Int[Array, "b n"],
     ) -> tuple[Float[Array, "b n D"], AnyLayerCache]:
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
         then the policy folds it into the cache (see `kvjax.policies.base`); head groups one by one."""
         q, k, v = self._qkv(x)
-        o, cache = self._per_group(policy.at_layer(self.layer), cache, q, k, v, lambda q, k, v, rule, c, slopes:
+        o, cache = self._per_group(plan, cache, q, k, v, lambda q, k, v, rule, c, slopes:
                                    self._chunk_heads(q, k, v, pos, rule, c, tokens, slopes))
         return self._out(o), cache
 
-    def _per_group(self, rule: Policy, cache: AnyLayerCache, q, k, v, run):
-        """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when `rule`
-        splits the KV heads (`rule_groups`), each group with its query heads, its KV heads, its own
-        rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
+    def _per_group(self, plan: LayerPlan, cache: AnyLayerCache, q, k, v, run):
+        """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the
+        `plan` splits the KV heads (`rule_groups`), each group with its query heads, its KV heads, its
+        own rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
         slopes = self._alibi()
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         outs, caches, order = [], [], []
-        for heads, sub, c in rule_groups(rule, self.layer, cache):
+        for heads, sub, c in rule_groups(plan, cache):
             if heads is None:
                 return run(q, k, v, sub, c, slopes)
             qh = [h * g + j for h in heads for j in range(g)]
@@ -387,10 +387,10 @@ class Attention(nnx.Module):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
 
     def decode(
-        self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], policy: Policy, cache: AnyLayerCache, tokens=None
+        self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], plan: LayerPlan, cache: AnyLayerCache, tokens=None
     ):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
-        o, cache = self._per_group(policy.at_layer(self.layer), cache, q[:, :, 0], k[:, :, 0], v[:, :, 0],
+        o, cache = self._per_group(plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0],
                                    lambda q, k, v, rule, c, slopes: self._decode_heads(q, k, v, pos, rule, c, slopes,
                                                                                        tokens))
         return self._out(o[:, :, None, :]), cache
@@ -467,19 +467,20 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def prefill(self, x, pos, policy, cache, anchor_mask=None, tokens=None):
-        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, policy, cache, anchor_mask, tokens)
+    # `plan`: this layer's `LayerPlan` (None: the plain forward, no cache)
+    def prefill(self, x, pos, plan, cache, anchor_mask=None, tokens=None):
+        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, plan, cache, anchor_mask, tokens)
         return self._finish(x, a), cache, keep
 
-    def extend(self, x, pos, policy, cache, anchor_mask=None):
-        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, policy, cache, anchor_mask))
+    def extend(self, x, pos, plan, cache, anchor_mask=None):
+        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, plan, cache, anchor_mask))
 
-    def chunk(self, x, pos, policy, cache, tokens):
-        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, policy, cache, tokens)
+    def chunk(self, x, pos, plan, cache, tokens):
+        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, plan, cache, tokens)
         return self._finish(x, a), cache
 
-    def decode(self, x, pos, policy, cache, tokens=None):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, policy, cache, tokens)
+    def decode(self, x, pos, plan, cache, tokens=None):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, plan, cache, tokens)
         return self._finish(x, a), cache
 
 
@@ -564,30 +565,35 @@ class Llama(nnx.Module):
                       ).on_sliding_window(c.window_of(i))
             for i in range(c.num_layers)))
 
-    def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
+    def plan(self, policy: Policy) -> Plan:
+        """`policy` as this model runs it (`native_policy`), checked and resolved into each layer's
+        rule and head groups (`kvjax.policies.plan`): everything below reads the plan."""
         c = self.cfg
-        policy = self.native_policy(policy)
-        policy.check(c.num_layers, c.num_kv_heads)
+        return resolve(self.native_policy(policy), c.num_layers, c.num_kv_heads)
 
-        def layer_cache(i):
-            split = policy.head_split(i)
-            if split is None:
-                return kvcache.empty(batch, c.num_kv_heads, policy.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
+    def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
+        return self._empty_cache(self.plan(policy), batch, max_len, prompt_len)
+
+    def _empty_cache(self, plan: Plan, batch: int, max_len: int, prompt_len: int) -> Cache:
+        c = self.cfg
+
+        def layer_cache(lp: LayerPlan):
+            sizes = lp.capacities(max_len, prompt_len)
+            if not lp.split:
+                return kvcache.empty(batch, c.num_kv_heads, sizes[0], c.head_dim, self.dtype)
             return HeadwiseCache(
-                tuple(kvcache.empty(batch, len(h), p.capacity(i, max_len, prompt_len), c.head_dim, self.dtype)
-                      for h, p in split),
-                tuple(tuple(h) for h, _ in split),
+                tuple(kvcache.empty(batch, len(g.kv_heads), n, c.head_dim, self.dtype) for g, n in zip(lp.groups, sizes)),
+                tuple(g.kv_heads for g in lp.groups),
             )
 
-        return tuple(layer_cache(i) for i in range(c.num_layers))
+        return tuple(layer_cache(lp) for lp in plan.layers)
 
     def size_rows(self, cache: Cache, positions: Int[Array, "b t"], policy: Policy) -> Cache:
         """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
         each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
-        policy = self.native_policy(policy)
         ctx = Context(positions)
-        return tuple(regroup(c, [rule.size_rows(i, g, ctx) for _, rule, g in rule_groups(policy.at_layer(i), i, c)])
-                     for i, c in enumerate(cache))
+        return tuple(regroup(c, [rule.size_rows(lp.layer, g, ctx) for _, rule, g in rule_groups(lp, c)])
+                     for lp, c in zip(self.plan(policy).layers, cache))
 
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
@@ -597,8 +603,9 @@ class Llama(nnx.Module):
         `policy.prefill_mode == "stream"` runs the prompt token by token through the
         cache instead of attending it whole.
         """
-        policy = self.native_policy(policy)
-        caches = self.init_cache(policy, tokens.shape[0], max_len, tokens.shape[1])
+        plan = self.plan(policy)
+        policy = plan.policy
+        caches = self._empty_cache(plan, tokens.shape[0], max_len, tokens.shape[1])
         if policy.prefill_mode == "stream":
             caches = self.size_rows(caches, positions, policy)
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
@@ -607,9 +614,9 @@ class Llama(nnx.Module):
             return self._chunked(tokens, positions, caches, policy)
         x = self.embed(tokens)
         out = []
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            anchor_mask = policy.at_layer(i).prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
-            x, cache, _ = layer.prefill(x, positions, policy, cache, anchor_mask, tokens)
+        for layer, lp, cache in zip(self.layers, plan.layers, caches):
+            anchor_mask = lp.rule.prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
+            x, cache, _ = layer.prefill(x, positions, lp, cache, anchor_mask, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
 
@@ -647,11 +654,10 @@ class Llama(nnx.Module):
 
         A host loop over this (one compilation for every prompt length) or `prefill`'s scan give
         the same cache."""
-        policy = self.native_policy(policy)
         x = self.embed(tokens)
         out = []
-        for layer, c in zip(self.layers, cache):
-            x, c = layer.chunk(x, positions, policy, c, tokens)
+        for layer, lp, c in zip(self.layers, self.plan(policy).layers, cache):
+            x, c = layer.chunk(x, positions, lp, c, tokens)
             out.append(c)
         return self._logits(x if all_logits else x[:, -1]), tuple(out)
 
@@ -665,14 +671,14 @@ class Llama(nnx.Module):
         follows `policy.prompt_mask` within itself and `policy.prefix_visible` against
         the cache; nothing is evicted while it runs. Right-pad with positions -1.
         """
-        policy = self.native_policy(policy)
-        for i in range(self.cfg.num_layers):
-            if policy.head_split(i) is not None or policy.position_mode(i) != "absolute":
-                raise ValueError(f"extend needs one cache array per layer in absolute positions; {policy.describe()} "
-                                 f"has head groups or rolling positions in layer {i}")
+        plan = self.plan(policy)
+        for lp in plan.layers:
+            if lp.split or lp.position_mode != "absolute":
+                raise ValueError(f"extend needs one cache array per layer in absolute positions; "
+                                 f"{plan.policy.describe()} has head groups or rolling positions in layer {lp.layer}")
         x = self.embed(tokens)
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            x = layer.extend(x, positions, policy, c, policy.at_layer(i).prompt_mask(Context(positions, tokens)))
+        for layer, lp, c in zip(self.layers, plan.layers, cache):
+            x = layer.extend(x, positions, lp, c, lp.rule.prompt_mask(Context(positions, tokens)))
         return self._logits(x)
 
     def stream(
@@ -707,10 +713,9 @@ class Llama(nnx.Module):
         self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy
     ) -> tuple[Float[Array, "b V"], Cache]:
         """One token per row at `positions` through the cache."""
-        policy = self.native_policy(policy)
         x = self.embed(tokens[:, None])
         out = []
-        for layer, c in zip(self.layers, cache):
-            x, c = layer.decode(x, positions, policy, c, tokens)
+        for layer, lp, c in zip(self.layers, self.plan(policy).layers, cache):
+            x, c = layer.decode(x, positions, lp, c, tokens)
             out.append(c)
         return self._logits(x[:, 0]), tuple(out)

@@ -76,3 +76,41 @@ def test_the_context_is_a_pytree():
     f(ctx)
     f(Context(jnp.arange(3) + 5, jnp.asarray([1, 2, 3])))
     assert len(traces) == 1
+
+
+# ---- the plan: a policy resolved once per model, what the model reads ----
+
+
+def test_the_plan_resolves_each_layer_and_head_group():
+    from kvjax.policies import Group, SnapKV, resolve
+
+    stream, snap = StreamingLLM(budget=16, sinks=4), SnapKV(budget=16, observation_window=8)
+    plan = resolve(by_layer(stream, snap, split=1), 3)
+    assert [lp.groups for lp in plan.layers] == [(Group(None, stream),), (Group(None, snap),), (Group(None, snap),)]
+    # a ring holds its budget; SnapKV its budget of the prompt plus the 100 - 40 tokens generated after it
+    assert [lp.capacities(100, 40) for lp in plan.layers] == [(16,), (16 + 60,), (16 + 60,)]
+    nested = by_layer(stream, by_head([[True, False], [False, True]], FullCache(), snap), split=1)
+    plan = resolve(nested, 2, num_kv_heads=2)
+    assert plan.layers[0].groups == (Group(None, stream),) and not plan.layers[0].split
+    # layer 1 is the by_head's layer 1: KV head 1 selected (full), head 0 the rest (SnapKV)
+    assert plan.layers[1].groups == (Group((1,), FullCache()), Group((0,), snap))
+    assert plan.layers[1].capacities(100, 40) == (100, 16 + 60)
+    assert plan.describe().splitlines()[1] == (f"layer 1: KV heads [1]: {FullCache().describe()}; "
+                                               f"KV heads [0]: {snap.describe()}")
+    assert plan.rules() == (stream, FullCache(), snap)
+
+
+def test_a_head_split_nested_in_by_layer_caches_from_the_plan(tiny):
+    """Layer 0 a StreamingLLM ring, layer 1 split: KV head 0 keeps the whole prompt, head 1 a ring; the
+    kept positions and the arrays' sizes are the hand count for a 20-token prompt."""
+    stream = StreamingLLM(budget=8, sinks=4)
+    policy = by_layer(stream, by_head([[True, False]] * 2, FullCache(), stream), split=1)
+    cache = tiny.model.init_cache(policy, 1, 24, 20)
+    assert cache[0].capacity == 8
+    assert cache[1].heads == ((0,), (1,)) and [g.capacity for g in cache[1].groups] == [24, 8]
+    ids = np.random.default_rng(0).integers(4, tiny.model.cfg.vocab_size, 20)
+    _, cache = tiny.model.prefill(jnp.asarray(ids[None], jnp.int32), jnp.arange(20, dtype=jnp.int32)[None], policy, 24)
+    ring = [0, 1, 2, 3, 16, 17, 18, 19]  # 4 sinks and the last 4
+    kept = lambda c: sorted(p for p in np.asarray(c.pos[0, 0]).tolist() if p >= 0)  # noqa: E731
+    assert kept(cache[0]) == ring
+    assert kept(cache[1].groups[0]) == list(range(20)) and kept(cache[1].groups[1]) == ring

@@ -20,6 +20,7 @@ from kvjax.policies.mat import (
     mat_with_anchor,
     mat_with_sink,
 )
+from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
 from kvjax.policies.recompress import Recompress
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
@@ -144,6 +145,6 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 __all__ = [
     "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
-    "ObservedAttention", "PerLayer", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
+    "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
 ]

@@ -1,0 +1,88 @@
+"""A policy resolved for one model: each layer's rule, and the KV-head groups it caches with, each
+under its own rule.
+
+`resolve(policy, num_layers, num_kv_heads)` is the one place a policy's structure is read (the
+combinators' `at_layer` and `head_split`); the model allocates, prefills, folds chunks and decodes
+from the plan alone. A combinator is then a plan builder: MAT and `by_layer` choose a rule per
+layer, RazorAttention and `by_head` split a layer's heads, PyramidKV gives each layer's rule its
+own budget, and they nest (`by_layer(streaming, by_head(mask, full, snapkv), 2)`).
+
+    plan = model.plan(policy)        # native to the model (sliding windows), checked
+    print(plan.describe())           # one line per layer: its groups and rules
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+
+from kvjax.policies.base import Policy, PositionMode
+from kvjax.stats import NO_STATS, StatsRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """KV heads cached together under one rule; `kv_heads` None: all of the layer's, in one array."""
+
+    kv_heads: tuple[int, ...] | None
+    rule: Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Layer `layer`: `rule` (`policy.at_layer(layer)`) masks its prompt (AnLLM's eq. 4) and decides what
+    a chunk may see of the cache; `groups` cache its KV heads. `split`: the heads are in groups, each
+    in its own cache array (`kvjax.cache.HeadwiseCache`)."""
+
+    layer: int
+    rule: Policy
+    groups: tuple[Group, ...]
+
+    @property
+    def split(self) -> bool:
+        return self.groups[0].kv_heads is not None
+
+    @property
+    def position_mode(self) -> PositionMode:
+        # the groups of a layer agree (ByHead.check): its prompt is attended once for every head
+        return self.groups[0].rule.position_mode(self.layer)
+
+    def prefill_stats(self) -> StatsRequest:
+        """What the layer's prompt attention must return: every group's request, combined."""
+        return functools.reduce(operator.or_, (g.rule.prefill_stats(self.layer) for g in self.groups), NO_STATS)
+
+    def capacities(self, max_len: int, prompt_len: int = 0) -> tuple[int, ...]:
+        """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`)."""
+        return tuple(g.rule.capacity(self.layer, max_len, prompt_len) for g in self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    policy: Policy
+    layers: tuple[LayerPlan, ...]
+
+    def rules(self) -> tuple[Policy, ...]:
+        """Every group's rule, layer by layer."""
+        return tuple(g.rule for lp in self.layers for g in lp.groups)
+
+    def describe(self) -> str:
+        def layer(lp: LayerPlan) -> str:
+            if not lp.split:
+                return lp.groups[0].rule.describe()
+            return "; ".join(f"KV heads {list(g.kv_heads)}: {g.rule.describe()}" for g in lp.groups)
+
+        return "\n".join(f"layer {lp.layer}: {layer(lp)}" for lp in self.layers)
+
+
+def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) -> Plan:
+    """`policy` resolved into one `LayerPlan` per layer, after `policy.check` (so a combination that
+    cannot work, e.g. AnLLM in one head group, is refused here with its reason)."""
+    policy.check(num_layers, num_kv_heads)
+    layers = []
+    for i in range(num_layers):
+        rule = policy.at_layer(i)
+        split = rule.head_split(i)
+        groups = (Group(None, rule),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
+        layers.append(LayerPlan(i, rule, groups))
+    return Plan(policy, tuple(layers))
