@@ -8,8 +8,11 @@
    for s = seq_len / 512, so the slowest dimensions turn no further at 2048 than they did at 512);
 2. a short stage trains all layers on 512-token rows, a long stage on `--seq-len` rows, each row
    one task of a random span (so every length up to the row is seen) after natural text; an optional
-   third stage (`--extend-steps`) goes on at `--seq-len` from the long stage's model, with its own
-   schedule (`--extend-lr`), more suite rows and a second pool of suite prompts drawn with another seed;
+   third stage (`--extend-steps`) goes on at `--seq-len` from the long stage's model (or from a trained
+   model, `--from`), with its own schedule (`--extend-lr`), more suite rows, a second pool of suite
+   prompts drawn with another seed, and spans from the upper half of the context only: the long stage's
+   spans are uniform from the shortest task up, so a key ~2000 tokens before its question is rare there
+   (the committed model's passkey at 2040 tokens: 38 % at depth 0, 100 % at depths 0.75-1);
 3. besides the default's tasks, a share of rows (`MIXTURE.suite`) are whole prompts of the
    evaluation suites in their own templates, with their answers: the LongBench-format datasets
    built from the *training* split of the library text, and RULER's niah / vt / cwe / fwe tasks
@@ -40,6 +43,7 @@ from experiments.common import nonnegative_int, positive_float, positive_int
 from experiments.records import dumps_finite, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
+from kvjax.errors import InvalidInput, MissingFile
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models import load
@@ -109,17 +113,18 @@ def cached_pool(path: Path, tok, seq_len: int, samples: int, seed: int) -> list:
 
 def batches(args, sampler: RowSampler, short: RowSampler, lo: int, extend: RowSampler | None = None):
     """Step i -> {"tokens", "weights"}: the short stage's rows for i < --short-steps, then the long stage's,
-    then (from --short-steps + --long-steps) the extension's."""
+    then (from --short-steps + --long-steps) the extension's. Task spans are uniform in [lo, row length),
+    the extension's in [row length / 2, row length)."""
 
     def batch(i: int) -> dict:
         rng = np.random.default_rng([args.seed, i])
         if i < args.short_steps:
-            s, n = short, args.short_batch
+            s, n, first = short, args.short_batch, lo
         elif i < args.short_steps + args.long_steps or extend is None:
-            s, n = sampler, args.long_batch
+            s, n, first = sampler, args.long_batch, lo
         else:
-            s, n = extend, args.long_batch
-        rows = [s.row(rng, int(rng.integers(lo, s.seq_len))) for _ in range(n)]
+            s, n, first = extend, args.long_batch, max(lo, extend.seq_len // 2)
+        rows = [s.row(rng, int(rng.integers(first, s.seq_len))) for _ in range(n)]
         return {"tokens": jnp.asarray(np.stack([r[0] for r in rows])),
                 "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
 
@@ -130,6 +135,9 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/small")
     p.add_argument("--init", default="models/default", help="the trained model to grow (an HF directory)")
+    p.add_argument("--from", dest="from_", metavar="DIR",
+                   help="a trained kvjax-small (an HF directory with its eval.json) to run only the extension "
+                        "on: no growth, no short or long stage (needs --extend-steps)")
     p.add_argument("--layers", type=positive_int, default=4, help="a multiple of --init's layers")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="the long stage's rows = the context")
     p.add_argument("--rope-theta", type=float, help="default: NTK-aware for --seq-len over --init's context")
@@ -148,20 +156,49 @@ def parse(argv):
     p.add_argument("--save-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eval", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.from_ and not args.extend_steps:
+        p.error(f"--from {args.from_} runs only the extension stage: pass --extend-steps N (N > 0)")
+    return args
+
+
+# the options a --from run takes from the base model's recorded training (so that its rows are those the
+# whole run with --extend-steps would draw); the rest are the extension's own
+EXTENSION_OPTIONS = {"out", "from_", "extend_steps", "extend_lr", "save_every", "no_eval"}
+
+
+def continued(args) -> tuple[argparse.Namespace, dict]:
+    """For `--from DIR`: the arguments of DIR's recorded training with this run's extension options, and
+    that record (`eval.json`'s "training")."""
+    card = Path(args.from_) / "eval.json"
+    if not card.is_file():
+        raise MissingFile(f"--from {args.from_}: no eval.json there (the record of how it was trained)")
+    base = json.loads(card.read_text())["training"]
+    if base["args"].get("extend_steps"):
+        raise InvalidInput(f"--from {args.from_}: that model was already extended; extend its base instead")
+    merged = {**base["args"], **{k: v for k, v in vars(args).items() if k in EXTENSION_OPTIONS}}
+    return argparse.Namespace(**{**vars(args), **merged}), base
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    base = None
+    if args.from_:
+        args, base = continued(args)
     out, work = Path(args.out), Path(args.out) / "training"
-    init = load(args.init)
+    init = load(args.from_ or args.init)
     tok, cfg0 = init.tokenizer, init.config
-    short_len = cfg0.max_position_embeddings
-    theta = args.rope_theta or ntk_theta(cfg0.rope.theta, args.seq_len / short_len, cfg0.head_dim)
-    model = grow_depth(init.model, args.layers, rope=RopeConfig(theta=theta), max_position_embeddings=args.seq_len)
+    if base is None:
+        short_len = cfg0.max_position_embeddings
+        theta = args.rope_theta or ntk_theta(cfg0.rope.theta, args.seq_len / short_len, cfg0.head_dim)
+        model = grow_depth(init.model, args.layers, rope=RopeConfig(theta=theta),
+                           max_position_embeddings=args.seq_len)
+        print(f"model    {args.layers} layers grown from {args.init} ({cfg0.num_layers}), RoPE theta "
+              f"{cfg0.rope.theta:g} -> {theta:.0f}, context {short_len} -> {args.seq_len}")
+    else:
+        short_len, theta, model = load(args.init).config.max_position_embeddings, cfg0.rope.theta, init.model
+        print(f"model    {args.from_} ({cfg0.num_layers} layers, trained by: {base['command']}); only the extension")
     tok.model_max_length = args.seq_len
-    print(f"model    {args.layers} layers grown from {args.init} ({cfg0.num_layers}), RoPE theta "
-          f"{cfg0.rope.theta:g} -> {theta:.0f}, context {short_len} -> {args.seq_len}")
 
     data = tokenize_corpus(tok, work / "data.npz")
     pool = cached_pool(work / "prompts.json", tok, args.seq_len, args.suite_samples, args.seed)
@@ -183,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every,
                   decay="cosine")
     t0 = time.time()
-    first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short")
-    result = train(first.model, lambda i: batch(args.short_steps + i), loss,
-                   TrainConfig(steps=args.long_steps, **common), work)
-    history = first.history + [{**h, "step": h["step"] + args.short_steps} for h in result.history]
+    at = args.short_steps + args.long_steps
+    if base is None:
+        first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short")
+        result = train(first.model, lambda i: batch(args.short_steps + i), loss,
+                       TrainConfig(steps=args.long_steps, **common), work)
+        history = first.history + [{**h, "step": h["step"] + args.short_steps} for h in result.history]
+    else:
+        result, history = argparse.Namespace(model=model), []
     if args.extend_steps:
-        at = args.short_steps + args.long_steps
         result = train(result.model, lambda i: batch(at + i), loss,
                        TrainConfig(steps=args.extend_steps, **{**common, "lr": args.extend_lr}), work / "extend")
         history += [{**h, "step": h["step"] + at} for h in result.history]
@@ -205,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "final_loss": history[-1]["loss"], "platform": jax.devices()[0].platform,
         "init": str(args.init), "suite_prompts": len(pool),
     }
+    if base is not None:  # the extension's minutes add to the base's; its command and args are the base's plus it
+        meta.update(base=base, train_minutes=round(base["train_minutes"] + train_s / 60, 1))
     if not math.isfinite(history[-1]["loss"]):
         raise FloatingPointError(f"the final loss is {history[-1]['loss']}")
     write_atomic(work / "run.json", dumps_finite(meta))

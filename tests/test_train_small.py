@@ -78,3 +78,50 @@ def test_batches_route_each_step_to_its_stage():
     marks = [(int(b["tokens"][0, 0]), b["tokens"].shape) for b in map(with_ext, range(7))]
     assert marks == [(1, (4, 8))] * 2 + [(2, (2, 16))] * 3 + [(3, (2, 16))] * 2
     assert [int(without(i)["tokens"][0, 0]) for i in range(7)] == [1, 1, 2, 2, 2, 2, 2]
+
+
+def test_extension_draws_spans_from_the_upper_half_of_the_context():
+    """The long stage's task spans start at the shortest task; the extension's at half the row, so keys far
+    before their question (passkey at depth 0 of a full context) are common there."""
+    import argparse
+
+    from experiments.train_small import batches
+
+    class Rows:
+        def __init__(self, seq_len):
+            self.seq_len, self.spans = seq_len, []
+
+        def row(self, rng, span):
+            self.spans.append(span)
+            return np.zeros(self.seq_len, np.int32), np.ones(self.seq_len, np.float32)
+
+    args = argparse.Namespace(seed=0, short_steps=1, long_steps=200, short_batch=1, long_batch=1)
+    short, long, extend = Rows(512), Rows(2048), Rows(2048)
+    batch = batches(args, long, short, 140, extend)
+    for i in range(1, 401):
+        batch(i)
+    assert min(long.spans) < 1024 <= min(extend.spans) and max(extend.spans) <= 2047 and len(extend.spans) == 200
+
+
+def test_from_takes_the_base_models_recorded_training_and_refuses_what_it_cannot_extend(tmp_path):
+    """`--from DIR` continues DIR's recorded run: its seed, stages and layers (so the extension draws the rows
+    the whole run with --extend-steps would), this call's extension options."""
+    import json
+
+    from experiments.train_small import continued, parse
+    from kvjax.errors import InvalidInput, MissingFile
+
+    base = {"command": "python -m experiments.train_small --layers 6", "train_minutes": 77.0,
+            "args": vars(parse(["--layers", "6", "--short-steps", "1500", "--long-steps", "700", "--seed", "3"]))}
+    (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
+    args, record = continued(parse(["--from", str(tmp_path), "--out", "/x", "--extend-steps", "9"]))
+    assert (args.layers, args.short_steps, args.long_steps, args.seed) == (6, 1500, 700, 3)
+    assert (args.out, args.extend_steps, args.from_) == ("/x", 9, str(tmp_path)) and record == base
+    with pytest.raises(MissingFile, match="no eval.json"):
+        continued(parse(["--from", str(tmp_path / "none"), "--extend-steps", "9"]))
+    base["args"]["extend_steps"] = 5
+    (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
+    with pytest.raises(InvalidInput, match="already extended"):
+        continued(parse(["--from", str(tmp_path), "--extend-steps", "9"]))
+    with pytest.raises(SystemExit):
+        parse(["--from", str(tmp_path)])
