@@ -90,10 +90,9 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
     max_len = length + 1
     if mode == "full":
         policy = SnapKV(budget=256)
-        compiled = engine.prefill.pure.lower(graphdef, state, tokens, positions, policy=policy,
-                                             max_len=max_len).compile()
-        call = lambda: engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), policy=policy,  # noqa: E731
-                                      max_len=max_len)
+        plan = model.plan(policy, max_len, length)
+        compiled = engine.prefill.pure.lower(graphdef, state, tokens, positions, plan=plan).compile()
+        call = lambda: engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan)  # noqa: E731
     else:
         policy = SnapKV(budget=256, prefill_mode="chunked", chunk=CHUNK)
         cache = jax.eval_shape(lambda: model.init_cache(policy, 1, max_len, length))

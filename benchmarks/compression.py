@@ -26,9 +26,9 @@ from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
 
-def time_prefill(graphdef, state, tokens, positions, policy, max_len, repeats):
+def time_prefill(graphdef, state, tokens, positions, plan, repeats):
     run = lambda: jax.block_until_ready(prefill_fn.pure(graphdef, state, tokens, positions, jax.random.key(0),
-                                                   policy=policy, max_len=max_len, sampling=Sampling()))
+                                                   plan=plan, sampling=Sampling()))
     run()  # compile
     best = float("inf")
     for _ in range(repeats):
@@ -65,7 +65,8 @@ def main(argv=None):
     }
     rows = []
     for name, policy in tqdm(policies.items(), desc="policies"):
-        rows.append(dict(policy=name, prefill_s=time_prefill(graphdef, state, tokens, positions, policy, n + 1, args.repeats)))
+        rows.append(dict(policy=name, prefill_s=time_prefill(graphdef, state, tokens, positions,
+                                                                  model.plan(policy, n + 1, n), args.repeats)))
     base = rows[0]["prefill_s"]
     for r in rows:
         r["overhead_pct"] = 100 * (r["prefill_s"] / base - 1)

@@ -81,7 +81,7 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
     b, n = prompts.shape
     tokens, positions = pad_left(prompts.tolist(), bucket_length(n), 0)
     key = jax.random.key(0)
-    kw = dict(policy=policy, max_len=tokens.shape[1] + new, sampling=Sampling())
+    kw = dict(plan=model.plan(policy, tokens.shape[1] + new, tokens.shape[1]), sampling=Sampling())
     t = time.perf_counter()
     compiled = prefill_fn.pure.lower(graphdef, state, tokens, positions, key, **kw).compile()
     compile_prefill = time.perf_counter() - t

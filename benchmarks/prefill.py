@@ -48,8 +48,8 @@ def time_kvjax(model, ids: np.ndarray, repeats: int, skip: bool) -> float:
         attention.prefill_attention = lambda *a, self_attention=False, **kw: original(*a, **kw)
     jax.clear_caches()  # the two paths share the jitted function's key: compile afresh for each
     try:
-        run = lambda: jax.block_until_ready(engine.prefill(model, tokens, pos, policy=FullCache(),  # noqa: E731
-                                                           max_len=len(ids)))
+        plan = model.plan(FullCache(), len(ids), len(ids))
+        run = lambda: jax.block_until_ready(engine.prefill(model, tokens, pos, plan=plan))  # noqa: E731
         return best_of(run, repeats)
     finally:
         attention.prefill_attention = original

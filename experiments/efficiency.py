@@ -51,8 +51,8 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     bucket = bucket_length(n)
     tokens, positions = pad_left(prompts, bucket, 0)
     key = jax.random.key(0)
-    pre = functools.partial(prefill_fn.pure, graphdef, state, tokens, positions, key, policy=policy,
-                            max_len=bucket + new, sampling=Sampling())
+    pre = functools.partial(prefill_fn.pure, graphdef, state, tokens, positions, key,
+                            plan=model.plan(policy, bucket + new, bucket), sampling=Sampling())
     jax.block_until_ready(pre())  # compile
     t = time.perf_counter()
     first, first_finite, cache = jax.block_until_ready(pre())
@@ -115,7 +115,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
     lengths = list(lengths or [n // 4, n // 2, n - new])
     policies = driver.labelled(policies)
     for lab, pol in policies.items():
-        limit = position_limit(pol, cfg, new)
+        limit = position_limit(lm.model.plan(pol), cfg, new)
         too_long = [L for L in lengths if limit is not None and L > limit]
         if too_long:
             raise driver.ArgumentError(

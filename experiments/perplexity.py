@@ -47,10 +47,10 @@ def heldout_text() -> str:
     return "\n\n".join(docs)
 
 
-def beyond_window(policy, num_layers: int, length: int, max_pos: int) -> bool:
-    """Whether scoring `length` tokens would put absolute positions past the trained window."""
-    absolute = any(policy.position_mode(i) == "absolute" for i in range(num_layers))
-    return absolute and length > max_pos
+def beyond_window(plan, length: int, max_pos: int) -> bool:
+    """Whether scoring `length` tokens under a policy (its `plan`, `model.plan(policy)`) would put absolute
+    positions past the trained window."""
+    return plan.absolute and length > max_pos
 
 
 def measure(model, ids: list[int], policy) -> dict:
@@ -130,7 +130,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
             if key(pol, L, i) not in log]
     for lab, pol, L, i in driver.cells(todo, "perplexity", progress):
         rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
-        if beyond_window(pol, cfg.num_layers, L, n):
+        if beyond_window(lm.model.plan(pol), L, n):
             rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
         else:
             rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)

@@ -6,7 +6,7 @@ with `@compiled(...)`: `nnx.split` happens at the call, `nnx.merge` inside the o
 compiled program is pure in `(graphdef, state)`, a model with the same structure reuses it, and
 the arguments named in `donate` (a cache the call replaces) are updated in place. What may vary
 between calls without a new compilation are arrays (lengths, counts, token ids); what is static
-(`static`: the policy, capacities, sampling settings, buffer sizes) is part of the compiled key.
+(`static`: a sized plan or the policy, sampling settings, buffer sizes) is part of the compiled key.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
     return wrap
 
 
-@compiled(static=("policy", "max_len"))
-def prefill(model, tokens, positions, *, policy, max_len):
-    """`model.prefill`: last-position logits and the compressed cache."""
-    return model.prefill(tokens, positions, policy, max_len)
+@compiled(static=("plan",))
+def prefill(model, tokens, positions, *, plan):
+    """`model.prefill_plan`: last-position logits and the compressed cache. Keyed by the sized plan
+    (`model.plan(policy, max_len, t)`), not by `max_len`: a budget policy's slot counts do not grow
+    with `max_len`, so its prompts compile once for any number of tokens to generate."""
+    return model.prefill_plan(tokens, positions, plan)
 
 
 @compiled(static=("policy",), donate=("cache",))

@@ -96,7 +96,8 @@ def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: 
         raise InvalidInput("no demonstration tokens to cache")
     bucket = bucket_length(len(demos))
     tokens, positions = pad_left([list(demos)], bucket, 0)
-    return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), policy=policy, max_len=bucket + room)[1]
+    plan = model.plan(policy, bucket + room, bucket)
+    return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan)[1]
 
 
 def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, policy: Policy) -> np.ndarray:

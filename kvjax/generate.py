@@ -25,6 +25,7 @@ from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.policies.base import Policy
+from kvjax.policies.plan import Plan
 
 MIN_BUCKET = 16
 
@@ -101,9 +102,11 @@ def _all_finite(logits: Float[Array, "b V"]) -> Array:
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
-@compiled(static=("policy", "max_len", "sampling"))
-def prefill_fn(model, tokens, positions, key, *, policy, max_len, sampling):
-    logits, cache = model.prefill(tokens, positions, policy, max_len)
+@compiled(static=("plan", "sampling"))
+def prefill_fn(model, tokens, positions, key, *, plan, sampling):
+    """The prompt under a sized plan (`model.plan(policy, max_len, t)`, the compiled key, not `max_len`),
+    and the first token sampled from its last logits."""
+    logits, cache = model.prefill_plan(tokens, positions, plan)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
@@ -214,16 +217,16 @@ class Generation:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
 
-def position_limit(policy: Policy, cfg, max_new_tokens: int) -> int | None:
-    """The longest prompt `policy` can read on a model of `cfg` and then generate `max_new_tokens`,
-    or None when there is no limit.
+def position_limit(plan: Plan, cfg, max_new_tokens: int) -> int | None:
+    """The longest prompt a policy (its `plan` on a model of `cfg`, `model.plan(policy)`) can read and
+    then generate `max_new_tokens`, or None when there is no limit.
 
     Absolute positions grow through generation. Rolling ones stay below the cache size: with a
     prompt read token by token or in chunks, no position ever passes it (StreamingLLM's setting);
     a whole prompt attended at once is attended at its true positions."""
-    if any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers)):
+    if plan.absolute:
         return cfg.max_position_embeddings - max_new_tokens
-    return None if policy.prefill_mode in ("stream", "chunked") else cfg.max_position_embeddings
+    return None if plan.policy.prefill_mode in ("stream", "chunked") else cfg.max_position_embeddings
 
 
 def generate(
@@ -271,14 +274,14 @@ def generate(
     bad = [t for p in (*prompts, *asked) for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    absolute = any(policy.position_mode(i) == "absolute" for i in range(cfg.num_layers))
-    limit = position_limit(policy, cfg, max_new_tokens)
+    plan = model.plan(policy)
+    limit = position_limit(plan, cfg, max_new_tokens)
     rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions
     longest = max(len(p) + len(q) for p, q in zip(rows, asked))
     if limit is not None and longest > limit:
         fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
         if not truncate or fit < 2:
-            raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=absolute,
+            raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=plan.absolute,
                                 truncate=truncate)
         prompts = [truncate_middle(p, fit) for p in prompts]
     longest = max(map(len, prompts))
@@ -305,9 +308,8 @@ def generate(
         logits, cache = engine.chunked_prefill(model, tokens, positions, policy, bucket + room)
         first, first_finite = first_token(logits, k_prefill, sampling=sampling)
     else:
-        first, first_finite, cache = prefill_fn.pure(
-            graphdef, state, tokens, positions, k_prefill, policy=policy, max_len=bucket + room, sampling=sampling
-        )
+        first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
+                                                     plan=model.plan(policy, bucket + room, bucket), sampling=sampling)
     first.block_until_ready()
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)

@@ -41,7 +41,7 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
 def stream_logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`stream_logprobs` of several texts in one batch, each row its own length: a ratio budget keeps
     each row's share of its own text (`Policy.size_rows`)."""
-    if not policy.evicts_while_decoding:
+    if not model.plan(policy).evicts_while_decoding:
         raise InvalidInput(
             f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
             "token it would never compress. Use a policy that evicts while decoding (streaming, mat, h2o, ...)"

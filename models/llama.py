@@ -559,30 +559,35 @@ class Llama(nnx.Module):
         if isinstance(policy, PerLayer):
             return PerLayer(layers=tuple(p if c.window_of(i) is None else p.on_sliding_window(c.window_of(i))
                                          for i, p in enumerate(policy.layers)))
+        modes = resolve(policy, c.num_layers, c.num_kv_heads).layers  # the global layers' position modes
         return PerLayer(layers=tuple(
             policy if c.window_of(i) is None else
-            FullCache(positions=policy.position_mode(i), prefill_mode=policy.prefill_mode, chunk=policy.chunk
+            FullCache(positions=modes[i].position_mode, prefill_mode=policy.prefill_mode, chunk=policy.chunk
                       ).on_sliding_window(c.window_of(i))
             for i in range(c.num_layers)))
 
-    def plan(self, policy: Policy) -> Plan:
+    def plan(self, policy: Policy, max_len: int | None = None, prompt_len: int = 0) -> Plan:
         """`policy` as this model runs it (`native_policy`), checked and resolved into each layer's
-        rule and head groups (`kvjax.policies.plan`): everything below reads the plan."""
+        rule and head groups (`kvjax.policies.plan`): everything below reads the plan. With `max_len`,
+        sized: each group's slot count fixed for sequences of at most `max_len` tokens whose (padded)
+        prompt is `prompt_len` long, which is all a compiled prefill depends on (`kvjax.engine.prefill`)."""
         c = self.cfg
-        return resolve(self.native_policy(policy), c.num_layers, c.num_kv_heads)
+        plan = resolve(self.native_policy(policy), c.num_layers, c.num_kv_heads)
+        return plan if max_len is None else plan.sized(max_len, prompt_len)
 
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
-        return self._empty_cache(self.plan(policy), batch, max_len, prompt_len)
+        return self._empty_cache(self.plan(policy, max_len, prompt_len), batch)
 
-    def _empty_cache(self, plan: Plan, batch: int, max_len: int, prompt_len: int) -> Cache:
+    def _empty_cache(self, plan: Plan, batch: int) -> Cache:
+        """Empty arrays of a sized plan's slot counts (`Plan.sized`)."""
         c = self.cfg
 
         def layer_cache(lp: LayerPlan):
-            sizes = lp.capacities(max_len, prompt_len)
             if not lp.split:
-                return kvcache.empty(batch, c.num_kv_heads, sizes[0], c.head_dim, self.dtype)
+                return kvcache.empty(batch, c.num_kv_heads, lp.sizes[0], c.head_dim, self.dtype)
             return HeadwiseCache(
-                tuple(kvcache.empty(batch, len(g.kv_heads), n, c.head_dim, self.dtype) for g, n in zip(lp.groups, sizes)),
+                tuple(kvcache.empty(batch, len(g.kv_heads), n, c.head_dim, self.dtype)
+                      for g, n in zip(lp.groups, lp.sizes)),
                 tuple(g.kv_heads for g in lp.groups),
             )
 
@@ -598,14 +603,20 @@ class Llama(nnx.Module):
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
     ) -> tuple[Float[Array, "b V"], Cache]:
-        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens).
+        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens);
+        `prefill_plan` under `self.plan(policy, max_len, t)`."""
+        return self.prefill_plan(tokens, positions, self.plan(policy, max_len, tokens.shape[1]))
 
-        `policy.prefill_mode == "stream"` runs the prompt token by token through the
-        cache instead of attending it whole.
-        """
-        plan = self.plan(policy)
+    def prefill_plan(
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], plan: Plan
+    ) -> tuple[Float[Array, "b V"], Cache]:
+        """Prompt pass under a sized plan (`Llama.plan(policy, max_len, t)`): last-position logits and the
+        compressed cache. `prefill_mode == "stream"` runs the prompt token by token through the cache
+        instead of attending it whole; "chunked", chunk by chunk."""
+        if plan.layers[0].sizes is None:
+            raise ValueError("prefill_plan needs a sized plan: model.plan(policy, max_len, prompt_len)")
         policy = plan.policy
-        caches = self._empty_cache(plan, tokens.shape[0], max_len, tokens.shape[1])
+        caches = self._empty_cache(plan, tokens.shape[0])
         if policy.prefill_mode == "stream":
             caches = self.size_rows(caches, positions, policy)
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)

@@ -91,7 +91,7 @@ def stepper(model, policy, max_len):
     from kvjax import engine
 
     def prefill(tokens, positions):
-        return engine.prefill(model, tokens, positions, policy=policy, max_len=max_len)
+        return engine.prefill(model, tokens, positions, plan=model.plan(policy, max_len, tokens.shape[1]))
 
     def decode(tokens, positions, cache):
         return engine.decode(model, tokens, positions, cache, policy=policy)

@@ -114,3 +114,24 @@ def test_a_head_split_nested_in_by_layer_caches_from_the_plan(tiny):
     kept = lambda c: sorted(p for p in np.asarray(c.pos[0, 0]).tolist() if p >= 0)  # noqa: E731
     assert kept(cache[0]) == ring
     assert kept(cache[1].groups[0]) == list(range(20)) and kept(cache[1].groups[1]) == ring
+
+
+def test_combinators_answer_no_rule_question_and_the_plan_answers_for_them(tiny):
+    """A combinator only says which rule caches what: asked a rule's question (capacity, position mode,
+    prefill) it refuses, naming the plan; the plan's whole-model answers are those of its rules."""
+    from kvjax.policies import SnapKV, resolve
+    from kvjax.scoring import stream_logprobs
+
+    stream, rolling = StreamingLLM(budget=16, sinks=4), StreamingLLM(budget=16, sinks=4, positions="rolling")
+    layers, heads = by_layer(stream, SnapKV(budget=64), split=1), by_head([[True, False]] * 2, rolling, rolling)
+    for combinator in (layers, heads):
+        for ask in (lambda p: p.capacity(1, 100, 40), lambda p: p.position_mode(1)):
+            with pytest.raises(TypeError, match=r"caches nothing itself; ask the rule of layer 1: model.plan"):
+                ask(combinator)
+    # one layer of rolling positions among absolute ones: the plan is absolute; all rolling: not
+    assert resolve(by_layer(rolling, stream, split=1), 2).absolute and not resolve(heads, 2, 2).absolute
+    # SnapKV compresses a prompt once: one layer of it is enough for token-by-token scoring to refuse
+    assert resolve(by_layer(stream, stream, split=1), 2).evicts_while_decoding
+    assert not resolve(layers, 2).evicts_while_decoding
+    with pytest.raises(ValueError, match="compresses a whole prompt once"):
+        stream_logprobs(tiny.model, list(range(4, 40)), layers)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax import FullCache, Sampling, StreamingLLM, generate
-from kvjax.generate import bucket_length, truncate_middle
+from kvjax.generate import bucket_length, pad_left, truncate_middle
 from tests.conftest import compile_log, random_ids
 
 
@@ -138,7 +138,9 @@ def test_no_recompile_for_max_new_tokens_in_a_bucket_eos_ids_or_pad_id(tiny):
     np.testing.assert_array_equal(a.tokens[:, :17], c.tokens)  # the same greedy tokens, whatever the buffer
     with compile_log() as log:
         generate(tiny.model, [prompt], policy, max_new_tokens=33, eos_ids=(2,))  # the next bucket
-    assert len(log) == 2  # prefill (its cache room) and decode (its buffer), once
+    # decode (its buffer), once; prefill is keyed by its sized plan, and StreamingLLM's 16 slots do not grow
+    # with the room for new tokens (before the plan was the key, max_len was, and this was 2)
+    assert len(log) == 1
 
 
 def test_eos_given_as_array_still_stops(tiny):
@@ -147,3 +149,23 @@ def test_eos_given_as_array_still_stops(tiny):
     stop = free.sequences()[0][4]
     out = generate(tiny.model, [prompt], FullCache(), max_new_tokens=12, eos_ids=(999_999, stop))
     assert out.sequences()[0] == free.sequences()[0][: free.sequences()[0].index(stop) + 1]
+
+
+def test_prefill_compiles_once_per_plan_not_per_max_len(tiny):
+    """The compiled prefill's key is the sized plan: a budget policy's slot counts are the same for any
+    room after the prompt (one compilation), the full cache's grow with it (one per size)."""
+    from kvjax import engine
+
+    model = tiny.model
+    tokens, positions = pad_left([random_ids(30, 260, seed=42)], 32, 0)
+    ring = StreamingLLM(budget=16, sinks=4)
+    assert model.plan(ring, 64, 32) == model.plan(ring, 96, 32)  # 16 slots in every layer either way
+    assert model.plan(FullCache(), 64, 32) != model.plan(FullCache(), 96, 32)
+    assert [lp.sizes for lp in model.plan(FullCache(), 96, 32).layers] == [(96,)] * tiny.config.num_layers
+    with compile_log() as ring_log:
+        for max_len in (64, 96, 160):
+            engine.prefill(model, tokens, positions, plan=model.plan(ring, max_len, 32))
+    with compile_log() as full_log:
+        for max_len in (64, 96, 96):
+            engine.prefill(model, tokens, positions, plan=model.plan(FullCache(), max_len, 32))
+    assert len(ring_log) == 1 and len(full_log) == 2

@@ -14,6 +14,18 @@ from kvjax.stats import NO_STATS
 EVERY_LAYER = 2**31 - 1
 
 
+def _for_the_plan(name: str):
+    """A rule method a combinator does not have: it only says which rule caches what (`at_layer`,
+    `head_split`), and the model asks the rules themselves, through its plan."""
+
+    def refuse(self, layer, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__}.{name}: a combinator builds a plan and caches nothing itself; ask "
+                        f"the rule of layer {layer}: model.plan(policy).layers[{layer}] (kvjax.policies.plan)")
+
+    refuse.__name__ = name
+    return refuse
+
+
 class LayerDispatch(Policy):
     """A policy that hands each layer to one of its member policies (`_at(layer)`).
 
@@ -36,10 +48,7 @@ class LayerDispatch(Policy):
     def at_layer(self, layer: int) -> Policy:
         return self._at(layer).at_layer(layer)
 
-    @property
-    def evicts_while_decoding(self):
-        return all(m.evicts_while_decoding for m in self._members())
-
+    # A prompt runs through every layer at once: the members agree on how (`_check_modes`).
     @property
     def prefill_mode(self):
         return self._members()[0].prefill_mode
@@ -48,22 +57,11 @@ class LayerDispatch(Policy):
     def chunk(self):
         return self._members()[0].chunk
 
-    # Per-layer questions asked of the whole policy (cache allocation, the decode loop's setup).
-    def position_mode(self, layer):
-        return self.at_layer(layer).position_mode(layer)
-
-    def capacity(self, layer, max_len, prompt_len=0):
-        return self.at_layer(layer).capacity(layer, max_len, prompt_len)
-
-    def head_split(self, layer):
-        return self.at_layer(layer).head_split(layer)
-
-    # Layers are processed by `at_layer(layer)`'s own methods; these only say so loudly if called.
-    def prefill(self, layer, cache, k, v, ctx, stats):
-        raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).prefill(...)")
-
-    def step(self, layer, cache, k, v, ctx):
-        raise TypeError(f"{type(self).__name__} caches nothing itself: call .at_layer({layer}).step(...)")
+    position_mode = _for_the_plan("position_mode")
+    capacity = _for_the_plan("capacity")
+    head_split = _for_the_plan("head_split")
+    prefill = _for_the_plan("prefill")
+    step = _for_the_plan("step")
 
     def shrink(self, cache, room: int):
         """Each member that sizes its cache after prefill (the gate) shrinks its own layers."""
@@ -168,11 +166,10 @@ def by_layer(shallow: Policy, deep: Policy, split: int) -> ByLayer:
 class ByHead(Policy):
     """Per layer, the KV heads split into groups, each cached by its own policy in its own array.
 
-    Subclasses define `head_split(layer)`. The model allocates a
-    `kvjax.cache.HeadwiseCache` (one `LayerCache` per group, of that group's
-    capacity) and runs decode attention group by group; `prefill`, `step` and
-    `observe` here slice the heads and statistics and delegate, so a ByHead is
-    usable wherever a Policy is.
+    Subclasses define `head_split(layer)`. The model's plan (`kvjax.policies.plan`) turns each group
+    into a `Group` with its own rule: the model allocates a `kvjax.cache.HeadwiseCache` (one
+    `LayerCache` per group, of that group's capacity) and runs every rule method group by group
+    (`models.llama.rule_groups`), so the split itself caches nothing.
     """
 
     def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], Policy], ...]:
@@ -188,10 +185,6 @@ class ByHead(Policy):
     @property
     def chunk(self):
         return self._subs(0)[0].chunk
-
-    @property
-    def evicts_while_decoding(self):
-        return all(s.evicts_while_decoding for layer in range(self._num_layers()) for s in self._subs(layer))
 
     def _num_layers(self) -> int:
         raise NotImplementedError
@@ -218,25 +211,19 @@ class ByHead(Policy):
                                        "it whole layers (by_layer / PerLayer)")
                 sub.check(num_layers)
 
-    def position_mode(self, layer):
-        return self._subs(layer)[0].position_mode(layer)
-
-    def capacity(self, layer, max_len, prompt_len=0):
-        """The largest group's capacity (the model asks each group for its own)."""
-        return max(sub.capacity(layer, max_len, prompt_len) for sub in self._subs(layer))
+    # Each group is cached by its own rule, in its own array, with its own capacity (the plan's groups).
+    position_mode = _for_the_plan("position_mode")
+    capacity = _for_the_plan("capacity")
+    prefill = _for_the_plan("prefill")
+    step = _for_the_plan("step")
 
     def prefill_stats(self, layer):
+        """What the layer's prompt attention must return for all groups: their requests, combined (it is
+        attended once for every head)."""
         return functools.reduce(operator.or_, (sub.prefill_stats(layer) for sub in self._subs(layer)), NO_STATS)
 
     def decode_stats(self, layer):
         return functools.reduce(operator.or_, (sub.decode_stats(layer) for sub in self._subs(layer)), NO_STATS)
-
-    # The model caches each head group with its own rule (`head_split`); the split itself caches nothing.
-    def prefill(self, layer, cache, k, v, ctx, stats):
-        raise TypeError(f"{type(self).__name__} caches nothing itself: each group of .head_split({layer}) does")
-
-    def step(self, layer, cache, k, v, ctx):
-        raise TypeError(f"{type(self).__name__} caches nothing itself: each group of .head_split({layer}) does")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,16 +9,18 @@ own budget, and they nest (`by_layer(streaming, by_head(mask, full, snapkv), 2)`
 
     plan = model.plan(policy)        # native to the model (sliding windows), checked
     print(plan.describe())           # one line per layer: its groups and rules
+    plan = model.plan(policy, max_len=4096, prompt_len=4000)   # sized: each group's slot count fixed
+
+A sized plan is what a compiled prefill is keyed by: two calls whose plans are equal (a budget
+policy's capacities do not grow with `max_len`) share one compilation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 
 from kvjax.policies.base import Policy, PositionMode
-from kvjax.stats import NO_STATS, StatsRequest
+from kvjax.stats import StatsRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class LayerPlan:
     layer: int
     rule: Policy
     groups: tuple[Group, ...]
+    sizes: tuple[int, ...] | None = None  # each group's slot count, once the plan is sized (`Plan.sized`)
 
     @property
     def split(self) -> bool:
@@ -49,8 +52,8 @@ class LayerPlan:
         return self.groups[0].rule.position_mode(self.layer)
 
     def prefill_stats(self) -> StatsRequest:
-        """What the layer's prompt attention must return: every group's request, combined."""
-        return functools.reduce(operator.or_, (g.rule.prefill_stats(self.layer) for g in self.groups), NO_STATS)
+        """What the layer's prompt attention must return (a head split's: every group's request, combined)."""
+        return self.rule.prefill_stats(self.layer)
 
     def capacities(self, max_len: int, prompt_len: int = 0) -> tuple[int, ...]:
         """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`)."""
@@ -66,13 +69,32 @@ class Plan:
         """Every group's rule, layer by layer."""
         return tuple(g.rule for lp in self.layers for g in lp.groups)
 
+    def sized(self, max_len: int, prompt_len: int = 0) -> "Plan":
+        """The plan with each group's slot count fixed for sequences of at most `max_len` tokens whose
+        (padded) prompt is `prompt_len` long."""
+        return dataclasses.replace(self, layers=tuple(
+            dataclasses.replace(lp, sizes=lp.capacities(max_len, prompt_len)) for lp in self.layers))
+
+    @property
+    def absolute(self) -> bool:
+        """Whether any layer caches keys at their absolute positions (which then grow past the prompt)."""
+        return any(lp.position_mode == "absolute" for lp in self.layers)
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        """Whether every rule evicts as tokens arrive one by one (SnapKV & co compress a prompt once)."""
+        return all(rule.evicts_while_decoding for rule in self.rules())
+
     def describe(self) -> str:
         def layer(lp: LayerPlan) -> str:
             if not lp.split:
                 return lp.groups[0].rule.describe()
             return "; ".join(f"KV heads {list(g.kv_heads)}: {g.rule.describe()}" for g in lp.groups)
 
-        return "\n".join(f"layer {lp.layer}: {layer(lp)}" for lp in self.layers)
+        def sizes(lp: LayerPlan) -> str:
+            return "" if lp.sizes is None else f" [{', '.join(map(str, lp.sizes))} slots]"
+
+        return "\n".join(f"layer {lp.layer}: {layer(lp)}{sizes(lp)}" for lp in self.layers)
 
 
 def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) -> Plan:
