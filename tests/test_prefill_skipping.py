@@ -25,7 +25,8 @@ def _inputs(seed, dtype=jnp.float32, b=2, h=4, kvh=2, t=300, d=16):
 
 
 CASES = {
-    "causal": {},
+    "causal": {},  # the tiles below the diagonal with no padding take the unmasked path
+    "softcap": {"softcap": 5.0},
     "window": {"window": 50},
     "alibi": {"alibi": True},
     "anchors": {"anchors": True},
