@@ -141,6 +141,11 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
     if (out / "training" / "loss.png").is_file():
         shutil.copy(out / "training" / "loss.png", out / "loss.png")
     c, a = lm.config, meta["args"]
+    # a --from run continues its base model's training: the chain of commands, in order, reproduces it
+    commands, m = [], meta
+    while m is not None:
+        commands.insert(0, m["command"])
+        m = m.get("base")
     lengths = list(ev["passkey"]["full"])
     sink, lb = ev["sink"], ev["longbench_full"]
     ret = ev["retrieval_heads"]
@@ -154,10 +159,11 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         short_batch=a["short_batch"], long_steps=a["long_steps"], long_batch=a["long_batch"], lr=a["lr"],
         wd=a["weight_decay"], aw=a["answer_weight"],
         platform=f"{meta['platform'].upper()} ({meta.get('cores', '?')} cores)", minutes=meta["train_minutes"],
-        final_loss=meta["final_loss"], command=meta["command"],
+        final_loss=meta["final_loss"], command="\n".join(commands),
         extend="" if not a.get("extend_steps") else (
-            f", then {a['extend_steps']} more steps of {a['long_batch']} x {c.max_position_embeddings}-token rows "
-            f"from lr {a['extend_lr']}, half of them suite prompts, drawn from twice the prompt pool (a second seed)"),
+            f", then {a.get('extend_offset', 0) + a['extend_steps']} more steps of {a['long_batch']} x {c.max_position_embeddings}-token rows "
+            f"from lr {a['extend_lr']}, half of them suite prompts, drawn from twice the prompt pool (a second seed), "
+            f"each task spanning the upper half of the row"),
         loss_code=ev["heldout_loss"]["code"], ppl_code=np.exp(ev["heldout_loss"]["code"]),
         loss_docs=ev["heldout_loss"]["docs"], ppl_docs=np.exp(ev["heldout_loss"]["docs"]), samples=samples,
         len_header=" | ".join(f"{n} tokens" for n in lengths), len_sep="---|" * len(lengths),

@@ -43,7 +43,7 @@ from experiments.common import nonnegative_int, positive_float, positive_int
 from experiments.records import dumps_finite, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
-from kvjax.errors import InvalidInput, MissingFile
+from kvjax.errors import MissingFile
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models import load
@@ -137,7 +137,8 @@ def parse(argv):
     p.add_argument("--init", default="models/default", help="the trained model to grow (an HF directory)")
     p.add_argument("--from", dest="from_", metavar="DIR",
                    help="a trained kvjax-small (an HF directory with its eval.json) to run only the extension "
-                        "on: no growth, no short or long stage (needs --extend-steps)")
+                        "on: no growth, no short or long stage (needs --extend-steps); an extended one is "
+                        "extended further, with the rows after its extension's")
     p.add_argument("--layers", type=positive_int, default=4, help="a multiple of --init's layers")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="the long stage's rows = the context")
     p.add_argument("--rope-theta", type=float, help="default: NTK-aware for --seq-len over --init's context")
@@ -174,9 +175,9 @@ def continued(args) -> tuple[argparse.Namespace, dict]:
     if not card.is_file():
         raise MissingFile(f"--from {args.from_}: no eval.json there (the record of how it was trained)")
     base = json.loads(card.read_text())["training"]
-    if base["args"].get("extend_steps"):
-        raise InvalidInput(f"--from {args.from_}: that model was already extended; extend its base instead")
     merged = {**base["args"], **{k: v for k, v in vars(args).items() if k in EXTENSION_OPTIONS}}
+    # an extended model is extended further with the rows after its own extension's
+    merged["extend_offset"] = base["args"].get("extend_offset", 0) + base["args"].get("extend_steps", 0)
     return argparse.Namespace(**{**vars(args), **merged}), base
 
 
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every,
                   decay="cosine")
     t0 = time.time()
-    at = args.short_steps + args.long_steps
+    at = args.short_steps + args.long_steps + getattr(args, "extend_offset", 0)
     if base is None:
         first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short")
         result = train(first.model, lambda i: batch(args.short_steps + i), loss,

@@ -103,13 +103,13 @@ def test_extension_draws_spans_from_the_upper_half_of_the_context():
     assert min(long.spans) < 1024 <= min(extend.spans) and max(extend.spans) <= 2047 and len(extend.spans) == 200
 
 
-def test_from_takes_the_base_models_recorded_training_and_refuses_what_it_cannot_extend(tmp_path):
+def test_from_takes_the_base_models_recorded_training_and_continues_its_rows(tmp_path):
     """`--from DIR` continues DIR's recorded run: its seed, stages and layers (so the extension draws the rows
     the whole run with --extend-steps would), this call's extension options."""
     import json
 
     from experiments.train_small import continued, parse
-    from kvjax.errors import InvalidInput, MissingFile
+    from kvjax.errors import MissingFile
 
     base = {"command": "python -m experiments.train_small --layers 6", "train_minutes": 77.0,
             "args": vars(parse(["--layers", "6", "--short-steps", "1500", "--long-steps", "700", "--seed", "3"]))}
@@ -119,9 +119,11 @@ def test_from_takes_the_base_models_recorded_training_and_refuses_what_it_cannot
     assert (args.out, args.extend_steps, args.from_) == ("/x", 9, str(tmp_path)) and record == base
     with pytest.raises(MissingFile, match="no eval.json"):
         continued(parse(["--from", str(tmp_path / "none"), "--extend-steps", "9"]))
-    base["args"]["extend_steps"] = 5
+    assert args.extend_offset == 0
+    # an extended model (here by 5 steps after 4 earlier ones) goes on with the rows after its extension's
+    base["args"].update(extend_steps=5, extend_offset=4)
     (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
-    with pytest.raises(InvalidInput, match="already extended"):
-        continued(parse(["--from", str(tmp_path), "--extend-steps", "9"]))
+    args, _ = continued(parse(["--from", str(tmp_path), "--extend-steps", "9"]))
+    assert (args.extend_offset, args.extend_steps) == (9, 9)
     with pytest.raises(SystemExit):
         parse(["--from", str(tmp_path)])
