@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,11 +23,11 @@ import numpy as np
 
 from experiments import cli, passkey
 from experiments.common import positive_int
+from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
+from models import SMALL_DIR
 
-SMALL_DIR = Path(__file__).resolve().parent.parent / "models" / "small"
-SUITE_DIR = Path(__file__).resolve().parent / "longbench" / "data_small"
 STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
 
 
@@ -55,7 +56,7 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
                     samples=5 * samples).summary
     ev["ruler_niah_single_1"] = {"length": n, "score": r["scores"]["full"]["niah_single_1"][str(n)],
                                  "samples": 5 * samples}
-    lb = longbench.suite(lm, {"full": FullCache()}, work / "longbench", data_dir=str(SUITE_DIR), samples=5 * samples)
+    lb = longbench.suite(lm, {"full": FullCache()}, work / "longbench", data_dir=str(SMALL_DATA_DIR), samples=5 * samples)
     ev["longbench_full"] = {d: row["full"] for d, row in lb.summary["table"].items()}
     rows = np.stack([np.concatenate([[tok.bos_token_id], data["docs_heldout"][s : s + n - 1]])
                      for s in (0, len(data["docs_heldout"]) // 2)]).astype(np.int32)
@@ -84,7 +85,7 @@ not a useful language model.
 | initialisation | `models/default` (2 layers, 512 tokens) grown by block expansion (`models.grow`, LLaMA Pro): each layer followed by copies whose output projections are zero, so training starts from the default's function; RoPE base raised NTK-aware from 10000 to {theta:.0f} for {ctx} / 512 = {stretch:.0f}x the context |
 | data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`, training split), passkey / key-value / fact-QA / copy / induction rows, and {prompts} whole prompts of the evaluation suites in their own templates with their answers: the LongBench-format datasets built from the training split, RULER's niah / vt / cwe / fwe drawn with seeds the evaluation never uses |
 | training | {short_steps} steps of {short_batch} x 512-token rows, then {long_steps} steps of {long_batch} x {ctx}-token rows (each row one task of a random span after text){extend}, AdamW (lr {lr}, weight decay {wd}, cosine decay to 10 % per stage), answer tokens weighted x{aw}; {platform}, {minutes:.0f} min |
-| final training loss | {final_loss:.3f} |
+| training loss at the end | {final_loss} |
 
 Reproduce (deterministic given the seed, the corpus fingerprint and `models/default`; resumable):
 
@@ -92,7 +93,7 @@ Reproduce (deterministic given the seed, the corpus fingerprint and `models/defa
 {command}
 ```
 
-![loss curve](loss.png)
+{curve}
 
 ## Evaluation (`python -m experiments.small_card`)
 
@@ -128,6 +129,39 @@ treats a model's use of its context, in miniature; they are not predictions for 
 """
 
 
+def final_loss(out: Path, meta: dict, tail: int = 50) -> str:
+    """The training loss at the end: one step's loss is one batch's (two rows at 2048 tokens), so the
+    mean of the last steps when the curve is kept beside the weights, else the last step's, said so."""
+    curve = out / "training" / "loss.json"
+    if curve.is_file():
+        losses = [r["loss"] for r in json.loads(curve.read_text())][-tail:]
+        return f"{np.mean(losses):.3f} (mean of the last {len(losses)} steps)"
+    return f"{meta['final_loss']:.3f} (the last step's batch)"
+
+
+def training_chain(meta: dict, out: Path, ctx: int) -> tuple[list[str], str]:
+    """The commands that reproduce the weights in `out`, in order, and the card's words for their
+    extension stages. A --from run records its base's meta, so the chain is walked back to the first run."""
+    chain, m = [], meta
+    while m is not None:
+        chain.insert(0, m)
+        m = m.get("base")
+    commands = [m["command"] for m in chain]
+    last_out = Path(meta["args"]["out"])
+    if last_out.resolve() != Path(out).resolve():  # the weights were copied here from the last command's output
+        here = os.path.relpath(out) if Path(out).resolve().is_relative_to(Path.cwd()) else out
+        commands.append(f"# then copy {last_out}/{{config.json,model.safetensors}} into {here}")
+    # each extension has its own steps and learning rate: the card names them stage by stage
+    stages = [(m["args"]["extend_steps"], m["args"]["extend_lr"]) for m in chain if m["args"].get("extend_steps")]
+    if not stages:
+        return commands, ""
+    how = f" from lr {stages[0][1]}" if len(stages) == 1 else (
+        f" in {len(stages)} extensions ({', '.join(f'{n} from lr {lr}' for n, lr in stages)})")
+    return commands, (f", then {sum(n for n, _ in stages)} more steps of {meta['args']['long_batch']} x {ctx}-token "
+                      f"rows{how}, half of them suite prompts, drawn from twice the prompt pool (a second seed), "
+                      f"each task spanning the upper half of the row")
+
+
 def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:
     from models import load
 
@@ -141,11 +175,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
     if (out / "training" / "loss.png").is_file():
         shutil.copy(out / "training" / "loss.png", out / "loss.png")
     c, a = lm.config, meta["args"]
-    # a --from run continues its base model's training: the chain of commands, in order, reproduces it
-    commands, m = [], meta
-    while m is not None:
-        commands.insert(0, m["command"])
-        m = m.get("base")
+    commands, extend = training_chain(meta, out, c.max_position_embeddings)
     lengths = list(ev["passkey"]["full"])
     sink, lb = ev["sink"], ev["longbench_full"]
     ret = ev["retrieval_heads"]
@@ -159,11 +189,10 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         short_batch=a["short_batch"], long_steps=a["long_steps"], long_batch=a["long_batch"], lr=a["lr"],
         wd=a["weight_decay"], aw=a["answer_weight"],
         platform=f"{meta['platform'].upper()} ({meta.get('cores', '?')} cores)", minutes=meta["train_minutes"],
-        final_loss=meta["final_loss"], command="\n".join(commands),
-        extend="" if not a.get("extend_steps") else (
-            f", then {a.get('extend_offset', 0) + a['extend_steps']} more steps of {a['long_batch']} x {c.max_position_embeddings}-token rows "
-            f"from lr {a['extend_lr']}, half of them suite prompts, drawn from twice the prompt pool (a second seed), "
-            f"each task spanning the upper half of the row"),
+        final_loss=final_loss(out, meta), command="\n".join(commands),
+        curve="![loss curve](loss.png)" + ("" if "base" not in meta else
+                                           "\n\nThe curve is the last command's, its steps numbered in the whole run."),
+        extend=extend,
         loss_code=ev["heldout_loss"]["code"], ppl_code=np.exp(ev["heldout_loss"]["code"]),
         loss_docs=ev["heldout_loss"]["docs"], ppl_docs=np.exp(ev["heldout_loss"]["docs"]), samples=samples,
         len_header=" | ".join(f"{n} tokens" for n in lengths), len_sep="---|" * len(lengths),

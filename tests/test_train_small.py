@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,31 @@ def test_from_takes_the_base_models_recorded_training_and_continues_its_rows(tmp
     assert (args.extend_offset, args.extend_steps) == (9, 9)
     with pytest.raises(SystemExit):
         parse(["--from", str(tmp_path)])
+
+
+def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights(tmp_path):
+    from experiments.small_card import final_loss, training_chain
+
+    def run(command, out, **args):
+        return {"command": command, "args": {"out": out, "long_batch": 2, **args}}
+
+    first = run("python -m experiments.train_small", "models/small")
+    ext1 = {**run("train_small --from models/small --out A --extend-steps 450", "A", extend_steps=450,
+                  extend_lr=5e-4), "base": first}
+    ext2 = {**run("train_small --from A --out B --extend-steps 400 --extend-lr 3e-4", "B", extend_steps=400,
+                  extend_lr=3e-4), "base": ext1}
+    commands, words = training_chain(ext2, tmp_path / "small", 2048)
+    assert commands[:3] == [first["command"], ext1["command"], ext2["command"]]
+    assert commands[3].startswith("# then copy B/{config.json,model.safetensors} into ")  # the card is elsewhere
+    assert words.startswith(", then 850 more steps of 2 x 2048-token rows in 2 extensions "
+                            "(450 from lr 0.0005, 400 from lr 0.0003),")
+    assert training_chain(ext1, "A", 2048)[0] == [first["command"], ext1["command"]]  # written where it trained
+    assert " 450 more steps of 2 x 2048-token rows from lr 0.0005," in training_chain(ext1, "A", 2048)[1]
+    assert training_chain(first, "models/small", 2048) == ([first["command"]], "")
+
+    # one step's loss is one batch's: the card gives the mean of the last 50 when the curve is kept
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "loss.json").write_text(
+        json.dumps([{"step": i, "loss": 9.0 if i < 10 else 1.0 + (i % 2)} for i in range(60)]))
+    assert final_loss(tmp_path, {"final_loss": 2.0}) == "1.500 (mean of the last 50 steps)"
+    assert final_loss(tmp_path / "none", {"final_loss": 2.0}) == "2.000 (the last step's batch)"
