@@ -1,4 +1,4 @@
-"""The Colab notebooks run top to bottom on CPU (with the embedded default model), are committed
+"""The Colab notebooks run top to bottom on CPU (with kvjax-small), are committed
 without outputs, carry an "Open in Colab" badge and import only what the README documents."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from models import DEFAULT_DIR
+from models import SMALL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -41,7 +41,7 @@ def test_outputs_stripped_badge_and_public_imports(path):
                 assert re.search(rf"\b{re.escape(node.module)}\b", readme), f"{path.name}: {node.module} not in README"
 
 
-@pytest.mark.skipif(not (DEFAULT_DIR / "model.safetensors").is_file(), reason="needs the default model")
+@pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(), reason="needs kvjax-small")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
