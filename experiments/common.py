@@ -212,13 +212,24 @@ NO_BUDGET_WHY = {
 }
 
 
-def policy_from_args(args: argparse.Namespace, num_layers: int | None = None) -> Policy:
+def policy_from_args(args: argparse.Namespace, num_layers: int | None = None, model_dir=None) -> Policy:
     """The policy named by --policy, with the options given on the command line.
 
     An option the policy does not take is an error (e.g. --anchor-slots with --policy streaming).
-    `num_layers` is passed to the policies that need the model's depth (PyramidKV).
+    `num_layers` is passed to the policies that need the model's depth (PyramidKV); RazorAttention
+    without --heads reads `model_dir/heads.json` (`shipped_heads`).
     """
-    return policies_from_args(args, [args.policy], num_layers)[0]
+    return policies_from_args(args, [args.policy], num_layers, model_dir=model_dir)[0]
+
+
+def shipped_heads(args: argparse.Namespace, names: list[str], model_dir) -> None:
+    """RazorAttention without --heads takes `model_dir/heads.json` when the model ships one (kvjax-small
+    does), in every suite alike; its description names the head table, so the records say which heads
+    were used. Only when razor is asked for: --heads is an error for the other policies."""
+    if "razor" in names and getattr(args, "heads", None) is None and model_dir is not None:
+        shipped = Path(model_dir) / "heads.json"
+        if shipped.is_file():
+            args.heads = str(shipped)
 
 
 def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
@@ -232,25 +243,22 @@ def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_la
                     ) -> tuple[list[str], list[Policy]]:
     """(labels, policies) of --compare, --policy or the default list; a name given twice is labelled name#i.
 
-    RazorAttention without --heads reads `model_dir/heads.json` when the model ships one (kvjax-small
-    does); its description names the head table, so the records say which heads were used."""
+    RazorAttention without --heads reads `model_dir/heads.json` (`shipped_heads`)."""
     if args.compare and args.policy:
         p.error("give --policy or --compare, not both")
     names = (args.compare or args.policy or args.compare_default).split(",")
-    if "razor" in names and getattr(args, "heads", None) is None and model_dir is not None:
-        shipped = Path(model_dir) / "heads.json"
-        if shipped.is_file():
-            args.heads = str(shipped)
     labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
-    return labels, policies_from_args(args, names, num_layers=num_layers)
+    return labels, policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
 
 
-def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None) -> list[Policy]:
+def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None,
+                       model_dir=None) -> list[Policy]:
     """One policy per name (`--compare p1,p2`), each given the command-line options it takes.
 
     An option that none of them takes is an error, as a typo must not be silently ignored; so is a
     --budget that none of them takes, or one given with --ratio. A value a policy refuses is
     reported with its command-line flag."""
+    shipped_heads(args, names, model_dir)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise InvalidInput(f"unknown policy {unknown[0]!r}; available: {sorted(REGISTRY)}")
@@ -279,13 +287,14 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     return out
 
 
-def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: int, ratios, room: int | None = None
-                       ) -> list[tuple[str, Policy]]:
+def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: int, ratios, room: int | None = None,
+                       model_dir=None) -> list[tuple[str, Policy]]:
     """(label, policy) for `--ratios`: each policy with a ratio mode at each ratio, labelled `name@r`, and a
     policy sized by its own options (full, gate) once. Each takes the command line's options it has.
 
     MAT's beta is a token count, not a share: `--anchor-slots`, or, given `room` (the prompt length all rows
     share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
+    shipped_heads(args, names, model_dir)
     out = []
     for n in names:
         params = inspect.signature(REGISTRY[n]).parameters

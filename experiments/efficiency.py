@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths, new=args.new,
                       batch=args.batch, repeats=args.repeats)
     print(res.table)

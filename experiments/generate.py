@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         path, random_weights = default_model_dir()
     lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    policy = policy_from_args(args, num_layers=lm.config.num_layers)
+    policy = policy_from_args(args, num_layers=lm.config.num_layers, model_dir=lm.path)
     if random_weights:
         print("NOTE: RANDOM WEIGHTS - the default model is missing, so this is a tiny randomly initialised "
               f"Llama ({path}); its text is noise. Pass --model DIR for a real checkpoint.\n")

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    policy = policy_from_args(args, num_layers=lm.config.num_layers)
+    policy = policy_from_args(args, num_layers=lm.config.num_layers, model_dir=lm.path)
     res = driver.call(p, suite, lm, [policy], args.out, lengths=args.lengths, depths=args.depths,
                       samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol)
     records = [r for r in ResultLog(res.out / "samples.jsonl") if r["policy"] == policy.describe()]

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers)
+    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths,
                       sequences=args.sequences, text=args.text)
     print(res.table)

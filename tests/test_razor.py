@@ -3,6 +3,7 @@ reference, head-wise caches whose bytes follow the formula, ALiBi vision scopes,
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -482,3 +483,32 @@ def test_ratio_replaces_compression_and_buffer():
     assert RazorAttention(retrieval=RETRIEVAL).describe() == RazorAttention(
         retrieval=RETRIEVAL, compression=5.0, buffer=4000).describe()  # the defaults, as before ratios
     assert "compression=5.0, buffer=4000" in RazorAttention(retrieval=RETRIEVAL).describe()
+
+
+def test_every_suite_takes_the_models_shipped_heads_when_heads_is_not_given(tmp_path):
+    """kvjax-small ships heads.json; `--policy razor` without --heads reads it in each suite alike (the
+    passkey and generate commands once refused it), and only when razor is asked for."""
+    import argparse
+
+    from experiments import passkey
+    from experiments.common import add_compare_args, add_policy_args, chosen_policies, policy_from_args
+    from experiments.ruler import __main__ as ruler_cli
+    from models.tiny import make_random_checkpoint
+
+    model = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=512), seed=0)
+    save_heads(model / "heads.json", num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0], [0, 1]])
+    one, many = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_policy_args(one, default="full")
+    add_compare_args(many, default="full")
+    assert policy_from_args(one.parse_args(["--policy", "razor"]), 2, model_dir=model).retrieval == RETRIEVAL
+    args = many.parse_args(["--compare", "full,streaming"])
+    chosen_policies(many, args, 2, model_dir=model)
+    assert args.heads is None  # no razor, no --heads: the other policies would refuse it
+    _, args = ruler_cli.parse(["--policy", "razor", "--model", str(model)])
+    assert list(ruler_cli.cell_policies(None, args, 2, model).values())[0].retrieval == RETRIEVAL
+
+    out = tmp_path / "pk"
+    assert passkey.main(["--model", str(model), "--policy", "razor", "--buffer", "32", "--lengths", "300",
+                         "--depths", "0", "--samples", "1", "--out", str(out)]) == 0
+    (record,) = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert record["policy"].startswith("RazorAttention(retrieval ") and "2/4 KV heads kept whole" in record["policy"]

@@ -91,14 +91,14 @@ def parse(argv):
     return p, args
 
 
-def cell_policies(p, args, num_layers: int):
+def cell_policies(p, args, num_layers: int, model_dir=None):
     """The command line's policies: a `{label: policy}`, or with --ratios a function of a cell's prompt
     room (length - generated) giving each policy at each ratio (MAT's default beta a quarter of that
     ratio's share of the room)."""
     if not args.ratios:
-        return dict(zip(*chosen_policies(p, args, num_layers)))
+        return dict(zip(*chosen_policies(p, args, num_layers, model_dir=model_dir)))
     names = (args.compare or args.policy or args.compare_default).split(",")
-    return lambda room: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room))
+    return lambda room: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room, model_dir=model_dir))
 
 
 def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int) -> list[T.Sample]:
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers), args.out, lengths=args.lengths,
+    res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
                       tasks=args.task_names, samples=args.samples, seed=args.seed, protocol=args.protocol,
                       max_new_tokens=args.max_new_tokens, batch=args.batch)
     print(res.table)
