@@ -153,8 +153,9 @@ def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: 
         recs = [log.records[r] for r in ids]
         summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
                         "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs)}
-    lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance "
-             f"{100 / np.mean([len(r['choices']) for r in rows]):.0f} %), {scoring} scoring", "",
+    chance = float(np.mean([1 / len(r["choices"]) for r in rows]))
+    lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance {100 * chance:.0f} %), {scoring} scoring",
+             "",
              "| policy | KV % | acc | acc_norm |", "|---|---|---|---|"]
     kv = lambda lab: f"{100 * (1 - float(lab.rsplit('@', 1)[1])):g}" if "@" in lab else ""  # noqa: E731
     lines += [f"| {lab} | {kv(lab)} | {100 * s['acc']:.1f} | {100 * s['acc_norm']:.1f} |" for lab, s in summary.items()]
@@ -162,7 +163,7 @@ def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: 
     if any("@" in lab for lab in summary):
         figures.append(Path(out) / "accuracy_vs_kv.png")
         plot_vs_kv(figures[-1], summary)
-    return driver.finish("zeroshot", out, "\n".join(lines), {"task": task, "scoring": scoring, "results": summary},
+    return driver.finish("zeroshot", out, "\n".join(lines), {"task": task, "scoring": scoring, "chance": chance, "results": summary},
                          policies, figures)
 
 
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare and args.policy:
             p.error("give --policy or --compare, not both")
         names = (args.compare or args.policy or args.compare_default).split(",")
-        labelled = dict(policies_at_ratios(args, names, lm.config.num_layers, args.ratios))
+        labelled = dict(policies_at_ratios(args, names, lm.config.num_layers, args.ratios, model_dir=lm.path))
     else:
         labelled = dict(zip(*chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)))
     res = driver.call(p, suite, lm, labelled, args.out, data=args.data, items=args.items, seed=args.seed,

@@ -15,10 +15,30 @@ def test_report_runs_every_section_and_states_the_claims(tmp_path):
     argv = ["--model", str(model), "--budget", "64", "--budgets", "32,64", "--samples", "2", "--out", str(out)]
     assert report.main(argv) == 0
     text = (out / "report.md").read_text()
-    for section in ("Perplexity", "Needle", "LongBench-format", "Zero-shot", "Passkey", "Efficiency"):
+    for section in ("Perplexity", "Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "LongBench-format",
+                    "Zero-shot", "Passkey", "Efficiency"):
         assert section in text
     # MAT vs StreamingLLM and SlimKV vs SnapKV at each of the two budgets, Razor at equal bytes, zero-shot
     assert text.count("**holds**") + text.count("**does not hold**") == 6
     assert "at equal cache bytes" in text and text.count("**not run**") == 2  # AnLLM and the gate: no variants
-    assert (out / "heads.json").is_file() and (out / "needle" / "heatmap_razor.png").is_file()
+    assert (out / "heads.json").is_file() and (out / "razor" / "results.png").is_file()
+    # a random model does no task: its comparisons are said to be no evidence (zero-shot, Razor's passkey)
+    assert text.count("no evidence either way") >= 2
     assert report.main(argv) == 0  # a rerun reuses every finished cell
+
+
+def test_an_unknown_section_is_refused_and_the_old_name_of_razors_section_warns(capsys):
+    with pytest.raises(SystemExit):
+        report.main(["--skip", "perplexity,neddle"])
+    assert "--skip perplexity,neddle: neddle is not a section" in capsys.readouterr().err
+    with pytest.warns(DeprecationWarning, match="--skip needle is now --skip razor"), pytest.raises(SystemExit):
+        report.main(["--skip", "needle,nope"])
+
+
+def test_a_comparison_is_evidence_only_where_the_full_cache_beats_its_floor_by_two_standard_errors():
+    # chance 0.25 over 40 items: two standard errors are 2 sqrt(0.25 * 0.75 / 40) = 0.137
+    assert "no evidence" in report._evidence(0.38, 0.25, "chance", 40)
+    assert report._evidence(0.39, 0.25, "chance", 40) == ")"
+    # a floor of 0 (no compressed cache retrieves anything): one item in n is the margin
+    assert "no evidence" in report._evidence(0.0, 0.0, "StreamingLLM's or H2O's", 75)
+    assert report._evidence(0.03, 0.0, "StreamingLLM's or H2O's", 75) == ")"
