@@ -20,9 +20,9 @@ section states the protocol that makes its comparison fair:
 5. passkey retrieval; 6. efficiency (MAT Table 6).
 Then OUT/report.md: every table, the plots, and which claims hold in miniature, computed from the
 numbers; a comparison where the full cache does no better than chance (or than the compressed
-policies) is said to be no evidence either way. AnLLM and Attention-Gate need trained variants of the model: pass `--anllm DIR` (from
-`experiments.eval_anllm`) or `--gate DIR` (from `experiments.eval_gate`) to include their results;
-without them the report says they were not run.
+policies) is said to be no evidence either way. AnLLM and Attention-Gate need trained variants of the
+model: pass `--anllm DIR` (from `experiments.eval_anllm`) or `--gate DIR` (from `experiments.eval_gate`)
+to include their results; without them the report says they were not run.
 """
 
 from __future__ import annotations

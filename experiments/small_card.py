@@ -26,6 +26,7 @@ from experiments.common import positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
+from kvjax.errors import NonFiniteError
 from models import SMALL_DIR
 
 STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
@@ -56,7 +57,8 @@ def evaluate(lm, data: dict[str, np.ndarray], work: Path, *, samples: int = 4) -
                     samples=5 * samples).summary
     ev["ruler_niah_single_1"] = {"length": n, "score": r["scores"]["full"]["niah_single_1"][str(n)],
                                  "samples": 5 * samples}
-    lb = longbench.suite(lm, {"full": FullCache()}, work / "longbench", data_dir=str(SMALL_DATA_DIR), samples=5 * samples)
+    lb = longbench.suite(lm, {"full": FullCache()}, work / "longbench", data_dir=str(SMALL_DATA_DIR),
+                         samples=5 * samples)
     ev["longbench_full"] = {d: row["full"] for d, row in lb.summary["table"].items()}
     rows = np.stack([np.concatenate([[tok.bos_token_id], data["docs_heldout"][s : s + n - 1]])
                      for s in (0, len(data["docs_heldout"]) // 2)]).astype(np.int32)
@@ -135,8 +137,12 @@ def final_loss(out: Path, meta: dict, tail: int = 50) -> str:
     curve = out / "training" / "loss.json"
     if curve.is_file():
         losses = [r["loss"] for r in json.loads(curve.read_text())][-tail:]
-        return f"{np.mean(losses):.3f} (mean of the last {len(losses)} steps)"
-    return f"{meta['final_loss']:.3f} (the last step's batch)"
+        value, how = float(np.mean(losses)), f"mean of the last {len(losses)} steps"
+    else:
+        value, how = float(meta["final_loss"]), "the last step's batch"
+    if not np.isfinite(value):
+        raise NonFiniteError(f"the training loss at the end ({how}) is {value} in {curve}: the run diverged")
+    return f"{value:.3f} ({how})"
 
 
 def training_chain(meta: dict, out: Path, ctx: int) -> tuple[list[str], str]:

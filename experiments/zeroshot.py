@@ -163,7 +163,8 @@ def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: 
     if any("@" in lab for lab in summary):
         figures.append(Path(out) / "accuracy_vs_kv.png")
         plot_vs_kv(figures[-1], summary)
-    return driver.finish("zeroshot", out, "\n".join(lines), {"task": task, "scoring": scoring, "chance": chance, "results": summary},
+    return driver.finish("zeroshot", out, "\n".join(lines),
+                         {"task": task, "scoring": scoring, "chance": chance, "results": summary},
                          policies, figures)
 
 

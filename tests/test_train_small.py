@@ -12,6 +12,7 @@ from experiments.longbench.metrics import sample_score
 from experiments.ruler.scoring import sample_match_all
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_small import ntk_theta, suite_examples, suite_prompts
+from kvjax.errors import NonFiniteError
 from models import DEFAULT_DIR
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_DIR / "tokenizer.json").is_file(), reason="no default tokenizer")
@@ -157,3 +158,9 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
         json.dumps([{"step": i, "loss": 9.0 if i < 10 else 1.0 + (i % 2)} for i in range(60)]))
     assert final_loss(tmp_path, {"final_loss": 2.0}) == "1.500 (mean of the last 50 steps)"
     assert final_loss(tmp_path / "none", {"final_loss": 2.0}) == "2.000 (the last step's batch)"
+    # a diverged run's loss is an error, never a number in the card
+    (tmp_path / "training" / "loss.json").write_text(json.dumps([{"step": 0, "loss": float("nan")}]))
+    with pytest.raises(NonFiniteError, match="diverged"):
+        final_loss(tmp_path, {"final_loss": 2.0})
+    with pytest.raises(NonFiniteError, match="the last step's batch"):
+        final_loss(tmp_path / "none", {"final_loss": float("inf")})

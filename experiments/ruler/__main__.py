@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
                        allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
-                      tasks=args.task_names, samples=args.samples, seed=args.seed, protocol=args.protocol,
-                      max_new_tokens=args.max_new_tokens, batch=args.batch)
+    res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out,
+                      lengths=args.lengths, tasks=args.task_names, samples=args.samples, seed=args.seed,
+                      protocol=args.protocol, max_new_tokens=args.max_new_tokens, batch=args.batch)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}} and " + ", ".join(str(f) for f in res.figures))
     return 0
