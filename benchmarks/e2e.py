@@ -4,6 +4,8 @@ transformers + kvpress, side by side in one run, on the same weights and device.
     python -m benchmarks.e2e                                    # the reduced CPU shape, 2K-8K prompts
     python -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 --lengths 4096,32768,131072   # a GPU
     python -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 --lengths 4096,32768
+    python -m benchmarks.e2e --shape issue25 --lengths 1024,4096,16384 --batches 1 --budget 256 \
+        --policies full,streaming --new 64 --compile-layers ''   # issue #25's CPU table
 
 Per (implementation, policy, prompt length, batch): time to first token (the prompt's prefill and the
 first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
@@ -11,7 +13,8 @@ backends do not report it) and, for kvjax, the first call's compile seconds of p
 `--compile-layers 16,32` adds the compile-time table of the shape at those depths. Cache bytes are
 kvjax's whole cache (keys, values and each slot's position and statistics, decode slots included)
 and the K/V tensors of transformers' cache. Writes
-benchmarks/results/e2e_<platform>.{json,md,png}. Numbers are for reading, never asserted in tests.
+benchmarks/results/e2e_<platform>.{json,md,png} (e2e_<platform>_<shape>.* for a shape other than `cpu`).
+Numbers are for reading, never asserted in tests.
 
 Budgets: `--budget` tokens per layer and KV head for kvjax; kvpress takes a compression ratio, so it
 gets `1 - budget / prompt`, the same kept count. MAT's prompt is attended whole here
@@ -43,8 +46,11 @@ from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, Streami
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
-# Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B) and a CPU-sized one.
+# Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), a CPU-sized one, and the
+# model of issue #25's first table (4 layers, d 256), for its prefill / decode / kvpress columns re-measured.
 SHAPES = {
+    "issue25": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+                    num_kv_heads=2, head_dim=32),
     "cpu": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
                 num_kv_heads=2, head_dim=64),
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -171,7 +177,8 @@ def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtyp
 
 def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> None:
     plat = meta["platform"]
-    (out / f"e2e_{plat}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
+    stem = f"e2e_{plat}" if meta["shape"] == "cpu" else f"e2e_{plat}_{meta['shape']}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
     mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
     lines = [f"# End to end, {meta['shape']} shape, random weights ({meta['device']}, jax {meta['jax']})", "",
              f"Shape {meta['config']}, {meta['dtype']}, {meta['new']} new tokens, greedy; kvjax budget "
@@ -192,7 +199,7 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> 
                   "| layers | policy | prefill s | decode s |", "|---|---|---|---|"]
         lines += [f"| {r['layers']} | {r['policy']} | {r['compile_prefill_s']:.1f} | {r['compile_decode_s']:.1f} |"
                   for r in compile_rows]
-    (out / f"e2e_{plat}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
     import matplotlib
@@ -211,7 +218,7 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> 
     axes[1].legend(fontsize=6)
     fig.suptitle(f"{meta['shape']} shape, {meta['device']}")
     fig.tight_layout()
-    fig.savefig(out / f"e2e_{plat}.png", dpi=110)
+    fig.savefig(out / f"{stem}.png", dpi=110)
     plt.close(fig)
 
 
@@ -228,6 +235,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
+    p.add_argument("--policies", default="", help="kvjax policies to run, comma-separated (default: all of them); "
+                   "kvpress runs the ones it has")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
@@ -235,13 +244,19 @@ def main(argv=None):
     batches = [int(x) for x in args.batches.split(",")]
     shape = SHAPES[args.shape]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    policies = kvjax_policies(args.budget, shape["num_layers"], shape["num_kv_heads"], args.chunk)
+    if args.policies:
+        chosen = [x.strip() for x in args.policies.split(",")]
+        unknown = [x for x in chosen if x not in policies]
+        if unknown:
+            p.error(f"--policies: unknown {unknown}; choose from {sorted(policies)}")
+        policies = {name: policies[name] for name in chosen}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(tempfile.mkdtemp())
     make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
                            seed=0)
     model = load(ckpt, tokenizer=False, dtype=dtype).model
-    policies = kvjax_policies(args.budget, shape["num_layers"], shape["num_kv_heads"], args.chunk)
     torch_model = None
     if not args.no_torch:
         import torch
@@ -266,6 +281,8 @@ def main(argv=None):
             for name, press in (("streaming", StreamingLLMPress(compression_ratio=ratio, n_sink=4)),
                                 ("snapkv", SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)),
                                 ("pyramidkv", PyramidKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))):
+                if name not in policies:
+                    continue
                 rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b,
                              **time_torch(torch_model, prompts, args.new, args.repeats, press=press)})
     layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
