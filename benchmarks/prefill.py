@@ -1,11 +1,13 @@
 """Prefill seconds on the CPU: kvjax's XLA prefill that skips masked tiles, the same prefill computing
 every tile (as before it), and transformers' PyTorch SDPA, side by side in one run on the same weights.
 
-    python -m benchmarks.prefill [--lengths 1024,4096,16384] [--out benchmarks/results]
+    python -m benchmarks.prefill [--lengths 1024,4096,16384] [--sparse-length 16384] [--out benchmarks/results]
 
 The model is issue #25's: a random Llama of 4 layers, d 256, 8 / 2 heads, vocabulary 8192, float32.
 Each figure is the best of `--repeats` timed calls after one compiling call (kvjax) or warm-up
-(torch). Writes prefill_<platform>.json / .md. Numbers are for reading, never asserted in tests.
+(torch). A second table times one attention layer of the model's shape at `--sparse-length` tokens under
+block-sparse masks (Attention-Gate flags evicting whole key blocks, AnLLM's eq. 4), skipping against
+every tile. Writes prefill_<platform>.json / .md. Numbers are for reading, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvjax import FullCache, attention, engine
+from kvjax.anllm_anchors import anchor_mask
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -69,10 +72,41 @@ def time_torch(path: Path, ids: np.ndarray, repeats: int) -> float:
     return best_of(run, repeats)
 
 
+def sparse_cases(t: int, kv_heads: int, block: int = attention.PREFILL_BLOCK) -> dict:
+    """Masks for one layer of `t` tokens: none; a gate keeping every key of 1 key block in 10 (the rest
+    evicted in every head: block-sparse), as bool flags (skippable) and as the float flags of training
+    (every tile computed, for their gradient); eq. 4 with an anchor every 512 tokens and every 40."""
+    kept = (np.arange(t) // block) % 10 == 0
+    flags = jnp.asarray(np.broadcast_to(kept, (1, kv_heads, t)))
+    anchors = lambda every: anchor_mask(jnp.asarray(np.arange(t)[None] % every == every - 1))  # noqa: E731
+    return {"causal": {}, "gate, 90 % of key blocks evicted, bool flags": {"key_keep": flags},
+            "gate, the same flags as float (training)": {"key_keep": flags.astype(jnp.float32)},
+            "eq. 4, an anchor every 512 tokens": {"anchor_mask": anchors(512)},
+            "eq. 4, an anchor every 40 tokens": {"anchor_mask": anchors(40)}}
+
+
+def time_sparse(t: int, repeats: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    h, kvh, d = CONFIG["num_heads"], CONFIG["num_kv_heads"], CONFIG["head_dim"]
+    q, k, v = (jnp.asarray(rng.standard_normal((1, n, t, d), np.float32)) for n in (h, kvh, kvh))
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    rows = []
+    for name, masks in tqdm(sparse_cases(t, kvh).items(), desc="block-sparse masks"):
+        row = {"mask": name, "tokens": t}
+        for key, skip in (("every_tile_s", False), ("skipping_s", True)):
+            f = jax.jit(lambda q, k, v, m, skip=skip: attention.prefill_attention(
+                q, k, v, pos, pos, scale=d**-0.5, self_attention=skip, **m)[0])
+            row[key] = best_of(lambda f=f: jax.block_until_ready(f(q, k, v, masks)), repeats)
+        row["speedup"] = row["every_tile_s"] / row["skipping_s"]
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="1024,4096,16384")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sparse-length", type=int, default=16384, help="tokens of the block-sparse table (0: none)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     plat = jax.devices()[0].platform
@@ -89,11 +123,12 @@ def main(argv=None):
         row["skipping_vs_every_tile"] = row["kvjax_every_tile_s"] / row["kvjax_skipping_s"]
         rows.append(row)
         print(row)
+    sparse = time_sparse(args.sparse_length, args.repeats) if args.sparse_length else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"platform": plat, "machine": platform.processor() or platform.machine(), "config": CONFIG,
             "jax": jax.__version__, "repeats": args.repeats}
-    (out / f"prefill_{plat}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / f"prefill_{plat}.json").write_text(json.dumps({"meta": meta, "rows": rows, "sparse": sparse}, indent=2))
     lines = [f"# Prefill on {plat} ({meta['machine']}), issue #25's model: 4 layers, d 256, 8/2 heads, vocab 8192, f32",
              "", "Best of {r} calls after a compiling one, side by side in one run. Speed-up > 1: kvjax faster.".format(
                  r=args.repeats), "",
@@ -101,6 +136,12 @@ def main(argv=None):
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['prompt']} | {r['torch_sdpa_s']:.2f} | {r['kvjax_every_tile_s']:.2f} | {r['kvjax_skipping_s']:.2f} "
               f"| {r['skipping_vs_torch']:.2f}x | {r['skipping_vs_every_tile']:.2f}x |" for r in rows]
+    if sparse:
+        lines += ["", f"One attention layer (8 / 2 heads, d 32, f32) at {args.sparse_length} tokens under block-sparse "
+                  "masks: the skipping path against every tile, same run.", "",
+                  "| mask | every tile s | skipping s | speed-up |", "|---|---|---|---|"]
+        lines += [f"| {r['mask']} | {r['every_tile_s']:.2f} | {r['skipping_s']:.2f} | {r['speedup']:.2f}x |"
+                  for r in sparse]
     (out / f"prefill_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite softmax (and a
@@ -42,6 +43,23 @@ def eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
     """AnLLM's eq. 4 without the causal part: own sequence, or an earlier sequence's anchor seen by a
     non-anchor query, or a key of the kept span. Anchor flags and `k_keep` are bool."""
     return (q_seg == k_seg) | (k_anchor & ~q_anchor & (k_seg < q_seg)) | k_keep
+
+
+def eq4_blocks(q_seg, q_anchor, q_real, k_seg, k_anchor, k_keep, k_real):
+    """Eq. 4 between blocks of tokens, from per-block summaries: `[b, nq, nk]`, False only where no
+    query of the query block can see any key of the key block (segment ranges apart, no earlier
+    anchor a non-anchor query could see, no kept key). Conservative, never exact: a True block may
+    still be masked token by token. Queries `[b, nq, bq]`, keys `[b, nk, bk]`; `*_real` marks the
+    tokens that are not padding; anchor and keep flags are bool."""
+    big = jnp.iinfo(jnp.int32).max
+    lo = lambda x, real: jnp.min(jnp.where(real, x, big), -1)  # noqa: E731
+    hi = lambda x, real: jnp.max(jnp.where(real, x, -1), -1)  # noqa: E731
+    qs_lo, qs_hi = lo(q_seg, q_real)[:, :, None], hi(q_seg, q_real)[:, :, None]
+    ks_lo, ks_hi = lo(k_seg, k_real)[:, None, :], hi(k_seg, k_real)[:, None, :]
+    ka_lo = lo(k_seg, k_real & k_anchor)[:, None, :]  # the earliest anchor's segment
+    q_plain = jnp.any(q_real & ~q_anchor, -1)[:, :, None]
+    kept = jnp.any(k_real & k_keep, -1)[:, None, :]
+    return ((ks_lo <= qs_hi) & (qs_lo <= ks_hi)) | (q_plain & (ka_lo < qs_hi)) | kept
 
 
 def own_key(q_pos, k_pos):

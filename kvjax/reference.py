@@ -141,10 +141,24 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     keep = None if key_keep is None else key_keep.reshape(b, kvh, n, block)
     v_mean = v_mean[:, :, None, None, :]
 
+    # Block-sparse skipping: tiles that eq. 4 or the gate hide wholly are dead too, decided from
+    # per-block summaries over the batch (`masks.eq4_blocks`, the Pallas kernels' rule). The gate's
+    # flags count only as a bool mask: float flags are the straight-through estimator's, whose
+    # gradient reaches evicted keys through their tiles (see `_softmax`).
+    sparse = None
+    real = pb >= 0
+    if seg is not None:
+        sparse = jnp.any(masks.eq4_blocks(seg[0], seg[1], real, seg[0], seg[1], seg[2], real), axis=0)
+    if keep is not None and keep.dtype == jnp.bool_:  # a query's own key is in the diagonal tile
+        kept = jnp.any(keep, axis=(0, 1, 3))[None, :] | jnp.eye(n, dtype=bool)
+        sparse = kept if sparse is None else sparse & kept
+
     def live(i, j):
         ok = j <= i
         if window is not None:  # the block's newest key is at least `window` older than the query block's oldest
             ok &= (j + 1) * block - 1 > i * block - window
+        if sparse is not None:
+            ok &= sparse[i, j]
         return ok
 
     def tile(i, j, qi):

@@ -280,9 +280,13 @@ class Attention(nnx.Module):
                              "(--gate-params DIR)")
         if self.gate is not None and (plan is None or wanted.gate_keep):
             keep = self.gate(x, pos)
+        # Under a plan nothing differentiates the prompt, so the gate's flags go as a bool mask, which
+        # lets attention skip the blocks every head evicted; the plain forward keeps the float flags
+        # that carry the gates' training gradient.
+        key_keep = keep if keep is None or plan is None else keep > 0
         o, stats = attention.prefill_attention(
             q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
-            anchor_mask=anchor_mask, key_keep=keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
+            anchor_mask=anchor_mask, key_keep=key_keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
         if plan is not None:
             k_store = k if plan.position_mode == "rolling" else k_rot

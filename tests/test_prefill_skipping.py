@@ -57,6 +57,46 @@ def test_skipping_equals_every_tile(case, dtype):
                                    atol=tol, rtol=tol)
 
 
+def _hidden_blocks_case(kind):
+    """320 tokens in blocks of 64 whose key blocks 1 and 2 (tokens 64..191) the later queries cannot
+    see: eq. 4 with anchors at 60 and 250 (queries from 251 are a sequence that sees blocks 1-2 only
+    through anchors, and they hold none), or gate flags (bool) that evict both blocks in every head."""
+    rng, q, k, v, pos = _inputs(5, b=1, t=320)
+    pos = pos[:1]
+    if kind == "anchors":
+        flags = np.zeros((1, 320), bool)
+        flags[0, [60, 250]] = True
+        return q, k, v, pos, dict(anchor_mask=anchor_mask(jnp.asarray(flags))), 256  # rows from 256 see none
+    keep = rng.random((1, k.shape[1], 320)) < 0.6
+    keep[:, :, 64:192] = False
+    return q, k, v, pos, dict(key_keep=jnp.asarray(keep)), 192  # rows from 192 see them only as evicted
+
+
+@pytest.mark.parametrize("kind", ["anchors", "gate"])
+def test_blocks_that_eq4_or_the_gate_hide_wholly_are_never_computed(kind):
+    """NaN values in the hidden blocks: the skipping path never reads them for the queries that
+    cannot see them (a computed tile would give 0 * NaN), and those rows and every statistic equal
+    the every-tile reference on clean values."""
+    q, k, v, pos, masks_kw, first = _hidden_blocks_case(kind)
+    poisoned = v.at[:, :, 64:192].set(jnp.nan)
+    kw = dict(scale=0.25, stats=StatsRequest(colsum=True), block=64, **masks_kw)
+    ref, ref_stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
+    out, stats = attention.prefill_attention(q, k, poisoned, pos, pos, self_attention=True, **kw)
+    np.testing.assert_allclose(np.asarray(out[:, :, first:]), np.asarray(ref[:, :, first:]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[:, :, :64]), np.asarray(ref[:, :, :64]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats.colsum), np.asarray(ref_stats.colsum), atol=1e-5, rtol=1e-5)
+
+
+def test_float_gate_flags_keep_every_tile_for_their_gradient():
+    """The straight-through flags (float) are not a skip mask: an evicted key's tile is computed,
+    since the gates' gradient reaches its flag through it (so the NaN of the test above shows)."""
+    q, k, v, pos, masks_kw, first = _hidden_blocks_case("gate")
+    poisoned = v.at[:, :, 64:192].set(jnp.nan)
+    out, _ = attention.prefill_attention(q, k, poisoned, pos, pos, scale=0.25, block=64, self_attention=True,
+                                         key_keep=masks_kw["key_keep"].astype(jnp.float32))
+    assert np.isnan(np.asarray(out[:, :, first:])).all()
+
+
 def test_skipping_has_the_references_gradients_gate_flags_included():
     rng, q, k, v, pos = _inputs(2, b=1, t=150, d=8)
     pos = pos[:1]

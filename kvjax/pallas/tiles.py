@@ -191,17 +191,8 @@ def block_table(
     if window is not None:
         live &= kmax > qmin - window
     if anchors:
-        qseg = qb[..., SEG]
-        qs_lo = jnp.min(jnp.where(q_real, qseg, big), -1)[:, :, None]
-        qs_hi = jnp.max(jnp.where(q_real, qseg, -1), -1)[:, :, None]
-        kseg = kb[:, SEG]
-        ks_lo = jnp.min(jnp.where(k_real, kseg, big), -1)[:, None, :]
-        ks_hi = jnp.max(jnp.where(k_real, kseg, -1), -1)[:, None, :]
-        k_anchor = k_real & (kb[:, ANCHOR] > 0)
-        ka_lo = jnp.min(jnp.where(k_anchor, kseg, big), -1)[:, None, :]
-        q_plain = jnp.any(q_real & (qb[..., ANCHOR] == 0), -1)[:, :, None]
-        k_keep = jnp.any(k_real & (kb[:, KEEP] > 0), -1)[:, None, :]
-        live &= ((ks_lo <= qs_hi) & (qs_lo <= ks_hi)) | (q_plain & (ka_lo < qs_hi)) | k_keep
+        live &= masks.eq4_blocks(qb[..., SEG], qb[..., ANCHOR] > 0, q_real, kb[:, SEG], kb[:, ANCHOR] > 0,
+                                 kb[:, KEEP] > 0, k_real)
     live = jnp.broadcast_to(live[:, None], (b, kv_heads, nq, nk))
     if gate is not None:
         kept = jnp.any(gate.reshape(b, kv_heads, nk, bk) > 0, -1)[:, :, None, :]  # [b, kvh, 1, nk]
