@@ -118,7 +118,7 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
     `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
     that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
-    wholly older than it) are never computed. The same masks and softmax as `_prefill_block`, so
+    wholly older than it; with eq. 4 or bool gate flags, those they hide wholly) are never computed. The same masks and softmax as `_prefill_block`, so
     the same numbers; with `want_colsum`, a second pass over the same tiles, once each query's
     normaliser is known, sums each key's probability over the real queries.
 
@@ -257,7 +257,8 @@ def prefill_attention(
 
     `self_attention`: the queries and keys are the same left-padded tokens (`q_pos` is `k_pos`, in
     time order), as in a prompt's prefill; then a prompt longer than `block` runs in tiles that skip
-    every key block after the query block (and, with a window, those wholly before it).
+    every key block after the query block (and, with a window, those wholly before it; with eq. 4 or
+    bool `key_keep`, those the mask hides from every query of the block).
 
     `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
     only its `window` latest keys (Mistral's sliding window); `anchor_mask`: AnLLM's eq. 4;
