@@ -118,9 +118,10 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
     `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
     that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
-    wholly older than it; with eq. 4 or bool gate flags, those they hide wholly) are never computed. The same masks and softmax as `_prefill_block`, so
-    the same numbers; with `want_colsum`, a second pass over the same tiles, once each query's
-    normaliser is known, sums each key's probability over the real queries.
+    wholly older than it; with eq. 4 or bool gate flags, those they hide wholly) are never computed.
+    The same masks and softmax as `_prefill_block`, so the same numbers; with `want_colsum`, a second
+    pass over the same tiles, once each query's normaliser is known, sums each key's probability over
+    the real queries.
 
     qg: [b, kvh, g, t, d] (t a multiple of `block`); k, v: [b, kvh, t, d]; pos: [b, t]; v_mean: [b, kvh, d],
     what a query that sees no key (padding) gets, as the reference's softmax over all-masked logits

@@ -291,7 +291,7 @@ class Attention(nnx.Module):
         if plan is not None:
             k_store = k if plan.position_mode == "rolling" else k_rot
             if keep is not None:
-                stats = dataclasses.replace(stats, gate_keep=keep > 0)
+                stats = dataclasses.replace(stats, gate_keep=key_keep)
             ctx = Context(pos, tokens)
             cache = regroup(cache, [
                 rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
