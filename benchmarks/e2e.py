@@ -2,8 +2,9 @@
 transformers + kvpress, side by side in one run, on the same weights and device.
 
     python -m benchmarks.e2e                                    # the reduced CPU shape, 2K-8K prompts
-    python -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 --lengths 4096,32768,131072   # a GPU
-    python -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 --lengths 4096,32768
+    python -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 --lengths 4096,32768,131072 \
+        --attention-impl pallas --max-batch-tokens 262144                               # a GPU
+    python -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 --lengths 4096,32768 --attention-impl pallas
     python -m benchmarks.e2e --shape issue25 --lengths 1024,4096,16384 --batches 1 --budget 256 \
         --policies full,streaming --new 64 --compile-layers ''   # issue #25's CPU table
 
@@ -14,7 +15,11 @@ backends do not report it) and, for kvjax, the first call's compile seconds of p
 kvjax's whole cache (keys, values and each slot's position and statistics, decode slots included)
 and the K/V tensors of transformers' cache. Writes
 benchmarks/results/e2e_<platform>.{json,md,png} (e2e_<platform>_<shape>.* for a shape other than `cpu`).
-Numbers are for reading, never asserted in tests.
+The tables are rewritten after every cell, so a run cut short keeps what it measured. Numbers are
+for reading, never asserted in tests. On a GPU, give JAX part of the memory and leave torch the rest
+(`XLA_PYTHON_CLIENT_MEM_FRACTION=0.45`): both run in this one process. kvpress 0.5.5 needs the pinned
+transformers (< 5.3): under transformers 5.17 its presses fail on the first prefill (`KeyError:
+'cache_position'`), so a machine with a newer one needs transformers 5.2.0 carried with kvpress.
 
 Budgets: `--budget` tokens per layer and KV head for kvjax; kvpress takes a compression ratio, so it
 gets `1 - budget / prompt`, the same kept count. MAT's prompt is attended whole here
@@ -127,7 +132,9 @@ def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -
     def prefill():
         cache = DynamicCache()
         with torch.no_grad(), (press(model) if press is not None else contextlib.nullcontext()):
-            out = model(x, past_key_values=cache, use_cache=True)
+            # the last position's logits only, as kvjax's prefill computes (a 128K-entry vocabulary over a
+            # whole 32K prompt would be 8 GiB of logits)
+            out = model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         sync()
         return first, cache
@@ -158,14 +165,14 @@ def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -
     return {"ttft_s": ttft, "decode_tok_s": (new - 1) / best, "cache_bytes": kv, "peak_bytes": peak}
 
 
-def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtype) -> list[dict]:
+def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtype, impl: str = "xla") -> list[dict]:
     """First-call compile seconds of prefill and decode at each depth (full, StreamingLLM, MAT)."""
     rows = []
     for n_layers in layers:
         with tempfile.TemporaryDirectory() as d:
             make_random_checkpoint(d, tiny_config(**{**shape, "num_layers": n_layers},
                                                   max_position_embeddings=2 * length), seed=0)
-            model = load(d, tokenizer=False, dtype=dtype).model
+            model = load(d, tokenizer=False, dtype=dtype, attention_impl=impl).model
         prompts = np.random.default_rng(0).integers(4, shape["vocab_size"], (1, length))
         for name, policy in (("full", FullCache()), ("streaming", StreamingLLM(budget=budget, sinks=4)),
                              ("mat", mat(budget, budget // 4, prefill_mode="full"))):
@@ -175,7 +182,7 @@ def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtyp
     return rows
 
 
-def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> None:
+def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], show: bool = True) -> None:
     plat = meta["platform"]
     stem = f"e2e_{plat}" if meta["shape"] == "cpu" else f"e2e_{plat}_{meta['shape']}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
@@ -200,7 +207,8 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict]) -> 
         lines += [f"| {r['layers']} | {r['policy']} | {r['compile_prefill_s']:.1f} | {r['compile_decode_s']:.1f} |"
                   for r in compile_rows]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if show:
+        print("\n".join(lines))
 
     import matplotlib
 
@@ -237,6 +245,8 @@ def main(argv=None):
     p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
     p.add_argument("--policies", default="", help="kvjax policies to run, comma-separated (default: all of them); "
                    "kvpress runs the ones it has")
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="kvjax's attention: the jnp reference or the Pallas kernels (a GPU's plain prompts: cuDNN)")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
@@ -256,7 +266,7 @@ def main(argv=None):
     ckpt = Path(tempfile.mkdtemp())
     make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
                            seed=0)
-    model = load(ckpt, tokenizer=False, dtype=dtype).model
+    model = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl).model
     torch_model = None
     if not args.no_torch:
         import torch
@@ -265,6 +275,11 @@ def main(argv=None):
         device = "cuda" if torch.cuda.is_available() and jax.devices()[0].platform == "gpu" else "cpu"
         torch_model = LlamaForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
                                                        attn_implementation="sdpa").eval().to(device)
+    meta = {"platform": jax.devices()[0].platform, "device": str(jax.devices()[0]), "jax": jax.__version__,
+            "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
+            "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
+            "attention_impl": args.attention_impl,
+            "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     rows = []
     cells = [(n, b) for n in lengths for b in batches if n * b <= args.max_batch_tokens]
     for n, b in tqdm(cells, desc="cells"):
@@ -272,6 +287,7 @@ def main(argv=None):
         for name, policy in policies.items():
             rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b,
                          **time_kvjax(model, prompts, policy, args.new, args.repeats)})
+        write(out, meta, rows, [], show=False)
         if torch_model is not None:
             from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
 
@@ -285,13 +301,10 @@ def main(argv=None):
                     continue
                 rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b,
                              **time_torch(torch_model, prompts, args.new, args.repeats, press=press)})
+        write(out, meta, rows, [], show=False)
     layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
-    compile_rows = compile_table(shape, layers, lengths[0], args.budget, dtype) if layers else []
-    meta = {"platform": jax.devices()[0].platform, "device": str(jax.devices()[0]), "jax": jax.__version__,
-            "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
-            "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
-            "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
-    write(out, meta, rows, compile_rows)
+    write(out, meta, rows, compile_table(shape, layers, lengths[0], args.budget, dtype, args.attention_impl)
+          if layers else [])
 
 
 if __name__ == "__main__":
