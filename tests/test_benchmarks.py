@@ -23,3 +23,18 @@ def test_e2e_runs_only_the_chosen_policies_and_names_its_files_by_shape(tmp_path
     assert record["meta"]["config"]["hidden_size"] == 256
     assert (tmp_path / "e2e_cpu_issue25.md").exists() and (tmp_path / "e2e_cpu_issue25.png").exists()
     assert not (tmp_path / "e2e_cpu.json").exists()
+
+
+def test_attention_decode_rows_count_every_rows_cache_and_refuse_an_unknown_dtype(tmp_path, capsys):
+    from benchmarks import attention
+
+    with pytest.raises(SystemExit) as exc:
+        attention.main(["--decode-dtypes", "bfloat16,fp8", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--decode-dtypes: ['fp8']" in capsys.readouterr().err
+    attention.main(["--decode", "128", "--decode-batches", "1,2", "--decode-dtypes", "float32", "--prefill", "128",
+                    "--masked", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "attention_cpu.json").read_text())["decode"]
+    assert [(r["batch"], r["dtype"], r["C"]) for r in rows] == [(1, "float32", 128), (2, "float32", 128)]
+    # bytes read = GB/s x µs: K and V of each row, 2 x 8 heads x 128 slots x d 128 x 4 bytes per row
+    for r in rows:
+        assert r["xla_GBps"] * r["xla_us"] * 1e3 == pytest.approx(r["batch"] * 2 * 8 * 128 * 128 * 4)
