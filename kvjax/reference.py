@@ -211,7 +211,11 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
 
         init = (jnp.full((b, kvh, g, block), _MASKED, acc_t), jnp.zeros((b, kvh, g, block), acc_t),
                 jnp.zeros((b, kvh, g, block, d), acc_t))
-        (m, z, acc), _ = jax.lax.scan(step, init, jnp.arange(n))
+        # Under a gradient, a scan keeps every step's residuals for the backward pass: here each tile's
+        # logits and weights, O(T^2) per layer (a 4096-token training batch of 16 asked an H100 for 188 GiB).
+        # Rematerializing the step recomputes one tile's logits in the backward pass instead; a call that
+        # nothing differentiates (inference) runs the step as before.
+        (m, z, acc), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(n))
         # a query that sees no key (padding): the reference's value for it (uniform softmax, or zeros with gates)
         none = jnp.zeros_like(v_mean) if keep is not None else v_mean
         out = jnp.where((z > 0)[..., None], acc / jnp.where(z > 0, z, 1.0)[..., None], none)

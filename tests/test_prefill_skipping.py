@@ -127,3 +127,19 @@ def test_model_prefill_of_a_long_prompt_equals_transformers(tiny, tiny_dir):
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0, -1].numpy()
     np.testing.assert_allclose(np.asarray(logits[0]), theirs, atol=1e-4, rtol=0)
+
+
+def test_the_gradient_keeps_no_tile_residuals():
+    """Training differentiates the tile loop; its backward pass must recompute each tile's logits rather
+    than keep them all. Bound, by hand: one T x T float32 score matrix per query head (256 MiB at
+    T = 4096, 4 heads), which a backward pass storing every tile's probabilities exceeds (1.6 GiB before
+    the step was rematerialized)."""
+    b, h, kvh, t, d = 1, 4, 2, 4096, 32
+    q, k, v = jnp.ones((b, h, t, d)), jnp.ones((b, kvh, t, d)), jnp.ones((b, kvh, t, d))
+    pos = jnp.arange(t)[None]
+
+    def loss(q, k, v):
+        return attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, self_attention=True)[0].sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < b * h * t * t * 4
