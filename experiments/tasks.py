@@ -28,6 +28,7 @@ def passkey_needle(key: int | str) -> str:
 
 
 KV_INTRO = "Extract the value corresponding to the specified key in the table below.\n"
+KV_LINES = (4, 200)  # [lo, hi) table lines of a question-dense key-value row (RowSampler(kv_queries=N))
 
 
 def kv_line(key: str, value: str) -> str:
@@ -127,8 +128,11 @@ class RowSampler:
 
     def __init__(self, tokenizer, code: np.ndarray, docs: np.ndarray, seq_len: int, *,
                  mixture: Mixture = Mixture(), answer_weight: float = 4.0, docs_share: float = 0.3,
-                 prompts: list[tuple[list[int], list[int]]] = ()):
+                 prompts: list[tuple[list[int], list[int]]] = (), kv_queries: int = 0):
         self.tok, self.code, self.docs, self.seq_len = tokenizer, code, docs, seq_len
+        # 0: a key-value row is a table filling its span and 1-3 questions; N > 0: a table of KV_LINES lines
+        # (as many as the span holds) and N questions on it, so most of the row's loss is on lookups
+        self.kv_queries = kv_queries
         # (prompt ids, answer ids) in the evaluation suites' own templates, shortest first
         self.prompts = sorted(prompts, key=lambda pa: len(pa[0]) + len(pa[1]))
         self.prompt_sizes = np.array([len(p) + len(a) for p, a in self.prompts], np.int64)
@@ -213,10 +217,11 @@ class RowSampler:
                 (answer, self.answer_weight)]
 
     def _kv(self, rng, span):
-        queries = int(rng.integers(1, 4))
+        queries = int(rng.integers(1, 4)) if self.kv_queries == 0 else self.kv_queries
+        lines = np.inf if self.kv_queries == 0 else int(rng.integers(*KV_LINES))
         segments, table = [(self.fixed["kv_intro"], 1.0)], []
         used, tail_room = len(self.fixed["kv_intro"]), 24 * queries
-        while True:
+        while len(table) < lines:
             k, v = str(int(rng.integers(1000, 10000))), str(int(rng.integers(10000, 100000)))
             line = self.encode(kv_line(k, v))
             if used + len(line) > span - tail_room:
@@ -224,7 +229,11 @@ class RowSampler:
             segments.append((line, 1.0))
             table.append((k, v))
             used += len(line)
-        for i in rng.choice(len(table), size=min(queries, len(table)), replace=False):
+        if not table:
+            raise InvalidInput(f"a key-value row with {queries} questions needs more than span={span} tokens")
+        asked = (rng.choice(len(table), size=min(queries, len(table)), replace=False) if self.kv_queries == 0
+                 else rng.choice(len(table), size=queries))
+        for i in asked:
             k, v = table[int(i)]
             q, a = self.encode(kv_question(k)), self.encode(f" {v}.\n")
             segments += [(q, 1.0), (a, self.answer_weight)]

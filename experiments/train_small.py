@@ -12,7 +12,9 @@
    model, `--from`), with its own schedule (`--extend-lr`), more suite rows, a second pool of suite
    prompts drawn with another seed, and spans from the upper half of the context only: the long stage's
    spans are uniform from the shortest task up, so a key ~2000 tokens before its question is rare there
-   (the committed model's passkey at 2040 tokens: 38 % at depth 0, 100 % at depths 0.75-1);
+   (the committed model's passkey at 2040 tokens: 38 % at depth 0, 100 % at depths 0.75-1); its row kinds
+   can be changed (`--extend-mixture`), and its key-value rows made question-dense (`--extend-kv-queries N`:
+   N lookups on a table of 4-199 lines instead of 1-3 on a table filling the span);
 3. besides the default's tasks, a share of rows (`MIXTURE.suite`) are whole prompts of the
    evaluation suites in their own templates, with their answers: the LongBench-format datasets
    built from the *training* split of the library text, and RULER's niah / vt / cwe / fwe tasks
@@ -25,6 +27,7 @@ Every batch is a pure function of (seed, step); each stage resumes from its chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +46,7 @@ from experiments.common import nonnegative_int, positive_float, positive_int
 from experiments.records import dumps_finite, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
-from kvjax.errors import MissingFile
+from kvjax.errors import InvalidInput, MissingFile
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models import load
@@ -131,6 +134,38 @@ def batches(args, sampler: RowSampler, short: RowSampler, lo: int, extend: RowSa
     return batch
 
 
+def mixture_text(m: Mixture) -> str:
+    return ",".join(f"{f.name}={getattr(m, f.name):g}" for f in dataclasses.fields(m) if getattr(m, f.name))
+
+
+def mixture(text: str) -> Mixture:
+    """`--extend-mixture`'s value (KIND=SHARE pairs over Mixture's kinds; the record keeps the text)."""
+    kinds = {f.name for f in dataclasses.fields(Mixture)}
+    shares = dict.fromkeys(kinds, 0.0)
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in kinds:
+            raise argparse.ArgumentTypeError(f"{part!r}: the kinds are {', '.join(sorted(kinds))}")
+        try:
+            shares[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: the share after '=' must be a number") from None
+    m = Mixture(**shares)
+    try:
+        m.probabilities()
+    except InvalidInput as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return m
+
+
+def checked(convert):
+    """An argparse type that validates with `convert` and keeps the text (so the run's record stays JSON)."""
+    def check(text: str) -> str:
+        convert(text)
+        return text
+    return check
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/small")
@@ -149,6 +184,12 @@ def parse(argv):
     p.add_argument("--extend-steps", type=nonnegative_int, default=0,
                    help="a third stage at --seq-len from the long stage's model (0: none)")
     p.add_argument("--extend-lr", type=positive_float, default=5e-4)
+    p.add_argument("--extend-mixture", type=checked(mixture), default=mixture_text(EXTEND_MIXTURE), metavar="KIND=SHARE,...",
+                   help="the extension's row kinds (unnamed kinds: 0), e.g. kv=0.45,suite=0.2,text=0.1,"
+                        "passkey=0.1,facts=0.1,induction=0.05; default: " + mixture_text(EXTEND_MIXTURE))
+    p.add_argument("--extend-kv-queries", type=nonnegative_int, default=0, metavar="N",
+                   help="the extension's key-value rows: N > 0 asks N questions on a table of 4-199 lines; "
+                        "0 (default) fills the span with the table and asks 1-3")
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -165,7 +206,8 @@ def parse(argv):
 
 # the options a --from run takes from the base model's recorded training (so that its rows are those the
 # whole run with --extend-steps would draw); the rest are the extension's own
-EXTENSION_OPTIONS = {"out", "from_", "extend_steps", "extend_lr", "save_every", "no_eval"}
+EXTENSION_OPTIONS = {"out", "from_", "extend_steps", "extend_lr", "extend_mixture", "extend_kv_queries", "save_every",
+                     "no_eval"}
 
 
 def continued(args) -> tuple[argparse.Namespace, dict]:
@@ -211,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     extend = None
     if args.extend_steps:
         more = cached_pool(work / "prompts_extend.json", tok, args.seq_len, args.suite_samples, args.seed + 1)
-        extend = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len, mixture=EXTEND_MIXTURE,
-                            answer_weight=args.answer_weight, prompts=pool + more)
+        extend = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len,
+                            mixture=mixture(args.extend_mixture), answer_weight=args.answer_weight, prompts=pool + more,
+                            kv_queries=args.extend_kv_queries)
     batch = batches(args, long, short, short.min_span, extend)
 
     def loss(m, b):

@@ -164,3 +164,47 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
         final_loss(tmp_path, {"final_loss": 2.0})
     with pytest.raises(NonFiniteError, match="the last step's batch"):
         final_loss(tmp_path / "none", {"final_loss": float("inf")})
+
+
+def _kv_table_and_questions(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """A decoded key-value row read back by regex: its table {key: value} and its (asked key, answer) pairs."""
+    import re
+
+    table = dict(re.findall(r"^(\d{4}): (\d{5})$", text, re.M))
+    asked = re.findall(r"The value of key (\d{4}) is (\d{5})\.", text)
+    return table, asked
+
+
+@pytest.mark.parametrize("queries", [0, 16])
+def test_kv_rows_ask_their_questions_on_their_own_table(tok, queries):
+    """kv_queries=0 (the committed model's rows): the table fills the span and 1-3 distinct keys are asked;
+    N > 0 (the --extend-kv-queries stage): a table of 4-199 lines and N questions, every answer the value its
+    key has in the table, every answer token weighed answer_weight."""
+    code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
+    s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=1, facts=0, copy=0, induction=0),
+                   answer_weight=4.0, kv_queries=queries)
+    sizes = []
+    for seed in range(6):
+        ids, w = s.row(np.random.default_rng(seed), 1500)
+        table, asked = _kv_table_and_questions(tok.decode(ids[ids != tok.bos_token_id]))
+        assert asked and all(table[k] == v for k, v in asked), (table, asked)
+        assert (w == 4.0).sum() == sum(len(s.encode(f" {v}.\n")) for _, v in asked)
+        if queries:
+            assert len(asked) == queries and 4 <= len(table) < 200
+        else:
+            assert 1 <= len(asked) <= 3 and len(set(asked)) == len(asked)
+            assert len(table) > 1400 // len(s.encode("1234: 56789\n")) - 8  # the table fills the span
+        sizes.append(len(table))
+    assert queries == 0 or len(set(sizes)) > 1  # table sizes vary
+
+
+def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
+    from experiments.train_small import mixture, parse
+
+    assert mixture("kv=0.5,suite=0.5") == Mixture(text=0, passkey=0, kv=0.5, facts=0, copy=0, induction=0, suite=0.5)
+    for bad, says in [("kv=x", "'kv=x'"), ("keys=1", "'keys=1'"), ("kv=0", "not all 0"), ("kv=-1,text=2", ">= 0")]:
+        with pytest.raises(SystemExit):
+            parse(["--from", "m", "--extend-steps", "1", "--extend-mixture", bad])
+        assert says in capsys.readouterr().err
+    args = parse(["--from", "m", "--extend-steps", "1", "--extend-mixture", "kv=1"])
+    assert json.dumps(vars(args))  # the run's record stays JSON
