@@ -26,6 +26,7 @@ from experiments.common import positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
+from experiments.train_small import EXTEND_MIXTURE, mixture_text
 from kvjax.errors import NonFiniteError
 from models import SMALL_DIR
 
@@ -157,15 +158,26 @@ def training_chain(meta: dict, out: Path, ctx: int) -> tuple[list[str], str]:
     if last_out.resolve() != Path(out).resolve():  # the weights were copied here from the last command's output
         here = os.path.relpath(out) if Path(out).resolve().is_relative_to(Path.cwd()) else out
         commands.append(f"# then copy {last_out}/{{config.json,model.safetensors}} into {here}")
-    # each extension has its own steps and learning rate: the card names them stage by stage
-    stages = [(m["args"]["extend_steps"], m["args"]["extend_lr"]) for m in chain if m["args"].get("extend_steps")]
+    # each extension has its own steps, learning rate and rows: the card names them stage by stage
+    stages = [m["args"] for m in chain if m["args"].get("extend_steps")]
     if not stages:
         return commands, ""
-    how = f" from lr {stages[0][1]}" if len(stages) == 1 else (
-        f" in {len(stages)} extensions ({', '.join(f'{n} from lr {lr}' for n, lr in stages)})")
-    return commands, (f", then {sum(n for n, _ in stages)} more steps of {meta['args']['long_batch']} x {ctx}-token "
-                      f"rows{how}, half of them suite prompts, drawn from twice the prompt pool (a second seed), "
-                      f"each task spanning the upper half of the row")
+    steps = sum(a["extend_steps"] for a in stages)
+    how = (f" {_stage(stages[0])}" if len(stages) == 1 else
+           f" in {len(stages)} extensions ({'; '.join(str(a['extend_steps']) + ' ' + _stage(a) for a in stages)})")
+    return commands, (f", then {steps} more steps of {meta['args']['long_batch']} x {ctx}-token rows{how}, "
+                      f"suite prompts drawn from twice the prompt pool (a second seed), each task spanning the upper "
+                      f"half of the row")
+
+
+def _stage(args: dict) -> str:
+    """One extension's learning rate, row kinds and question density in the card's words (a record from
+    before --extend-mixture / --extend-*-queries existed trained on their defaults)."""
+    dense = [f"{args[k]} {what}" for k, what in (("extend_kv_queries", "key-value"), ("extend_fact_queries", "fact"))
+             if args.get(k)]
+    return (f"from lr {args['extend_lr']} on rows "
+            f"{args.get('extend_mixture') or mixture_text(EXTEND_MIXTURE)}"
+            + (f" with {' and '.join(dense)} questions per row" if dense else ""))
 
 
 def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:

@@ -29,6 +29,7 @@ def passkey_needle(key: int | str) -> str:
 
 KV_INTRO = "Extract the value corresponding to the specified key in the table below.\n"
 KV_LINES = (4, 200)  # [lo, hi) table lines of a question-dense key-value row (RowSampler(kv_queries=N))
+FACT_COUNT = (3, 17)  # [lo, hi) facts hidden in a question-dense fact row (RowSampler(fact_queries=N))
 
 
 def kv_line(key: str, value: str) -> str:
@@ -128,11 +129,13 @@ class RowSampler:
 
     def __init__(self, tokenizer, code: np.ndarray, docs: np.ndarray, seq_len: int, *,
                  mixture: Mixture = Mixture(), answer_weight: float = 4.0, docs_share: float = 0.3,
-                 prompts: list[tuple[list[int], list[int]]] = (), kv_queries: int = 0):
+                 prompts: list[tuple[list[int], list[int]]] = (), kv_queries: int = 0, fact_queries: int = 0):
         self.tok, self.code, self.docs, self.seq_len = tokenizer, code, docs, seq_len
         # 0: a key-value row is a table filling its span and 1-3 questions; N > 0: a table of KV_LINES lines
         # (as many as the span holds) and N questions on it, so most of the row's loss is on lookups
         self.kv_queries = kv_queries
+        # 0: a fact row hides 1-3 facts in text and asks one; N > 0: FACT_COUNT distinct facts and N questions
+        self.fact_queries = fact_queries
         # (prompt ids, answer ids) in the evaluation suites' own templates, shortest first
         self.prompts = sorted(prompts, key=lambda pa: len(pa[0]) + len(pa[1]))
         self.prompt_sizes = np.array([len(p) + len(a) for p, a in self.prompts], np.int64)
@@ -240,20 +243,35 @@ class RowSampler:
         return segments
 
     def _facts(self, rng, span):
-        n = int(rng.integers(1, 4))
-        facts = [(ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))], made_up_name(rng), made_up_name(rng))
-                 for _ in range(n)]
-        attr, subj, value = facts[int(rng.integers(n))]
-        q, a = self.encode(fact_question(attr, subj)), self.encode(f" {value}.")
+        dense = self.fact_queries > 0
+        n = int(rng.integers(*FACT_COUNT)) if dense else int(rng.integers(1, 4))
+        facts, asked_about = [], set()
+        while len(facts) < n:
+            attr, subj = ATTRIBUTES[int(rng.integers(len(ATTRIBUTES)))], made_up_name(rng)
+            fact = (attr, subj, made_up_name(rng))
+            # two facts with one (attribute, subject) would make a question ambiguous; the 1-3 fact rows
+            # keep their draws (and the committed model's rows) as they were
+            if dense and (attr, subj) in asked_about:
+                continue
+            asked_about.add((attr, subj))
+            facts.append(fact)
+        asked = rng.integers(n, size=self.fact_queries) if dense else [int(rng.integers(n))]
+        qa = []
+        for i in asked:
+            attr, subj, value = facts[int(i)]
+            qa += [(self.encode(fact_question(attr, subj)), 1.0), (self.encode(f" {value}."), self.answer_weight)]
         sentences = [self.encode(fact_sentence(*f)) for f in facts]
-        room = span - len(q) - len(a) - sum(map(len, sentences))
+        room = span - sum(len(s) for s, _ in qa) - sum(map(len, sentences))
+        if room < 0:
+            raise InvalidInput(f"a fact row of {n} facts and {len(asked)} questions needs {span - room} tokens; "
+                               f"span={span} is too short")
         filler = self._text(rng, room, self.docs)
         cuts = sorted(int(c) for c in rng.integers(0, room + 1, n))
         segments, prev = [], 0
         for c, s in zip(cuts, sentences):
             segments += [(filler[prev:c], 1.0), (s, 1.0)]
             prev = c
-        return segments + [(filler[prev:], 1.0), (q, 1.0), (a, self.answer_weight)]
+        return segments + [(filler[prev:], 1.0)] + qa
 
     def _induction(self, rng, span, alphabet: int | None = None, period: tuple[int, int] = (16, 64)):
         """Random token ids repeated (RazorAttention's probe): only copying predicts the repeats, which

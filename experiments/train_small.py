@@ -14,7 +14,8 @@
    spans are uniform from the shortest task up, so a key ~2000 tokens before its question is rare there
    (the committed model's passkey at 2040 tokens: 38 % at depth 0, 100 % at depths 0.75-1); its row kinds
    can be changed (`--extend-mixture`), and its key-value rows made question-dense (`--extend-kv-queries N`:
-   N lookups on a table of 4-199 lines instead of 1-3 on a table filling the span);
+   N lookups on a table of 4-199 lines instead of 1-3 on a table filling the span) and its fact rows too
+   (`--extend-fact-queries N`: N questions on 3-16 made-up facts instead of one on 1-3);
 3. besides the default's tasks, a share of rows (`MIXTURE.suite`) are whole prompts of the
    evaluation suites in their own templates, with their answers: the LongBench-format datasets
    built from the *training* split of the library text, and RULER's niah / vt / cwe / fwe tasks
@@ -190,6 +191,9 @@ def parse(argv):
     p.add_argument("--extend-kv-queries", type=nonnegative_int, default=0, metavar="N",
                    help="the extension's key-value rows: N > 0 asks N questions on a table of 4-199 lines; "
                         "0 (default) fills the span with the table and asks 1-3")
+    p.add_argument("--extend-fact-queries", type=nonnegative_int, default=0, metavar="N",
+                   help="the extension's fact rows: N > 0 asks N questions on 3-16 facts hidden in text; "
+                        "0 (default) hides 1-3 and asks one")
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -206,8 +210,8 @@ def parse(argv):
 
 # the options a --from run takes from the base model's recorded training (so that its rows are those the
 # whole run with --extend-steps would draw); the rest are the extension's own
-EXTENSION_OPTIONS = {"out", "from_", "extend_steps", "extend_lr", "extend_mixture", "extend_kv_queries", "save_every",
-                     "no_eval"}
+EXTENSION_OPTIONS = {"out", "from_", "extend_steps", "extend_lr", "extend_mixture", "extend_kv_queries",
+                     "extend_fact_queries", "save_every", "no_eval"}
 
 
 def continued(args) -> tuple[argparse.Namespace, dict]:
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         more = cached_pool(work / "prompts_extend.json", tok, args.seq_len, args.suite_samples, args.seed + 1)
         extend = RowSampler(tok, data["code_train"], data["docs_train"], args.seq_len,
                             mixture=mixture(args.extend_mixture), answer_weight=args.answer_weight, prompts=pool + more,
-                            kv_queries=args.extend_kv_queries)
+                            kv_queries=args.extend_kv_queries, fact_queries=args.extend_fact_queries)
     batch = batches(args, long, short, short.min_span, extend)
 
     def loss(m, b):

@@ -142,14 +142,17 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
     ext1 = {**run("train_small --from models/small --out A --extend-steps 450", "A", extend_steps=450,
                   extend_lr=5e-4), "base": first}
     ext2 = {**run("train_small --from A --out B --extend-steps 400 --extend-lr 3e-4", "B", extend_steps=400,
-                  extend_lr=3e-4), "base": ext1}
+                  extend_lr=3e-4, extend_mixture="kv=0.5,suite=0.5", extend_kv_queries=16, extend_fact_queries=0),
+            "base": ext1}
     commands, words = training_chain(ext2, tmp_path / "small", 2048)
     assert commands[:3] == [first["command"], ext1["command"], ext2["command"]]
     assert commands[3].startswith("# then copy B/{config.json,model.safetensors} into ")  # the card is elsewhere
-    assert words.startswith(", then 850 more steps of 2 x 2048-token rows in 2 extensions "
-                            "(450 from lr 0.0005, 400 from lr 0.0003),")
+    # a record from before --extend-mixture trained on the default extension rows (text 0.1, ..., suite 0.5)
+    assert words.startswith(", then 850 more steps of 2 x 2048-token rows in 2 extensions (450 from lr 0.0005 on "
+                            "rows text=0.1,passkey=0.1,kv=0.1,facts=0.05,copy=0.05,induction=0.1,suite=0.5; "
+                            "400 from lr 0.0003 on rows kv=0.5,suite=0.5 with 16 key-value questions per row),")
     assert training_chain(ext1, "A", 2048)[0] == [first["command"], ext1["command"]]  # written where it trained
-    assert " 450 more steps of 2 x 2048-token rows from lr 0.0005," in training_chain(ext1, "A", 2048)[1]
+    assert " 450 more steps of 2 x 2048-token rows from lr 0.0005 on rows text=0.1," in training_chain(ext1, "A", 2048)[1]
     assert training_chain(first, "models/small", 2048) == ([first["command"]], "")
 
     # one step's loss is one batch's: the card gives the mean of the last 50 when the curve is kept
@@ -196,6 +199,28 @@ def test_kv_rows_ask_their_questions_on_their_own_table(tok, queries):
             assert len(table) > 1400 // len(s.encode("1234: 56789\n")) - 8  # the table fills the span
         sizes.append(len(table))
     assert queries == 0 or len(set(sizes)) > 1  # table sizes vary
+
+
+@pytest.mark.parametrize("queries", [0, 8])
+def test_fact_rows_ask_about_facts_their_text_states(tok, queries):
+    """fact_queries=0 (the committed model's rows): 1-3 facts in text and one question; N > 0 (the
+    --extend-fact-queries stage): 3-16 facts, no (attribute, subject) twice, and N questions, each answered
+    with the value the text states for it."""
+    import re
+
+    code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
+    s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=0, facts=1, copy=0, induction=0),
+                   answer_weight=4.0, fact_queries=queries)
+    for seed in range(6):
+        ids, w = s.row(np.random.default_rng(seed), 1500)
+        text = tok.decode(ids[ids != tok.bos_token_id])
+        stated = re.findall(r"The (\w+) of (\w+) is (\w+)\.", text)
+        facts = {(a, subj): v for a, subj, v in stated}
+        asked = re.findall(r"Question: What is the (\w+) of (\w+)\?\nAnswer: (\w+)\.", text)
+        assert asked and all(facts[(a, subj)] == v for a, subj, v in asked), (stated, asked)
+        assert len(facts) == len(stated)  # no question is ambiguous
+        assert (w == 4.0).sum() == sum(len(s.encode(f" {v}.")) for *_, v in asked)
+        assert len(asked) == (queries or 1) and (3 <= len(stated) <= 16 if queries else 1 <= len(stated) <= 3)
 
 
 def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
