@@ -153,7 +153,13 @@ def training_chain(meta: dict, out: Path, ctx: int) -> tuple[list[str], str]:
     while m is not None:
         chain.insert(0, m)
         m = m.get("base")
-    commands = [m["command"] for m in chain]
+    commands = [chain[0]["command"]]
+    for prev, m in zip(chain, chain[1:]):
+        # a model adopted earlier was copied from its run's output to where the next run reads it
+        if Path(m["args"]["from_"]).resolve() != Path(prev["args"]["out"]).resolve():
+            commands.append(f"# then copy {prev['args']['out']}/{{config.json,model.safetensors}} into "
+                            f"{m['args']['from_']}")
+        commands.append(m["command"])
     last_out = Path(meta["args"]["out"])
     if last_out.resolve() != Path(out).resolve():  # the weights were copied here from the last command's output
         here = os.path.relpath(out) if Path(out).resolve().is_relative_to(Path.cwd()) else out

@@ -140,8 +140,8 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
 
     first = run("python -m experiments.train_small", "models/small")
     ext1 = {**run("train_small --from models/small --out A --extend-steps 450", "A", extend_steps=450,
-                  extend_lr=5e-4), "base": first}
-    ext2 = {**run("train_small --from A --out B --extend-steps 400 --extend-lr 3e-4", "B", extend_steps=400,
+                  extend_lr=5e-4, from_="models/small"), "base": first}
+    ext2 = {**run("train_small --from A --out B --extend-steps 400 --extend-lr 3e-4", "B", extend_steps=400, from_="A",
                   extend_lr=3e-4, extend_mixture="kv=0.5,suite=0.5", extend_kv_queries=16, extend_fact_queries=0),
             "base": ext1}
     commands, words = training_chain(ext2, tmp_path / "small", 2048)
@@ -152,6 +152,10 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
                             "rows text=0.1,passkey=0.1,kv=0.1,facts=0.05,copy=0.05,induction=0.1,suite=0.5; "
                             "400 from lr 0.0003 on rows kv=0.5,suite=0.5 with 16 key-value questions per row),")
     assert training_chain(ext1, "A", 2048)[0] == [first["command"], ext1["command"]]  # written where it trained
+    adopted = {**run("train_small --from models/small --out C --extend-steps 9", "C", extend_steps=9, extend_lr=5e-4,
+                     from_="models/small"), "base": ext2}  # B was copied into models/small before this run
+    assert training_chain(adopted, "C", 2048)[0][3:5] == [
+        "# then copy B/{config.json,model.safetensors} into models/small", adopted["command"]]
     assert " 450 more steps of 2 x 2048-token rows from lr 0.0005 on rows text=0.1," in training_chain(ext1, "A", 2048)[1]
     assert training_chain(first, "models/small", 2048) == ([first["command"]], "")
 
