@@ -44,9 +44,9 @@ def test_logits_match_transformers_pytorch(small):
 
 
 def test_passkey_at_the_full_context_and_not_outside_a_streaming_window(small, tmp_path):
-    """The model reads its whole context: at half of it the full cache retrieves the key almost always, at
-    the full 2048 tokens most of the time (the card's target of 95 % there is not reached: 80 %), and a
-    StreamingLLM window that excludes the key never does."""
+    """The model reads its whole context: at half of it and at the full 2048 tokens the full cache retrieves
+    the key almost always (the card's target is 95 % at 2K; 10 of 10 here, one miss allowed for another
+    CPU's rounding), and a StreamingLLM window that excludes the key never does."""
     n = small.config.max_position_embeddings
     length = n - passkey.MAX_NEW_TOKENS
     log = ResultLog(tmp_path / "p.jsonl")
@@ -60,7 +60,7 @@ def test_passkey_at_the_full_context_and_not_outside_a_streaming_window(small, t
                          label="streaming", progress=False)
     assert all(r["needle_at"] + 20 < length - (256 - 4) for r in stream)  # the key is outside the window
     assert np.mean([r["correct"] for r in half]) >= 0.9, [r["output"] for r in half if not r["correct"]]
-    assert np.mean([r["correct"] for r in full]) >= 0.6, [r["output"] for r in full if not r["correct"]]
+    assert np.mean([r["correct"] for r in full]) >= 0.9, [r["output"] for r in full if not r["correct"]]
     assert np.mean([r["correct"] for r in stream]) <= 0.1
 
 
