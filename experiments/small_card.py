@@ -26,7 +26,8 @@ from experiments.common import positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
-from experiments.train_small import EXTEND_MIXTURE, mixture_text
+from experiments.tasks import MARKER_KINDS, TITLE_COUNT, TITLE_QUERIES
+from experiments.train_small import EXTEND_MIXTURE, mixture, mixture_text
 from kvjax.errors import NonFiniteError
 from models import SMALL_DIR
 
@@ -179,11 +180,17 @@ def training_chain(meta: dict, out: Path, ctx: int) -> tuple[list[str], str]:
 def _stage(args: dict) -> str:
     """One extension's learning rate, row kinds and question density in the card's words (a record from
     before --extend-mixture / --extend-*-queries existed trained on their defaults)."""
+    rows = args.get("extend_mixture") or mixture_text(EXTEND_MIXTURE)
     dense = [f"{args[k]} {what}" for k, what in (("extend_kv_queries", "key-value"), ("extend_fact_queries", "fact"))
              if args.get(k)]
-    return (f"from lr {args['extend_lr']} on rows "
-            f"{args.get('extend_mixture') or mixture_text(EXTEND_MIXTURE)}"
-            + (f" with {' and '.join(dense)} questions per row" if dense else ""))
+    shares = mixture(rows)
+    # the kinds that are question-dense whatever the options: their rows' sizes in words
+    dense += [what for kind, what in (("titles", f"{TITLE_QUERIES} title ({TITLE_COUNT[0]}-{TITLE_COUNT[1] - 1} "
+                                                 "titled paragraphs)"),
+                                      ("counts", f"{MARKER_KINDS[0]}-{MARKER_KINDS[1] - 1} count (sounds)"))
+              if getattr(shares, kind)]
+    return f"from lr {args['extend_lr']} on rows {rows}" + (f" with {' and '.join(dense)} questions per row"
+                                                           if dense else "")
 
 
 def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:

@@ -2,9 +2,10 @@
 and the passkey suite) and a token-level row sampler for `experiments.train_tiny`.
 
 The passkey prompt is the LongLoRA / landmark one. Besides natural text, rows hold passkey, key-value,
-fact-QA and copy tasks, and repeated random tokens (pure induction). Rows for training are built from token-id
-segments, so a row has an exact length without re-tokenising; each segment carries a loss
-weight, and answer tokens are up-weighted so the long-range signal is not drowned by filler.
+fact-QA, title-retrieval, counting and copy tasks, and repeated random tokens (pure induction). Rows
+for training are built from token-id segments, so a row has an exact length without re-tokenising;
+each segment carries a loss weight, and answer tokens are up-weighted so the long-range signal is not
+drowned by filler.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def passkey_needle(key: int | str) -> str:
 KV_INTRO = "Extract the value corresponding to the specified key in the table below.\n"
 KV_LINES = (4, 200)  # [lo, hi) table lines of a question-dense key-value row (RowSampler(kv_queries=N))
 FACT_COUNT = (3, 17)  # [lo, hi) facts hidden in a question-dense fact row (RowSampler(fact_queries=N))
+TITLE_COUNT = (4, 16)  # [lo, hi) titled paragraphs in a title-retrieval row
+TITLE_QUERIES = 8  # questions on them, each "which paragraph is titled X?"
+# sound lines hidden in text, counted by the marker-count task: (the line, "how many times does ___?")
+MARKERS = (("The bell rings.", "the bell ring"), ("A dog barks.", "a dog bark"), ("The door opens.", "the door open"),
+           ("The clock strikes.", "the clock strike"), ("A horn sounds.", "a horn sound"),
+           ("The kettle whistles.", "the kettle whistle"))
+MARKER_TIMES = (1, 6)  # [lo, hi) times one sound occurs
+MARKER_KINDS = (2, 5)  # [lo, hi) sounds in one marker-count training row, each asked once
 
 
 def kv_line(key: str, value: str) -> str:
@@ -50,12 +59,39 @@ def made_up_name(rng: np.random.Generator) -> str:
     return "".join(SYLLABLES[i] for i in rng.integers(0, len(SYLLABLES), n)).capitalize()
 
 
+def distinct_names(rng: np.random.Generator, n: int) -> list[str]:
+    """n different made-up names (a repeated title would make its question ambiguous)."""
+    names: list[str] = []
+    while len(names) < n:
+        if (name := made_up_name(rng)) not in names:
+            names.append(name)
+    return names
+
+
 def fact_sentence(attribute: str, subject: str, value: str) -> str:
     return f" The {attribute} of {subject} is {value}."
 
 
+def question_line(question: str) -> str:
+    return f"\nQuestion: {question}\nAnswer:"
+
+
 def fact_question(attribute: str, subject: str) -> str:
-    return f"\nQuestion: What is the {attribute} of {subject}?\nAnswer:"
+    return question_line(f"What is the {attribute} of {subject}?")
+
+
+def paragraph_head(k: int, title: str) -> str:
+    """What opens the k-th (from 1) titled paragraph: the title first, so that the label follows the words
+    the question names, as a value follows its key."""
+    return f"Title: {title}\nParagraph {k}: "
+
+
+def title_question(title: str) -> str:
+    return f"Which paragraph is titled {title}?"
+
+
+def marker_question(kind: int) -> str:
+    return f"How many times does {MARKERS[kind][1]}?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +105,8 @@ class Mixture:
     copy: float = 0.10
     induction: float = 0.15
     suite: float = 0.0  # whole evaluation prompts with their answers (`RowSampler(prompts=...)`)
+    titles: float = 0.0  # TITLE_QUERIES questions on titled paragraphs
+    counts: float = 0.0  # sounds hidden in text, each counted
 
     def blend(self, other: "Mixture", t: float) -> "Mixture":
         """(1 - t) * self + t * other, share by share."""
@@ -261,17 +299,52 @@ class RowSampler:
             attr, subj, value = facts[int(i)]
             qa += [(self.encode(fact_question(attr, subj)), 1.0), (self.encode(f" {value}."), self.answer_weight)]
         sentences = [self.encode(fact_sentence(*f)) for f in facts]
+        return self._hidden(rng, span, sentences, qa, f"a fact row of {n} facts and {len(asked)} questions")
+
+    def _hidden(self, rng, span, sentences: list[list[int]], qa: list, what: str) -> list:
+        """`sentences` at random places in docs text, then the questions and answers `qa`: `span` tokens."""
         room = span - sum(len(s) for s, _ in qa) - sum(map(len, sentences))
         if room < 0:
-            raise InvalidInput(f"a fact row of {n} facts and {len(asked)} questions needs {span - room} tokens; "
-                               f"span={span} is too short")
+            raise InvalidInput(f"{what} needs {span - room} tokens; span={span} is too short")
         filler = self._text(rng, room, self.docs)
-        cuts = sorted(int(c) for c in rng.integers(0, room + 1, n))
+        cuts = sorted(int(c) for c in rng.integers(0, room + 1, len(sentences)))
         segments, prev = [], 0
         for c, s in zip(cuts, sentences):
             segments += [(filler[prev:c], 1.0), (s, 1.0)]
             prev = c
         return segments + [(filler[prev:], 1.0)] + qa
+
+    def _titles(self, rng, span):
+        """TITLE_COUNT paragraphs of docs text, each opened by `paragraph_head`, and TITLE_QUERIES questions
+        "which paragraph is titled X?" (the suite's title retrieval, question-dense)."""
+        n = int(rng.integers(*TITLE_COUNT))
+        titles = distinct_names(rng, n)
+        qa = []
+        for i in rng.integers(n, size=TITLE_QUERIES):
+            qa += [(self.encode(question_line(title_question(titles[int(i)]))), 1.0),
+                   (self.encode(f" Paragraph {int(i) + 1}."), self.answer_weight)]
+        heads = [self.encode(("\n\n" if j else "") + paragraph_head(j + 1, t)) for j, t in enumerate(titles)]
+        room = span - sum(len(s) for s, _ in qa) - sum(map(len, heads))
+        if room < n:
+            raise InvalidInput(f"a title row of {n} paragraphs and {TITLE_QUERIES} questions needs "
+                               f"{span - room + n} tokens; span={span} is too short")
+        segments = []
+        for h in heads:
+            segments += [(h, 1.0), (self._text(rng, room // n, self.docs), 1.0)]
+        return segments + qa
+
+    def _counts(self, rng, span):
+        """MARKER_KINDS sounds, each MARKER_TIMES times at random places in docs text, then each one's count
+        asked (the suite's marker count, with more than one sound so that a count is of the one named)."""
+        kinds = rng.choice(len(MARKERS), size=int(rng.integers(*MARKER_KINDS)), replace=False)
+        times = rng.integers(*MARKER_TIMES, size=len(kinds))
+        lines = [int(k) for k, t in zip(kinds, times) for _ in range(int(t))]
+        sentences = [self.encode(" " + MARKERS[lines[int(j)]][0]) for j in rng.permutation(len(lines))]
+        qa = []
+        for j in rng.permutation(len(kinds)):
+            qa += [(self.encode(question_line(marker_question(int(kinds[j])))), 1.0),
+                   (self.encode(f" {int(times[j])}."), self.answer_weight)]
+        return self._hidden(rng, span, sentences, qa, f"a count row of {len(lines)} sounds")
 
     def _induction(self, rng, span, alphabet: int | None = None, period: tuple[int, int] = (16, 64)):
         """Random token ids repeated (RazorAttention's probe): only copying predicts the repeats, which

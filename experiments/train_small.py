@@ -55,8 +55,8 @@ from models.grow import grow_depth
 from models.loading import save_pretrained
 
 MIXTURE = Mixture(text=0.20, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.40)
-# the third stage: the formats the model still fails at full length are the suites' (passage retrieval,
-# QA, key-value, RULER's needles), so half the rows are suite prompts
+# the third stage: the formats the model failed at full length when it was added were the suites' (passage
+# retrieval as it was then, QA, key-value, RULER's needles), so half the rows are suite prompts
 EXTEND_MIXTURE = Mixture(text=0.10, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.50)
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 TRAIN_SEED = 1_000_003  # RULER samples for training: never the evaluation's seed (42)
@@ -67,9 +67,10 @@ def ntk_theta(theta: float, scale: float, head_dim: int) -> float:
     return theta * scale ** (head_dim / (head_dim - 2))
 
 
-# The model's answer as the metric reads it: the number after "is", the name after "Answer:", "Paragraph k"
-# or the count after "is: ", the next line of code.
-ANSWER_FORMS = {"stdlib_passkey": " {}.", "stdlib_kv_retrieval": " {}.", "stdlib_qa": " {}", "stdlib_lcc": "{}\n"}
+# The model's answer as the metric reads it: the number after "is", the name, "Paragraph k" or the count
+# after "Answer:", the next line of code.
+ANSWER_FORMS = {"stdlib_passkey": " {}.", "stdlib_kv_retrieval": " {}.", "stdlib_qa": " {}", "stdlib_lcc": "{}\n",
+                "stdlib_title_retrieval": " {}", "stdlib_marker_count": " {}"}
 
 
 def suite_examples(tok, seq_len: int, samples: int, seed: int):

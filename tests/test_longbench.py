@@ -138,6 +138,30 @@ def test_default_suite_is_committed_and_regenerates_identically(tmp_path):
         assert (tmp_path / f"{n}.jsonl").read_text() == (DATA_DIR / f"{n}.jsonl").read_text(), n
 
 
+@pytest.mark.parametrize("data_dir", ["data", "data_small"])
+def test_title_and_count_answers_are_what_their_contexts_say(data_dir):
+    """The committed rows read back by regex and str.count, not by the builders: a title retrieval's answer
+    is the label that follows the asked title, which no other paragraph has; a marker count's answer is how
+    often the asked sound's line occurs in its context."""
+    import re
+
+    from experiments.tasks import MARKERS
+
+    for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_title_retrieval"):
+        title = re.fullmatch(r"Which paragraph is titled (\w+)\?", row["input"]).group(1)
+        heads = re.findall(r"^Title: (\w+)\nParagraph (\d+): ", row["context"], re.M)
+        assert [int(k) for _, k in heads] == list(range(1, len(heads) + 1))
+        assert len({t for t, _ in heads}) == len(heads) and len(heads) >= 5
+        assert row["answers"] == [f"Paragraph {dict(heads)[title]}"]
+    counts = []
+    for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_marker_count"):
+        asked = re.fullmatch(r"How many times does (.+)\?", row["input"]).group(1)
+        line = next(text for text, q in MARKERS if q == asked)
+        counts.append(row["context"].count(line))
+        assert row["answers"] == [str(counts[-1])] and 1 <= counts[-1] <= 5
+    assert len(set(counts)) >= 4  # the counts vary
+
+
 def test_clear_errors(tmp_path, tiny_dir):
     with pytest.raises(FileNotFoundError, match="has no .jsonl files"):
         harness.dataset_names(tmp_path)

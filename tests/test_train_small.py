@@ -28,7 +28,8 @@ def tok():
 def test_every_trained_answer_scores_full_marks_under_its_suites_metric(tok):
     examples = list(suite_examples(tok, 1024, 2, seed=5))
     seen = {name for name, *_ in examples}
-    assert {"stdlib_passkey", "stdlib_qa", "stdlib_passage_count", "niah_single_1", "fwe"} <= seen
+    assert {"stdlib_passkey", "stdlib_qa", "stdlib_marker_count", "stdlib_title_retrieval", "niah_single_1",
+            "fwe"} <= seen
     cfg = config()
     for name, prompt, answer, refs in examples:
         if name.startswith("stdlib_"):
@@ -158,6 +159,14 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
         "# then copy B/{config.json,model.safetensors} into models/small", adopted["command"]]
     assert " 450 more steps of 2 x 2048-token rows from lr 0.0005 on rows text=0.1," in training_chain(ext1, "A", 2048)[1]
     assert training_chain(first, "models/small", 2048) == ([first["command"]], "")
+    titled = {**run("train_small --from B --out D --extend-steps 5", "D", extend_steps=5, from_="B", extend_lr=5e-4,
+                    extend_mixture="titles=0.5,counts=0.2,kv=0.3", extend_kv_queries=16), "base": ext2}
+    assert training_chain(titled, "D", 2048)[1].endswith(
+        "(450 from lr 0.0005 on rows text=0.1,passkey=0.1,kv=0.1,facts=0.05,copy=0.05,induction=0.1,suite=0.5; "
+        "400 from lr 0.0003 on rows kv=0.5,suite=0.5 with 16 key-value questions per row; 5 from lr 0.0005 on rows "
+        "titles=0.5,counts=0.2,kv=0.3 with 16 key-value and 8 title (4-15 titled paragraphs) and 2-4 count (sounds) "
+        "questions per row), suite prompts drawn from twice the prompt pool (a second seed), each task spanning the "
+        "upper half of the row")
 
     # one step's loss is one batch's: the card gives the mean of the last 50 when the curve is kept
     (tmp_path / "training").mkdir()
@@ -225,6 +234,55 @@ def test_fact_rows_ask_about_facts_their_text_states(tok, queries):
         assert len(facts) == len(stated)  # no question is ambiguous
         assert (w == 4.0).sum() == sum(len(s.encode(f" {v}.")) for *_, v in asked)
         assert len(asked) == (queries or 1) and (3 <= len(stated) <= 16 if queries else 1 <= len(stated) <= 3)
+
+
+def test_title_rows_ask_which_paragraph_has_a_title_their_text_gives(tok):
+    """A title row read back by regex: 4-15 paragraphs opened by distinct titles and labels 1..n in order,
+    TITLE_QUERIES questions, each answered with the label that follows the asked title."""
+    import re
+
+    from experiments.tasks import TITLE_QUERIES
+
+    code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
+    s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=0, facts=0, copy=0, induction=0,
+                                                          titles=1), answer_weight=4.0)
+    sizes = set()
+    for seed in range(6):
+        ids, w = s.row(np.random.default_rng(seed), 1500)
+        text = tok.decode(ids[ids != tok.bos_token_id])
+        heads = re.findall(r"Title: (\w+)\nParagraph (\d+): ", text)
+        asked = re.findall(r"Question: Which paragraph is titled (\w+)\?\nAnswer: Paragraph (\d+)\.", text)
+        assert [int(k) for _, k in heads] == list(range(1, len(heads) + 1)) and 4 <= len(heads) <= 15
+        assert len(dict(heads)) == len(heads)  # no question is ambiguous
+        assert len(asked) == TITLE_QUERIES and all(dict(heads)[t] == k for t, k in asked), (heads, asked)
+        assert (w == 4.0).sum() == sum(len(s.encode(f" Paragraph {k}.")) for _, k in asked)
+        sizes.add(len(heads))
+    assert len(sizes) > 1
+
+
+def test_count_rows_ask_how_often_each_hidden_sound_occurs(tok):
+    """A count row read back by str.count: 2-4 sounds hidden in text, each asked once and answered with how
+    often its line occurs in the row (1-5)."""
+    import re
+
+    from experiments.tasks import MARKERS
+
+    code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
+    s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=0, facts=0, copy=0, induction=0,
+                                                          counts=1), answer_weight=4.0)
+    answers = []
+    for seed in range(6):
+        ids, w = s.row(np.random.default_rng(seed), 1500)
+        text = tok.decode(ids[ids != tok.bos_token_id])
+        asked = re.findall(r"Question: How many times does (.+)\?\nAnswer: (\d)\.", text)
+        assert 2 <= len(asked) <= 4 and len({q for q, _ in asked}) == len(asked)
+        for q, n in asked:
+            line = next(t for t, question in MARKERS if question == q)
+            assert text.count(line) == int(n) and 1 <= int(n) <= 5, (q, n)
+        assert sum(text.count(t) for t, _ in MARKERS) == sum(int(n) for _, n in asked)  # nothing unasked
+        assert (w == 4.0).sum() == sum(len(s.encode(f" {n}.")) for _, n in asked)
+        answers += [n for _, n in asked]
+    assert len(set(answers)) >= 4
 
 
 def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
