@@ -87,7 +87,7 @@ not a useful language model.
 | context | {ctx} tokens (`max_position_embeddings`) |
 | tokenizer | the default model's: byte-level BPE, {vocab} tokens, digits split one by one |
 | initialisation | `models/default` (2 layers, 512 tokens) grown by block expansion (`models.grow`, LLaMA Pro): each layer followed by copies whose output projections are zero, so training starts from the default's function; RoPE base raised NTK-aware from 10000 to {theta:.0f} for {ctx} / 512 = {stretch:.0f}x the context |
-| data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`, training split), passkey / key-value / fact-QA / copy / induction rows, and {prompts} whole prompts of the evaluation suites in their own templates with their answers: the LongBench-format datasets built from the training split, RULER's niah / vt / cwe / fwe drawn with seeds the evaluation never uses |
+| data | standard-library `.py` source and `pydoc_data.topics` (corpus `{corpus}`, training split), passkey / key-value / fact-QA / title-retrieval / count / copy / induction rows, and {prompts} whole prompts of the evaluation suites in their own templates with their answers: the LongBench-format datasets built from the training split, RULER's niah / vt / cwe / fwe drawn with seeds the evaluation never uses |
 | training | {short_steps} steps of {short_batch} x 512-token rows, then {long_steps} steps of {long_batch} x {ctx}-token rows (each row one task of a random span after text){extend}, AdamW (lr {lr}, weight decay {wd}, cosine decay to 10 % per stage), answer tokens weighted x{aw}; {platform}, {minutes:.0f} min |
 | training loss at the end | {final_loss} |
 

@@ -237,8 +237,8 @@ def test_fact_rows_ask_about_facts_their_text_states(tok, queries):
 
 
 def test_title_rows_ask_which_paragraph_has_a_title_their_text_gives(tok):
-    """A title row read back by regex: 4-15 paragraphs opened by distinct titles and labels 1..n in order,
-    TITLE_QUERIES questions, each answered with the label that follows the asked title."""
+    """A title row read back by regex: 4-15 paragraphs opened by distinct titles and numbers 1..n in order,
+    TITLE_QUERIES questions, each answered with the number that follows the asked title."""
     import re
 
     from experiments.tasks import TITLE_QUERIES
@@ -250,12 +250,12 @@ def test_title_rows_ask_which_paragraph_has_a_title_their_text_gives(tok):
     for seed in range(6):
         ids, w = s.row(np.random.default_rng(seed), 1500)
         text = tok.decode(ids[ids != tok.bos_token_id])
-        heads = re.findall(r"Title: (\w+)\nParagraph (\d+): ", text)
-        asked = re.findall(r"Question: Which paragraph is titled (\w+)\?\nAnswer: Paragraph (\d+)\.", text)
+        heads = re.findall(r"\n\n(\w+) \((\d+)\): ", text)
+        asked = re.findall(r"Question: Which paragraph is titled (\w+)\?\nAnswer: (\d+)\.", text)
         assert [int(k) for _, k in heads] == list(range(1, len(heads) + 1)) and 4 <= len(heads) <= 15
         assert len(dict(heads)) == len(heads)  # no question is ambiguous
         assert len(asked) == TITLE_QUERIES and all(dict(heads)[t] == k for t, k in asked), (heads, asked)
-        assert (w == 4.0).sum() == sum(len(s.encode(f" Paragraph {k}.")) for _, k in asked)
+        assert (w == 4.0).sum() == sum(len(s.encode(f" {k}.")) for _, k in asked)
         sizes.add(len(heads))
     assert len(sizes) > 1
 

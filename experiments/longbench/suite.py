@@ -9,14 +9,14 @@ all_classes, _id), sized for the default model's 512-token window:
 * stdlib_kv_retrieval: a table of 4-digit keys and 5-digit values, one key asked;
 * stdlib_qa: three made-up facts hidden in a held-out reference topic, one asked (qa_f1);
 * stdlib_title_retrieval: 3 + 2 * scale held-out doc paragraphs, each opened by a made-up title and
-  its label, one title asked, answered "Paragraph k" (retrieval);
+  its number, "Kalomi (3): ...", one title asked, answered with the number (first number);
 * stdlib_marker_count: a sound line ("The bell rings.") 1-5 times in held-out doc text, its count
   asked (count).
 
 The last two replace LongBench's passage retrieval (an abstract, the label before its paragraph) and
 passage count (distinct paragraphs among repeats), which no kvjax-small run learned (chance, 25 %,
 in every card; docs/kvjax-small-lookups.md): each needs a match followed by a step back or an
-aggregate over every match. Retrieval by a title the label follows is the lookup the key-value task
+aggregate over every match. Retrieval by a title its number follows is the lookup the key-value task
 teaches, and counting one fixed line is an aggregate over one kind of match.
 * stdlib_lcc: the next line of a held-out standard-library module (code_sim).
 
@@ -141,7 +141,7 @@ def title_retrieval(rng, n: int, split: str = "heldout", scale: int = 1) -> list
         titles = distinct_names(rng, count)
         k = int(rng.integers(count))
         context = "\n\n".join(paragraph_head(j + 1, t) + p for j, (t, p) in enumerate(zip(titles, paras)))
-        rows.append(_row("stdlib_title_retrieval", i, context, title_question(titles[k]), [f"Paragraph {k + 1}"]))
+        rows.append(_row("stdlib_title_retrieval", i, context, title_question(titles[k]), [str(k + 1)]))
     return rows
 
 
