@@ -67,10 +67,10 @@ def ntk_theta(theta: float, scale: float, head_dim: int) -> float:
     return theta * scale ** (head_dim / (head_dim - 2))
 
 
-# The model's answer as the metric reads it: the number after "is", the name, the paragraph's number or the
+# The model's answer as the metric reads it: the number after "is", the name or the
 # count after "Answer:", the next line of code.
 ANSWER_FORMS = {"stdlib_passkey": " {}.", "stdlib_kv_retrieval": " {}.", "stdlib_qa": " {}", "stdlib_lcc": "{}\n",
-                "stdlib_title_retrieval": " {}.", "stdlib_marker_count": " {}"}
+                "stdlib_paragraph_kv": " {}.", "stdlib_marker_count": " {}"}
 
 
 def suite_examples(tok, seq_len: int, samples: int, seed: int):

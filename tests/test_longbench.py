@@ -139,20 +139,21 @@ def test_default_suite_is_committed_and_regenerates_identically(tmp_path):
 
 
 @pytest.mark.parametrize("data_dir", ["data", "data_small"])
-def test_title_and_count_answers_are_what_their_contexts_say(data_dir):
-    """The committed rows read back by regex and str.count, not by the builders: a title retrieval's answer
-    is the number that follows the asked title, which no other paragraph has; a marker count's answer is how
-    often the asked sound's line occurs in its context."""
+def test_paragraph_kv_and_count_answers_are_what_their_contexts_say(data_dir):
+    """The committed rows read back by regex and str.count, not by the builders: a paragraph lookup's answer
+    is the value on the asked key's line, the only line with that key, and every paragraph (at least five,
+    each with prose after its line) opens with one; a marker count's answer is how often the asked sound's
+    line occurs in its context."""
     import re
 
     from experiments.tasks import MARKERS
 
-    for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_title_retrieval"):
-        title = re.fullmatch(r"Which paragraph is titled (\w+)\?", row["input"]).group(1)
-        heads = re.findall(r"^(\w+) \((\d+)\): ", row["context"], re.M)
-        assert [int(k) for _, k in heads] == list(range(1, len(heads) + 1))
-        assert len({t for t, _ in heads}) == len(heads) and len(heads) >= 5
-        assert row["answers"] == [dict(heads)[title]]
+    for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_paragraph_kv"):
+        key = re.fullmatch(r"The value of key (\d{4}) is", row["input"]).group(1)
+        paragraphs = row["context"].split("\n\n")
+        heads = [re.match(r"(\d{4}): (\d{5})\n[^\n]{40,}$", p).groups() for p in paragraphs]
+        assert len(heads) >= 5 and len(dict(heads)) == len(heads)
+        assert row["answers"] == [dict(heads)[key]]
     counts = []
     for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_marker_count"):
         asked = re.fullmatch(r"How many times does (.+)\?", row["input"]).group(1)

@@ -77,18 +77,22 @@ def test_retrieval_heads_are_a_minority_and_the_shipped_table_is_the_probes(smal
 
 
 def test_lookups_and_counts_use_the_far_context(tmp_path):
-    """The card's key-value and marker-count lines. On the suite's kv_retrieval prompts (tables of 32-128
-    lines) the full cache finds most values (80 % on the card's 20 samples, these), and a
+    """The card's key-value, paragraph and marker-count lines. On the suite's kv_retrieval prompts (tables of
+    32-128 lines) the full cache finds most values (80 % on the card's 20 samples, these), and a
     StreamingLLM window of 256 slots, which holds only the table's last lines, finds fewer (25 %). On
-    marker_count (a sound line 1-5 times in 1800 tokens, chance 20 %) the full cache counts right in 8 of
-    20, and the window, which loses the early lines, in 4 (the README's main-job table)."""
+    paragraph_kv (11 key-value lines, one opening each paragraph of 1400-1800 tokens of prose) the full cache
+    finds 19 of 20 and the window, which holds the last paragraph or two, 4. On marker_count (a sound line
+    1-5 times in 1800 tokens, chance 20 %) the full cache counts right in 8 of 20, and the window, which
+    loses the early lines, in 4 (the README's main-job table)."""
     from experiments.longbench.__main__ import main
 
-    assert main(["--model", str(SMALL_DIR), "--datasets", "stdlib_kv_retrieval,stdlib_marker_count", "--compare",
-                 "full,streaming", "--budget", "256", "--samples", "20", "--out", str(tmp_path)]) == 0
+    assert main(["--model", str(SMALL_DIR), "--datasets",
+                 "stdlib_kv_retrieval,stdlib_paragraph_kv,stdlib_marker_count", "--compare", "full,streaming",
+                 "--budget", "256", "--samples", "20", "--out", str(tmp_path)]) == 0
     table = json.loads((tmp_path / "results.json").read_text())["table"]
-    kv, count = table["stdlib_kv_retrieval"], table["stdlib_marker_count"]
+    kv, para, count = (table[f"stdlib_{d}"] for d in ("kv_retrieval", "paragraph_kv", "marker_count"))
     assert kv["full"] >= 60 and kv["streaming"] < kv["full"], kv
+    assert para["full"] >= 80 and para["streaming"] <= 40, para
     assert count["full"] >= 30 and count["streaming"] < count["full"], count
 
 

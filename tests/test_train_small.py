@@ -28,7 +28,7 @@ def tok():
 def test_every_trained_answer_scores_full_marks_under_its_suites_metric(tok):
     examples = list(suite_examples(tok, 1024, 2, seed=5))
     seen = {name for name, *_ in examples}
-    assert {"stdlib_passkey", "stdlib_qa", "stdlib_marker_count", "stdlib_title_retrieval", "niah_single_1",
+    assert {"stdlib_passkey", "stdlib_qa", "stdlib_marker_count", "stdlib_paragraph_kv", "niah_single_1",
             "fwe"} <= seen
     cfg = config()
     for name, prompt, answer, refs in examples:

@@ -163,7 +163,7 @@ def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
 
 
 def first_number_score(prediction: str, ground_truth: str, **_) -> float:
-    """kvjax's suite only (passkey, key-value and title retrieval): 1 if the first integer of the prediction is the
+    """kvjax's suite only (passkey and the two key-value retrievals): 1 if the first integer of the prediction is the
     answer (the landmark / LongLoRA passkey rule). Not a LongBench metric."""
     m = re.search(r"\d+", prediction)
     return float(m is not None and m.group() == str(ground_truth).strip())
