@@ -7,7 +7,10 @@ StreamingLLM(256) whose window excludes the key, RULER's niah_single_1 at 2048 t
 of the LongBench-format suite sized for the context (`experiments/longbench/data_small`) with the
 full cache, the attention-sink share of the first token per layer, and which KV heads RazorAttention's
 probe ranks as retrieval heads (written to MODEL/heads.json for the suites' `--heads`). Writes
-README.md (the card) and eval.json next to the weights. `experiments.train_small` calls it.
+README.md (the card) and eval.json next to the weights. `experiments.train_small` calls it. It also runs
+in a clone, which has the weights and the card but not the training folder (git ignores it): the run's
+record and the training loss at the end come from the last card's eval.json, and the corpus is
+tokenised again (cached in MODEL/training/data.npz) after checking it is the one the model was trained on.
 """
 
 from __future__ import annotations
@@ -21,15 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import cli, passkey
+from experiments import cli, corpus, passkey
 from experiments.common import positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
 from experiments.tasks import MARKER_KINDS, TITLE_COUNT, TITLE_QUERIES
 from experiments.train_small import EXTEND_MIXTURE, mixture, mixture_text
-from kvjax.errors import NonFiniteError
+from experiments.train_tiny import tokenize_corpus
+from kvjax.errors import InvalidInput, MissingFile, NonFiniteError
 from models import SMALL_DIR
+from models.loading import load_tokenizer
 
 STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
 
@@ -133,13 +138,17 @@ treats a model's use of its context, in miniature; they are not predictions for 
 """
 
 
-def final_loss(out: Path, meta: dict, tail: int = 50) -> str:
+def final_loss(out: Path, meta: dict, tail: int = 50, kept: str | None = None) -> str:
     """The training loss at the end: one step's loss is one batch's (two rows at 2048 tokens), so the
-    mean of the last steps when the curve is kept beside the weights, else the last step's, said so."""
+    mean of the last steps when the curve is kept beside the weights; else what the last card said
+    (`kept`, from eval.json: the curve stays in the training folder, which a clone does not have), else
+    the last step's, said so."""
     curve = out / "training" / "loss.json"
     if curve.is_file():
         losses = [r["loss"] for r in json.loads(curve.read_text())][-tail:]
         value, how = float(np.mean(losses)), f"mean of the last {len(losses)} steps"
+    elif kept is not None:
+        return kept
     else:
         value, how = float(meta["final_loss"]), "the last step's batch"
     if not np.isfinite(value):
@@ -193,7 +202,23 @@ def _stage(args: dict) -> str:
                                                            if dense else "")
 
 
-def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:
+def training_record(out: Path) -> tuple[dict, str | None]:
+    """The record of the run that trained the weights in `out` and the last card's training loss at the end:
+    the run's own run.json beside a trained model, else the copy the last card keeps in eval.json (the one
+    `train_small --from` reads too), so a clone, which has the weights and the card but not the training
+    folder, can write the card again."""
+    run_file, card = out / "training" / "run.json", out / "eval.json"
+    kept = json.loads(card.read_text()) if card.is_file() else {}
+    if run_file.is_file():
+        return json.loads(run_file.read_text()), kept.get("loss_at_end")
+    if "training" not in kept:
+        raise MissingFile(f"--model {out}: neither {run_file} nor {card} (with its 'training' record) is there; "
+                          f"python -m experiments.train_small --out {out} trains a model and writes both")
+    return kept["training"], kept.get("loss_at_end")
+
+
+def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4,
+               kept_loss: str | None = None) -> dict:
     from models import load
 
     out = Path(out)
@@ -202,7 +227,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
     work = out / "training" / "eval" / model_fingerprint(out)
     lm = load(out)
     ev = evaluate(lm, data, work, samples=samples)
-    write_atomic(out / "eval.json", dumps_finite({"eval": ev, "training": meta}))
+    loss_at_end = final_loss(out, meta, kept=kept_loss)
+    write_atomic(out / "eval.json", dumps_finite({"eval": ev, "training": meta, "loss_at_end": loss_at_end}))
     if (out / "training" / "loss.png").is_file():
         shutil.copy(out / "training" / "loss.png", out / "loss.png")
     c, a = lm.config, meta["args"]
@@ -220,7 +246,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         short_batch=a["short_batch"], long_steps=a["long_steps"], long_batch=a["long_batch"], lr=a["lr"],
         wd=a["weight_decay"], aw=a["answer_weight"],
         platform=f"{meta['platform'].upper()} ({meta.get('cores', '?')} cores)", minutes=meta["train_minutes"],
-        final_loss=final_loss(out, meta), command="\n".join(commands),
+        final_loss=loss_at_end, command="\n".join(commands),
         curve="![loss curve](loss.png)" + ("" if "base" not in meta else
                                            "\n\nThe curve is the last command's, its steps numbered in the whole run."),
         extend=extend,
@@ -248,13 +274,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                    "LongBench take 5x as many")
     args = p.parse_args(argv)
     out = Path(args.model)
-    run_file, data_file = out / "training" / "run.json", out / "training" / "data.npz"
-    for f in (run_file, data_file):
-        if not f.is_file():
-            p.error(f"{f} is missing: rerun python -m experiments.train_small --out {out} (it resumes)")
-    with np.load(data_file) as f:
-        data = dict(f)
-    ev = write_card(out, data, json.loads(run_file.read_text()), samples=args.samples)
+    meta, kept_loss = training_record(out)
+    if meta["corpus"] != corpus.fingerprint():
+        raise InvalidInput(f"--model {out} was trained and carded on corpus {meta['corpus']}; this Python's standard "
+                           f"library is {corpus.fingerprint()}, whose held-out text would give other numbers")
+    data = tokenize_corpus(load_tokenizer(out), out / "training" / "data.npz")  # cached, as train_small's
+    ev = write_card(out, data, meta, samples=args.samples, kept_loss=kept_loss)
     print(json.dumps(ev, indent=2))
     return 0
 

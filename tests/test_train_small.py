@@ -174,6 +174,9 @@ def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights
         json.dumps([{"step": i, "loss": 9.0 if i < 10 else 1.0 + (i % 2)} for i in range(60)]))
     assert final_loss(tmp_path, {"final_loss": 2.0}) == "1.500 (mean of the last 50 steps)"
     assert final_loss(tmp_path / "none", {"final_loss": 2.0}) == "2.000 (the last step's batch)"
+    # a clone has no curve: the last card's words stand, the kept text before the last step's batch
+    assert final_loss(tmp_path / "none", {"final_loss": 2.0}, kept="1.5 (kept)") == "1.5 (kept)"
+    assert final_loss(tmp_path, {"final_loss": 2.0}, kept="1.5 (kept)") == "1.500 (mean of the last 50 steps)"
     # a diverged run's loss is an error, never a number in the card
     (tmp_path / "training" / "loss.json").write_text(json.dumps([{"step": 0, "loss": float("nan")}]))
     with pytest.raises(NonFiniteError, match="diverged"):
@@ -295,3 +298,28 @@ def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
         assert says in capsys.readouterr().err
     args = parse(["--from", "m", "--extend-steps", "1", "--extend-mixture", "kv=1"])
     assert json.dumps(vars(args))  # the run's record stays JSON
+
+
+def test_the_card_reads_its_training_record_from_the_run_else_from_the_last_card(tmp_path):
+    """`small_card` beside a trained model reads training/run.json; in a clone (weights and card, no training
+    folder, which git ignores) it reads the record the last card kept in eval.json; with neither it names
+    both files and the command that writes them."""
+    import json
+
+    from experiments import small_card
+    from experiments.small_card import training_record
+    from kvjax.errors import InvalidInput, MissingFile
+
+    with pytest.raises(MissingFile, match=r"neither .*run.json nor .*eval.json.*train_small --out"):
+        training_record(tmp_path)
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {}, "training": {"command": "card's"},
+                                                    "loss_at_end": "1.3 (mean of the last 50 steps)"}))
+    assert training_record(tmp_path) == ({"command": "card's"}, "1.3 (mean of the last 50 steps)")
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "run.json").write_text(json.dumps({"command": "run's"}))
+    assert training_record(tmp_path) == ({"command": "run's"}, "1.3 (mean of the last 50 steps)")
+    # the card's held-out text is this Python's standard library: another one's would give other numbers
+    (tmp_path / "training" / "run.json").write_text(json.dumps({"corpus": "python0.0.0-0123456789"}))
+    with pytest.raises(InvalidInput, match=r"corpus python0.0.0-0123456789; this Python's standard library is python3"):
+        small_card.main(["--model", str(tmp_path)])
+
