@@ -203,14 +203,14 @@ def _stage(args: dict) -> str:
 
 
 def training_record(out: Path) -> tuple[dict, str | None]:
-    """The record of the run that trained the weights in `out` and the last card's training loss at the end:
-    the run's own run.json beside a trained model, else the copy the last card keeps in eval.json (the one
-    `train_small --from` reads too), so a clone, which has the weights and the card but not the training
-    folder, can write the card again."""
+    """The record of the run that trained the weights in `out`, and the training loss at the end when only
+    the last card has it: the run's own run.json beside a trained model, else the copy the last card keeps
+    in eval.json (the one `train_small --from` reads too) with its loss text, so a clone, which has the
+    weights and the card but not the training folder, can write the card again."""
     run_file, card = out / "training" / "run.json", out / "eval.json"
     kept = json.loads(card.read_text()) if card.is_file() else {}
-    if run_file.is_file():
-        return json.loads(run_file.read_text()), kept.get("loss_at_end")
+    if run_file.is_file():  # the run's own folder has its curve; the last card may be of other weights
+        return json.loads(run_file.read_text()), None
     if "training" not in kept:
         raise MissingFile(f"--model {out}: neither {run_file} nor {card} (with its 'training' record) is there; "
                           f"python -m experiments.train_small --out {out} trains a model and writes both")

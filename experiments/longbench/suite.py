@@ -14,14 +14,14 @@ all_classes, _id), sized for the default model's 512-token window:
   asked (count);
 * stdlib_lcc: the next line of a held-out standard-library module (code_sim).
 
-The paragraph and marker datasets replace LongBench's passage retrieval (an abstract, the label before its paragraph) and
-passage count (distinct paragraphs among repeats), which no kvjax-small run learned (chance, 25 %,
-in every card; docs/kvjax-small-lookups.md): each needs a match followed by a step back or an
-aggregate over every match. Counting one fixed line is an aggregate over one kind of match. Retrieval
-went through a second form first, a paragraph's number after its made-up title ("Kalomi (3): ..."),
-which stayed at chance through three training runs: a name spelled in the letters of the prose around
-it is a key this model does not match, while 4-digit keys among the same paragraphs it finds with no
-training on them (95 % of 20 at scale 4, from the key-value task alone).
+The paragraph and marker datasets replace LongBench's passage retrieval (an abstract, the label before
+its paragraph) and passage count (distinct paragraphs among repeats), which no kvjax-small run learned
+(chance, 25 %, in every card; docs/kvjax-small-lookups.md): each needs a match followed by a step back
+or an aggregate over every match. Counting one fixed line is an aggregate over one kind of match.
+Retrieval went through a second form first, a paragraph's number after its made-up title
+("Kalomi (3): ..."), which stayed at chance through three training runs: kvjax-small answers 1 or the
+last paragraph's number whatever the title (or a 4-digit code in its place), while key-value lines opening
+the same paragraphs it reads with no training on them (95 % of 20 at scale 4, from the key-value task).
 
 The committed files were generated with the Python named in each row's `corpus` field; another
 Python version has different library text, so regenerate only to change the suite.
