@@ -72,14 +72,26 @@ class LoadedModel:
 
 
 def resolve(path_or_id: str | Path) -> Path:
-    """A local directory, or a hub id already in the local HF cache; never downloads."""
+    """A local directory, a GGUF file, a model `models.fetch` knows by name (`"smollm2"`), or a hub id
+    already in the local HF cache; never downloads."""
+    from models import fetch
+
+    if isinstance(path_or_id, str) and path_or_id in fetch.KNOWN:
+        return fetch.known_model(path_or_id)
     p = Path(path_or_id).expanduser()
     if p.is_dir():
         return p
+    if p.is_file():
+        from models.gguf import is_gguf
+
+        if is_gguf(p):
+            return p
+        raise InvalidInput(f"model path {str(p)!r} is a file but not a GGUF file; pass the checkpoint directory "
+                           "or a .gguf file")
     if p.exists():
-        raise InvalidInput(f"model path {str(p)!r} is a file; pass the checkpoint directory")
+        raise InvalidInput(f"model path {str(p)!r} is neither a directory nor a file")
     name = str(path_or_id)
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".gguf"):
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -91,7 +103,8 @@ def resolve(path_or_id: str | Path) -> Path:
                 f"cache ({constants.HF_HUB_CACHE}); kvjax never downloads at run time. Download it "
                 "where there is network (e.g. `hf download " + name + "`) and pass the directory."
             ) from None
-    raise MissingFile(f"model directory {name!r} does not exist")
+    kind = "GGUF file" if name.endswith(".gguf") else "model directory"
+    raise MissingFile(f"{kind} {name!r} does not exist")
 
 
 def read_config(path: Path):
@@ -249,7 +262,8 @@ def load(
     path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla",
     allow_nonfinite: bool = False,
 ) -> LoadedModel:
-    """Loads a model (and its tokenizer, if the directory has one) from a local HF directory.
+    """Loads a model (and its tokenizer, if there is one) from a local HF directory, a GGUF file
+    (`models.gguf`: dequantized tensor by tensor to `dtype`) or a fetched model's name ("smollm2").
 
     `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`. A weight
     holding NaN or inf is refused (`NonFiniteError`, naming the tensor) unless `allow_nonfinite`;
@@ -264,12 +278,25 @@ def load(
         else:
             dtype = DTYPES[dtype]
     path = resolve(path_or_id)
-    cfg, arch, raw = read_config(path)
+    if path.is_file():  # a GGUF file: config, tokenizer and tensors from it
+        from models.gguf import GGUFFile
+
+        tensors = GGUFFile(path)
+        arch = ARCHITECTURES[tensors.arch_name]
+        try:
+            cfg = arch.from_hf(tensors.hf_config())
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, InvalidInput):
+                raise
+            raise InvalidInput(f"{path}: its metadata is not a valid {tensors.arch_name} config "
+                               f"({type(err).__name__}: {err})") from err
+    else:
+        cfg, arch, raw = read_config(path)
+        tensors = _Tensors(path)
+        if arch.tensors is not None:
+            tensors = arch.tensors(tensors, cfg, raw)
     cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
     model = nnx.eval_shape(lambda: arch.model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    tensors = _Tensors(path)
-    if arch.tensors is not None:
-        tensors = arch.tensors(tensors, cfg, raw)
     params = hf_parameters(model)
     available = tensors.names()
     for name, (var, transpose) in params.items():
@@ -301,7 +328,9 @@ def load(
                 raise NonFiniteWeights(tensors.source(name), tensors.file(name), bad)
         var.set_value(jnp.asarray(arr.T if transpose else arr, dtype=dtype))
     tok = None
-    if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if tokenizer and path.is_file():
+        tok = tensors.tokenizer()
+    elif tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tok = load_tokenizer(path)
     return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path,
                        load_options={"dtype": jnp.dtype(dtype).name, "attention_impl": attention_impl,
