@@ -107,3 +107,29 @@ def test_h2o_ratio_budget_per_row(sharp_dir, mode):
         H2O(budget=8, ratio=0.5, recent=2)
     with pytest.raises(ValueError, match="prefill_mode must be 'full' or 'stream'"):
         H2O(ratio=0.5, recent=2, prefill_mode="chunked", chunk=1)
+
+
+def test_h2o_ratio_recent_window_follows_each_rows_budget(sharp_dir):
+    """Under a ratio, H2O's default recent window is half of each row's own budget (kvjax's reading of
+    the paper's equal split), not half of a token budget given elsewhere: as `--ratio 0.8 --budget 128`
+    builds it, a 60-token row keeps 12 slots (6 recent) and a 200-token row 40 (20 recent), each the
+    set a token-budget H2O of that size and split keeps alone (checked against the NumPy reference
+    above)."""
+    from kvjax.policies import make_policy
+
+    model = load(sharp_dir).model
+    policy = make_policy("h2o", 128, ratio=0.8)
+    lengths, bucket = (60, 200), 256
+    rows = [random_ids(n, 260, seed=70 + n) for n in lengths]
+    toks = np.zeros((2, bucket), np.int32)
+    pos = np.full((2, bucket), -1, np.int32)
+    for i, ids in enumerate(rows):
+        toks[i, bucket - len(ids):], pos[i, bucket - len(ids):] = ids, np.arange(len(ids))
+    prefill, _ = stepper(model, policy, bucket + 4)
+    _, cache = prefill(jnp.asarray(toks), jnp.asarray(pos))
+    for r, (n, want, recent) in enumerate(zip(lengths, (12, 40), (6, 20))):
+        kept = kept_sets(cache, r)
+        assert all(len(head) == want for layer in kept for head in layer), (n, [len(h) for h in kept[0]])
+        alone, _ = stepper(model, H2O(budget=want, recent=recent), bucket + 4)
+        _, c = alone(*left_pad(rows[r], bucket))
+        assert kept_sets(c) == kept

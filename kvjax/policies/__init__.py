@@ -106,10 +106,11 @@ REGISTRY.update({
     "knorm": lambda budget, ratio=None, observation_window=0, positions="absolute", prefill_mode="full", chunk=None:
         _scored(KNorm, budget, ratio, observation_window=observation_window, positions=positions,
                 prefill_mode=prefill_mode, chunk=chunk),
-    # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of --budget
+    # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of
+    # --budget, or under --ratio to half of each row's budget
     "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
         budget=_sized(budget, ratio), ratio=ratio,
-        recent=recent if recent is not None else max(1, budget // 2), positions=positions,
+        recent=recent if recent is not None or ratio is not None else max(1, budget // 2), positions=positions,
         prefill_mode=prefill_mode, chunk=chunk),
     # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
     "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),

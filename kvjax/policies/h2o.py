@@ -31,25 +31,42 @@ from kvjax.stats import StatsRequest
 class H2O(RatioBudget, LayerPolicy):
     """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
     prompt tokens keeps `max(recent + 1, floor(n (1 - ratio)))` slots, decoding included, as
-    kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted."""
+    kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted.
+
+    `recent=None`: half of the budget, and under a ratio half of each row's own budget (the paper's
+    equal split of heavy hitters and recent tokens), so a 60-token and a 200-token prompt at ratio 0.8
+    keep 6 and 20 recent tokens, not the same count."""
 
     budget: int | None = None
-    recent: int
+    recent: int | None = None
     ratio: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        if self.recent < 1:
+        if self.recent is not None and self.recent < 1:
             raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
         check_ratio(self, self.budget)
-        if self.budget is not None and self.budget <= self.recent:
+        if self.budget is not None and self.recent is not None and self.budget <= self.recent:
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
-        if self.chunk is not None and self.chunk > self.budget - self.recent:
-            raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {self.budget - self.recent}: a "
+        if self.budget is not None and self.recent is None and self.budget < 2:
+            raise InvalidInput(f"H2O: budget={self.budget} must be >= 2 (a recent token and a heavy hitter)")
+        room = None if self.budget is None else self.budget - self._fixed_recent()
+        if self.chunk is not None and room is not None and self.chunk > room:
+            raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {room}: a "
                                "chunk's tokens replace heavy hitters, and only those outside the recent window may go")
 
+    def _fixed_recent(self) -> int:
+        return self.recent if self.recent is not None else max(1, self.budget // 2)
+
+    def recent_of(self, cache: LayerCache):
+        """The recent window, `[b, kvh, 1]` (or a count): `recent`, or half of each row's slots (its
+        budget: the slots a ratio has not disabled)."""
+        if self.recent is not None or self.ratio is None:
+            return self._fixed_recent()
+        return jnp.maximum(1, jnp.sum(cache.pos != kvcache.DISABLED, axis=-1, keepdims=True) // 2)
+
     def least_slots(self) -> int:
-        return self.recent + 1
+        return (self.recent or 1) + 1
 
     def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len) if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
@@ -66,8 +83,9 @@ class H2O(RatioBudget, LayerPolicy):
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         p = pos[:, None, :]
         real = p >= 0
-        recent = real & (p >= length - self.recent)
         rows = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
+        window = self.recent if self.recent is not None else jnp.maximum(1, rows // 2)
+        recent = real & (p >= length - window)
         keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, rows))
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
         return self.size_rows(layer, out, ctx)
@@ -77,7 +95,7 @@ class H2O(RatioBudget, LayerPolicy):
         arriving = jnp.sum(pos >= 0, axis=1)  # [b]
         first = jnp.max(pos, axis=1) - arriving + 1  # the chunk's first real position
         need = jnp.maximum(arriving[:, None] - jnp.sum(cache.pos == kvcache.EMPTY, axis=-1), 0)  # [b, kvh]
-        candidate = (cache.pos >= 0) & (cache.pos <= (first - self.recent)[:, None, None])
+        candidate = (cache.pos >= 0) & (cache.pos <= first[:, None, None] - self.recent_of(cache))
         # Victims in `step`'s order: the lowest score, ties going to the oldest token.
         by_pos = jnp.argsort(jnp.where(candidate, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
         key = jnp.take_along_axis(jnp.where(candidate, cache.score, jnp.inf), by_pos, axis=-1)
@@ -95,7 +113,7 @@ class H2O(RatioBudget, LayerPolicy):
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
-        candidate = (cache.pos >= 0) & (cache.pos <= (pos - self.recent)[:, None, None])
+        candidate = (cache.pos >= 0) & (cache.pos <= pos[:, None, None] - self.recent_of(cache))
         slot = kvcache.victim_slot(cache, candidate, evict_highest=False)  # the lightest hitter
         return kvcache.write(cache, slot, k, v, pos)  # the new token starts at 0
 
