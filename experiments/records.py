@@ -164,10 +164,13 @@ def content_fingerprint(path: str | Path) -> str:
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """`content_fingerprint` of what defines a HF directory's model: config.json and the weights."""
+    """`content_fingerprint` of what defines a model: a HF directory's config.json and weights, or a
+    GGUF file (config, tokenizer and weights in one)."""
     import hashlib
 
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        return content_fingerprint(model_dir)
     files = sorted(model_dir.glob("config.json")) + sorted(model_dir.glob("*.safetensors")) + sorted(
         model_dir.glob("pytorch_model*.bin"))
     return hashlib.sha256("".join(f"{f.name}={content_fingerprint(f)}" for f in files).encode()).hexdigest()[:16]

@@ -16,8 +16,11 @@ section states the protocol that makes its comparison fair:
    `experiments.find_heads`;
 3. SlimKV vs SnapKV (and the baselines) on the LongBench-format suite at every budget of --budgets
    (SlimKV Table 1);
-4. zero-shot multiple choice with the policy applied to the context (MAT's lm-eval table);
-5. passkey retrieval; 6. efficiency (MAT Table 6).
+4. SlimKV vs SnapKV with PyramidKV, H2O, StreamingLLM, KNorm and TOVA on RULER (kvpress's
+   question-agnostic protocol) at --ruler-ratios, a share of each prompt removed;
+5. zero-shot multiple choice with the policy applied to the context (MAT's lm-eval table), and with
+   --zeroshot-ratios MAT Table 2's sweep of the KV share;
+6. passkey retrieval; 7. efficiency (MAT Table 6).
 Then OUT/report.md: every table, the plots, and which claims hold in miniature, computed from the
 numbers; a comparison where the full cache does no better than chance (or than the compressed
 policies) is said to be no evidence either way. AnLLM and Attention-Gate need trained variants of the
@@ -37,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
-from experiments.common import DEFAULT_MODEL_DIR, int_list, positive_int
+from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, nonnegative_int, positive_int
 from experiments.longbench import __main__ as longbench
 from models import SMALL_DIR
 
@@ -60,7 +63,9 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
         if full <= floor + margin else ")"
 
 
-SECTIONS = ("perplexity", "razor", "longbench", "zeroshot", "passkey", "efficiency")
+SECTIONS = ("perplexity", "razor", "longbench", "ruler", "zeroshot", "passkey", "efficiency")
+# The compression baselines of the RULER section (SlimKV Table 1's, with kvpress's TOVA and KNorm).
+RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "knorm")
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 RENAMED = {"needle": "razor"}  # section 2 ran on the needle before it ran on the passkey task
 
@@ -73,10 +78,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="cache slots per layer and KV head of every policy outside the sweeps")
     p.add_argument("--budgets", type=int_list, default=[128, 256, 512],
                    help="the budgets of the sweeps: MAT vs StreamingLLM perplexity, SlimKV vs SnapKV")
-    p.add_argument("--shallow-layers", type=int,
+    p.add_argument("--shallow-layers", type=nonnegative_int,
                    help="MAT's L_s (default: the paper's 2 of 32 layers scaled to the model, at least 1, so that "
                         "a shallow model still has deep layers)")
-    p.add_argument("--samples", type=int, default=20, help="LongBench-format samples per dataset")
+    p.add_argument("--samples", type=positive_int, default=20, help="LongBench-format samples per dataset")
+    p.add_argument("--ppl-lengths", type=int_list,
+                   help="section 1's text lengths (default: half the window, the window, twice it)")
+    p.add_argument("--ppl-text", action="append",
+                   help="section 1's text file (repeatable; default: the held-out standard-library text)")
+    p.add_argument("--razor-lengths", type=int_list, help="section 2's prompt lengths (default: passkey's)")
+    p.add_argument("--razor-samples", type=positive_int, default=PASSKEY_SAMPLES,
+                   help="section 2's prompts per length and key depth")
+    p.add_argument("--longbench-data", help="section 3's LongBench-format data directory (default: kvjax's "
+                                            "suite for the model's window)")
+    p.add_argument("--ruler-length", type=positive_int, help="section 4's sequence length (default: 4096, or the "
+                                                              "model's window if shorter)")
+    p.add_argument("--ruler-tasks", default="niah_single_1,niah_multikey_2,vt", help="section 4's RULER tasks")
+    p.add_argument("--ruler-samples", type=positive_int, default=10, help="section 4's samples per task")
+    p.add_argument("--ruler-ratios", type=float_list, default=[0.5, 0.875],
+                   help="section 4's compression ratios (share of each prompt removed)")
+    p.add_argument("--zeroshot-ratios", type=float_list,
+                   help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
     p.add_argument("--anllm", help="an experiments.eval_anllm output directory to include")
     p.add_argument("--gate", help="an experiments.eval_gate output directory to include")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
@@ -104,15 +126,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", ""]
     claims = []
 
+    for r in (*args.ruler_ratios, *(args.zeroshot_ratios or ())):
+        if not 0 <= r < 1:
+            p.error(f"ratio {r}: a share of the prompt removed must be in [0, 1)")
+    ppl_lengths = args.ppl_lengths or [n // 2, n, 2 * n]
     if "perplexity" not in skip:
         d = out / "perplexity"
-        full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full", lengths=[n // 2, n])
+        full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full",
+                           lengths=[x for x in ppl_lengths if x <= n], text=args.ppl_text)
         md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
                full.table, ""]
         for budget in args.budgets:
             pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
                                            num_layers=depth)
-            res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=[n // 2, n, 2 * n])
+            res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
+                              text=args.ppl_text)
             roll = res.summary["ppl"]
             md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
                    f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
@@ -130,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
             heads = out / "heads.json"
             if not heads.is_file():
                 driver.call(p, find_heads.find, lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
-        longest = max(passkey.default_lengths(lm.tokenizer, n))
+        lengths = args.razor_lengths or passkey.default_lengths(lm.tokenizer, n)
+        longest = max(lengths)
         razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
         same_bytes = equal_bytes_budget(lm.model, razor, longest, passkey.MAX_NEW_TOKENS)
         pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
-        res = driver.call(p, passkey.suite, lm, pols, d, samples=PASSKEY_SAMPLES)
+        kv_mask = np.asarray(_json(heads)["retrieval_kv_heads"], bool)
+        res = driver.call(p, passkey.suite, lm, pols, d, lengths=lengths, samples=args.razor_samples)
+        md += [f"The probe's retrieval heads: {int(kv_mask.sum())} of {kv_mask.size} KV heads "
+               f"({kv_mask.mean():.0%}; the paper finds about 15 % of query heads), in layers "
+               f"{sorted({int(i) for i in np.nonzero(kv_mask.any(axis=1))[0]})}.", ""]
         md += ["## 2. Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "",
                f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
                f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
@@ -148,25 +181,78 @@ def main(argv: list[str] | None = None) -> int:
                       f"(budget {same_bytes}): {_verdict(acc['razor'] >= max(acc['streaming'], acc['h2o']))} "
                       f"(passkey accuracy {acc}"
                       + _evidence(acc["full"], max(acc["streaming"], acc["h2o"]), "StreamingLLM's or H2O's",
-                                  PASSKEY_SAMPLES * len(cells["full"])))
+                                  args.razor_samples * len(cells["full"])))
 
     if "longbench" not in skip:
         md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
         for budget in args.budgets:
             d = out / "longbench" / f"budget-{budget}"
             pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
-            res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples)
+            res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
             avg = res.summary["average"]
             md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
             claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite at budget {budget}: "
                           f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
+
+    if "ruler" not in skip:
+        from experiments import ruler
+
+        length = args.ruler_length or min(4096, n)
+        tasks = args.ruler_tasks.split(",")
+
+        def at_ratios(room):
+            pols = {"full": driver.resolve_policies("full")["full"]}
+            for r in args.ruler_ratios:
+                for name, pol in driver.resolve_policies(RULER_POLICIES, ratio=r, num_layers=depth).items():
+                    pols[f"{name}@{r:g}"] = pol
+            return pols
+
+        res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
+                          samples=args.ruler_samples, protocol="agnostic")
+        scores = res.summary["average"]
+        md += [f"## 4. RULER at {length} tokens, question-agnostic (SlimKV / SnapKV and the baselines)", "",
+               f"kvpress's protocol: each context is compressed without its question, which then extends the "
+               f"compressed cache; `name@r` removes a share r of each prompt. Tasks {', '.join(tasks)}, "
+               f"{args.ruler_samples} samples each (one sample is {100 / args.ruler_samples:.0f} points of a task).",
+               "", res.table, ""]
+        for r in args.ruler_ratios:
+            slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
+            n_items = args.ruler_samples * len(tasks)
+            claims.append(f"SlimKV >= SnapKV on RULER-{length} at ratio {r:g}: {_verdict(slim >= snap)} "
+                          f"(average {slim} vs {snap}, full {scores['full']}; {n_items} items, binomial s.e. "
+                          f"about {100 * math.sqrt(0.25 / n_items):.1f} points"
+                          + _evidence(scores["full"] / 100, max(slim, snap) / 100, "the compressed caches",
+                                      n_items))
 
     if "zeroshot" not in skip:
         pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth, **window)
         zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot")
         res = zs.summary["results"]
-        md += ["## 4. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
+        md += ["## 5. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
+        if args.zeroshot_ratios:
+            from experiments.zeroshot import builtin_task
+
+            sweep = {"full": pols["full"]}
+            # MAT's beta is a count, one per policy: a quarter of the kept share of the median context
+            ctx = sorted(len(lm.tokenizer(row["context"])["input_ids"]) for row in builtin_task(40, 0))
+            for r in args.zeroshot_ratios:
+                room = max(1, int((1 - r) * ctx[len(ctx) // 2]) // 4)
+                for name, pol in driver.resolve_policies("streaming,mat,snapkv", ratio=r, num_layers=depth,
+                                                         shallow_layers=shallow, anchor_slots=room).items():
+                    sweep[f"{name}@{r:g}"] = pol
+            sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep")
+            md += [f"MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
+                   "MAT's beta is a quarter of the kept share of the median context.", "", sw.table, "",
+                   "![accuracy vs KV](zeroshot-sweep/accuracy_vs_kv.png)", ""]
+            sres = sw.summary["results"]
+            wins = [r for r in args.zeroshot_ratios if sres[f"mat@{r:g}"]["acc"] >= sres[f"streaming@{r:g}"]["acc"]]
+            claims.append(f"MAT's accuracy >= StreamingLLM's at every KV share of the sweep: "
+                          f"{_verdict(len(wins) == len(args.zeroshot_ratios))} (at "
+                          + ", ".join(f"r={r:g}: {sres[f'mat@{r:g}']['acc']:.3f} vs {sres[f'streaming@{r:g}']['acc']:.3f}"
+                                      for r in args.zeroshot_ratios)
+                          + f"; full {sres['full']['acc']:.3f}, chance {sw.summary['chance']:.3f}"
+                          + _evidence(sres["full"]["acc"], sw.summary["chance"], "chance", sres["full"]["items"]))
         claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
                       f"{_verdict(res['mat']['acc'] >= res['streaming']['acc'])} "
                       f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})}, chance {zs.summary['chance']:.3f}"
@@ -175,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     if "passkey" not in skip:
         pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth)
-        md += ["## 5. Passkey retrieval (accuracy %)", "", driver.call(p, passkey.suite, lm, pols, out / "passkey").table, ""]
+        md += ["## 6. Passkey retrieval (accuracy %)", "", driver.call(p, passkey.suite, lm, pols, out / "passkey").table, ""]
 
     if "efficiency" not in skip:
         pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth)
-        md += ["## 6. Efficiency (MAT Table 6)", "", driver.call(p, efficiency.suite, lm, pols, out / "efficiency").table, "",
+        md += ["## 7. Efficiency (MAT Table 6)", "", driver.call(p, efficiency.suite, lm, pols, out / "efficiency").table, "",
                "![efficiency](efficiency/efficiency.png)", ""]
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
