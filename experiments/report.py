@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
 
     if "ruler" not in skip:
-        from experiments import ruler
+        from experiments.ruler import __main__ as ruler
 
         length = args.ruler_length or min(4096, n)
         tasks = args.ruler_tasks.split(",")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
         res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
                           samples=args.ruler_samples, protocol="agnostic")
-        scores = res.summary["average"]
+        scores = {lab: row[str(length)] for lab, row in res.summary["average"].items()}
         md += [f"## 4. RULER at {length} tokens, question-agnostic (SlimKV / SnapKV and the baselines)", "",
                f"kvpress's protocol: each context is compressed without its question, which then extends the "
                f"compressed cache; `name@r` removes a share r of each prompt. Tasks {', '.join(tasks)}, "

@@ -134,8 +134,8 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
     if name not in REGISTRY:
         raise InvalidInput(f"unknown policy {name!r}; available: {sorted(REGISTRY)}")
-    if name not in NO_BUDGET and budget is None:
-        raise InvalidInput(f"policy {name!r} needs a budget")
+    if name not in NO_BUDGET and budget is None and options.get("ratio") is None:
+        raise InvalidInput(f"policy {name!r} needs a budget or a ratio")
     accepted = set(inspect.signature(REGISTRY[name]).parameters) - {"budget"}
     unknown = set(options) - accepted
     if unknown:
