@@ -7,10 +7,13 @@ transformers + kvpress, side by side in one run, on the same weights and device.
     python -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 --lengths 4096,32768 --attention-impl pallas
     python -m benchmarks.e2e --shape issue25 --lengths 1024,4096,16384 --batches 1 --budget 256 \
         --policies full,streaming --new 64 --compile-layers ''   # issue #25's CPU table
+    python -m benchmarks.e2e --model smollm2 --batches 1 --policies full,streaming,snapkv,'snapkv chunked 512' \
+        --compile-layers ''                      # the real model (python -m models.fetch smollm2), 2K-8K prompts
 
 Per (implementation, policy, prompt length, batch): time to first token (the prompt's prefill and the
 first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
-backends do not report it) and, for kvjax, the first call's compile seconds of prefill and decode.
+backends do not report it; on a CPU the peak resident memory above the idle process while the cell runs,
+sampled every 5 ms) and, for kvjax, the first call's compile seconds of prefill and decode.
 `--compile-layers 16,32` adds the compile-time table of the shape at those depths. Cache bytes are
 kvjax's whole cache (keys, values and each slot's position and statistics, decode slots included)
 and the K/V tensors of transformers' cache. Writes
@@ -21,6 +24,11 @@ for reading, never asserted in tests. On a GPU, give JAX part of the memory and 
 transformers (< 5.3): under transformers 5.17 its presses fail on the first prefill (`KeyError:
 'cache_position'`), so a machine with a newer one needs transformers 5.2.0 carried with kvpress.
 
+`--model` (a directory, a GGUF file or a fetched name such as smollm2) runs a real checkpoint instead of
+random weights: transformers reads the same file (for GGUF through its own GGUF loader, which yields
+the same dequantized float32 weights bit for bit, `tests/test_gguf.py`), and the results are
+e2e_<platform>_<model name>.*.
+
 Budgets: `--budget` tokens per layer and KV head for kvjax; kvpress takes a compression ratio, so it
 gets `1 - budget / prompt`, the same kept count. MAT's prompt is attended whole here
 (`prefill_mode="full"`): its token-by-token protocol is MAT Table 6's, in `experiments.efficiency`.
@@ -30,10 +38,13 @@ RazorAttention protects a fixed quarter of the KV heads (random weights have no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import platform
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +92,34 @@ def kvjax_policies(budget: int, num_layers: int, num_kv_heads: int, chunk: int) 
     }
 
 
+@contextlib.contextmanager
+def rss_peak():
+    """Yields a dict whose "bytes" is, after the block, the peak resident set size above the one at its
+    start (Linux /proc; sampled every 5 ms by a thread), or None where /proc is missing."""
+    out = {"bytes": None}
+    statm = Path("/proc/self/statm")
+    if not statm.is_file():
+        yield out
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = lambda: int(statm.read_text().split()[1]) * page  # noqa: E731
+    base, peak, stop = rss(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+        out["bytes"] = max(peak[0], rss()) - base
+
+
 def _seconds(fn):
     t = time.perf_counter()
     out = jax.block_until_ready(fn())
@@ -112,7 +151,8 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
         check_finite_steps(np.asarray(nonfinite))
         best = min(best, s)
     return {"ttft_s": ttft, "decode_tok_s": (int(steps) - 1) / best, "cache_bytes": nbytes(c),
-            "peak_bytes": peak_bytes(), "compile_prefill_s": compile_prefill, "compile_decode_s": compile_decode}
+            "peak_bytes": peak_bytes(), "compile_prefill_s": compile_prefill, "compile_decode_s": compile_decode,
+            "prefill_s": ttft}
 
 
 def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -> dict:
@@ -162,7 +202,7 @@ def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -
         best = min(best, time.perf_counter() - t)
     kv = sum(t.numel() * t.element_size() for layer in c.layers for t in (layer.keys, layer.values))
     peak = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
-    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / best, "cache_bytes": kv, "peak_bytes": peak}
+    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / best, "cache_bytes": kv, "peak_bytes": peak, "prefill_s": ttft}
 
 
 def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtype, impl: str = "xla") -> list[dict]:
@@ -185,20 +225,26 @@ def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtyp
 def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], show: bool = True) -> None:
     plat = meta["platform"]
     stem = f"e2e_{plat}" if meta["shape"] == "cpu" else f"e2e_{plat}_{meta['shape']}"
+    if meta.get("model"):
+        stem = f"e2e_{plat}_{meta['model']}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
     mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
-    lines = [f"# End to end, {meta['shape']} shape, random weights ({meta['device']}, jax {meta['jax']})", "",
+    what = f"{meta['shape']} shape, random weights" if not meta.get("model") else f"{meta['model']}"
+    lines = [f"# End to end, {what} ({meta['device']}, jax {meta['jax']})", "",
              f"Shape {meta['config']}, {meta['dtype']}, {meta['new']} new tokens, greedy; kvjax budget "
              f"{meta['budget']} per layer and KV head, kvpress the same kept count as a ratio. Command: "
              f"`{meta['command']}`.", "",
-             "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | cache MiB | peak MiB | compile prefill s | "
-             "compile decode s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | cache MiB | peak MiB | peak RSS MiB | "
+             "compile prefill s | compile decode s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         comp = [f"{r[k]:.1f}" if k in r else "" for k in ("compile_prefill_s", "compile_decode_s")]
         lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['batch']} | {r['ttft_s']:.3f} | "
                      f"{r['decode_tok_s']:.1f} | {mib(r['cache_bytes'])} | {mib(r['peak_bytes'])} | "
-                     f"{comp[0]} | {comp[1]} |")
-    lines += ["", "A compile time of 0.0 s: the program was compiled for an earlier cell with the same shapes (a "
+                     f"{mib(r.get('rss_bytes'))} | {comp[0]} | {comp[1]} |")
+    lines += ["", "Peak RSS: the process's peak resident memory above its level when the cell started (both "
+                  "implementations share the process; the weights are loaded before), so a cell's own temporaries "
+                  "and cache; the first kvjax cell of a shape includes its compilation.",
+              "", "A compile time of 0.0 s: the program was compiled for an earlier cell with the same shapes (a "
                   "bounded cache does not grow with the prompt), so this prompt length compiled nothing."]
     if compile_rows:
         lines += ["", f"Compile seconds at depth ({meta['shape']} shape otherwise, a {meta['compile_length']}-token "
@@ -224,7 +270,7 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], sho
     axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)")
     axes[1].set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s (batch 1)")
     axes[1].legend(fontsize=6)
-    fig.suptitle(f"{meta['shape']} shape, {meta['device']}")
+    fig.suptitle(f"{meta.get('model') or meta['shape'] + ' shape'}, {meta['device']}")
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=110)
     plt.close(fig)
@@ -233,6 +279,8 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], sho
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
+    p.add_argument("--model", help="a real checkpoint instead of --shape's random weights: a directory, a GGUF file "
+                                   "or a fetched name (smollm2)")
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
@@ -252,8 +300,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    shape = SHAPES[args.shape]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    if args.model:
+        from models.loading import resolve
+
+        ckpt = resolve(args.model)
+        lm = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl)
+        model, c = lm.model, lm.config
+        shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                     num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        if max(int(x) for x in args.lengths.split(",")) + args.new > c.max_position_embeddings:
+            p.error(f"--lengths {args.lengths} + --new {args.new} exceed the model's {c.max_position_embeddings} positions")
+    else:
+        shape = SHAPES[args.shape]
     policies = kvjax_policies(args.budget, shape["num_layers"], shape["num_kv_heads"], args.chunk)
     if args.policies:
         chosen = [x.strip() for x in args.policies.split(",")]
@@ -263,44 +322,50 @@ def main(argv=None):
         policies = {name: policies[name] for name in chosen}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = Path(tempfile.mkdtemp())
-    make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
-                           seed=0)
-    model = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl).model
+    if not args.model:
+        ckpt = Path(tempfile.mkdtemp())
+        make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
+                               seed=0)
+        model = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl).model
     torch_model = None
     if not args.no_torch:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         device = "cuda" if torch.cuda.is_available() and jax.devices()[0].platform == "gpu" else "cpu"
-        torch_model = LlamaForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype),
-                                                       attn_implementation="sdpa").eval().to(device)
+        where = dict(gguf_file=ckpt.name) if ckpt.is_file() else {}
+        torch_model = AutoModelForCausalLM.from_pretrained(ckpt.parent if ckpt.is_file() else ckpt,
+                                                           dtype=getattr(torch, args.dtype),
+                                                           attn_implementation="sdpa", **where).eval().to(device)
     meta = {"platform": jax.devices()[0].platform, "device": str(jax.devices()[0]), "jax": jax.__version__,
             "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
             "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
-            "attention_impl": args.attention_impl,
+            "attention_impl": args.attention_impl, "model": args.model and Path(args.model).name.removesuffix(".gguf"),
             "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     rows = []
     cells = [(n, b) for n in lengths for b in batches if n * b <= args.max_batch_tokens]
     for n, b in tqdm(cells, desc="cells"):
         prompts = np.random.default_rng(n + b).integers(4, shape["vocab_size"], (b, n))
         for name, policy in policies.items():
-            rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b,
-                         **time_kvjax(model, prompts, policy, args.new, args.repeats)})
+            with rss_peak() as rss:
+                r = time_kvjax(model, prompts, policy, args.new, args.repeats)
+            rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
         write(out, meta, rows, [], show=False)
         if torch_model is not None:
             from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
 
             ratio = max(0.0, 1 - args.budget / n)
-            rows.append({"impl": "transformers", "policy": "full", "prompt": n, "batch": b,
-                         **time_torch(torch_model, prompts, args.new, args.repeats)})
+            with rss_peak() as rss:
+                r = time_torch(torch_model, prompts, args.new, args.repeats)
+            rows.append({"impl": "transformers", "policy": "full", "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
             for name, press in (("streaming", StreamingLLMPress(compression_ratio=ratio, n_sink=4)),
                                 ("snapkv", SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)),
                                 ("pyramidkv", PyramidKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))):
                 if name not in policies:
                     continue
-                rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b,
-                             **time_torch(torch_model, prompts, args.new, args.repeats, press=press)})
+                with rss_peak() as rss:
+                    r = time_torch(torch_model, prompts, args.new, args.repeats, press=press)
+                rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
         write(out, meta, rows, [], show=False)
     layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
     write(out, meta, rows, compile_table(shape, layers, lengths[0], args.budget, dtype, args.attention_impl)
