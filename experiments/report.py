@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--razor-lengths", type=int_list, help="section 2's prompt lengths (default: passkey's)")
     p.add_argument("--razor-samples", type=positive_int, default=PASSKEY_SAMPLES,
                    help="section 2's prompts per length and key depth")
+    p.add_argument("--longbench-budgets", type=int_list, help="section 3's budgets (default: --budgets)")
     p.add_argument("--longbench-data", help="section 3's LongBench-format data directory (default: kvjax's "
                                             "suite for the model's window)")
     p.add_argument("--ruler-length", type=positive_int, help="section 4's sequence length (default: 4096, or the "
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "longbench" not in skip:
         md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
-        for budget in args.budgets:
+        for budget in args.longbench_budgets or args.budgets:
             d = out / "longbench" / f"budget-{budget}"
             pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
             res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
