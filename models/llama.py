@@ -626,7 +626,9 @@ class Llama(nnx.Module):
             logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
             return logits, caches
         if policy.prefill_mode == "chunked":
-            return self._chunked(tokens, positions, caches, policy)
+            # what depends on a row's whole prompt (RazorAttention's window max(S0, N / C)) is set before the
+            # first chunk, as for the stream
+            return self._chunked(tokens, positions, self.size_rows(caches, positions, policy), policy)
         x = self.embed(tokens)
         out = []
         for layer, lp, cache in zip(self.layers, plan.layers, caches):

@@ -512,3 +512,26 @@ def test_every_suite_takes_the_models_shipped_heads_when_heads_is_not_given(tmp_
                          "--depths", "0", "--samples", "1", "--out", str(out)]) == 0
     (record,) = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert record["policy"].startswith("RazorAttention(retrieval ") and "2/4 KV heads kept whole" in record["policy"]
+
+
+@pytest.mark.parametrize("prefill_mode,chunk", [("full", None), ("stream", None), ("chunked", 1), ("chunked", 8)])
+def test_local_window_is_max_s0_and_n_over_c_in_every_prefill_mode(sharp_dir, prefill_mode, chunk):
+    """Algorithm 1's L = max(S0, N / C) whether the prompt is attended whole, read token by token or in
+    chunks (the prompt's length is known before it is read): with S0 = 8, C = 2 and a 64-token prompt
+    a local head keeps its 2 sinks and the last 32 tokens, the other 30 in the compensation slot
+    (N_d = 30, its newest position 33); retrieval heads keep all 64."""
+    sinks, n, bucket = 2, 64, 64
+    lm = load(sharp_dir)
+    policy = RazorAttention(retrieval=RETRIEVAL, buffer=8, compression=2.0, sinks=sinks, prefill_mode=prefill_mode,
+                            chunk=chunk)
+    prefill, _ = stepper(lm.model, policy, bucket + 4)
+    _, cache = prefill(*left_pad(random_ids(n, 260, seed=81), bucket))
+    snap = _ours_snapshot(policy, cache, 0)
+    for layer in range(2):
+        for h in range(2):
+            kept, comp = snap[layer][h]
+            if RETRIEVAL[layer][h]:
+                assert kept == list(range(n))
+            else:
+                assert kept == list(range(sinks)) + list(range(n - 32, n)), (prefill_mode, kept)
+                assert comp[:2] == (n - 32 - 1, n - 32 - sinks)

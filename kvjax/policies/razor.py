@@ -110,8 +110,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
             return max(self.scopes)
         if self.ratio is not None:
             return int(self.row_slots(max(prompt_len, 1))) - self.sinks - int(self.compensate)
-        if self.prefill_mode != "full":
-            return self.buffer  # a prompt read in pieces: N is unknown, the window is S0
+        # Read whole, token by token or in chunks, a prompt's length is known when the cache is sized (0: a
+        # text scored piece by piece, whose N is unknown: the window is S0).
         return buffer_length(prompt_len, self.buffer, self.compression)
 
     def _layout(self, capacity: int) -> tuple[int, int]:
@@ -135,9 +135,9 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
 
     def size_rows(self, layer, cache: LayerCache, ctx) -> LayerCache:
         pos = ctx.pos
-        # Read token by token, a row's window is known only with a ratio (its prompt's share); it rides in
-        # the slots' score, as after a full prefill. Without one N is unknown and the window is S0.
-        if self.ratio is None:
+        # Before a prompt is read token by token or in chunks: each row's window, L = max(S0, N / C) of its
+        # own N (or its ratio's share), rides in the slots' score, as after a full prefill.
+        if self.scopes is not None:
             return cache
         win = self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1])[..., None]
         window_slots = jnp.arange(cache.capacity) < self._layout(cache.capacity)[1]  # not the compensation slot
@@ -301,7 +301,8 @@ class RazorAttention(ByHead):
     # slots, all such a model can still attend to, instead of the whole context.
     sliding_window: int | None = None
     # "full" (Algorithm 1: L = max(S0, N / C) from the prompt's length N), or the prompt read token by
-    # token ("stream") or in chunks ("chunked", `chunk`): N is then unknown and local heads keep S0.
+    # token ("stream") or in chunks ("chunked", `chunk`): local heads keep the same max(S0, N / C), the
+    # prompt's length being known before it is read (a text scored piece by piece: S0).
     prefill_mode: PrefillMode = "full"
     chunk: int | None = None
 
