@@ -268,6 +268,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     if options - taken:
         flags = ", ".join(flag_given(args, k) for k in sorted(options - taken))
         raise InvalidInput(f"{flags}: no policy of {','.join(names)} takes it")
+    check_modes(args, names, options)
     out = []
     for n in names:
         params = inspect.signature(REGISTRY[n]).parameters
@@ -287,6 +288,21 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     return out
 
 
+# Options that say how every policy of a run reads the prompt or positions its keys: in a comparison they
+# apply to each policy named, so one that cannot take them is refused rather than run another way.
+MODE_OPTIONS = ("prefill_mode", "chunk", "positions")
+
+
+def check_modes(args: argparse.Namespace, names: list[str], options) -> None:
+    for k in MODE_OPTIONS:
+        if k not in options:
+            continue
+        missing = [n for n in names if k not in inspect.signature(REGISTRY[n]).parameters]
+        if missing:
+            raise InvalidInput(f"{flag_given(args, k)} {getattr(args, k)} applies to every policy compared, and "
+                               f"{', '.join(missing)} cannot take it; leave {', '.join(missing)} out of this run")
+
+
 def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: int, ratios, room: int | None = None,
                        model_dir=None) -> list[tuple[str, Policy]]:
     """(label, policy) for `--ratios`: each policy with a ratio mode at each ratio, labelled `name@r`, and a
@@ -295,6 +311,7 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
     MAT's beta is a token count, not a share: `--anchor-slots`, or, given `room` (the prompt length all rows
     share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
     shipped_heads(args, names, model_dir)
+    check_modes(args, names, {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None})
     out = []
     for n in names:
         params = inspect.signature(REGISTRY[n]).parameters

@@ -14,6 +14,7 @@ from flax import nnx
 
 from kvjax import FullCache, attention, generate
 from kvjax.cache import HeadwiseCache
+from kvjax.errors import InvalidInput
 from kvjax.heads import alibi_scopes, attention_maps, kv_scopes, save_heads
 from kvjax.policies import RazorAttention, make_policy, razor_from_heads
 from kvjax.policies.razor import CompensatedWindow
@@ -535,3 +536,26 @@ def test_local_window_is_max_s0_and_n_over_c_in_every_prefill_mode(sharp_dir, pr
             else:
                 assert kept == list(range(sinks)) + list(range(n - 32, n)), (prefill_mode, kept)
                 assert comp[:2] == (n - 32 - 1, n - 32 - sinks)
+
+
+def test_a_comparison_applies_the_prefill_mode_to_every_policy_or_refuses(tmp_path):
+    """`--compare streaming,razor --prefill-mode chunked --chunk 16` reads the prompt in chunks under both
+    (RazorAttention once silently attended it whole); a policy that has no chunked mode (the gate) is
+    refused by name instead of being run another way."""
+    import argparse
+
+    from experiments.common import add_compare_args, chosen_policies
+
+    p = argparse.ArgumentParser()
+    add_compare_args(p, default="full")
+    heads = tmp_path / "heads.json"
+    save_heads(heads, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0], [0, 1]])
+    args = p.parse_args(["--compare", "streaming,razor", "--prefill-mode", "chunked", "--chunk", "16",
+                         "--heads", str(heads), "--budget", "64"])
+    _, (streaming, razor) = chosen_policies(p, args, 2)
+    assert streaming.prefill_mode == razor.prefill_mode == "chunked" and razor.chunk == 16
+    assert "prefill_mode='chunked', chunk=16" in razor.describe()
+    args = p.parse_args(["--compare", "streaming,gate", "--prefill-mode", "chunked", "--chunk", "16"])
+    with pytest.raises(InvalidInput, match=r"--prefill-mode chunked applies to every policy compared, and gate "
+                                           r"cannot take it"):
+        chosen_policies(p, args, 2)

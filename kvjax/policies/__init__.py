@@ -117,8 +117,9 @@ REGISTRY.update({
     # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window
     # (default 5 and 4000), or --ratio the share of each prompt a local head keeps.
     "razor": lambda budget, heads=None, compression=None, buffer=None, ratio=None, sinks=None, compensate=None,
-    fold="decode": razor_from_heads(heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks,
-                                    compensate=compensate, fold=fold),
+    fold="decode", prefill_mode="full", chunk=None: razor_from_heads(
+        heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks, compensate=compensate, fold=fold,
+        prefill_mode=prefill_mode, chunk=chunk),
 })
 
 # Policies sized by their own options rather than --budget.

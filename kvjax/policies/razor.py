@@ -391,6 +391,8 @@ def razor_from_heads(
     sinks: int | None = None,
     compensate: bool | None = None,
     fold: Literal["decode", "prefill"] = "decode",
+    prefill_mode: PrefillMode = "full",
+    chunk: int | None = None,
 ) -> RazorAttention:
     """RazorAttention from a heads file (path or `kvjax.heads.load_heads` dict).
 
@@ -406,7 +408,7 @@ def razor_from_heads(
     data = heads if isinstance(heads, dict) else load_heads(heads)
     alibi = "kv_scopes" in data
     common = dict(
-        compression=compression, buffer=buffer, ratio=ratio, fold=fold,
+        compression=compression, buffer=buffer, ratio=ratio, fold=fold, prefill_mode=prefill_mode, chunk=chunk,
         sinks=sinks if sinks is not None else (0 if alibi else 4),
         compensate=compensate if compensate is not None else not alibi,
     )
