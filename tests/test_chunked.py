@@ -443,3 +443,39 @@ def test_decode_with_alibi_or_a_window_says_it_has_no_pallas_kernel():
         with pytest.warns(UserWarning, match="the Pallas decode kernel takes neither"):
             out, _ = attention.decode_attention(*args, scale=0.5, impl="pallas", **coords, **extra)
         np.testing.assert_array_equal(out, attention.decode_attention(*args, scale=0.5, **coords, **extra)[0])
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 32])
+def test_mat_chunks_of_any_size_are_stream_mode(sharp, chunk):
+    """MAT's chunk queries each see what Algorithm 1's stream holds when that token arrives (the closed form
+    at its own length over the cache; the chunk's tokens all stay in the window), so chunked MAT is the
+    token-by-token result at chunk sizes 1, 8 and 32: every token's log-prob over a 100-token text (anchors
+    evicted many times) within 1e-5 of the log-prob scale, and the kept positions per layer and KV head after the prompt and 3
+    decode steps. (It once cut the cache to its post-chunk state first: chunk token i saw c - n + i + 1
+    slots, and every token but a chunk's last was scored against fewer.)"""
+    n = 100
+    rng = np.random.default_rng(5)
+    ids = rng.integers(4, sharp.cfg.vocab_size, n).tolist()
+    make = lambda **m: mat(40, 6, shallow_layers=1, sinks=2, **m)  # noqa: E731  (window c - beta = 34)
+    stream = stream_logprobs(sharp, ids, make(prefill_mode="stream"))
+    ours = chunked_logprobs(sharp, ids, make(prefill_mode="chunked", chunk=chunk))
+    np.testing.assert_allclose(ours, stream, rtol=0, atol=1e-5 * max(1.0, float(np.abs(stream).max())))
+
+    toks = jnp.asarray(rng.integers(4, sharp.cfg.vocab_size, (2, n)), jnp.int32)
+    pos = np.tile(np.arange(n, dtype=np.int32), (2, 1))
+    pos[1] = np.where(np.arange(n) < 9, -1, np.arange(n) - 9)
+    pos = jnp.asarray(pos)
+
+    def kept(policy):
+        _, cache = jax.jit(sharp.prefill, static_argnums=(2, 3))(toks, pos, policy, n + 3)
+        out = [kvcache.kept_positions(cache)]
+        nxt = jnp.max(pos, axis=1) + 1
+        for s in range(3):
+            _, cache = jax.jit(sharp.decode, static_argnums=3)(toks[:, s], nxt + s, cache, policy)
+            out.append(kvcache.kept_positions(cache))
+        return out
+
+    for step, (a, b) in enumerate(zip(kept(make(prefill_mode="chunked", chunk=chunk)),
+                                      kept(make(prefill_mode="stream")))):
+        for layer, (x, y) in enumerate(zip(a, b)):
+            np.testing.assert_array_equal(x, y, err_msg=f"kept positions, step {step}, layer {layer}")

@@ -134,17 +134,23 @@ class AnchorCache(RatioBudget, LayerPolicy):
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
         return self.size_rows(layer, out, ctx)
 
-    # Chunked: every token of a chunk ends in the window (chunk <= c - beta), so the state after the
-    # chunk, Algorithm 1's closed form, is known from the cache alone before the chunk attends: the
-    # cache is cut to it first (at chunk 1, exactly `step`'s eviction), then the chunk is appended.
-    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
-        pos = ctx.pos
-        length = (jnp.max(pos, axis=1) + 1)[:, None, None]  # after the chunk
-        length = jnp.maximum(length, jnp.max(cache.pos, axis=(1, 2))[:, None, None] + 1)
-        order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
-        c = kvcache.take_slots(cache, order)  # time order, as the closed form ranks ties by it
-        keep = self._closed_form(c.pos, c.score, length, self.budget)  # (chunked: a token budget)
-        return kvcache.take_slots(c, jnp.where(keep, jnp.arange(c.capacity), -1))
+    # Chunked, exactly the stream at any chunk size: every token of a chunk stays in the window to the chunk's
+    # end (chunk <= c - beta), so the tokens Algorithm 1 evicts while the chunk is read are cache tokens that
+    # leave the window, ranked by pi already in the cache. Stream mode's cache when the chunk's query i
+    # arrives is therefore the closed form at length pos_i + 1 over the cache (plus the chunk's tokens up to
+    # i): each query sees exactly those slots (`chunk_visible`), then the chunk is folded in by the closed
+    # form at the chunk's end (`absorb`). The cache holds c slots and the chunk n more while it attends.
+    def _time_order(self, cache: LayerCache):
+        return jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+
+    def chunk_visible(self, layer, cache: LayerCache, ctx):
+        order = self._time_order(cache)
+        p = jnp.take_along_axis(cache.pos, order, axis=-1)[:, :, None, :]  # [b, kvh, 1, c], time order
+        pi = jnp.take_along_axis(cache.score, order, axis=-1)[:, :, None, :]
+        length = (ctx.pos + 1)[:, None, :, None]  # [b, 1, n, 1]: after query i's own insertion
+        keep = self._closed_form(p, pi, length, self.budget)  # [b, kvh, n, c] (chunked: a token budget)
+        inverse = jnp.argsort(order, axis=-1)[:, :, None, :]
+        return jnp.take_along_axis(keep, jnp.broadcast_to(inverse, keep.shape), axis=-1), None
 
     def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
@@ -152,7 +158,11 @@ class AnchorCache(RatioBudget, LayerPolicy):
         n = k.shape[2]
         pi = jnp.concatenate([both.score[..., :-n], self._pi(stats.first_logit)], axis=-1)  # the chunk's own pi
         both = dataclasses.replace(both, score=pi.astype(both.score.dtype))
-        return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
+        length = jnp.maximum(jnp.max(both.pos, axis=(1, 2)) + 1, 0)[:, None, None]
+        order = self._time_order(both)
+        c = kvcache.take_slots(both, order)  # time order, as the closed form ranks ties by it
+        keep = self._closed_form(c.pos, c.score, length, self.budget)
+        return kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
