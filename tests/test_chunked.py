@@ -202,6 +202,122 @@ def test_chunked_snapkv_matches_numpy_reference():
     assert len(ours) == 4 and all(len(h) == budget for h in ours[-1])
 
 
+def _numpy_scored_chunks(method, q, k, v, budget, window, chunk, keep_count, kernel=3):
+    """Plain NumPy transcription of the chunked rule of the score-based policies, for `method` in
+    pyramidkv, slimkv, tova, knorm: after each chunk, the slots the cache holds (empty ones first, then
+    its tokens in position order) and the chunk are scored as one prompt by the chunk's own queries
+    (PyramidKV: SnapKV's mean over the last `window` queries, max-pool, mean over the group; SlimKV: the
+    window attention summed over window queries and the group's heads times max |v|, prefix only,
+    avg-pool; TOVA: the chunk's last query, averaged over every head of the layer, one ranking for all KV
+    heads; KNorm: minus the key's norm), the latest `window` tokens are kept, then the top scores (ties:
+    earlier), `keep_count(tokens read)` in all."""
+    _, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    kept = [[] for _ in range(kvh)]
+    history = []
+
+    def probs(j, gi, real, rows):  # attention of the query rows over the real candidates
+        qs = q[0, j * g + gi, rows]
+        logit = qs @ k[0, j, real].T / np.sqrt(d)
+        logit = np.where(np.asarray(real)[None] <= np.asarray(rows)[:, None], logit, -np.inf)
+        p = np.exp(logit - logit.max(axis=1, keepdims=True))
+        return p / p.sum(axis=1, keepdims=True)
+
+    for s in range(0, t, chunk):
+        cpos = list(range(s, s + chunk))
+        last = cpos[-1]
+        n_keep = int(keep_count(last + 1))
+        cands = [[None] * (budget - len(kept[j])) + kept[j] + cpos for j in range(kvh)]
+        scores = []
+        for j in range(kvh):
+            cand = cands[j]
+            real = [c for c in cand if c is not None]
+            at = [i for i, c in enumerate(cand) if c is not None]
+            prefix = np.array([c is not None and c < last + 1 - window for c in cand])
+            sc = np.zeros(len(cand))
+            if method == "pyramidkv":
+                for gi in range(g):
+                    full = np.zeros(len(cand))
+                    full[at] = probs(j, gi, real, list(range(last - window + 1, last + 1))).mean(axis=0)
+                    full = np.where(prefix, full, 0.0)
+                    sc += np.array([full[max(0, i - kernel // 2): i + kernel // 2 + 1].max()
+                                    for i in range(len(cand))]) / g
+            elif method == "slimkv":
+                s1 = np.zeros(len(cand))
+                for gi in range(g):
+                    s1[at] += probs(j, gi, real, list(range(last - window + 1, last + 1))).sum(axis=0)
+                s2 = np.zeros(len(cand))
+                s2[at] = np.abs(v[0, j, real]).max(axis=-1)
+                full = np.where(prefix, s1 * s2, 0.0)
+                padded = np.concatenate([np.zeros(kernel // 2), full, np.zeros(kernel // 2)])
+                sc = np.array([padded[i: i + kernel].sum() / kernel for i in range(len(cand))])
+            elif method == "tova":
+                for gi in range(g):
+                    sc[at] += probs(j, gi, real, [last])[0] / h
+            else:  # knorm
+                sc[at] = -np.linalg.norm(k[0, j, real], axis=-1)
+            scores.append(sc)
+        if method == "tova":  # one ranking over the layer: the mean of every head's
+            shared = {}
+            for j in range(kvh):
+                for i, c in enumerate(cands[j]):
+                    if c is not None:
+                        shared[c] = shared.get(c, 0.0) + scores[j][i]
+        for j in range(kvh):
+            real = [c for c in cands[j] if c is not None]
+            score_of = (lambda c: shared[c]) if method == "tova" else (lambda c: scores[j][cands[j].index(c)])
+            always = [c for c in real if c > last - window]
+            others = sorted((c for c in real if c <= last - window), key=lambda c: (-score_of(c), c))
+            kept[j] = sorted(always + others[: n_keep - len(always)])
+        history.append([list(x) for x in kept])
+    return history
+
+
+SCORED_CHUNK_RULES = [
+    ("pyramidkv", lambda **m: PyramidKV(budget=12, observation_window=4, kernel=3, num_layers=4, **m)),
+    ("slimkv", lambda **m: SlimKV(budget=12, observation_window=4, kernel=3, **m)),
+    ("tova", lambda **m: TOVA(budget=12, **m)),
+    ("knorm", lambda **m: KNorm(budget=12, **m)),
+]
+
+
+@pytest.mark.parametrize("name,make", SCORED_CHUNK_RULES, ids=[n for n, _ in SCORED_CHUNK_RULES])
+def test_chunked_score_policies_match_the_stated_rule(name, make):
+    """Four chunks of 10 tokens (PyramidKV in its layer 1 of 4): after every chunk the policy keeps what
+    the NumPy transcription of the stated chunked rule keeps (each chunk scored by its own queries, the
+    cache's earlier survivors among the candidates), and the kept slots hold their tokens' keys."""
+    rng = np.random.default_rng(7)
+    b, kvh, g, t, d, chunk = 1, 2, 2, 40, 8, 10
+    q = rng.normal(size=(b, kvh * g, t, d)).astype(np.float32) * 2
+    k = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+    v = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+    pos = np.arange(t, dtype=np.int32)[None]
+    layer = 1
+    with pytest.warns(UserWarning, match="chunk"):
+        policy = make(prefill_mode="chunked", chunk=chunk)
+    cap = policy.capacity(layer, t, t)
+    cache = kvcache.empty(b, kvh, cap, d, jnp.float32)
+    ours = []
+    for s in range(0, t, chunk):
+        sl = slice(s, s + chunk)
+        _, stats = attention.prefix_attention(
+            jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
+            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.chunk_stats(layer))
+        cache = policy.absorb(layer, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]),
+                              Context(jnp.asarray(pos[:, sl])), stats)
+        ours.append(kvcache.kept_sets((cache,))[0])
+        held = np.asarray(cache.pos[0])
+        for j in range(kvh):
+            for slot, p_ in enumerate(held[j]):
+                if p_ >= 0:
+                    np.testing.assert_array_equal(np.asarray(cache.k[0, j, slot]), k[0, j, p_])
+    ref = _numpy_scored_chunks(name, q, k, v, cap, policy.observation_window, chunk,
+                               lambda n: policy.keep_count(layer, np.asarray(n)))
+    assert ours == ref
+    assert any(len(h) < 40 for h in ours[-1])  # it evicted
+
+
 def test_chunked_decode_after_prefill_appends(sharp, prompts):
     """After a chunked prefill, SnapKV decodes by appending into the slots reserved for new tokens."""
     policy = SnapKV(budget=10, observation_window=4, kernel=3, prefill_mode="chunked", chunk=8)

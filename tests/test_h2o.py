@@ -133,3 +133,71 @@ def test_h2o_ratio_recent_window_follows_each_rows_budget(sharp_dir):
         alone, _ = stepper(model, H2O(budget=want, recent=recent), bucket + 4)
         _, c = alone(*left_pad(rows[r], bucket))
         assert kept_sets(c) == kept
+
+
+def _numpy_h2o_chunks(q, k, budget, recent, chunk):
+    """Plain NumPy transcription of H2O's chunked rule (`kvjax.policies.h2o`'s docstring): before a chunk,
+    its victims are the cached tokens outside the recent window of its first token, lightest score first
+    (ties: the oldest); query i sees the cache but the first max(0, i + 1 - free) victims, and the chunk's
+    tokens up to itself; then every key's score grows by the attention the chunk's queries gave it (over
+    the group's query heads), the victims the chunk needed leave, and the chunk's tokens enter."""
+    _, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    history = []
+    acc = [{} for _ in range(kvh)]
+    for s in range(0, t, chunk):
+        cpos = list(range(s, s + chunk))
+        for j in range(kvh):
+            free = budget - len(acc[j])
+            victims = sorted((p for p in acc[j] if p <= s - recent), key=lambda p: (acc[j][p], p))
+            gained = {p: 0.0 for p in list(acc[j]) + cpos}
+            for i, qp in enumerate(cpos):
+                hidden = set(victims[: max(0, i + 1 - free)])
+                keys = [p for p in sorted(acc[j]) if p not in hidden] + cpos[: i + 1]
+                for gi in range(g):
+                    logit = k[0, j, keys] @ q[0, j * g + gi, qp] / np.sqrt(d)
+                    pr = np.exp(logit - logit.max())
+                    for p, w in zip(keys, pr / pr.sum()):
+                        gained[p] += w
+            for p in victims[: max(0, chunk - free)]:
+                del acc[j][p]
+                del gained[p]
+            acc[j] = {p: acc[j].get(p, 0.0) + gained[p] for p in gained}
+        history.append(([sorted(a) for a in acc], [dict(a) for a in acc]))
+    return history
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_h2o_chunked_matches_the_stated_rule(chunk):
+    """H2O read in chunks of 8 and 32 (96 tokens into 40 slots, recent 4): after every chunk the kept
+    positions and their accumulated scores are the NumPy transcription's of the stated rule (chunk 1 is
+    the stream: `tests/test_chunked.py`)."""
+    from kvjax import attention
+    from kvjax.policies import H2O as H2OPolicy
+
+    rng = np.random.default_rng(11)
+    b, kvh, g, t, d, budget, recent = 1, 2, 2, 96, 8, 40, 4
+    q = rng.normal(size=(b, kvh * g, t, d)).astype(np.float32) * 2
+    k = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+    pos = np.arange(t, dtype=np.int32)[None]
+    with pytest.warns(UserWarning, match="different method"):
+        policy = H2OPolicy(budget=budget, recent=recent, prefill_mode="chunked", chunk=chunk)
+    cache = kvcache.empty(b, kvh, budget, d, jnp.float32)
+    ref = _numpy_h2o_chunks(q.astype(np.float64), k.astype(np.float64), budget, recent, chunk)
+    for step, s in enumerate(range(0, t, chunk)):
+        sl = slice(s, s + chunk)
+        ctx = Context(jnp.asarray(pos[:, sl]))
+        cache = policy.make_room(0, cache, ctx)
+        visible, _ = policy.chunk_visible(0, cache, ctx)
+        _, stats = attention.prefix_attention(
+            jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(k[:, :, sl]), ctx.pos, cache.k, cache.v,
+            cache.pos, cache.log_w, scale=d**-0.5, slot_visible=visible, stats=policy.chunk_stats(0))
+        cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(k[:, :, sl]), ctx, stats)
+        kept, scores = ref[step]
+        assert kept_sets((cache,))[0] == kept, f"chunk {step}"
+        held, score = np.asarray(cache.pos[0]), np.asarray(cache.score[0])
+        for j in range(kvh):
+            got = {int(p): float(x) for p, x in zip(held[j], score[j]) if p >= 0}
+            np.testing.assert_allclose([got[p] for p in kept[j]], [scores[j][p] for p in kept[j]], rtol=1e-4)
+    assert all(len(hd) == budget for hd in kept_sets((cache,))[0])

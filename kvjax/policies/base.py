@@ -270,6 +270,14 @@ class LayerPolicy(Policy):
         return self.positions
 
 
+def warn_chunked_method(policy: Policy, how: str) -> None:
+    """Says, where a user chooses a chunked prefill, that it changes `policy`'s method: a UserWarning,
+    shown once per place in the user's code by Python's default filter."""
+    warnings.warn(f"{type(policy).__name__} with prefill_mode='chunked', chunk={policy.chunk}: {how} This is a different "
+                  "method from the paper's; prefill_mode='full' (or 'stream') runs the paper's.", UserWarning,
+                  stacklevel=4)
+
+
 # -- ratio budgets (kvpress's compression ratio), shared by the policies that evict per row ------------
 def check_ratio(policy: LayerPolicy, budget: int | None, name: str = "budget") -> None:
     """A policy sized by exactly one of a token `budget` (called `name`) or `ratio`, the fraction of each

@@ -8,10 +8,13 @@ accumulated attention outside the `recent` most recent tokens is evicted (ties: 
 The prompt: `prefill_mode="stream"` applies the same rule token by token from the first token
 (H2O's own setting); `"full"` (default) scores the prompt once by the attention each token got
 from all prompt queries (the observed attention) and keeps the `budget - recent` best plus the
-recent window, with those sums as the starting scores; `"chunked"` frees, before each chunk of
-`n` tokens attends, the `n` slots its tokens need, by the decode rule (lowest score outside the
-recent window of the chunk's first token), then adds the chunk's attention to every score: at
-`chunk=1` this is the stream rule exactly.
+recent window, with those sums as the starting scores; `"chunked"` (`chunk = n`) reads the prompt
+`n` tokens at a time and is a different method from the stream for n > 1, said here and warned once:
+a chunk's `n` victims are chosen together, by the decode rule on the scores at the chunk's start
+(lowest score outside the recent window of the chunk's first token, ties to the oldest), and query i of
+the chunk sees every slot but the first i + 1 of them (the c keys the stream gives each token); then
+the chunk's attention is added to every score and the chunk takes the victims' slots. The stream
+updates the scores after every token, so its victims can differ; at `chunk=1` the two are the same.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
+from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio, warn_chunked_method
 from kvjax.stats import StatsRequest
 
 
@@ -50,6 +53,9 @@ class H2O(RatioBudget, LayerPolicy):
             raise InvalidInput(f"H2O: budget={self.budget} must exceed recent={self.recent} (room for heavy hitters)")
         if self.budget is not None and self.recent is None and self.budget < 2:
             raise InvalidInput(f"H2O: budget={self.budget} must be >= 2 (a recent token and a heavy hitter)")
+        if self.chunk is not None and self.chunk > 1:
+            warn_chunked_method(self, "a chunk's victims are chosen together by the scores at its start, where the "
+                                      "stream re-scores after every token.")
         room = None if self.budget is None else self.budget - self._fixed_recent()
         if self.chunk is not None and room is not None and self.chunk > room:
             raise InvalidInput(f"H2O: chunk={self.chunk} exceeds budget - recent = {room}: a "
@@ -90,26 +96,40 @@ class H2O(RatioBudget, LayerPolicy):
         out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
         return self.size_rows(layer, out, ctx)
 
-    def make_room(self, layer, cache: LayerCache, ctx) -> LayerCache:
+    # Chunked (`chunk = n`): the stream evicts one victim per token, each chosen by the scores the tokens
+    # before it left. A chunk's queries attend in one pass, so its victims are chosen at once, by the decode
+    # rule on the scores at the chunk's start (lowest score outside the recent window of the chunk's first
+    # token, ties to the oldest), and displaced in that order: query i sees every slot but the victims of
+    # queries 0..i, i.e. the budget's c keys as in the stream. After the chunk attends, its attention is added
+    # to every score, the victims leave and the chunk takes their slots. At chunk 1 this is the stream rule;
+    # at chunk n > 1 only the victims' order differs from it (scores are not updated inside a chunk).
+    def _victims(self, cache: LayerCache, ctx):
+        """(victim rank `[b, kvh, c]`, victims needed after each chunk token `[b, kvh, n]`)."""
         pos = ctx.pos
-        arriving = jnp.sum(pos >= 0, axis=1)  # [b]
-        first = jnp.max(pos, axis=1) - arriving + 1  # the chunk's first real position
-        need = jnp.maximum(arriving[:, None] - jnp.sum(cache.pos == kvcache.EMPTY, axis=-1), 0)  # [b, kvh]
+        real = pos >= 0
+        first = jnp.max(pos, axis=1) - jnp.sum(real, axis=1) + 1  # the chunk's first real position
+        free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1)  # [b, kvh]
+        need = jnp.maximum(jnp.cumsum(real, axis=1)[:, None, :] - free[..., None], 0)  # [b, kvh, n]
         candidate = (cache.pos >= 0) & (cache.pos <= first[:, None, None] - self.recent_of(cache))
         # Victims in `step`'s order: the lowest score, ties going to the oldest token.
         by_pos = jnp.argsort(jnp.where(candidate, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
         key = jnp.take_along_axis(jnp.where(candidate, cache.score, jnp.inf), by_pos, axis=-1)
         order = jnp.take_along_axis(by_pos, jnp.argsort(key, axis=-1, stable=True), axis=-1)
-        rank = jnp.argsort(order, axis=-1)
-        evict = candidate & (rank < need[..., None])
-        src = jnp.where(evict, -1, jnp.arange(cache.capacity))
-        return kvcache.take_slots(cache, src)
+        rank = jnp.where(candidate, jnp.argsort(order, axis=-1), jnp.iinfo(jnp.int32).max)
+        return rank, need
+
+    def chunk_visible(self, layer, cache: LayerCache, ctx):
+        rank, need = self._victims(cache, ctx)
+        return rank[:, :, None, :] >= need[..., None], None  # [b, kvh, n, c]
 
     def absorb(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
-        both = kvcache.chunk_slots(cache, k, v, pos)  # make_room left a free slot for each chunk token
+        rank, need = self._victims(cache, ctx)
+        both = kvcache.chunk_slots(cache, k, v, pos)
         both = dataclasses.replace(both, score=(both.score + stats.colsum.sum(axis=2)).astype(both.score.dtype))
-        return kvcache.take_slots(both, kvcache.compact(both.pos >= 0, cache.capacity))
+        chunk = jnp.ones(both.pos.shape[:2] + (k.shape[2],), bool)
+        stay = jnp.concatenate([rank >= need[..., -1:], chunk], axis=-1) & (both.pos >= 0)
+        return kvcache.take_slots(both, kvcache.compact(stay, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
