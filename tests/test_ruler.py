@@ -90,7 +90,7 @@ def test_vt_chain_complete_and_consistent(count):
     for s in T.generate("vt", length_for(count, "vt"), 3, count):
         value = re.search(r"assigned the value (\d+) in the text above", s.question).group(1)
         assert s.answer_prefix == (" Answer: According to the chain(s) of variable assignment in the text above, "
-                                   f"5 variables are assgined the value {value}, they are: ")
+                                   f"5 variables are assigned the value {value}, they are: ")
         main = s.context[s.context.rindex("Memorize and track"):]  # after the one-shot example
         names = list(s.outputs)
         assert len(names) == 5 and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
@@ -148,12 +148,38 @@ def test_fwe_counts_follow_zeta(count):
         n = len(coded)
         # int(N k^-2 / zeta(2)) for rank k: recover N from the total, then check every rank's count.
         counts = sorted(freq.values(), reverse=True)
-        vocab = 1024 // 50
+        vocab = (1024 - 50) // 50
         for big_n in range(n, 2 * n):
             if int(np.sum((big_n * np.arange(1, vocab + 1) ** -2.0 / (np.pi ** 2 / 6)).astype(int))) == n:
                 break
         want = (big_n * np.arange(1, vocab + 1) ** -2.0 / (np.pi ** 2 / 6)).astype(int)
         assert counts == [int(c) for c in want if c > 0]
+
+
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_fwe_vocabulary_is_ruler_s_draw_of_the_prompt_s_room(length, count):
+    """RULER draws FWE's coded vocabulary with `random.choices` from `random.seed(42)`, (max_seq_length -
+    tokens_to_generate) // 50 words (since it fits input + generation), once for its fitting and once per
+    sample, sorted, shuffled by a fresh `random.Random(42)`, rank 0 the noise `...`; the answer is ranks
+    1-3. Transcribed here, the answers must be those of the right vocabulary size (RULER's old
+    max_seq_length // 50 draws other words)."""
+    import random
+    import string
+
+    rng = random.Random(42)
+
+    def vocab(n):
+        words = ["".join(rng.choices(string.ascii_lowercase, k=6)) for _ in range(n)]
+        while len(set(words)) < n:
+            words.append("".join(rng.choices(string.ascii_lowercase, k=6)))
+        words = sorted(set(words))
+        random.Random(42).shuffle(words)
+        return ["..."] + words[1:]
+
+    size = (length - 50) // 50
+    vocab(size)  # the fitting's draw
+    for s in T.generate("fwe", length, 2, count):
+        assert list(s.outputs) == vocab(size)[1:4]
 
 
 @pytest.mark.parametrize("task", ["niah_single_1", "niah_multikey_2", "vt", "fwe"])

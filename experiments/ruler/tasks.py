@@ -5,7 +5,8 @@ A reimplementation (no code copied) of NVIDIA/RULER's generators, read as specif
 `scripts/synthetic.yaml` (the task table below) and `scripts/data/synthetic/constants.py`
 (templates, answer prefixes, tokens to generate). What follows RULER exactly:
 
-* the templates and answer prefixes, verbatim (typo "assgined" included), joined as RULER's
+* the templates and answer prefixes, verbatim (as of RULER's 2025-05 fix of the typo "assgined" in VT's
+  answer prefix), joined as RULER's
   `prepare.py` does for its "base" model template: `template + answer_prefix`;
 * NIAH's singular rewrite when one value is asked (`Some` -> `A`, `are all` -> `is`, `are` -> `is`,
   `answers` -> `answer`, `numbers` -> `number`), needles, keys (`{adjective}-{noun}` from
@@ -14,7 +15,8 @@ A reimplementation (no code copied) of NVIDIA/RULER's generators, read as specif
   tokens with three-letter names and the value 12345, then renamed and revalued per sample);
 * CWE's word lists (`wonderwords` nouns + adjectives + verbs), 10 common words x 30 and the rest x 3
   with a 40-word example (10 / 3) at 4K and above, x 6 / x 1 with a 20-word example (3 / 1) below;
-* FWE's coded vocabulary (six lowercase letters, `max_seq_length // 50` words), counts
+* FWE's coded vocabulary (six lowercase letters, `(max_seq_length - tokens_to_generate) // 50` words, as
+  RULER sizes it since it fits input + generation), counts
   `N k^-alpha / zeta(alpha)`, `...` as the top-ranked noise word, the answer its ranks 2-4;
 * the fitting: binary search on the haystack size (upper bound 3x the estimate; CWE 2x) so that
   input tokens + tokens to generate fit the length, then per sample one haystack step less
@@ -29,7 +31,6 @@ Where kvjax differs, and why:
 * token counts are of what the model reads: the tokenizer's ids with its special tokens (BOS),
   so "fits the length" holds for the prompt kvjax actually generates from (RULER counts
   `tokenizer.tokenize(text)`, without BOS);
-* FWE fits input + tokens to generate like every other task (RULER's script fits the input alone);
 * a draw that never fits raises a clear error (RULER's loop would spin forever), and so does CWE
   beyond the 8166 distinct `wonderwords` words (RULER then reads its own `english_words.json`,
   which kvjax does not ship);
@@ -67,7 +68,7 @@ TEMPLATES = {
         "template": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
                     "Question: Find all variables that are assigned the value {query} in the text above.",
         "answer_prefix": " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
-                         "are assgined the value {query}, they are: ",
+                         "are assigned the value {query}, they are: ",
     },
     "common_words_extraction": {
         "tokens_to_generate": 120,
@@ -479,11 +480,11 @@ def _vt_rename(example: str, num_hops: int, d: _Draws) -> str:
 
 
 def _fwe_samples(task: Task, max_seq_length: int, num_samples: int, count, d: _Draws, gen: int) -> list[Sample]:
-    limit = max_seq_length - gen  # the prompt's room (RULER's script fits the input alone)
-    vocab_size = max_seq_length // 50
+    limit = max_seq_length - gen  # the prompt's room, which RULER also sizes the vocabulary from
+    vocab_size = limit // 50
     if vocab_size < 4:
-        raise InvalidInput(f"fwe needs length >= 200 (a vocabulary of max_seq_length // 50 >= 4 words); got "
-                           f"{max_seq_length}")
+        raise InvalidInput(f"fwe needs length >= {200 + gen} (a vocabulary of (length - {gen} generated) // 50 >= 4 "
+                           f"words); got {max_seq_length}")
     step = max(limit // 32, 1)
 
     def fit(num_words: int | None) -> tuple[str, list[str], int]:
