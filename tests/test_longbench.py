@@ -40,6 +40,71 @@ def test_rouge_l(pred, gt, want):
     assert got == pytest.approx(want, abs=1e-12)
 
 
+_EVAL_DEPTH_ROUGE = """
+import json, sys
+from rouge import Rouge
+
+
+def rouge_score(prediction, ground_truth, **kwargs):  # LongBench/metrics.py, as eval.py reaches it
+    try:
+        scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+    except:  # noqa: E722
+        return 0.0
+    return scores["rouge-l"]["f"]
+
+
+def scorer(pairs):  # LongBench/eval.py's scorer: a plain loop, one frame between the module and the metric
+    out = []
+    for p, g in pairs:
+        out.append(rouge_score(p, g, all_classes=None))
+    return out
+
+
+print(json.dumps(scorer(json.load(sys.stdin))))
+"""
+
+
+def test_rouge_scores_zero_where_the_official_recursion_fails():
+    """The `rouge` package's LCS traceback recurses once per move, and LongBench's scorer turns its
+    RecursionError into 0 (vcsum's unsplit Chinese summaries): kvjax's iterative ROUGE-L gives the
+    official score on both sides of that limit. The official call runs in a subprocess at eval.py's
+    own stack depth (pytest's is deeper)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("rouge")
+    words = lambda n, tag: " ".join(f"{tag}{i}" for i in range(n))  # noqa: E731
+    # (the limit is 989-990 moves from eval.py's depth, one more or less with the traceback's shape: the
+    # cases stay clear of it)
+    pairs = [(words(900, "w"), words(900, "w")),                     # 900 moves: scored
+             (words(1100, "w"), words(1100, "w")),                   # 1100 moves: 0
+             (words(400, "a") + " z", words(400, "b") + " z"),      # 401 moves: scored
+             (words(600, "a") + " z", words(600, "b") + " z"),      # 601 moves: scored
+             (words(1100, "a") + " z", words(50, "b") + " z"),      # 1101 moves (left, along the prediction): 0
+             (words(300, "a") + ". " + words(50, "c"), words(300, "b") + ". " + words(50, "c"))]
+    out = subprocess.run([sys.executable, "-c", _EVAL_DEPTH_ROUGE], input=json.dumps(pairs), capture_output=True,
+                         text=True, check=True)
+    official = json.loads(out.stdout)
+    ours = [metrics.rouge_score(p, g) for p, g in pairs]
+    assert official[1] == official[4] == 0.0 and min(official[0], official[2], official[3], official[5]) > 0
+    assert ours == pytest.approx(official, abs=1e-9)
+
+
+def test_longbench_e_rounds_the_mean_as_eval_py():
+    """eval.py's LongBench-E scorer rounds 100 * np.mean (pairwise sums), not sum / n: one bucket of
+    such scores reads 40.63 by np.mean where sum / n gives 40.62."""
+    import numpy as np
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        xs = [rng.choice([0.0, 1.0, 1 / 3, 2 / 3, 0.25, 0.1]) for _ in range(rng.randint(150, 400))]
+        if round(100 * sum(xs) / len(xs), 2) != round(100 * np.mean(xs), 2):
+            break
+    else:
+        pytest.skip("no sample where the two roundings differ")
+    assert metrics.score_e(xs, [100] * len(xs)) == {"0-4k": round(100 * np.mean(xs), 2)}
+
+
 @pytest.mark.parametrize("pred, gt, classes, want", [
     ("Type: LOC", "LOC", ["LOC", "NUM"], 1.0),
     ("LOC or NUM", "LOC", ["LOC", "NUM"], 0.5),                 # two classes named: 1/2
