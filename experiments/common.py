@@ -208,6 +208,7 @@ def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
 NO_BUDGET_WHY = {
     "full": "full keeps every token",
     "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
+    "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
     "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
 }
 
@@ -226,7 +227,7 @@ def shipped_heads(args: argparse.Namespace, names: list[str], model_dir) -> None
     """RazorAttention without --heads takes `model_dir/heads.json` when the model ships one (kvjax-small
     does), in every suite alike; its description names the head table, so the records say which heads
     were used. Only when razor is asked for: --heads is an error for the other policies."""
-    if "razor" in names and getattr(args, "heads", None) is None and model_dir is not None:
+    if any(n.startswith("razor") for n in names) and getattr(args, "heads", None) is None and model_dir is not None:
         shipped = Path(model_dir) / "heads.json"
         if shipped.is_file():
             args.heads = str(shipped)

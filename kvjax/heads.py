@@ -262,20 +262,21 @@ def kv_scopes(scopes: np.ndarray, num_kv_heads: int) -> np.ndarray:
 def control_heads(retrieval: np.ndarray, kind: str, seed: int = 0) -> np.ndarray:
     """RazorAttention's Table 1 controls for a `[layers, kv_heads]` retrieval table: "none" protects no
     head (every head local), "random" as many heads as `retrieval` does, drawn uniformly without
-    replacement (deterministic in `seed`), and never the probe's own table when another exists: a
-    draw that hits it (3 heads of 12: one seed in 220) would be no control, so it is drawn again."""
+    replacement (deterministic in `seed`) from the heads the probe did *not* select, so that the
+    control shares no head with the probe's table (a draw over all heads once included one)."""
     retrieval = np.asarray(retrieval, bool)
     if kind == "none":
         return np.zeros_like(retrieval)
     if kind != "random":
         raise ValueError(f"control={kind!r}; expected 'none' or 'random'")
-    rng, n = np.random.default_rng(seed), int(retrieval.sum())
-    while True:
-        out = np.zeros(retrieval.size, bool)
-        out[rng.choice(retrieval.size, n, replace=False)] = True
-        out = out.reshape(retrieval.shape)
-        if n in (0, retrieval.size) or not np.array_equal(out, retrieval):
-            return out
+    n = int(retrieval.sum())
+    others = np.flatnonzero(~retrieval.ravel())
+    if n > others.size:
+        raise ValueError(f"control='random': the probe selected {n} of {retrieval.size} KV heads, more than the "
+                         f"{others.size} it did not select; no random control disjoint from it exists")
+    out = np.zeros(retrieval.size, bool)
+    out[np.random.default_rng(seed).choice(others, n, replace=False)] = True
+    return out.reshape(retrieval.shape)
 
 
 def save_heads(path, **fields) -> None:

@@ -11,7 +11,9 @@ protocols run through their suites.
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 
 from experiments import efficiency, eval_anllm, eval_gate, find_heads, passkey
@@ -54,6 +56,28 @@ def test_slimkv_table_3_ablations_through_a_suite(tiny_dir, tmp_path):
     assert sorted(r["policy"].split("combine=")[1].split(",")[0] for r in records) == ["'product'", "'s1'", "'s2'"]
     assert passkey.main(base + ["--combine", "s2"]) == 0
     assert len(_lines(out / "samples.jsonl")) == 3
+    # The ablations really rank differently: S2 alone keeps, besides the window, the prefix tokens of the
+    # largest max |v| (read from a full cache's values), and S1 alone keeps another set.
+    import jax.numpy as jnp
+
+    from kvjax import FullCache, cache as kvcache
+    from kvjax.policies import SlimKV
+    from models import load
+
+    model = load(tiny_dir).model
+    ids = jnp.asarray(np.random.default_rng(4).integers(4, model.cfg.vocab_size, (1, 96)), jnp.int32)
+    pos = jnp.arange(96, dtype=jnp.int32)[None]
+    _, full = model.prefill(ids, pos, FullCache(), 97)
+    kept = {c: kvcache.kept_positions(model.prefill(ids, pos, SlimKV(budget=24, observation_window=8, kernel=1,
+                                                                      combine=c), 97)[1])
+            for c in ("s1", "s2", "product")}
+    for layer, lc in enumerate(full):
+        vmax = np.abs(np.asarray(lc.v[0])).max(axis=-1)  # [kvh, slots]: slot i holds position i
+        for h in range(vmax.shape[0]):
+            top = np.argsort(-vmax[h, :88], kind="stable")[:16]
+            assert sorted(set(top.tolist()) | set(range(88, 96))) == \
+                [int(p) for p in np.asarray(kept["s2"][layer])[0, h] if p >= 0]
+    assert any(not np.array_equal(a, b) for a, b in zip(kept["s1"], kept["s2"]))
 
 
 def test_attention_gate_table_1_fixed_eviction_resumes_part_by_part(tiny_dir, tmp_path):
@@ -111,13 +135,20 @@ def test_razor_table_1_head_protection_through_a_suite(tiny_dir, tmp_path):
     for control in (None, "random", "none"):
         heads = tmp_path / f"{control}.json"
         argv = ["--model", str(tiny_dir), "--out", str(heads), "--k", "32", "--repeats", "3", "--induction-ratio",
-                "0.5"]
+                "0.2"]
         assert find_heads.main(argv + (["--control", control] if control else [])) == 0
         assert passkey.main(["--model", str(tiny_dir), "--lengths", "300", "--depths", "0.5", "--samples", "1",
                              "--out", str(out), "--policy", "razor", "--heads", str(heads), "--buffer", "16",
                              "--compression", "8"]) == 0
     records = [json.loads(x) for x in _lines(out / "samples.jsonl")]
     assert len({r["policy"] for r in records}) == 3 and all("RazorAttention" in r["policy"] for r in records)
+    # what each control protects: the probe's heads, as many others drawn at random, none
+    tables = {c: np.asarray(json.loads((tmp_path / f"{c}.json").read_text())["retrieval_kv_heads"], bool)
+              for c in (None, "random", "none")}
+    n = int(tables[None].sum())
+    assert n > 0 and int(tables["random"].sum()) == n and not (tables["random"] & tables[None]).any()
+    kept = sorted(int(re.search(r"(\d+)/\d+ KV heads kept whole", r["policy"]).group(1)) for r in records)
+    assert kept == [0, n, n]
     assert passkey.main(["--model", str(tiny_dir), "--lengths", "300", "--depths", "0.5", "--samples", "1",
                          "--out", str(out), "--policy", "razor", "--heads", str(tmp_path / "none.json"), "--buffer",
                          "16", "--compression", "8"]) == 0

@@ -397,26 +397,27 @@ def test_table_1_controls_protect_no_head_or_as_many_at_random(tiny_dir, tmp_pat
 
     found = np.array([[True, False, False, True], [False, False, True, False], [False, False, False, False]])
     draws = [control_heads(found, "random", seed=s) for s in range(6)]
-    assert all(d.shape == found.shape and d.sum() == found.sum() for d in draws)
+    # as many heads as the probe's, never one of them (the paper's random heads are a control for them)
+    assert all(d.shape == found.shape and d.sum() == found.sum() and not (d & found).any() for d in draws)
     assert len({d.tobytes() for d in draws}) > 1 and np.array_equal(draws[0], control_heads(found, "random", seed=0))
     assert not control_heads(found, "none").any()
-    # kvjax-small's probe table, which seed 0's first draw hits exactly: the control draws again
+    # kvjax-small's probe table: a draw over all heads at seed 0 shared its head (4, 0); this one cannot
     probe = np.array([[0, 0], [0, 0], [0, 0], [1, 1], [1, 0], [0, 0]], bool)
-    first = np.zeros(12, bool)
-    first[np.random.default_rng(0).choice(12, 3, replace=False)] = True
-    assert np.array_equal(first.reshape(6, 2), probe)
     drawn = control_heads(probe, "random", seed=0)
-    assert drawn.sum() == 3 and not np.array_equal(drawn, probe)
+    assert drawn.sum() == 3 and not (drawn & probe).any()
+    with pytest.raises(ValueError, match="more than the 1 it did not select"):
+        control_heads(np.array([[True, True, False]]), "random")
     with pytest.raises(ValueError, match="control='some'"):
         control_heads(found, "some")
     tables = {}
     for control in (None, "random", "none"):
         out = tmp_path / f"{control}.json"
-        argv = ["--model", str(tiny_dir), "--out", str(out), "--k", "32", "--repeats", "3", "--induction-ratio", "0.5"]
+        argv = ["--model", str(tiny_dir), "--out", str(out), "--k", "32", "--repeats", "3", "--induction-ratio", "0.2"]
         assert find_heads.main(argv + (["--control", control] if control else [])) == 0
         tables[control] = np.asarray(json.loads(out.read_text())["retrieval_kv_heads"])
         razor_from_heads(str(out), buffer=8)  # each file is a usable RazorAttention
     assert tables["random"].sum() == tables[None].sum() > 0 and not tables["none"].any()
+    assert not (tables["random"] & tables[None]).any()
 
 
 @pytest.mark.parametrize("prefill_mode", ["full", "stream"])
@@ -559,3 +560,48 @@ def test_a_comparison_applies_the_prefill_mode_to_every_policy_or_refuses(tmp_pa
     with pytest.raises(InvalidInput, match=r"--prefill-mode chunked applies to every policy compared, and gate "
                                            r"cannot take it"):
         chosen_policies(p, args, 2)
+
+
+def test_table_1_preset_keeps_only_the_recent_s0_tokens_in_the_other_heads(sharp_dir, tmp_path):
+    """`--policy razor-table1` is RazorAttention's Table 1 protocol ("only the recent 4K tokens in the rest"
+    of the heads): a non-retrieval head keeps exactly the last S0 tokens, with no sinks and no
+    compensation slot, whatever N / C would give; retrieval heads keep everything."""
+    from kvjax.policies import make_policy
+
+    heads = tmp_path / "heads.json"
+    save_heads(heads, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[list(r) for r in RETRIEVAL])
+    policy = make_policy("razor-table1", heads=str(heads), buffer=16)
+    assert policy.sinks == 0 and not policy.compensate
+    n, bucket = 60, 64
+    prefill, _ = stepper(load(sharp_dir).model, policy, bucket + 4)
+    _, cache = prefill(*left_pad(random_ids(n, 260, seed=83), bucket))
+    snap = _ours_snapshot(policy, cache, 0)
+    for layer in range(2):
+        for h in range(2):
+            kept, comp = snap[layer][h]
+            assert comp is None
+            assert kept == (list(range(n)) if RETRIEVAL[layer][h] else list(range(n - 16, n)))
+
+
+@pytest.mark.parametrize("control", ["none", "random"])
+def test_table_1_controls_decide_the_protected_heads_of_an_alibi_model(control, tmp_path):
+    """An ALiBi heads file carries each head's vision scope, which alone decided which heads Razor keeps
+    whole, so a Table 1 control changed nothing. With a control, its heads are kept whole and every
+    other head keeps its scope capped at S0."""
+    from experiments import find_heads
+
+    from models.loading import LoadedModel
+
+    model = _alibi_model(std=0.05)
+    lm = LoadedModel(model=model, tokenizer=None, config=model.cfg, path=tmp_path)
+    out = tmp_path / f"{control}.json"
+    find_heads.find(lm, out, k=32, repeats=3, induction_ratio=0.5, control=control)
+    data = json.loads(out.read_text())
+    assert "kv_scopes" in data
+    protected = np.asarray(data["retrieval_kv_heads"], bool)
+    policy = razor_from_heads(str(out), buffer=8)
+    whole = np.array([[policy.is_retrieval(i, h) for h in range(protected.shape[1])]
+                      for i in range(protected.shape[0])])
+    np.testing.assert_array_equal(whole, protected)
+    assert (control == "none") == (not whole.any())
+    assert max(s for r, p in zip(policy.scopes, protected) for s, k in zip(r, p) if not k) <= 8

@@ -1,5 +1,7 @@
 """Cache policies: frozen dataclasses of pure functions (see `base.Policy`)."""
 
+import math
+
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, LayerPolicy, Policy
 from kvjax.policies.compose import (
@@ -120,10 +122,15 @@ REGISTRY.update({
     fold="decode", prefill_mode="full", chunk=None: razor_from_heads(
         heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks, compensate=compensate, fold=fold,
         prefill_mode=prefill_mode, chunk=chunk),
+    # RazorAttention Table 1's protocol: the heads of the table kept whole, every other head "only the recent
+    # 4K tokens" (--buffer S0, default 4000): no sinks, no compensation token, no N / C.
+    "razor-table1": lambda budget, heads=None, buffer=None, prefill_mode="full", chunk=None: razor_from_heads(
+        heads, compression=math.inf, buffer=buffer if buffer is not None else 4000, sinks=0, compensate=False,
+        prefill_mode=prefill_mode, chunk=chunk),
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "gate"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate"})
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:

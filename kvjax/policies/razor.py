@@ -417,6 +417,14 @@ def razor_from_heads(
         raise InvalidInput(
             f"heads file: its table is not {data['num_layers']} layers x {data['num_kv_heads']} KV heads as it declares"
         )
+    if alibi and data.get("control") is not None:
+        # A Table 1 control on an ALiBi model: the control's heads (`retrieval_kv_heads`) are kept whole and
+        # every other head keeps its scope, at most S0, so the control decides which heads are protected
+        # (without this, each head's scope would decide it and the control would change nothing).
+        s0 = buffer if buffer is not None else 4000
+        protected = data["retrieval_kv_heads"]
+        whole = 2**31 - 1  # any scope beyond S0 is kept whole
+        table = [[whole if keep else min(int(x), s0) for x, keep in zip(r, p)] for r, p in zip(table, protected)]
     if alibi:
         return RazorAttention(scopes=tuple(tuple(int(x) for x in r) for r in table), **common)
     return RazorAttention(retrieval=tuple(tuple(bool(x) for x in r) for r in table), **common)
