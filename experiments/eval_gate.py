@@ -33,6 +33,7 @@ from tqdm import tqdm
 from experiments import cli, driver
 from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
 from experiments.records import ResultLog, dumps_finite, write_atomic
+from kvjax.cache import LayerCache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, without_gates
@@ -62,14 +63,17 @@ def _losses(model, tokens):
 
 @compiled(static=("policy",))
 def _cont_nll(model, prefix, cont, *, policy):
-    """Mean NLL of `cont` given `prefix` compressed by `policy` (the continuation reads the cache)."""
+    """(mean NLL of `cont` given `prefix` compressed by `policy`, the share of the prefix's tokens its cache
+    holds, averaged over layers, KV heads and rows): the continuation reads the cache."""
     b, p = prefix.shape
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
     last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
     cpos = jnp.broadcast_to(jnp.arange(p, p + cont.shape[1] - 1, dtype=jnp.int32), (b, cont.shape[1] - 1))
     logits = jnp.concatenate([last[:, None], model.extend(cont[:, :-1], cpos, cache, policy)], axis=1)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1))
+    held = [c.pos if isinstance(c, LayerCache) else jnp.concatenate([g.pos for g in c.groups], axis=1) for c in cache]
+    kept = jnp.mean(jnp.stack([jnp.mean(jnp.sum((h >= 0) & (h < p), axis=-1) / p) for h in held]))
+    return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1)), kept
 
 
 def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4,
@@ -121,15 +125,19 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
         "streaming": (make_policy("streaming", budget, sinks=sinks), base_graph, base_state),
         "h2o": (make_policy("h2o", budget), base_graph, base_state),
     }
-    cont = {}
+    cont, kept = {}, {}
     for name, (policy, g, s) in tqdm(policies.items(), desc="continuations"):
-        cont[name] = part(f"continuation|{policy.describe()}", lambda: {"nll": float(np.mean([
-            float(_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy)) for t in batches]))})["nll"]
+        def compute(policy=policy, g=g, s=s):
+            runs = [_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy) for t in batches]
+            return {"nll": float(np.mean([float(r[0]) for r in runs])),
+                    "kept_prefix": float(np.mean([float(r[1]) for r in runs]))}
+        rec = part(f"continuation|{policy.describe()}", compute)
+        cont[name], kept[name] = rec["nll"], rec.get("kept_prefix")
     return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
             "heldout_loss": {"base": held["base"], "gated": held["gated"]},
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
             "baseline_eviction": evicted, "baseline_eviction_source": "gates" if baseline_eviction is None else "fixed",
-            "baseline_budget": budget, "continuation_nll": cont}
+            "baseline_budget": budget, "continuation_nll": cont, "kept_prefix": kept}
 
 
 def write_report(out: Path, r: dict) -> None:

@@ -345,24 +345,39 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     fixed = evaluate(model, tokens, prefix_share=0.75, batch=4, baseline_eviction=0.5)
     p = matched["prefix"]
     assert matched["baseline_eviction_source"] == "gates" and fixed["baseline_eviction_source"] == "fixed"
-    assert matched["baseline_budget"] == max(5, round((1 - matched["eviction"]["prefix"]) * p))
-    assert fixed["baseline_budget"] == max(5, round(0.5 * p)) and fixed["baseline_eviction"] == 0.5
+    # measured in the caches the continuations read: the baselines hold the evicted share's complement of the
+    # prefix (one token of rounding), at the gates' own share when matched
+    for name in ("local", "streaming", "h2o"):
+        assert abs(fixed["kept_prefix"][name] - 0.5) <= 1 / p, (name, fixed["kept_prefix"])
+        assert abs(matched["kept_prefix"][name] - (1 - matched["eviction"]["prefix"])) <= 1 / p + 1e-6
+    assert fixed["kept_prefix"]["full"] == 1.0 and fixed["baseline_eviction"] == 0.5
     assert fixed["continuation_nll"]["full"] == pytest.approx(matched["continuation_nll"]["full"])
     assert 0 < matched["eviction"]["prefix"] < 1
 
 
-def _gate_reference(x, wq, wk, wv, wo, heads, gamma, tau):
-    """Sec. 3.3 transcribed with loops: MHA' (h' heads, causal softmax over the sequence, no RoPE), its
-    heads concatenated through W^O' to one logit per (KV) head, then sigmoid(logit + gamma) > tau."""
+def _rotate_half(x, pos, theta):
+    """HF Llama's RoPE on one vector of even length d at position `pos` (pairs i, i + d/2)."""
+    d = x.shape[-1]
+    ang = pos * theta ** (-np.arange(0, d, 2) / d)
+    a, b = x[: d // 2], x[d // 2:]
+    return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)])
+
+
+def _gate_reference(x, wq, wk, wv, wo, heads, gamma, tau, theta=None):
+    """Sec. 3.3 transcribed with loops: MHA' (h' heads, causal softmax over the sequence; with `theta`,
+    queries and keys rotated by the model's RoPE at their positions, as a gate of a RoPE model sees
+    them), its heads concatenated through W^O' to one logit per (KV) head, then
+    sigmoid(logit + gamma) > tau."""
     t, _ = x.shape
     dk = wq.shape[1] // heads
+    rot = (lambda y, i: y) if theta is None else (lambda y, i: _rotate_half(y, i, theta))  # noqa: E731
     logits = np.zeros((t, wo.shape[1]))
     for i in range(t):
         outs = []
         for h in range(heads):
             cols = slice(h * dk, (h + 1) * dk)
-            q = x[i] @ wq[:, cols]
-            s = np.array([q @ (x[j] @ wk[:, cols]) / np.sqrt(dk) for j in range(i + 1)])
+            q = rot(x[i] @ wq[:, cols], i)
+            s = np.array([q @ rot(x[j] @ wk[:, cols], j) / np.sqrt(dk) for j in range(i + 1)])
             p = np.exp(s - s.max())
             p /= p.sum()
             outs.append(sum(p[j] * (x[j] @ wv[:, cols]) for j in range(i + 1)))
@@ -370,18 +385,23 @@ def _gate_reference(x, wq, wk, wv, wo, heads, gamma, tau):
     return logits.T, (1 / (1 + np.exp(-(logits.T + gamma))) > tau)
 
 
-def test_gate_module_is_the_papers_mha_prime_and_gate():
+@pytest.mark.parametrize("theta", [None, 10000.0])
+def test_gate_module_is_the_papers_mha_prime_and_gate(theta):
     """The gate against a transcription of sec. 3.3: its logits and flags `[kv_heads, t]` (one output per
-    head of the MHA it gates), and causality (a later token never changes an earlier flag)."""
+    KV head of the attention it gates: kvjax's reading for GQA), and causality (a later token never
+    changes an earlier flag); with the RoPE every RoPE model's gate uses (`attach_gates` passes the
+    model's), and without (ALiBi)."""
     from kvjax.gate import AttentionGate
+    from kvjax.rope import RopeConfig
 
     cfg = GateConfig(tau=0.5, gamma=0.3, heads=2, head_dim=8)
-    gate = AttentionGate(hidden=24, kv_heads=3, head_dim=16, cfg=cfg, rope=None, rngs=nnx.Rngs(1))
+    rope = None if theta is None else RopeConfig(theta=theta)
+    gate = AttentionGate(hidden=24, kv_heads=3, head_dim=16, cfg=cfg, rope=rope, rngs=nnx.Rngs(1))
     x = np.random.default_rng(3).normal(size=(1, 11, 24)).astype(np.float32)
     pos = jnp.arange(11, dtype=jnp.int32)[None]
     w = {n: np.asarray(getattr(gate, n).kernel[...], np.float64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     want_logits, want_flags = _gate_reference(x[0].astype(np.float64), w["q_proj"], w["k_proj"], w["v_proj"],
-                                              w["o_proj"], cfg.heads, cfg.gamma, cfg.tau)
+                                              w["o_proj"], cfg.heads, cfg.gamma, cfg.tau, theta)
     np.testing.assert_allclose(np.asarray(gate.logits(jnp.asarray(x), pos))[0], want_logits, atol=1e-5)
     flags = np.asarray(gate(jnp.asarray(x), pos))[0]
     assert flags.shape == (3, 11) and set(np.unique(flags)) <= {0.0, 1.0}
