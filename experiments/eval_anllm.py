@@ -5,12 +5,16 @@ inference (AnSAN), cache length L_kv, cache reduction C⇓ and acceleration T⇑
 
 The model directory is one written by `experiments.train_anllm` (its config.json names
 the anchors); `--anchor-tokens` overrides. Items come from `--data` (JSON lines with
-`demos` (list of strings), `query`, `options` (strings) and `answer` (index)), every
-line sharing the demonstrations of the first, or from the built-in offline task:
+`demos` (list of strings), `query`, `options` (strings) and `answer` (index); each item
+is scored with its own demonstrations, and a line without `demos` takes the last ones
+given above it), or from the built-in offline task:
 `--shots` facts "The code of NAME is NUMBER." as demonstrations, a query "The code of
 NAME is" for one of them and the numbers of `--options` facts as options (retrieval
 from the demonstrations: what the anchors must carry). AnLLM-AC models get `<AC>`
-after every demonstration, as in the paper's five-shot setting.
+after every demonstration, as in the paper's five-shot setting; `--placement every:10` or
+`random:0.1` puts them where AnLLM's Table 3 does instead, in the demonstrations of the
+same model ("All the experiments are conducted with the AnLLM-AC model in Table 1"): the
+table varies the demonstrations' anchors, not the training.
 
 Per-item scores go to OUT/items.jsonl as they finish, so a rerun resumes; the summary
 is written to OUT/results.{json,md,png}.
@@ -58,15 +62,21 @@ def fact_task(n_items: int, shots: int, options: int, seed: int) -> tuple[list[s
     return demos, items
 
 
-def read_items(path: Path) -> tuple[list[str], list[dict]]:
+def read_items(path: Path) -> list[dict]:
+    """The items of a JSON-lines file, each with its own `demos`: a line without them takes the last
+    ones given above it."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows or "demos" not in rows[0]:
         raise InvalidInput(f"{path}: the first line must carry 'demos' (a list of strings)")
+    demos = None
     for i, r in enumerate(rows):
         missing = {"query", "options", "answer"} - r.keys()
         if missing:
             raise InvalidInput(f"{path}: line {i + 1} lacks {sorted(missing)}")
-    return rows[0]["demos"], rows
+        demos = r.setdefault("demos", demos)
+        if not isinstance(demos, list) or not all(isinstance(d, str) for d in demos):
+            raise InvalidInput(f"{path}: line {i + 1}: 'demos' must be a list of strings")
+    return rows
 
 
 def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, tuple[int, ...], str]:
@@ -80,7 +90,8 @@ def anchors_of(model_dir: Path, tok, override: list[str] | None) -> tuple[str, t
     return meta["variant"], tuple(meta["anchor_ids"]), meta.get("placement", "sentence")
 
 
-def summarise(records: list[dict], n_demos: int, l_kv: int, timing: fewshot.Timing | None, full_cache_s) -> dict:
+def summarise(records: list[dict], n_demos: float, l_kv: float, timing: fewshot.Timing | None, full_cache_s) -> dict:
+    """`n_demos` / `l_kv`: the demonstrations' length and their anchor cache's, averaged over the items."""
     acc = lambda key: float(np.mean([int(np.argmax(r[key])) == r["answer"] for r in records]))
     out = {"items": len(records), "L_d": n_demos, "L_kv": l_kv, "C_down": 1 - l_kv / n_demos,
            "acc_full": acc("full"), "acc_ansan": acc("ansan"),
@@ -101,7 +112,7 @@ def write_report(out: Path, summary: dict, title: str) -> None:
     write_atomic(out / "results.json", dumps_finite(summary))  # the report reads its verdict from here: no NaN
     rows = [("items", summary["items"]), ("Acc full attention", f"{summary['acc_full']:.3f}"),
             ("Acc +AnSAN", f"{summary['acc_ansan']:.3f}"), ("chance", f"{summary['chance']:.3f}"),
-            ("L_d", summary["L_d"]), ("L_kv", summary["L_kv"]), ("C⇓", f"-{100 * summary['C_down']:.0f}%")]
+            ("L_d", f"{summary['L_d']:g}"), ("L_kv", f"{summary['L_kv']:g}"), ("C⇓", f"-{100 * summary['C_down']:.0f}%")]
     if "T_up" in summary:
         rows += [("T⇑ (vs non-caching)", f"×{summary['T_up']:.2f}"),
                  ("T⇑ (vs full caching)", f"×{summary['T_up_vs_full_caching']:.2f}")]
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shots", type=positive_int, default=5)
     p.add_argument("--options", type=positive_int, default=4)
     p.add_argument("--time-items", type=nonnegative_int, default=20, help="items timed for T⇑ (0: no timing)")
+    p.add_argument("--placement", help="AnLLM-AC: where <AC> goes in the demonstrations: sentence, every:N or "
+                                       "random:P (Table 3; default: where the model was trained with it)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     add_run_args(p)
     args = p.parse_args(argv)
@@ -138,42 +151,75 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     variant, anchor_ids, placement = anchors_of(lm.path, tok, args.anchor_tokens)
-    demos, rows = read_items(Path(args.data)) if args.data else fact_task(args.items, args.shots, args.options,
-                                                                            args.seed)
+    if args.placement is not None:
+        from kvjax.anllm_anchors import parse_placement
+
+        try:
+            parse_placement(args.placement)
+        except ValueError as err:
+            raise InvalidInput(f"--placement {args.placement}: {err}") from None
+        if variant != "ac":
+            raise InvalidInput(f"--placement {args.placement} needs an AnLLM-AC model: EP's anchor is the "
+                               "sentence-final token")
+        placement = args.placement
+    if args.data:
+        rows = read_items(Path(args.data))
+    else:
+        demos, rows = fact_task(args.items, args.shots, args.options, args.seed)
+        rows = [{**r, "demos": demos} for r in rows]
     encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]
-    demo_ids = []
     sentence_ac = variant == "ac" and placement == "sentence"
-    for d in demos:
-        demo_ids += encode((" " if demo_ids else "") + d + (AC_TOKEN if sentence_ac else ""))
-    if variant == "ac" and not sentence_ac:  # Table 3's placements, as the model was trained
-        demo_ids = place_anchors(demo_ids, anchor_ids[0], placement, args.seed)
-    items = [Item(tuple(encode(r["query"])), tuple(tuple(encode(o)) for o in r["options"]), int(r["answer"]))
-             for r in rows]
-    n_anchor = sum(t in anchor_ids for t in demo_ids)
-    last = max([i for i, t in enumerate(demo_ids) if t in anchor_ids], default=-1)
-    policy = AnchorReduction(anchor_ids=anchor_ids, anchor_slots=max(n_anchor, 1), sequence=max(len(demo_ids) - 1 - last, 1))
-    room = fewshot.room_for(items)
-    anchor_cache = fewshot.prefix_cache(model, demo_ids, policy, room)
-    l_kv = fewshot.cache_length(anchor_cache)
+
+    def demo_tokens(demos: list[str]) -> list[int]:
+        ids = []
+        for d in demos:
+            ids += encode((" " if ids else "") + d + (AC_TOKEN if sentence_ac else ""))
+        if variant == "ac" and not sentence_ac:  # Table 3's placements
+            ids = place_anchors(ids, anchor_ids[0], placement, args.seed)
+        return ids
+
+    # One anchor cache per distinct demonstrations, shared by the items that have them.
+    prefixes: dict[tuple[str, ...], tuple] = {}
+    items, which = [], []
+    for r in rows:
+        key = tuple(r["demos"])
+        it = Item(tuple(encode(r["query"])), tuple(tuple(encode(o)) for o in r["options"]), int(r["answer"]))
+        items.append(it)
+        which.append(key)
+    for key in dict.fromkeys(which):
+        demo_ids = demo_tokens(list(key))
+        if not demo_ids:
+            raise InvalidInput("an item has no demonstrations (an empty 'demos' list)")
+        n_anchor = sum(t in anchor_ids for t in demo_ids)
+        last = max([i for i, t in enumerate(demo_ids) if t in anchor_ids], default=-1)
+        policy = AnchorReduction(anchor_ids=anchor_ids, anchor_slots=max(n_anchor, 1),
+                                 sequence=max(len(demo_ids) - 1 - last, 1))
+        mine = [it for it, k in zip(items, which) if k == key]
+        cache = fewshot.prefix_cache(model, demo_ids, policy, fewshot.room_for(mine))
+        prefixes[key] = (demo_ids, policy, cache, fewshot.cache_length(cache))
 
     out = Path(args.out)
     # Every option shapes the items or the anchors: no resuming over another configuration's records.
     log = driver.call(p, driver.open_records, out, lm, "items.jsonl", {
         "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
-        "options": args.options, "seed": args.seed}, files=("data",), key="i")
+        "options": args.options, "seed": args.seed, "placement": args.placement}, files=("data",), key="i")
     for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
         if i not in log:
             it = items[i]
+            demo_ids, policy, cache, _ = prefixes[which[i]]
             log.add({"i": i, "answer": it.answer, "full": fewshot.full_scores(model, demo_ids, it).tolist(),
-                     "ansan": fewshot.cached_scores(model, anchor_cache, len(demo_ids), it, policy).tolist()})
+                     "ansan": fewshot.cached_scores(model, cache, len(demo_ids), it, policy).tolist()})
     records = [log.records[str(i)] for i in range(len(items))]
+    demo_ids, policy, _, _ = prefixes[which[0]]
+    l_d = float(np.mean([len(prefixes[k][0]) for k in which]))
+    l_kv = float(np.mean([prefixes[k][3] for k in which]))
 
     timing = full_cache_s = None
     if args.time_items > 0:
-        timed = items[: args.time_items]
+        timed = [it for it, k in zip(items, which) if k == which[0]][: args.time_items]  # one prefix
         timing = fewshot.time_caching(model, demo_ids, timed, policy)
         full_cache_s = fewshot.time_caching(model, demo_ids, timed, FullCache()).caching_s
-    summary = summarise(records, len(demo_ids), l_kv, timing, full_cache_s)
+    summary = summarise(records, l_d, l_kv, timing, full_cache_s)
     summary |= {"model": str(lm.path), "variant": variant, "placement": placement, "anchor_ids": list(anchor_ids),
                 "data": args.data or f"facts(shots={args.shots}, options={args.options}, seed={args.seed})"}
     write_report(out, summary, f"AnLLM-{variant.upper()} {lm.path.name}: {summary['data']}")

@@ -294,6 +294,17 @@ def test_table_3_placements_every_n_tokens_and_at_random(tiny_dir, tmp_path):
     assert res["placement"] == "every:10" and res["L_d"] == len(plain) + len(plain) // 10
     with pytest.raises(ValueError, match="needs --variant ac"):
         train_anllm.main(argv[:3] + ["ep"] + argv[4:])
+    # The paper's Table 3 protocol: one AC model (Table 1's, trained with <AC> after each sentence), its
+    # demonstrations' anchors placed every 10 tokens at evaluation only
+    sent = tmp_path / "sent"
+    assert train_anllm.main([a if a != "every:10" else "sentence" for a in argv[:4]] + ["--out", str(sent)]
+                            + argv[8:]) == 0
+    ev2 = tmp_path / "eval2"
+    assert eval_anllm.main(["--model", str(sent), "--out", str(ev2), "--items", "4", "--time-items", "0",
+                            "--placement", "every:10"]) == 0
+    res2 = json.loads((ev2 / "results.json").read_text())
+    assert res2["placement"] == "every:10" and res2["L_d"] == len(plain) + len(plain) // 10
+    assert len(plain) // 10 <= res2["L_kv"] < res2["L_d"]  # the placed anchors (and the tokens after the last)
 
 
 def test_anchors_in_one_head_group_are_refused_with_the_reason(tiny):

@@ -114,16 +114,28 @@ def test_anllm_table_1_on_a_local_multiple_choice_file(tiny_dir, tmp_path):
     data = tmp_path / "items.jsonl"
     demos = ["Ada keeps the red key.", "Bo keeps the blue key.", "Cy keeps the gold key."]
     rows = [{"demos": demos, "query": "Bo keeps the", "options": [" red", " blue", " gold"], "answer": 1},
-            {"query": "Cy keeps the", "options": [" red", " blue", " gold"], "answer": 2}]
+            {"query": "Cy keeps the", "options": [" red", " blue", " gold"], "answer": 2},
+            {"demos": demos[:1], "query": "Ada keeps the", "options": [" red", " blue"], "answer": 0}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "an"
     argv = ["--model", str(tiny_dir), "--anchor-tokens", ".", "--data", str(data), "--time-items", "0", "--out", str(out)]
     assert eval_anllm.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
-    assert res["items"] == 2 and res["L_kv"] == 3  # the three demonstrations' sentence-final anchors
+    # each item reads its own demonstrations (line 2 the ones above it): 3, 3 and 1 sentence-final anchors
+    assert res["items"] == 3 and res["L_kv"] == pytest.approx((3 + 3 + 1) / 3)
+    from kvjax import fewshot
+    from kvjax.fewshot import Item
+    from models import load
+
+    lm = load(tiny_dir)
+    enc = lambda s: lm.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    own = enc(demos[0])
+    item = Item(tuple(enc(rows[2]["query"])), tuple(tuple(enc(o)) for o in rows[2]["options"]), 0)
+    (last,) = [json.loads(x) for x in _lines(out / "items.jsonl") if json.loads(x)["i"] == 2]
+    np.testing.assert_allclose(last["full"], fewshot.full_scores(lm.model, own, item), rtol=1e-5)
     items = _lines(out / "items.jsonl")
     assert eval_anllm.main(argv) == 0 and _lines(out / "items.jsonl") == items
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     with pytest.raises(ValueError, match="--data content"):
         eval_anllm.main(argv)
 
