@@ -24,11 +24,15 @@ def config_from_hf(hf) -> LlamaConfig:
         raise InvalidInput(f"hidden_activation={act!r}: kvjax's Gemma supports gelu_pytorch_tanh")
     model_type = hf.model_type
     rope = getattr(hf, "rope_parameters", None) or {}
+    # the same RoPE-parameter path as every family (LongRoPE's default factor from the context extension)
+    ctx = (hf.max_position_embeddings, getattr(hf, "original_max_position_embeddings", None))
     if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
-        global_rope = RopeConfig.from_hf(rope["full_attention"], getattr(hf, "rope_theta", 1_000_000.0))
-        local_rope = RopeConfig.from_hf(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 10_000.0))
+        global_rope = RopeConfig.from_hf(rope["full_attention"], getattr(hf, "rope_theta", 1_000_000.0), *ctx)
+        local_rope = RopeConfig.from_hf(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 10_000.0),
+                                        *ctx)
     else:
-        global_rope = RopeConfig.from_hf(rope or getattr(hf, "rope_scaling", None), getattr(hf, "rope_theta", 10000.0))
+        global_rope = RopeConfig.from_hf(rope or getattr(hf, "rope_scaling", None), getattr(hf, "rope_theta", 10000.0),
+                                         *ctx)
         local_rope = None
     types = tuple(hf.layer_types) if getattr(hf, "layer_types", None) else None
     sliding = bool(types) and "sliding_attention" in types

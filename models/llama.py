@@ -118,8 +118,11 @@ class LlamaConfig:
         if act != "silu" and "hidden_act" not in family:
             raise ValueError(f"hidden_act={act!r}: kvjax's Llama supports only 'silu'")
         if "rope" not in family:
+            # One path for every family: LongRoPE's default factor (and so its attention factor) comes from the
+            # context extension, max / original positions, as transformers computes it.
             rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
-            family["rope"] = RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0))
+            family["rope"] = RopeConfig.from_hf(rope, getattr(hf, "rope_theta", 10000.0), hf.max_position_embeddings,
+                                                getattr(hf, "original_max_position_embeddings", None))
         eos = hf.eos_token_id
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         heads = hf.num_attention_heads

@@ -243,3 +243,35 @@ def test_every_policy_runs_on_window_and_alibi_models(tmp_path, name):
         assert g.lengths.tolist() == [10]
         for layer in kept_sets(g.cache):  # nothing kept that the step did not see, no duplicates
             assert all(len(set(h)) == len(h) and max(h) == 28 for h in layer)
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    # no factor given: transformers derives it, and the attention factor, from max / original positions
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.5 + 0.2 * i for i in range(8)]},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_rope_parameters_equal_transformers_in_every_family(tmp_path, family, rope):
+    """Every rope_type kvjax accepts, through one RoPE-parameter path for every family: logits equal
+    transformers' over 40 tokens (past LongRoPE's and Llama 3's original 16 positions). LongRoPE without an
+    explicit factor once took attention factor 1.0 on Llama / Qwen / Mistral configs, where transformers
+    takes sqrt(1 + ln(64 / 16) / ln 16) = 1.22 (logits off by up to 1.7)."""
+    import transformers
+
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    extra = {"original_max_position_embeddings": 16} if rope == "longrope" else {}
+    pt = save_hf(getattr(transformers, f"{cls}Config"), getattr(transformers, f"{cls}ForCausalLM"), tmp_path,
+                 rope_parameters=dict(ROPES[rope]), max_position_embeddings=64, **extra)
+    lm = load(tmp_path)
+    assert lm.config.rope.rope_type == rope
+    ids = random_ids(40, 97, seed=31, low=0)
+    with torch.no_grad():
+        ref = pt(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids]))[0]), ref, atol=1e-4 * max(1, np.abs(ref).max()))

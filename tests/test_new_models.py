@@ -250,3 +250,4 @@ def test_gemma3_sharded_and_through_a_suite(tmp_path):
             "--policy", "streaming", "--budget", "64", "--out", str(tmp_path / "pk")]
     assert cli.run(passkey.main, argv) == 0
     assert len((tmp_path / "pk" / "samples.jsonl").read_text().splitlines()) == 2
+
