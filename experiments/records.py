@@ -212,6 +212,29 @@ def options_of(args: argparse.Namespace | Mapping, *, policy_keyed: bool = True,
     return out
 
 
+def training_identity(args: argparse.Namespace | Mapping, *, models: Iterable[str] = (), files: Iterable[str] = (),
+                      skip: Iterable[str] = ()) -> dict:
+    """What shapes a training run besides its `TrainConfig` (`kvjax.train.train`'s `identity`): every
+    option but where results go and how they are shown, and the *content* of the starting weights
+    (`models`: options naming a model) and of data files (`files`)."""
+    from models.loading import resolve
+
+    values = dict(args if isinstance(args, Mapping) else vars(args))
+    out = {}
+    for name, value in sorted(values.items()):
+        if name in {"out", "debug", "save_every", "no_eval", *skip} or name.startswith("_"):
+            continue
+        out["--" + name.rstrip("_").replace("_", "-")] = _plain(value)
+        if value is None:
+            continue
+        if name in models:
+            out[f"--{name.rstrip('_').replace('_', '-')} weights"] = model_fingerprint(resolve(value))
+        if name in files:
+            paths = value if isinstance(value, (list, tuple)) else [value]
+            out[f"--{name.rstrip('_').replace('_', '-')} content"] = [content_fingerprint(v) for v in paths]
+    return out
+
+
 def _plain(value):
     return json.loads(json.dumps(value, default=str))
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from experiments import cli
 from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, read_text, windows
+from experiments.records import training_identity
 from kvjax.anllm_anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
 from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                       compute_dtype="bfloat16" if args.bf16 else None, trainable=tuple(args.trainable),
                       save_every=args.save_every)
     out = Path(args.out)
-    result = train(model, batch, loss, cfg, out / "training")
+    result = train(model, batch, loss, cfg, out / "training",
+                   identity=training_identity(args, models=("model",), files=("data",), skip=("steps",)))
     save_pretrained(result.model, out, tokenizer=tok)
     cfg_file = out / "config.json"
     meta = json.loads(cfg_file.read_text())

@@ -31,6 +31,7 @@ import numpy as np
 
 from experiments import cli, eval_gate
 from experiments.common import add_run_args, load_with_tokenizer
+from experiments.records import training_identity
 from experiments.eval_anllm import fact_task
 from kvjax.errors import InvalidInput
 from kvjax.gate import PRESETS, attach_gates, eviction_loss, save_gates, without_gates
@@ -133,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     tcfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, trainable=trainable,
                        save_every=args.save_every)
-    result = train(model, batch, loss, tcfg, out / "training")
+    result = train(model, batch, loss, tcfg, out / "training",
+                   identity=training_identity(args, models=("model",), files=("data", "sft_data"),
+                                              skip=("steps",)))
     save_gates(result.model, out)
     h = result.history
     print(f"trained  {len(h)} steps ({args.mode}, {cfg}); lm loss {h[0]['lm_loss']:.3f} -> {h[-1]['lm_loss']:.3f}, "

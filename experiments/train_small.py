@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from experiments import cli, corpus
 from experiments.common import nonnegative_int, positive_float, positive_int
-from experiments.records import dumps_finite, write_atomic
+from experiments.records import dumps_finite, training_identity, write_atomic
 from experiments.tasks import Mixture, RowSampler
 from experiments.train_tiny import tokenize_corpus
 from kvjax.errors import InvalidInput, MissingFile
@@ -268,18 +268,23 @@ def main(argv: list[str] | None = None) -> int:
 
     common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every,
                   decay="cosine")
+    # every option of the run and the content of the weights it starts from: a checkpoint of another run in
+    # OUT/training is refused, never resumed (kvjax.train.claim_training)
+    ident = training_identity(args, models=("init", "from_"))
     t0 = time.time()
     at = args.short_steps + args.long_steps + getattr(args, "extend_offset", 0)
     if base is None:
-        first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short")
+        first = train(model, batch, loss, TrainConfig(steps=args.short_steps, **common), work / "short",
+                      identity=ident)
         result = train(first.model, lambda i: batch(args.short_steps + i), loss,
-                       TrainConfig(steps=args.long_steps, **common), work)
+                       TrainConfig(steps=args.long_steps, **common), work, identity=ident)
         history = first.history + [{**h, "step": h["step"] + args.short_steps} for h in result.history]
     else:
         result, history = argparse.Namespace(model=model), []
     if args.extend_steps:
         result = train(result.model, lambda i: batch(at + i), loss,
-                       TrainConfig(steps=args.extend_steps, **{**common, "lr": args.extend_lr}), work / "extend")
+                       TrainConfig(steps=args.extend_steps, **{**common, "lr": args.extend_lr}), work / "extend",
+                       identity=ident)
         history += [{**h, "step": h["step"] + at} for h in result.history]
     write_curve(history, work)
     train_s = time.time() - t0

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import cli, corpus
+from experiments.records import training_identity
 from experiments.tasks import INDUCTION_ONLY, Curriculum, RowSampler
 from kvjax.errors import InvalidInput
 from kvjax.rope import RopeConfig
@@ -207,12 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.time()
     history, resumed_from = [], 0
     if args.warm_steps:  # at the peak rate: the main stage's cosine starts after it
-        warm = train(model, batch, loss, TrainConfig(steps=args.warm_steps, decay="constant", **common), work / "warm")
+        warm = train(model, batch, loss, TrainConfig(steps=args.warm_steps, decay="constant", **common), work / "warm",
+                     identity=training_identity(args, skip=("steps",)))
         model, history, resumed_from = warm.model, warm.history, warm.resumed_from
     if args.warm_kv_heads != cfg.num_kv_heads:
         model = to_grouped_query(model, cfg.num_kv_heads)  # then uptrained by the main stage (GQA, sec. 2.1)
     result = train(model, lambda i: batch(args.warm_steps + i), loss,
-                   TrainConfig(steps=args.steps - args.warm_steps, decay="cosine", **common), work)
+                   TrainConfig(steps=args.steps - args.warm_steps, decay="cosine", **common), work,
+                   identity=training_identity(args, skip=("steps",)))
     history += [{**h, "step": h["step"] + args.warm_steps} for h in result.history]
     write_curve(history, work)
     if result.resumed_from:

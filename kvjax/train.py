@@ -116,6 +116,7 @@ def train(
     *,
     compute_model: Callable[[], nnx.Module] | None = None,
     progress: bool = True,
+    identity: dict | None = None,
 ) -> TrainResult:
     """Trains `model` in place for `cfg.steps` optimizer steps, resuming from `out_dir/checkpoints`.
 
@@ -123,6 +124,11 @@ def train(
     position); `loss_fn(model, batch)` returns `(loss, aux_scalars)`. `compute_model` builds an
     abstract model of the compute dtype (needed for `compute_dtype="bfloat16"`; defaults to
     `type(model)(model.cfg, dtype=bf16, rngs=...)`).
+
+    The run's identity is `cfg` and `identity` (what else shapes the result: the command's options, the
+    starting weights), kept in `out_dir/train_identity.json`: a checkpoint is resumed only by a run of the
+    same identity, and one of another is refused naming each difference (a rerun with another learning
+    rate once resumed the old run's weights silently).
     """
     import orbax.checkpoint as ocp
 
@@ -140,6 +146,12 @@ def train(
     manager = ocp.CheckpointManager(
         out_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True)
     )
+    # A constant-rate run given more steps continues the same trajectory, so its step count is not part of
+    # the identity (a killed or extended run resumes); a cosine schedule spans its steps, so it is.
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("save_every", "keep") and not (k == "steps" and cfg.decay == "constant")}
+    claim_training(out_dir, {**{f"TrainConfig.{k}": v for k, v in fields.items()}, **(identity or {})},
+                   resuming=manager.latest_step() is not None)
     start, history = 0, []
     if manager.latest_step() is not None:
         start = manager.latest_step()
@@ -197,6 +209,35 @@ def train(
     nnx.update(model, params)
     write_curve(history, out_dir)
     return TrainResult(model=model, history=history, resumed_from=start)
+
+
+def claim_training(out_dir: Path, identity: dict, *, resuming: bool) -> None:
+    """Writes (fresh run) or checks (resumed run) `out_dir/train_identity.json`; a resumed run of another
+    identity is an `InvalidInput` naming each differing option with both values."""
+    from kvjax.errors import InvalidInput
+
+    path = out_dir / "train_identity.json"
+    now = json.loads(json.dumps(identity, sort_keys=True, default=str))
+    if resuming:
+        if not path.is_file():
+            raise InvalidInput(f"{out_dir} holds checkpoints of a run whose options were not recorded; delete "
+                               f"{out_dir} or train into a new directory")
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise InvalidInput(f"{path} is unreadable ({err}); delete {out_dir} or train into a new directory") from None
+        diff = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
+        if diff:
+            show = lambda d, k: repr(d[k]) if k in d else "(not recorded)"  # noqa: E731
+            raise InvalidInput(f"{out_dir} holds a training run of other options ("
+                               + "; ".join(f"{k}: {show(old, k)} -> {show(now, k)}" for k in diff)
+                               + f"); resuming it would not be this run: delete {out_dir} or train into a new "
+                               "directory")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def write_curve(history: list[dict], out_dir: str | Path) -> None:

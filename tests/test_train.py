@@ -58,6 +58,40 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_dir, tmp_path):
     assert (tmp_path / "b" / "loss.png").stat().st_size > 1000
 
 
+def test_training_identity_refuses_to_resume_another_run(tiny_dir, tmp_path):
+    """A checkpoint is resumed only by a run of the same identity (its TrainConfig and the caller's
+    options): the same command with another learning rate once resumed the old run's weights silently."""
+    from kvjax.errors import InvalidInput
+
+    cfg = TrainConfig(steps=2, lr=1e-3, warmup=0, save_every=1)
+    train(load(tiny_dir).model, _batches(), anchor_loss, cfg, tmp_path / "r", progress=False,
+          identity={"--data": "a.txt"})
+    with pytest.raises(InvalidInput, match=r"TrainConfig.lr: 0.001 -> 0.002"):
+        train(load(tiny_dir).model, _batches(), anchor_loss, TrainConfig(steps=3, lr=2e-3, warmup=0, save_every=1),
+              tmp_path / "r", progress=False, identity={"--data": "a.txt"})
+    with pytest.raises(InvalidInput, match=r"--data: 'a.txt' -> 'b.txt'"):
+        train(load(tiny_dir).model, _batches(), anchor_loss, cfg, tmp_path / "r", progress=False,
+              identity={"--data": "b.txt"})
+    same = train(load(tiny_dir).model, _batches(), anchor_loss, cfg, tmp_path / "r", progress=False,
+                 identity={"--data": "a.txt"})
+    assert same.resumed_from == 2
+
+
+def test_cli_identity_train_anllm_rerun_with_another_lr_is_refused(tiny_dir, tmp_path, capsys):
+    """The command-line form: `train_anllm --out X` again with another --lr ends in one line naming it."""
+    from experiments import cli, train_anllm
+
+    data = tmp_path / "d.txt"
+    data.write_text("The cache holds keys. Anchors compress a sentence. " * 40)
+    argv = ["--model", str(tiny_dir), "--variant", "ep", "--out", str(tmp_path / "x"), "--data", str(data),
+            "--steps", "1", "--seq-len", "32", "--batch", "2", "--warmup", "0", "--lr", "1e-3"]
+    assert train_anllm.main(argv) == 0
+    capsys.readouterr()
+    code = cli.run(train_anllm.main, [a if a != "1e-3" else "2e-3" for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "TrainConfig.lr: 0.001 -> 0.002" in err[0] and "--lr: 0.001 -> 0.002" in err[0]
+
+
 def test_trainable_subset_and_bf16(tiny_dir, tmp_path):
     before = load(tiny_dir).model
     cfg = TrainConfig(steps=2, lr=1e-2, warmup=0, trainable=(r"q_proj",), compute_dtype="bfloat16")

@@ -82,9 +82,12 @@ def test_train_tiny_writes_a_model_that_both_frameworks_load_and_resumes(tmp_pat
             "--warm-steps", "1", "--warm-len", "64", "--warm-batch", "3", "--no-eval"]
     assert tt.main(argv + ["--steps", "2"]) == 0
     assert json.loads((out / "training" / "run.json").read_text())["resumed_from"] == 0
-    assert tt.main(argv + ["--steps", "3"]) == 0  # resumes at step 2: the tokenizer and data are reused
+    assert tt.main(argv + ["--steps", "2"]) == 0  # resumes at step 2: the tokenizer and data are reused
     run = json.loads((out / "training" / "run.json").read_text())
-    assert run["resumed_from"] == 2 and run["args"]["steps"] == 3
+    assert run["resumed_from"] == 2 and run["args"]["steps"] == 2
+    # a cosine schedule spans its steps: a longer run is another run, refused rather than resumed
+    with pytest.raises(ValueError, match="TrainConfig.steps: 1 -> 2"):
+        tt.main(argv + ["--steps", "3"])
     lm = load(out)
     assert lm.config.max_position_embeddings == 256 and lm.config.num_kv_heads == 1
     ids = lm.tokenizer("import os\nprint(1)")["input_ids"]
