@@ -30,7 +30,7 @@ from kvjax import engine
 from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
-from kvjax.generate import bucket_length, pad_left
+from kvjax.generate import bucket_length, check_policy, check_positions, pad_left, token_ids
 from kvjax.policies.base import Policy
 
 
@@ -94,6 +94,9 @@ def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: 
     """The demonstrations prefilled under `policy`, with capacity for `room` more tokens."""
     if not demos:
         raise InvalidInput("no demonstration tokens to cache")
+    check_policy(policy)
+    demos = token_ids(demos, model.cfg.vocab_size, "context")
+    check_positions(model.plan(policy), model.cfg, len(demos) + room, "a context and its longest continuation")
     bucket = bucket_length(len(demos))
     tokens, positions = pad_left([list(demos)], bucket, 0)
     plan = model.plan(policy, bucket + room, bucket)
@@ -110,6 +113,10 @@ def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, pol
 
 def full_scores(model: nnx.Module, demos: Sequence[int], item: Item) -> np.ndarray:
     """Option log-probs `[n_options]` from a full causal forward over demonstrations + query + option."""
+    demos = token_ids(demos, model.cfg.vocab_size, "context")
+    if len(demos) + room_for([item]) > model.cfg.max_position_embeddings:
+        raise InvalidInput(f"a context and its longest continuation of {len(demos) + room_for([item])} tokens would be "
+                           f"read past the model's max_position_embeddings={model.cfg.max_position_embeddings}")
     length = bucket_length(len(demos) + len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, 0, length, demos)
     scores = np.asarray(_full_scores(model, tokens, positions, scored))

@@ -217,6 +217,55 @@ class Generation:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
 
+def token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    """`ids` (a sequence or 1-D array of token ids) as a list of ints, or an `InvalidInput` naming the
+    problem: a float, a string or a bool is refused rather than coerced with `int()`, and an id outside
+    `[0, vocab_size)` rather than read from the end of the embedding (-3 is not vocab - 3)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise InvalidInput(f"{what}: expected a sequence of token ids, got an array of shape {arr.shape}")
+    flagged = not isinstance(ids, np.ndarray) and any(isinstance(x, (bool, np.bool_)) for x in ids)
+    if arr.size and (flagged or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        bad = next((x for x in (ids.tolist() if isinstance(ids, np.ndarray) else ids)
+                    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))), arr.flat[0])
+        raise InvalidInput(f"{what}: token ids must be integers, got {type(bad).__name__} {bad!r}")
+    out = arr.astype(np.int64)
+    wrong = out[(out < 0) | (out >= vocab_size)]
+    if wrong.size:
+        raise InvalidInput(f"{what}: token id {int(wrong[0])} is outside the vocabulary [0, {vocab_size})")
+    return out.tolist()
+
+
+def prompt_rows(prompts, vocab_size: int, what: str = "prompts") -> list[list[int]]:
+    """A batch of prompts as lists of ids: a list of sequences, or a 2-D array (one prompt per row)."""
+    if hasattr(prompts, "ndim") and hasattr(prompts, "shape"):
+        if prompts.ndim != 2:
+            raise InvalidInput(f"{what}: an array of prompts must be 2-D (one prompt per row); got shape "
+                               f"{tuple(prompts.shape)} (a single prompt: [ids])")
+        prompts = list(np.asarray(prompts))
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise InvalidInput(f"{what}: expected a list of token-id sequences, got {type(prompts).__name__}")
+    if prompts and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in prompts):
+        raise InvalidInput(f"{what}: got one sequence of ids; pass a list of prompts, e.g. [ids]")
+    return [token_ids(p, vocab_size, f"{what}[{i}]") for i, p in enumerate(prompts)]
+
+
+def check_policy(policy) -> None:
+    if not isinstance(policy, Policy):
+        hint = f"; kvjax.policies.make_policy({policy!r}, budget) builds one by name" if isinstance(policy, str) else ""
+        raise InvalidInput(f"policy: expected a kvjax Policy object (e.g. StreamingLLM(budget=256)), got "
+                           f"{type(policy).__name__} {policy!r}{hint}")
+
+
+def check_positions(plan: Plan, cfg, length: int, what: str) -> None:
+    """A `length`-token text read at absolute positions must fit the model's window: past it, positions the
+    model never saw would be scored silently (`generate` refuses them too)."""
+    if plan.absolute and length > cfg.max_position_embeddings:
+        raise InvalidInput(f"{what} of {length} tokens would be read at absolute positions up to {length - 1}, past "
+                           f"the model's max_position_embeddings={cfg.max_position_embeddings}: shorten it, or use "
+                           "positions='rolling' (StreamingLLM's protocol: keys rotated by their rank in the cache)")
+
+
 def position_limit(plan: Plan, cfg, max_new_tokens: int) -> int | None:
     """The longest prompt a policy (its `plan` on a model of `cfg`, `model.plan(policy)`) can read and
     then generate `max_new_tokens`, or None when there is no limit.
@@ -260,20 +309,25 @@ def generate(
     from the decode loop after each generated token (a separate compilation of the loop).
     """
     cfg = model.cfg
+    check_policy(policy)
     if max_new_tokens < 1:
         raise InvalidInput(f"max_new_tokens={max_new_tokens} must be >= 1")
+    prompts = prompt_rows(prompts, cfg.vocab_size)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidInput("every prompt needs at least one token")
-    prompts = [list(map(int, p)) for p in prompts]
     if questions is not None:
-        questions = [list(map(int, q)) for q in questions]
+        questions = prompt_rows(questions, cfg.vocab_size, "questions")
         if len(questions) != len(prompts) and len(prompts) != 1 or any(len(q) == 0 for q in questions):
             raise InvalidInput(f"questions: one non-empty question per prompt, or several for one prompt; got "
                                f"{len(questions)} for {len(prompts)} prompts")
+    if sampling.temperature > 0 and key is None:
+        raise InvalidInput(f"sampling at temperature {sampling.temperature} needs a key (key=jax.random.key(seed)): "
+                           "without one every call would draw the same sample")
+    if pad_id is not None:
+        token_ids([pad_id], cfg.vocab_size, "pad_id")
+    if eos_ids is not None:  # integers; one outside the vocabulary is never generated, which is harmless
+        token_ids(list(eos_ids), np.iinfo(np.int32).max, "eos_ids")
     asked = questions or [[] for _ in prompts]
-    bad = [t for p in (*prompts, *asked) for t in p if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise InvalidInput(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     plan = model.plan(policy)
     limit = position_limit(plan, cfg, max_new_tokens)
     rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions

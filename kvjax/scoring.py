@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
-from kvjax.generate import bucket_length
+from kvjax.generate import bucket_length, check_policy, check_positions, token_ids
 from kvjax.policies.base import Policy
 
 # A text this many chunks long shows a progress bar.
@@ -41,6 +41,8 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
 def stream_logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`stream_logprobs` of several texts in one batch, each row its own length: a ratio budget keeps
     each row's share of its own text (`Policy.size_rows`)."""
+    check_policy(policy)
+    rows = [token_ids(ids, model.cfg.vocab_size, "text" if len(rows) == 1 else f"text {r}") for r, ids in enumerate(rows)]
     if not model.plan(policy).evicts_while_decoding:
         raise InvalidInput(
             f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
@@ -49,6 +51,7 @@ def stream_logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], polic
     lengths = [len(ids) for ids in rows]
     if min(lengths) < 2:
         raise InvalidInput(f"need at least 2 tokens to score, got {min(lengths)}")
+    check_positions(model.plan(policy), model.cfg, max(lengths), "a text")
     t = bucket_length(max(lengths))
     tokens = np.zeros((len(rows), t), np.int32)
     positions = np.full((len(rows), t), -1, np.int32)
@@ -75,11 +78,14 @@ def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> n
 
     A host loop over one compiled chunk step: one compilation for every text length (the cache's
     capacity, not the text, is in its shapes), and device memory bounded by budget + chunk."""
+    check_policy(policy)
     if policy.prefill_mode != "chunked":
         raise InvalidInput(f"{policy.describe()}: chunked_logprobs needs prefill_mode='chunked'")
+    ids = token_ids(ids, model.cfg.vocab_size, "text")
     n = len(ids)
     if n < 2:
         raise InvalidInput(f"need at least 2 tokens to score, got {n}")
+    check_positions(model.plan(policy), model.cfg, n, "a text")
     c = policy.chunk
     t = -(-n // c) * c
     tokens = np.zeros((1, t), np.int32)
@@ -102,6 +108,7 @@ def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> n
 def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
     """`log p(x_t | x_<t)` for t = 1..n-1, the policy compressing as the text is read: in chunks under
     `prefill_mode="chunked"`, else token by token."""
+    check_policy(policy)
     if policy.prefill_mode == "chunked":
         return chunked_logprobs(model, ids, policy)
     return stream_logprobs(model, ids, policy)
@@ -110,6 +117,7 @@ def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarra
 def logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`logprobs` of several texts, each compressed as it is read: one batch token by token (a ratio
     budget keeps each row's share of its own text), or each text in chunks under `prefill_mode="chunked"`."""
+    check_policy(policy)
     if policy.prefill_mode == "chunked":
         return [chunked_logprobs(model, ids, policy) for ids in rows]
     return stream_logprobs_rows(model, rows, policy)

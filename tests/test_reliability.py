@@ -492,3 +492,69 @@ def test_progress_hook_sees_every_step(tiny):
     steps = []
     out = generate(tiny.model, [[5, 6, 7]], FullCache(), max_new_tokens=9, progress=steps.append)
     assert steps == list(range(1, 1 + out.decode_steps))
+
+
+# ---- round 3 (issue #50): the library API ----
+
+
+def test_cli_error_api_refuses_texts_past_the_window_at_absolute_positions(tmp_path):
+    """`scoring.perplexity` and the zero-shot scorer once scored a text longer than the model's window at
+    positions it never saw; they refuse it now as `generate` does, and score it with rolling positions."""
+    from kvjax import fewshot
+    from kvjax.fewshot import Item
+    from kvjax.scoring import chunked_logprobs, perplexity
+    from models.tiny import make_random_checkpoint, tiny_config
+
+    model = load(make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=0)).model
+    ids = np.random.default_rng(0).integers(4, model.cfg.vocab_size, 100).tolist()
+    with pytest.raises(InvalidInput, match=r"a text of 100 tokens .* past the model's max_position_embeddings=64"):
+        perplexity(model, ids, StreamingLLM(budget=32))
+    with pytest.raises(InvalidInput, match="positions='rolling'"):
+        chunked_logprobs(model, ids, StreamingLLM(budget=32, prefill_mode="chunked", chunk=16))
+    assert np.isfinite(perplexity(model, ids, StreamingLLM(budget=32, positions="rolling")))
+    with pytest.raises(InvalidInput, match="past the model's max_position_embeddings"):
+        fewshot.prefix_cache(model, ids, FullCache(), 8)
+    with pytest.raises(InvalidInput, match="past the model's max_position_embeddings"):
+        fewshot.full_scores(model, ids, Item((5,), ((6,), (7,)), 0))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([5, 6, -3], r"token id -3 is outside the vocabulary \[0, 260\)"),
+    ([5, 6, 260], r"token id 260 is outside the vocabulary"),
+    ([5, 6.0, 7], r"token ids must be integers, got float 6.0"),
+    ([5, "6", 7], r"token ids must be integers, got str '6'"),
+    ([5, True, 7], r"token ids must be integers, got bool True"),
+])
+def test_cli_error_api_validates_token_ids_at_the_boundary(tiny, bad, message):
+    """An id out of range once read -3 as vocab - 3 (a perplexity of 4.75) or raised a NonFiniteError that
+    blamed the weights; floats and strings were coerced with int(). One clear error instead, everywhere."""
+    from kvjax.scoring import perplexity
+
+    assert tiny.config.vocab_size == 260
+    with pytest.raises(InvalidInput, match=message):
+        perplexity(tiny.model, bad, StreamingLLM(budget=32))
+    with pytest.raises(InvalidInput, match=message):
+        generate(tiny.model, [bad], FullCache(), max_new_tokens=2)
+
+
+def test_cli_error_api_generate_arguments(tiny):
+    """generate's pad id, its policy argument, a 2-D array of prompts and a sampled call without a key."""
+    import jax
+
+    ids = [5, 6, 7, 8]
+    with pytest.raises(InvalidInput, match=r"pad_id: token id 1000000 is outside the vocabulary"):
+        generate(tiny.model, [ids], FullCache(), max_new_tokens=2, pad_id=10**6)
+    with pytest.raises(InvalidInput, match=r"expected a kvjax Policy object .* got str 'streaming'; "
+                                           r"kvjax.policies.make_policy\('streaming', budget\)"):
+        generate(tiny.model, [ids], "streaming")
+    with pytest.raises(InvalidInput, match="pass a list of prompts, e.g. \\[ids\\]"):
+        generate(tiny.model, ids, FullCache())
+    rows = np.asarray([ids, [9, 10, 11, 12]], np.int32)
+    out = generate(tiny.model, rows, FullCache(), max_new_tokens=3)  # a 2-D array: one prompt per row
+    assert out.tokens.shape[0] == 2
+    assert out.tokens.tolist() == generate(tiny.model, [ids, [9, 10, 11, 12]], FullCache(), max_new_tokens=3).tokens.tolist()
+    with pytest.raises(InvalidInput, match="needs a key"):
+        generate(tiny.model, [ids], FullCache(), max_new_tokens=2, sampling=Sampling(temperature=0.7))
+    a = generate(tiny.model, [ids], FullCache(), max_new_tokens=8, sampling=Sampling(temperature=2.0),
+                 key=jax.random.key(1))
+    assert a.tokens.shape == (1, 8)
