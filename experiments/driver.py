@@ -143,6 +143,15 @@ def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, n
     return out
 
 
+def positive(value, name: str, *, optional: bool = False) -> None:
+    """A count argument of a suite: a positive int (or None where `optional`), else an `ArgumentError`
+    naming it (a negative count once sliced rows away: `rows[:-1]`)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError(f"{name}={value!r} must be a positive integer")
+
+
 def labelled(policies: Mapping[str, Policy] | Sequence[Policy] | Policy) -> dict[str, Policy]:
     """`{label: policy}`: a mapping as given, or a policy (or list) labelled by its description."""
     if isinstance(policies, Policy):
@@ -196,7 +205,14 @@ def finish(suite: str, out: str | Path, table: str, summary: Mapping[str, Any], 
            figures: Iterable[Path] = ()) -> SuiteResult:
     """Writes OUT/results.md and OUT/results.json (atomically; a non-finite number is an error) and
     returns them typed."""
+    from kvjax.policies import reduces_to
+
     out = Path(out)
+    # a policy whose parameters make it another method is marked in its table (and the summary)
+    same = {lab: reduces_to(p) for lab, p in policies.items() if not isinstance(p, str) and reduces_to(p)}
+    if same:
+        table = table.rstrip("\n") + "\n\n" + "\n".join(f"**Note:** `{lab}` is {why}." for lab, why in same.items())
+        summary = {**summary, "same_as": same}
     write_atomic(out / "results.md", table if table.endswith("\n") else table + "\n")
     write_atomic(out / "results.json", dumps_finite(dict(summary)))
     described = {lab: p if isinstance(p, str) else p.describe() for lab, p in policies.items()}

@@ -164,6 +164,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     `out`. `lengths` default to max/4, max/2 and max - 8 (those the prompt fits in). The table holds
     every policy recorded in `out`, so runs of one policy at a time add up to one table; its summary is
     `{policy description: {length: {depth: accuracy}}}`."""
+    driver.positive(samples, "samples")
+    driver.positive(batch, "batch")
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
     if not all(0 <= d <= 1 for d in depths):
         raise driver.ArgumentError(f"depths={list(depths)} must each be in [0, 1]")

@@ -42,6 +42,7 @@ import numpy as np
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
 from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, nonnegative_int, positive_int
 from experiments.longbench import __main__ as longbench
+from kvjax.policies import default_shallow_layers
 from models import SMALL_DIR
 
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = lm.config
     n, depth = cfg.max_position_embeddings, cfg.num_layers
     # mat()'s default L_s = 2 would make every layer of a 2-layer model shallow, i.e. MAT = StreamingLLM
-    shallow = args.shallow_layers if args.shallow_layers is not None else max(1, round(2 * cfg.num_layers / 32))
+    shallow = args.shallow_layers if args.shallow_layers is not None else default_shallow_layers(cfg.num_layers)
     # SnapKV's observation window of 32 is a sixteenth of a 512-token window
     window = {"observation_window": 16} if n < 2048 else {}
     md = [f"# kvjax report: {args.model}", "", f"Budgets are cache slots per layer and KV head: {args.budget} outside "

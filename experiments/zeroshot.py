@@ -39,7 +39,7 @@ from experiments.common import (
     positive_int,
 )
 from kvjax import fewshot, scoring
-from kvjax.errors import InvalidInput
+from kvjax.errors import InvalidInput, MissingFile
 from kvjax.fewshot import Item
 
 FIELDS = ("context", "query", "choices", "gold")
@@ -65,16 +65,35 @@ def builtin_task(n: int = 40, seed: int = 0) -> list[dict]:
 
 
 def read_items(path: str) -> list[dict]:
+    """The items of a JSON-lines file; a bad file, line or field is an `InvalidInput` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MissingFile(f"--data {path} does not exist") from None
+    except (UnicodeDecodeError, IsADirectoryError) as err:
+        raise InvalidInput(f"{path} is not a UTF-8 text file ({err})") from None
     items = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise InvalidInput(f"{path}:{n}: not valid JSON ({err})") from None
+        if not isinstance(row, dict):
+            raise InvalidInput(f"{path}:{n}: an item is a JSON object, got {type(row).__name__}")
         missing = [f for f in FIELDS if f not in row]
         if missing:
             raise InvalidInput(f"{path}:{n}: item is missing field {missing[0]!r} (an item has {list(FIELDS)})")
-        if not 0 <= int(row["gold"]) < len(row["choices"]):
-            raise InvalidInput(f"{path}:{n}: gold={row['gold']} is not an index into {len(row['choices'])} choices")
+        gold, choices = row["gold"], row["choices"]
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices) or len(choices) < 2:
+            raise InvalidInput(f"{path}:{n}: choices must be a list of at least 2 strings")
+        if isinstance(gold, bool) or not isinstance(gold, int):  # 1.7 was once read as 1
+            raise InvalidInput(f"{path}:{n}: gold={gold!r} must be an integer index into the choices")
+        if not 0 <= gold < len(choices):
+            raise InvalidInput(f"{path}:{n}: gold={gold} is not an index into {len(choices)} choices")
+        if not isinstance(row["context"], str) or not isinstance(row["query"], str):
+            raise InvalidInput(f"{path}:{n}: context and query must be strings")
         items.append(row)
     if not items:
         raise InvalidInput(f"{path} has no items")

@@ -198,8 +198,11 @@ def test_errors(sharp_dir):
     model = load(sharp_dir).model
     with pytest.raises(ValueError, match=r"split \(shallow layers L_s\)=3 is out of range for a model with 2 layers"):
         generate(model, [[5, 6, 7]], mat(12, 4, shallow_layers=3), max_new_tokens=2)
-    generate(model, [[5, 6, 7]], mat(12, 4, shallow_layers=2), max_new_tokens=2)  # L_s = L is allowed
+    # L_s = L makes every layer StreamingLLM: that is not MAT, and is refused (mat_with_sink asks for it)
+    with pytest.raises(ValueError, match=r"split \(shallow layers L_s\)=2 puts all 2 layers of the model in StreamingLLM"):
+        generate(model, [[5, 6, 7]], mat(12, 4, shallow_layers=2), max_new_tokens=2)
     assert mat_with_sink(12).split == EVERY_LAYER
+    generate(model, [[5, 6, 7]], mat_with_sink(12), max_new_tokens=2)
 
 
 def test_grid_search_anchors(sharp_dir):

@@ -558,3 +558,49 @@ def test_cli_error_api_generate_arguments(tiny):
     a = generate(tiny.model, [ids], FullCache(), max_new_tokens=8, sampling=Sampling(temperature=2.0),
                  key=jax.random.key(1))
     assert a.tokens.shape == (1, 8)
+
+
+def test_cli_error_degenerate_parameters_are_refused_or_marked(tiny_dir, tmp_path):
+    """MAT whose shallow layers are all of the model's is StreamingLLM (the perplexity suite's default
+    comparison printed MAT = StreamingLLM on the 2-layer default model): refused, and the default L_s is the
+    paper's 2 of 32 scaled to the depth. PyramidKV below kvpress's pyramid (budget < window (beta + 1)) is
+    SnapKV in every layer: warned where built and marked under every table it appears in."""
+    from experiments import driver
+    from experiments.longbench import __main__ as lb
+    from kvjax.policies import PyramidKV, make_policy, mat, reduces_to
+
+    lm = driver.load_model(tiny_dir)
+    with pytest.raises(InvalidInput, match=r"split \(shallow layers L_s\)=2 puts all 2 layers of the model in "
+                                           r"StreamingLLM"):
+        lm.model.plan(mat(64, 16, shallow_layers=2))
+    assert make_policy("mat", 64, num_layers=2).split == 1  # round(2 * 2 / 32) = 0, at least 1, below 2
+    assert make_policy("mat", 64, num_layers=32).split == 2
+    with pytest.warns(UserWarning, match=r"SnapKV in every layer: kvpress's pyramid needs budget >= "
+                                         r"observation_window \* \(beta \+ 1\) = 672"):
+        pyr = PyramidKV(budget=256, num_layers=2)
+    assert reduces_to(pyr) is not None and reduces_to(PyramidKV(budget=1024, num_layers=2)) is None
+    res = lb.suite(lm, {"pyramidkv": PyramidKV(budget=64, observation_window=4, beta=20, num_layers=2)},
+                   tmp_path / "lb", datasets=["stdlib_passkey"], samples=1, progress=False)
+    assert "**Note:** `pyramidkv` is SnapKV in every layer" in res.table
+    assert "**Note:** `pyramidkv`" in (tmp_path / "lb" / "results.md").read_text()
+    with pytest.raises(InvalidInput, match=r"samples=-1 must be a positive integer"):
+        lb.suite(lm, {"full": FullCache()}, tmp_path / "lb2", samples=-1, progress=False)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"context": "", "query": "q", "choices": ["a", "b"], "gold": 1.7}', r"gold=1.7 must be an integer"),
+    ('{"context": "", "query": "q", "choices": ["a", "b"], "gold": true}', r"gold=True must be an integer"),
+    ('{"context": "", "query": "q", "choices": "ab", "gold": 0}', r"choices must be a list of at least 2 strings"),
+    ('{"context": "", "query": "q", ', r":1: not valid JSON"),
+    ('[1, 2]', r"an item is a JSON object, got list"),
+])
+def test_cli_error_zero_shot_data_is_validated(tmp_path, line, message):
+    from experiments import zeroshot
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(InvalidInput, match=message):
+        zeroshot.read_items(str(f))
+    f.write_bytes(b"\xff\xfe bad")
+    with pytest.raises(InvalidInput, match="not a UTF-8 text file"):
+        zeroshot.read_items(str(f))

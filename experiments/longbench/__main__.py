@@ -124,6 +124,8 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
     policy (`{label: policy}`, a list or one), into `out`: predictions per sample (resumable),
     OUT/result.json with every score; summary `{"table": {dataset: {label: score}}, "average": ...}`.
     `e`: LongBench-E, scored per length bucket."""
+    driver.positive(samples, "samples", optional=True)
+    driver.positive(batch, "batch")
     data_dir, names = chosen_datasets(lm, data_dir, datasets, e)
     policies = driver.labelled(policies)
     # The templates, generation budgets and metrics (config.json) shape every prediction: records made under

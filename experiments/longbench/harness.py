@@ -136,6 +136,10 @@ class Options:
 def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, progress: bool = True) -> list[dict]:
     """Predictions for every row not yet in OUT/preds/<policy>/<dataset>.jsonl; returns all of them."""
     tok, cfg = lm.tokenizer, config()
+    if opts.samples is not None and (isinstance(opts.samples, bool) or not isinstance(opts.samples, int)
+                                     or opts.samples < 1):
+        # rows[:-1] would silently drop the last sample
+        raise InvalidInput(f"samples={opts.samples!r} must be a positive integer (or None: every sample)")
     rows = load_rows(data_dir, dataset, opts.e)[: opts.samples]
     max_new = cfg["max_new_tokens"][dataset]
     max_length = opts.max_length or lm.config.max_position_embeddings - max_new

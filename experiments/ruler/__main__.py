@@ -222,6 +222,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
     window) under each policy, into `out`; summary `{"scores": {label: {task: {length: score}}},
     "average": ..., ...}`. `policies` is `{label: policy}` (a list, or one), or a function of a cell's
     prompt room (length - tokens generated) giving them, as a ratio sweep needs."""
+    driver.positive(samples, "samples")
+    driver.positive(batch, "batch")
     tasks = list(tasks or T.OFFICIAL)
     unknown = [n for n in tasks if n not in T.TASKS]
     if unknown:

@@ -47,6 +47,14 @@ def _mat_anchor_slots(budget, anchor_slots, ratio=None):
     return max(1, budget // 4)
 
 
+def default_shallow_layers(num_layers: int | None) -> int:
+    """MAT's L_s: the paper's 2 of 32 layers scaled to `num_layers` (at least 1 and below the depth, 0 for a
+    1-layer model); 2 when the depth is not known."""
+    if num_layers is None:
+        return 2
+    return min(max(1, round(2 * num_layers / 32)), num_layers - 1)
+
+
 def _sized(budget, ratio):
     # --ratio replaces the token budget (kvpress's compression_ratio): the policy is built with budget=None
     return None if ratio is not None else budget
@@ -66,10 +74,13 @@ REGISTRY = {
         budget=_sized(budget, ratio), sinks=sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
         chunk=chunk,
     ),
-    "mat": lambda budget, anchor_slots=None, shallow_layers=2, sinks=4, group_agg="mean", ratio=None, positions="absolute",
-    prefill_mode="stream", chunk=None: mat(
-        _sized(budget, ratio), _mat_anchor_slots(budget, anchor_slots, ratio), shallow_layers, sinks, group_agg=group_agg,
-        ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
+    # --shallow-layers defaults to the paper's 2 of 32 layers scaled to the model's depth (at least 1, and
+    # below the depth, so that some layer is deep: MAT with L_s = L would be StreamingLLM)
+    "mat": lambda budget, anchor_slots=None, shallow_layers=None, sinks=4, group_agg="mean", ratio=None,
+    positions="absolute", prefill_mode="stream", chunk=None, num_layers=None: mat(
+        _sized(budget, ratio), _mat_anchor_slots(budget, anchor_slots, ratio),
+        shallow_layers if shallow_layers is not None else default_shallow_layers(num_layers), sinks,
+        group_agg=group_agg, ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
     "mat-sink": lambda budget, sinks=4, ratio=None, positions="absolute", prefill_mode="stream", chunk=None:
     mat_with_sink(_sized(budget, ratio), sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
@@ -133,6 +144,13 @@ REGISTRY.update({
 NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate"})
 
 
+def reduces_to(policy: Policy) -> str | None:
+    """What `policy`'s parameters reduce it to, when that is another method (PyramidKV below kvpress's
+    pyramid = SnapKV), for the tables to say; None when it is itself."""
+    same = getattr(policy, "same_as", None)
+    return same() if callable(same) else None
+
+
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:
     """Builds a registered policy by name; `budget` is the cache size in tokens per KV head.
 
@@ -155,5 +173,6 @@ __all__ = [
     "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
-    "by_layer", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "mat_with_sink",
+    "by_layer", "default_shallow_layers", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
+    "mat_with_sink", "reduces_to",
 ]

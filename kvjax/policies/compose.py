@@ -99,6 +99,13 @@ class ByLayer(LayerDispatch):
                 f"ByLayer: split (shallow layers L_s)={self.split} is out of range for a model with "
                 f"{num_layers} layers (0..{num_layers}, or EVERY_LAYER)"
             )
+        if self.split == num_layers and self.shallow != self.deep:
+            # every layer shallow: the combination is its shallow policy alone (MAT with L_s = 2 on a 2-layer
+            # model is StreamingLLM), which a table would print as the method
+            raise InvalidInput(
+                f"ByLayer: split (shallow layers L_s)={self.split} puts all {num_layers} layers of the model in "
+                f"{self.shallow.describe()}, so this is that policy alone, not the combination; give a split "
+                f"below {num_layers}, or run the shallow policy itself (EVERY_LAYER says so on purpose)")
         self.shallow.check(num_layers, num_kv_heads)
         self.deep.check(num_layers, num_kv_heads)
 

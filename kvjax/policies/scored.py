@@ -208,6 +208,21 @@ class PyramidKV(SnapKV):
             raise InvalidInput(f"PyramidKV: beta={self.beta} must be >= 1")
         if self.num_layers < 2:
             raise InvalidInput(f"PyramidKV: num_layers={self.num_layers} must be >= 2")
+        if self.same_as() is not None:
+            import warnings
+
+            warnings.warn(f"PyramidKV(budget={self.budget}, observation_window={self.observation_window}, "
+                          f"beta={self.beta}) is {self.same_as()}", UserWarning, stacklevel=3)
+
+    def same_as(self) -> str | None:
+        """What this policy reduces to, said in every table it appears in (`kvjax.policies.reduces_to`): with a
+        token budget below `observation_window * (beta + 1)`, kvpress's pyramid never fits (its top layer
+        would keep fewer than the window) and every layer falls back to SnapKV's budget at every length."""
+        least = self.observation_window * (self.beta + 1)
+        if self.budget is not None and self.budget < least:
+            return (f"SnapKV in every layer: kvpress's pyramid needs budget >= observation_window * (beta + 1) = "
+                    f"{least} and falls back to SnapKV's budget below it")
+        return None
 
     def check(self, num_layers, num_kv_heads=None):
         if num_layers != self.num_layers:
