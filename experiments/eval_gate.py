@@ -169,7 +169,7 @@ def write_report(out: Path, r: dict) -> None:
     lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} |" for k, v in c.items()]
     lines += ["", "Eviction per layer (mean over KV heads): "
               + ", ".join(f"L{i} {x:.0%}" for i, x in enumerate(ev.mean(1)))]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

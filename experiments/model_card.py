@@ -141,16 +141,20 @@ context, in miniature; they are not predictions for 7B models.
 """
 
 
-def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4) -> dict:
+def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4, dest: Path | None = None) -> dict:
+    """Evaluates the model in `out` and writes its card into `dest` (default `out`: `train_tiny`'s own run)."""
+    from experiments.records import write_atomic
     from models import load
 
     out = Path(out)
+    dest = out if dest is None else Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     work = out / "training"
     lm = load(out)
     ev = evaluate(lm, data, work, samples=samples)
-    (out / "eval.json").write_text(json.dumps({"eval": ev, "training": meta}, indent=2))
+    write_atomic(dest / "eval.json", json.dumps({"eval": ev, "training": meta}, indent=2))
     if (work / "loss.png").is_file():
-        shutil.copy(work / "loss.png", out / "loss.png")
+        shutil.copy(work / "loss.png", dest / "loss.png")
     c, a = lm.config, meta["args"]
     lengths = list(ev["passkey"]["full"])
     sink = ev["sink"]
@@ -175,7 +179,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         warm_steps=a.get("warm_steps", 0), warm_batch=a.get("warm_batch", 0), warm_len=a.get("warm_len", 0),
         corpus_short="standard-library",
     )
-    (out / "README.md").write_text(text)
+    write_atomic(dest / "README.md", text)
     return ev
 
 
@@ -183,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.model_card", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_DIR))
     p.add_argument("--samples", type=int, default=4, help="passkey samples per (length, depth)")
+    p.add_argument("--out", default="results/model_card",
+                   help="where the card is written (default: results/model_card), never the model's own directory by default (--out models/default "
+                        "rewrites the committed card)")
     args = p.parse_args(argv)
     out = Path(args.model)
     meta_file = out / "eval.json"
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{data_file} is missing: rerun python -m experiments.train_tiny --out {out} (it resumes)")
     with np.load(data_file) as f:
         data = dict(f)
-    ev = write_card(out, data, meta, samples=args.samples)
+    ev = write_card(out, data, meta, samples=args.samples, dest=Path(args.out))
     print(json.dumps(ev, indent=2))
     return 0
 

@@ -21,13 +21,13 @@ OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (N
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from experiments import cli, driver
+from experiments.records import write_csv_atomic
 from experiments.common import (
     add_compare_args,
     add_run_args,
@@ -80,11 +80,8 @@ def write_report(out: Path, records: list[dict], labels: list[str], lengths: lis
     lines += ["", f"\\* beyond the model's max_position_embeddings = {max_pos} (needs rolling positions); "
               "n/a: absolute positions would extrapolate, not run."]
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", *lengths])
-        for lab in labels:
-            w.writerow([lab, *(table[lab][str(n)] for n in lengths)])
+    write_csv_atomic(out / "results.csv", [["policy", *lengths]]
+                     + [[lab, *(table[lab][str(n)] for n in lengths)] for lab in labels])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     for lab in labels:
         pts = [(n, table[lab][str(n)]) for n in lengths if table[lab][str(n)] is not None]

@@ -49,6 +49,16 @@ def write_atomic(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def write_csv_atomic(path: str | Path, rows: Iterable[Iterable]) -> None:
+    """`rows` as a CSV file, written all at once (`write_atomic`)."""
+    import csv
+    import io
+
+    buf = io.StringIO(newline="")
+    csv.writer(buf).writerows(rows)
+    write_atomic(path, buf.getvalue())
+
+
 def _fsync_dir(d: Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -247,6 +257,7 @@ def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
     import kvjax
 
     out = Path(out)
+    lock_results_dir(out)
     # Python's version too: the default texts (pydoc topics, the stdlib corpus) come with it.
     identity = {"kvjax": kvjax.__version__, "python": ".".join(platform.python_version_tuple()[:2]),
                 "model": str(lm.path), "weights": model_fingerprint(lm.path),
@@ -263,6 +274,10 @@ def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
                                "a new --out") from None
         # The model's path may move; its weights fingerprint says whether it is the same model.
         diff = [k for k in sorted(old.keys() | identity.keys()) if k != "model" and old.get(k) != identity.get(k)]
+        if diff and not _holds_results(out):
+            # claimed by a run that stopped before its first record (a bad option found later): nothing to keep
+            write_atomic(path, json.dumps(identity, indent=2) + "\n")
+            return identity
         if diff:
             changes = "; ".join(f"{k}: {_show(old, k)} -> {_show(identity, k)}" for k in diff)
             raise InvalidInput(f"{out} holds results of another configuration ({changes}); pass a new --out "
@@ -270,6 +285,56 @@ def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
         return old
     write_atomic(path, json.dumps(identity, indent=2) + "\n")
     return identity
+
+
+LOCK_NAME = ".kvjax.lock"
+_OWN_FILES = {"identity.json", LOCK_NAME}
+_LOCKS: dict[Path, int] = {}  # results directories this process holds, and their lock files' descriptors
+
+
+def _holds_results(out: Path) -> bool:
+    return any(f.is_file() and f.name not in _OWN_FILES for f in out.rglob("*"))
+
+
+def lock_results_dir(out: Path) -> None:
+    """Makes `out` this process's for the rest of its life (an exclusive `flock` on OUT/.kvjax.lock), after
+    checking that it is a directory kvjax may write into: a second run on the same OUT is refused naming
+    the process that holds it, and a directory of the user's own files (no identity.json) is never written
+    into. Idempotent within a process."""
+    import fcntl
+    import socket
+    import time
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InvalidInput(f"--out {out} is a file, not a directory; pass a directory for the results")
+    key = out.resolve()
+    if key in _LOCKS:
+        return
+    # kvjax's directories carry an identity.json (a report's, in its sections' folders); one with files and none
+    # anywhere is the user's
+    if out.is_dir() and not any(out.rglob("identity.json")) and any(p.name != LOCK_NAME for p in out.iterdir()):
+        names = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+        raise InvalidInput(f"--out {out} holds files kvjax did not write ({', '.join(names[:4])}"
+                           f"{', ...' if len(names) > 4 else ''}) and no identity.json: kvjax never writes into a "
+                           "directory it did not create; pass a new or empty --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError as err:
+        raise InvalidInput(f"--out {out} cannot be written ({err.strerror}); pass a writable --out") from None
+    except OSError as err:
+        raise InvalidInput(f"--out {out} cannot be created ({err.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise InvalidInput(f"--out {out} is in use by {holder}: two runs never share an --out; wait for it to "
+                           "finish or pass another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    _LOCKS[key] = fd
 
 
 def _show(identity: dict, key: str) -> str:

@@ -41,6 +41,7 @@ import numpy as np
 
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
 from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, nonnegative_int, positive_int
+from experiments.records import write_atomic
 from experiments.longbench import __main__ as longbench
 from kvjax.policies import default_shallow_layers
 from models import SMALL_DIR
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--skip {args.skip}: {','.join(sorted(skip - set(SECTIONS)))} is not a section "
                 f"(the sections: {','.join(SECTIONS)})")
     lm = driver.load_model(args.model)  # once: every section runs on these weights
+    # OUT is this run's (a lock; a directory of the user's own files is refused) and this model's; each section
+    # claims its own folder with its options
+    driver.call(p, driver.claim, out, lm, {})
     cfg = lm.config
     n, depth = cfg.max_position_embeddings, cfg.num_layers
     # mat()'s default L_s = 2 would make every layer of a 2-layer model shallow, i.e. MAT = StreamingLLM
@@ -244,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          shallow_layers=shallow, anchor_slots=room).items():
                     sweep[f"{name}@{r:g}"] = pol
             sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep")
-            md += [f"MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
-                   "MAT's beta is a quarter of the kept share of the median context.", "", sw.table, "",
+            md += ["MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
+                   "MAT's beta is a quarter of the kept share of the median context, one value per ratio (the paper "
+                   "grid-searches beta per budget; this sweep does not).", "", sw.table, "",
                    "![accuracy vs KV](zeroshot-sweep/accuracy_vs_kv.png)", ""]
             sres = sw.summary["results"]
             wins = [r for r in args.zeroshot_ratios if sres[f"mat@{r:g}"]["acc"] >= sres[f"streaming@{r:g}"]["acc"]]
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     md += ["## Which claims hold in miniature", ""] + [f"- {c}" for c in claims] + [
         "", f"A {cfg.num_layers}-layer model with a {n}-token window is a miniature: a claim that fails here may "
         "hold on 7B models, and one that holds here is evidence about mechanism, not about scale."]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_atomic(out / "report.md", "\n".join(md) + "\n")
     print("\n".join(f"- {c}" for c in claims))
     print(f"wrote {out / 'report.md'}")
     return 0

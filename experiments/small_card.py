@@ -218,19 +218,23 @@ def training_record(out: Path) -> tuple[dict, str | None]:
 
 
 def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: int = 4,
-               kept_loss: str | None = None) -> dict:
+               kept_loss: str | None = None, dest: Path | None = None) -> dict:
+    """Evaluates the model in `out` and writes its card (README.md, eval.json, loss.png) into `dest`
+    (default: `out`, as `train_small` does for the directory it trained)."""
     from models import load
 
     out = Path(out)
+    dest = out if dest is None else Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     # one folder per weights: the passkey log has no identity of its own, so a retrained model must
     # never resume from the records of the weights it replaced
     work = out / "training" / "eval" / model_fingerprint(out)
     lm = load(out)
     ev = evaluate(lm, data, work, samples=samples)
     loss_at_end = final_loss(out, meta, kept=kept_loss)
-    write_atomic(out / "eval.json", dumps_finite({"eval": ev, "training": meta, "loss_at_end": loss_at_end}))
+    write_atomic(dest / "eval.json", dumps_finite({"eval": ev, "training": meta, "loss_at_end": loss_at_end}))
     if (out / "training" / "loss.png").is_file():
-        shutil.copy(out / "training" / "loss.png", out / "loss.png")
+        shutil.copy(out / "training" / "loss.png", dest / "loss.png")
     c, a = lm.config, meta["args"]
     commands, extend = training_chain(meta, out, c.max_position_embeddings)
     lengths = list(ev["passkey"]["full"])
@@ -263,7 +267,7 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
         sink_table=sink_table(sink, c.max_position_embeddings),
         n_ret=ret["count"], n_kv=ret["of"], ret_layout=layout or "none",
     )
-    (out / "README.md").write_text(text)
+    write_atomic(dest / "README.md", text)
     return ev
 
 
@@ -272,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(SMALL_DIR))
     p.add_argument("--samples", type=positive_int, default=4, help="passkey samples per (length, depth); RULER and "
                                                                    "LongBench take 5x as many")
+    p.add_argument("--out", default="results/small_card",
+                   help="where the card (README.md, eval.json, loss.png) is written (default: results/small_card), never the model's own "
+                        "directory by default (a committed card is rewritten only when asked: --out models/small)")
     args = p.parse_args(argv)
     out = Path(args.model)
     meta, kept_loss = training_record(out)
@@ -279,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         raise InvalidInput(f"--model {out} was trained and carded on corpus {meta['corpus']}; this Python's standard "
                            f"library is {corpus.fingerprint()}, whose held-out text would give other numbers")
     data = tokenize_corpus(load_tokenizer(out), out / "training" / "data.npz")  # cached, as train_small's
-    ev = write_card(out, data, meta, samples=args.samples, kept_loss=kept_loss)
+    ev = write_card(out, data, meta, samples=args.samples, kept_loss=kept_loss, dest=Path(args.out))
+    print(f"wrote the card of {out} into {args.out}", file=sys.stderr)
     print(json.dumps(ev, indent=2))
     return 0
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from experiments import cli
 from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, read_text, windows
-from experiments.records import training_identity
+from experiments.records import training_identity, write_atomic
 from kvjax.anllm_anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
 from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_file = out / "config.json"
     meta = json.loads(cfg_file.read_text())
     meta["kvjax_anllm"] = {"variant": args.variant, "anchor_ids": list(anchor_ids), "placement": args.placement}
-    cfg_file.write_text(json.dumps(meta, indent=2))
+    write_atomic(cfg_file, json.dumps(meta, indent=2))
     h = result.history
     print(f"trained  {len(h)} steps on {len(data)} windows of {args.seq_len} tokens; loss {h[0]['loss']:.3f} -> "
           f"{h[-1]['loss']:.3f}; anchors {list(anchor_ids)} ({args.variant})")

@@ -170,7 +170,8 @@ def checked(convert):
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="models/small")
+    p.add_argument("--out", required=True, help="a new directory for the trained model (to replace the committed "
+                                                 "kvjax-small, --out models/small)")
     p.add_argument("--init", default="models/default", help="the trained model to grow (an HF directory)")
     p.add_argument("--from", dest="from_", metavar="DIR",
                    help="a trained kvjax-small (an HF directory with its eval.json) to run only the extension "

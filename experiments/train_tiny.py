@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import cli, corpus
-from experiments.records import training_identity
+from experiments.records import training_identity, write_atomic
 from experiments.tasks import INDUCTION_ONLY, Curriculum, RowSampler
 from kvjax.errors import InvalidInput
 from kvjax.rope import RopeConfig
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "resumed_from": resumed_from, "final_loss": history[-1]["loss"],
         "platform": jax.devices()[0].platform,
     }
-    (work / "run.json").write_text(json.dumps(meta, indent=2))
+    write_atomic(work / "run.json", json.dumps(meta, indent=2))
     print(f"trained  {len(history)} steps (from {resumed_from}) in {train_s / 60:.1f} min; "
           f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; {n_params / 1e6:.2f} M parameters")
     if not args.no_eval:

@@ -157,6 +157,7 @@ def test_identity_changed_data_content_is_refused(tiny_dir, tmp_path):
 
     args = argparse.Namespace(data=str(data), out="x", debug=False)
     claim_results_dir(tmp_path / "out", lm, options_of(args, files=("data",)))
+    (tmp_path / "out" / "runs.jsonl").write_text('{"id": 1}\n')  # a record of that configuration
     data.write_text("two\n")  # same path, edited content
     with pytest.raises(InvalidInput, match=r"--data content: \['[0-9a-f]+'\] -> \['[0-9a-f]+'\]"):
         claim_results_dir(tmp_path / "out", lm, options_of(args, files=("data",)))
@@ -604,3 +605,91 @@ def test_cli_error_zero_shot_data_is_validated(tmp_path, line, message):
     f.write_bytes(b"\xff\xfe bad")
     with pytest.raises(InvalidInput, match="not a UTF-8 text file"):
         zeroshot.read_items(str(f))
+
+
+def _claim_in_child(out: Path, model_dir: Path, hold: float) -> subprocess.Popen:
+    code = textwrap.dedent(f"""
+        import time
+        from experiments.records import claim_results_dir
+        from models import load
+        claim_results_dir({str(out)!r}, load({str(model_dir)!r}), {{}})
+        print("claimed", flush=True)
+        time.sleep({hold})
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_lock_a_second_run_on_the_same_out_is_refused_naming_the_holder(tiny_dir, tmp_path):
+    """Two runs into one --out once both computed everything (36 lines for 18 records): the first holds
+    an exclusive lock for its life, and the second is refused in one line naming the holding process."""
+    out = tmp_path / "out"
+    child = _claim_in_child(out, tiny_dir, hold=30)
+    try:
+        assert child.stdout.readline().strip() == "claimed"
+        with pytest.raises(InvalidInput, match=rf"--out {out} is in use by pid {child.pid} on .* since "):
+            claim_results_dir(out, load(tiny_dir), {})
+    finally:
+        child.kill()
+        child.wait()
+    claim_results_dir(out, load(tiny_dir), {})  # the holder is gone: the lock went with it
+
+
+def test_lock_and_identity_never_write_into_the_users_directory(tiny_dir, tmp_path):
+    """--out naming the user's own directory (files, no identity.json) or a file is refused before anything
+    is written; an OUT whose claim was written by a run that stopped before its first record takes the new
+    configuration instead of refusing it."""
+    lm = load(tiny_dir)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.md").write_text("my notes\n")
+    with pytest.raises(InvalidInput, match=r"holds files kvjax did not write \(results.md\) and no identity.json"):
+        claim_results_dir(mine, lm, {})
+    assert sorted(p.name for p in mine.iterdir()) == ["results.md"]  # nothing written
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InvalidInput, match="is a file, not a directory"):
+        claim_results_dir(tmp_path / "afile", lm, {})
+    empty = tmp_path / "fresh"
+    claim_results_dir(empty, lm, {"--seed": 0})
+    claim_results_dir(empty, lm, {"--seed": 1})  # nothing recorded under seed 0: replaced, not refused
+    assert json.loads((empty / "identity.json").read_text())["--seed"] == 1
+
+
+def test_atomic_outputs_never_default_to_a_committed_path(capsys):
+    """`small_card` once rewrote models/small/README.md and eval.json by default (a 1-sample run replaced the
+    committed card) and `train_small --from X` without --out trained into models/small: the cards write into
+    results/ unless told otherwise, and train_small needs an --out."""
+    from experiments import model_card, small_card, train_small
+
+    for main, default in ((small_card.main, "results/small_card"), (model_card.main, "results/model_card")):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert f"(default: {default})" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        train_small.parse(["--from", "models/small", "--extend-steps", "5"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
+
+
+def test_atomic_every_table_file_goes_through_a_temporary_file(tiny_dir, tmp_path, monkeypatch):
+    """results.csv (perplexity, RULER, LongBench) and the report's report.md were written in place, so a kill
+    mid-write left a torn table; every one of them is now replaced whole (`write_atomic`)."""
+    from experiments import driver, perplexity, records
+
+    written = []
+    real = records.write_atomic
+
+    def spy(path, text):
+        written.append(Path(path).name)
+        return real(path, text)
+
+    monkeypatch.setattr(records, "write_atomic", spy)
+    lm = driver.load_model(tiny_dir)
+    perplexity.suite(lm, {"full": FullCache()}, tmp_path / "ppl", lengths=[32], text=None, progress=False)
+    assert "results.csv" in written
+    import experiments.report as report
+
+    monkeypatch.setattr(report, "write_atomic", spy)
+    written.clear()
+    assert report.main(["--model", str(tiny_dir), "--skip", "perplexity,razor,longbench,ruler,zeroshot,passkey,efficiency",
+                        "--out", str(tmp_path / "rep")]) == 0
+    assert "report.md" in written

@@ -116,21 +116,22 @@ def test_from_takes_the_base_models_recorded_training_and_continues_its_rows(tmp
     from kvjax.errors import MissingFile
 
     base = {"command": "python -m experiments.train_small --layers 6", "train_minutes": 77.0,
-            "args": vars(parse(["--layers", "6", "--short-steps", "1500", "--long-steps", "700", "--seed", "3"]))}
+            "args": vars(parse(["--out", "models/small", "--layers", "6", "--short-steps", "1500", "--long-steps", "700",
+                                "--seed", "3"]))}
     (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
     args, record = continued(parse(["--from", str(tmp_path), "--out", "/x", "--extend-steps", "9"]))
     assert (args.layers, args.short_steps, args.long_steps, args.seed) == (6, 1500, 700, 3)
     assert (args.out, args.extend_steps, args.from_) == ("/x", 9, str(tmp_path)) and record == base
     with pytest.raises(MissingFile, match="no eval.json"):
-        continued(parse(["--from", str(tmp_path / "none"), "--extend-steps", "9"]))
+        continued(parse(["--from", str(tmp_path / "none"), "--out", "/x", "--extend-steps", "9"]))
     assert args.extend_offset == 0
     # an extended model (here by 5 steps after 4 earlier ones) goes on with the rows after its extension's
     base["args"].update(extend_steps=5, extend_offset=4)
     (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
-    args, _ = continued(parse(["--from", str(tmp_path), "--extend-steps", "9"]))
+    args, _ = continued(parse(["--from", str(tmp_path), "--out", "/x", "--extend-steps", "9"]))
     assert (args.extend_offset, args.extend_steps) == (9, 9)
     with pytest.raises(SystemExit):
-        parse(["--from", str(tmp_path)])
+        parse(["--from", str(tmp_path), "--out", "/x"])
 
 
 def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights(tmp_path):
@@ -294,9 +295,9 @@ def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
     assert mixture("kv=0.5,suite=0.5") == Mixture(text=0, passkey=0, kv=0.5, facts=0, copy=0, induction=0, suite=0.5)
     for bad, says in [("kv=x", "'kv=x'"), ("keys=1", "'keys=1'"), ("kv=0", "not all 0"), ("kv=-1,text=2", ">= 0")]:
         with pytest.raises(SystemExit):
-            parse(["--from", "m", "--extend-steps", "1", "--extend-mixture", bad])
+            parse(["--from", "m", "--out", "x", "--extend-steps", "1", "--extend-mixture", bad])
         assert says in capsys.readouterr().err
-    args = parse(["--from", "m", "--extend-steps", "1", "--extend-mixture", "kv=1"])
+    args = parse(["--from", "m", "--out", "x", "--extend-steps", "1", "--extend-mixture", "kv=1"])
     assert json.dumps(vars(args))  # the run's record stays JSON
 
 

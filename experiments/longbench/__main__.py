@@ -14,7 +14,6 @@ every score, OUT/results.{md,csv,json,png} the table of datasets x policies.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from experiments.common import (
 )
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
-from experiments.records import content_fingerprint, dumps_finite, write_atomic
+from experiments.records import content_fingerprint, dumps_finite, write_atomic, write_csv_atomic
 from models import SMALL_DIR
 
 DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
@@ -86,12 +85,8 @@ def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
                 b = result["scores"][lab][d]["buckets"]
                 lines.append(f"| {d} | {lab} | " + " | ".join(str(b.get(k, "")) for k in ("0-4k", "4-8k", "8k+"))
                              + " |")
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["dataset", *labels])
-        for d in datasets:
-            w.writerow([d, *(table[d][lab] for lab in labels)])
-        w.writerow(["average", *(avg[lab] for lab in labels)])
+    write_csv_atomic(out / "results.csv", [["dataset", *labels]] + [[d, *(table[d][lab] for lab in labels)] for d in datasets]
+                     + [["average", *(avg[lab] for lab in labels)]])
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(datasets), 3.2))
     width = 0.8 / len(labels)
     for i, lab in enumerate(labels):

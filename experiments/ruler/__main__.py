@@ -19,7 +19,6 @@ OUT/score_vs_length.png and (with --ratios) OUT/score_vs_ratio.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from experiments.common import (
     policies_at_ratios,
     positive_int,
 )
-from experiments.records import ResultLog, write_atomic
+from experiments.records import ResultLog, write_atomic, write_csv_atomic
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate
@@ -171,15 +170,14 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
     lines = [f"RULER ({meta['protocol']} protocol, {meta['samples']} samples per cell, seed {meta['seed']}): "
              f"{meta['model']}", "", "Policies: " + "; ".join(f"**{lab}** = `{meta['policies'][lab]}`" for lab in labels),
              "", "| policy | length | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", "length", *tasks, "average"])
-        for lab in labels:
-            for n in lengths:
-                cells = [table[lab].get(t, {}).get(n) for t in tasks]
-                lines.append(f"| {lab} | {n} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells)
-                             + f" | **{avg[lab][n]:.2f}** |")
-                w.writerow([lab, n, *cells, avg[lab][n]])
+    rows = [["policy", "length", *tasks, "average"]]
+    for lab in labels:
+        for n in lengths:
+            cells = [table[lab].get(t, {}).get(n) for t in tasks]
+            lines.append(f"| {lab} | {n} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells)
+                         + f" | **{avg[lab][n]:.2f}** |")
+            rows.append([lab, n, *cells, avg[lab][n]])
+    write_csv_atomic(out / "results.csv", rows)
     unofficial = [t for t in tasks if not T.TASKS[t].official]
     if unofficial:
         lines += ["", f"`{'`, `'.join(unofficial)}`: RULER's essay tasks on standard-library text; not RULER's scores."]
