@@ -31,3 +31,25 @@ def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> 
             raise
         print(f"error: {err.cli_message()}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debugging(argv):
+            raise
+        # every finished record was appended and fsynced as it finished (experiments.records.ResultLog)
+        print("interrupted: the records finished so far are kept; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    except RecursionError:
+        if debugging(argv):
+            raise
+        print("error: an input nests too deeply to be read (a JSON file nested thousands of levels?)", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if debugging(argv) or err.errno not in _USER_ERRNOS:
+            raise
+        # a full disk or a read-only place: the environment's to fix, not kvjax's (records written so far are whole)
+        print(f"error: {err.strerror}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+
+
+_USER_ERRNOS = {__import__("errno").ENOSPC, __import__("errno").EROFS, __import__("errno").EACCES,
+                __import__("errno").EDQUOT}

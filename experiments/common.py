@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.errors import InvalidInput
+from kvjax.errors import InvalidInput, MissingFile
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, Recompress, make_policy
 from kvjax.policies.scored import ScoredPolicy
 from models import DEFAULT_DIR
@@ -369,8 +369,8 @@ def attach_gate_params(args: argparse.Namespace, lm) -> None:
         from experiments.driver import attach_gates
 
         attach_gates(lm, args.gate_params)
-    elif getattr(args, "policy", None) == "gate":
-        raise SystemExit("error: --policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
+    elif getattr(args, "policy", None) == "gate" or "gate" in (getattr(args, "compare", None) or "").split(","):
+        raise InvalidInput("--policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
 
 
 def default_model_dir() -> tuple[Path, bool]:
@@ -401,8 +401,21 @@ def load_with_tokenizer(p: argparse.ArgumentParser, path, **load_kw):
 
 
 def read_text(files: list[str] | None) -> str:
-    """The text of `files` (--data), or the offline default text."""
-    return "\n\n".join(Path(f).read_text() for f in files) if files else default_text()
+    """The text of `files` (--data / --text), or the offline default text; a missing, binary or non-UTF-8
+    file is one error naming it."""
+    if not files:
+        return default_text()
+    parts = []
+    for f in files:
+        try:
+            parts.append(Path(f).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise MissingFile(f"{f} does not exist") from None
+        except IsADirectoryError:
+            raise InvalidInput(f"{f} is a directory; pass text files") from None
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"{f} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return "\n\n".join(parts)
 
 
 def default_text() -> str:

@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if skip - set(SECTIONS):
         p.error(f"--skip {args.skip}: {','.join(sorted(skip - set(SECTIONS)))} is not a section "
                 f"(the sections: {','.join(SECTIONS)})")
+    for flag, d in (("--anllm", args.anllm), ("--gate", args.gate)):  # checked before hours of other sections
+        for name in ("results.md", "results.json"):
+            if d and not (Path(d) / name).is_file():
+                p.error(f"{flag} {d}: no {name} there (the output directory of experiments.eval_"
+                        f"{flag.removeprefix('--')})")
     lm = driver.load_model(args.model)  # once: every section runs on these weights
     # OUT is this run's (a lock; a directory of the user's own files is refused) and this model's; each section
     # claims its own folder with its options

@@ -42,6 +42,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax import attention
+from kvjax.errors import InvalidInput, MissingFile
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 
 
@@ -205,9 +206,12 @@ def load_gates(model, path: str | Path, **overrides):
     meta_file, weights = path / "gate.json", path / "gate.safetensors"
     for f in (meta_file, weights):
         if not f.is_file():
-            raise FileNotFoundError(f"{f} not found: --gate-params must be a directory written by "
-                                    "experiments.train_gate (gate.json + gate.safetensors)")
-    meta = json.loads(meta_file.read_text())
+            raise MissingFile(f"{f} not found: --gate-params must be a directory written by "
+                              "experiments.train_gate (gate.json + gate.safetensors)")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidInput(f"{meta_file} is not valid JSON ({err})") from None
     if meta["model"] != _shape(model):
         raise ValueError(f"the gates in {path} were trained for a model with {meta['model']}, this model has "
                          f"{_shape(model)}")

@@ -77,6 +77,11 @@ class LlamaConfig:
 
     def __post_init__(self):
         attention.check_impl(self.attention_impl)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.position_embedding not in ("rope", "alibi"):
             raise ValueError(f"position_embedding={self.position_embedding!r}; expected 'rope' or 'alibi'")
         if self.sliding_window is not None and self.sliding_window < 1:

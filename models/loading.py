@@ -116,6 +116,8 @@ def read_config(path: Path):
         raw = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InvalidInput(f"{cfg_file} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise InvalidInput(f"{cfg_file} nests too deeply to be a config") from None
     if not isinstance(raw, dict):
         raise InvalidInput(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
@@ -296,6 +298,12 @@ def load(
         if arch.tensors is not None:
             tensors = arch.tensors(tensors, cfg, raw)
     cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
+    # The checkpoint's depth against the config's before anything is built (a config claiming 100000
+    # layers once built for minutes before its weights were found missing)
+    layers = {int(n.split(".")[2]) for n in tensors.names() if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if layers and (len(layers) != cfg.num_layers or max(layers) != cfg.num_layers - 1):
+        raise InvalidInput(f"the checkpoint in {path} has {len(layers)} layers, its config {cfg.num_layers}; fix the "
+                           "config or pass the directory the weights belong to")
     model = nnx.eval_shape(lambda: arch.model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = hf_parameters(model)
     available = tensors.names()

@@ -290,8 +290,8 @@ def test_loading_config_with_fewer_layers_than_the_checkpoint_is_refused(tiny_di
     cfg = json.loads((d / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InvalidInput, match=r"tensors of the checkpoint .* are not used by its config.json "
-                                           r"\(1 layers\): \['model.layers.1."):
+    # refused before the model is built (the layer count of the checkpoint against the config's)
+    with pytest.raises(InvalidInput, match=r"the checkpoint in .*short has 2 layers, its config 1"):
         load(d)
 
 
@@ -693,3 +693,84 @@ def test_atomic_every_table_file_goes_through_a_temporary_file(tiny_dir, tmp_pat
     assert report.main(["--model", str(tiny_dir), "--skip", "perplexity,razor,longbench,ruler,zeroshot,passkey,efficiency",
                         "--out", str(tmp_path / "rep")]) == 0
     assert "report.md" in written
+
+
+def test_cli_error_files_and_faults_end_in_one_line(tiny_dir, tmp_path, capsys):
+    """Round 3's probes that ended in a traceback: a read-only --out, --out naming a file, garbage in a cached
+    RULER sample file, a non-UTF-8 --text, a config nested 200,000 deep or with a negative size, a config of
+    100,000 layers over a 2-layer checkpoint (refused before anything is built), --policy gate without
+    --gate-params (exit 2, not 1), a --gate-params directory without gate.json, and report --anllm DIR
+    missing (found before any section runs). Each is one `error:` line with exit status 2."""
+    import shutil
+
+    from experiments import perplexity, report
+    from experiments.ruler import __main__ as ruler_cli
+
+    def one(main, argv):
+        code, err = run_cli(main, argv, capsys)
+        assert code == 2, err
+        return one_error_line(err)
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root ignores permissions: nothing to test
+        ro.chmod(0o700)
+    else:
+        assert "cannot be written" in one(passkey.main, ["--model", str(tiny_dir), "--out", str(ro / "x"),
+                                                         "--lengths", "300", "--samples", "1"])
+    (tmp_path / "f").write_text("x")
+    assert "is a file, not a directory" in one(passkey.main, ["--model", str(tiny_dir), "--out", str(tmp_path / "f"),
+                                                              "--lengths", "300", "--samples", "1"])
+    out = tmp_path / "ruler"
+    argv = ["--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "1024", "--samples", "1",
+            "--max-new-tokens", "8", "--compare", "full", "--out", str(out)]
+    assert ruler_cli.main(argv) == 0
+    capsys.readouterr()
+    (out / "data" / "niah_single_1-1024.jsonl").write_text("garbage\n")
+    assert "is not a sample file kvjax wrote" in one(ruler_cli.main, argv)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\xfa text")
+    assert "is not UTF-8 text" in one(perplexity.main, ["--model", str(tiny_dir), "--text", str(bad), "--out",
+                                                         str(tmp_path / "p")])
+    for name, cfg in (("deep", "[" * 200_000 + "]" * 200_000),
+                      ("negative", json.dumps({**json.loads((tiny_dir / "config.json").read_text()), "hidden_size": -4})),
+                      ("layers", json.dumps({**json.loads((tiny_dir / "config.json").read_text()),
+                                             "num_hidden_layers": 100_000}))):
+        d = tmp_path / name
+        shutil.copytree(tiny_dir, d)
+        (d / "config.json").write_text(cfg)
+        line = one(gen_cli.main, ["--model", str(d), "hello"])
+        assert {"deep": "nests too deeply", "negative": "hidden_size=-4 must be a positive integer",
+                "layers": "has 2 layers, its config 100000"}[name] in line, line
+    assert "--policy gate needs --gate-params" in one(passkey.main, ["--model", str(tiny_dir), "--policy", "gate",
+                                                                     "--out", str(tmp_path / "g")])
+    (tmp_path / "nogates").mkdir()
+    assert "gate.json not found" in one(passkey.main, ["--model", str(tiny_dir), "--policy", "gate", "--gate-params",
+                                                       str(tmp_path / "nogates"), "--out", str(tmp_path / "g2")])
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--model", str(tiny_dir), "--anllm", str(tmp_path / "nope"), "--out", str(tmp_path / "rep")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--anllm" in err and "no results.md there" in err
+    assert not (tmp_path / "rep" / "perplexity").exists()  # refused before any section ran
+
+
+def test_cli_error_ctrl_c_is_one_line_and_keeps_the_records(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a suite once printed 30 lines of traceback: one line now, exit 130, and the records
+    finished before it are kept (the rerun resumes from them)."""
+    out = tmp_path / "pk"
+    argv = ["--model", str(tiny_dir), "--lengths", "300", "--depths", "0,0.5,1", "--samples", "1", "--out", str(out)]
+    real = passkey.ResultLog.add
+    calls = []
+
+    def add_then_interrupt(self, record):
+        real(self, record)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(passkey.ResultLog, "add", add_then_interrupt)
+    code, err = run_cli(passkey.main, argv, capsys)
+    assert code == 130 and "Traceback" not in err and err.count("interrupted:") == 1
+    assert "interrupted: the records finished so far are kept; run the same command again to resume\n" in err
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2

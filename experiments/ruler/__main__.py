@@ -105,9 +105,13 @@ def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int
     tokenizer and the seed)."""
     path = out / "data" / f"{task.name}-{length}.jsonl"
     if path.is_file():
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if len(rows) >= count:
-            return [T.Sample(**{**r, "outputs": tuple(r["outputs"])}) for r in rows[:count]]
+        try:
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            if len(rows) >= count:
+                return [T.Sample(**{**r, "outputs": tuple(r["outputs"])}) for r in rows[:count]]
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
+            raise InvalidInput(f"{path} is not a sample file kvjax wrote ({type(err).__name__}: {err}); delete it to "
+                               "generate the samples again") from None
     samples = T.generate(task, length, count, T.token_counter(lm.tokenizer), seed=seed, tokens_to_generate=gen)
     write_atomic(path, "".join(json.dumps(s.__dict__ | {"outputs": list(s.outputs)}) + "\n" for s in samples))
     return samples
