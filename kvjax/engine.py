@@ -69,7 +69,10 @@ def chunked_prefill(model, tokens, positions, policy, max_len: int):
 
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, t = tokens.shape
-    n = policy.chunk
+    # No chunk reads more than the model's window (a chunk past the prompt reads it whole either way): an absurd
+    # chunk (10**5, 10**9) is capped there instead of padding the prompt to its size; every prompt bucket still
+    # shares one compiled chunk step
+    n = min(policy.chunk, model.cfg.max_position_embeddings)
     pad = -t % n
     tokens = np.pad(tokens, ((0, 0), (pad, 0)))
     positions = np.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)

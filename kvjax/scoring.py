@@ -86,7 +86,7 @@ def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> n
     if n < 2:
         raise InvalidInput(f"need at least 2 tokens to score, got {n}")
     check_positions(model.plan(policy), model.cfg, n, "a text")
-    c = policy.chunk
+    c = min(policy.chunk, model.cfg.max_position_embeddings)  # capped as `engine.chunked_prefill` caps it
     t = -(-n // c) * c
     tokens = np.zeros((1, t), np.int32)
     tokens[0, :n] = ids

@@ -650,7 +650,9 @@ class Llama(nnx.Module):
         chunks (padding: position -1, a no-op), so the cache carried between chunks is all that grows
         with the prompt besides the tokens themselves."""
         b, t = tokens.shape
-        n = policy.chunk
+        # A chunk longer than the prompt reads it whole either way: capped there, an absurd chunk (10**5, 10**9)
+        # never pads the prompt to its size
+        n = min(policy.chunk, t)
         pad = -t % n
         tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
         positions = jnp.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)

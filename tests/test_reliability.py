@@ -774,3 +774,23 @@ def test_cli_error_ctrl_c_is_one_line_and_keeps_the_records(tiny_dir, tmp_path, 
     assert code == 130 and "Traceback" not in err and err.count("interrupted:") == 1
     assert "interrupted: the records finished so far are kept; run the same command again to resume\n" in err
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_cli_error_absurd_chunk_is_capped_not_allocated(tiny_dir, tmp_path, capsys):
+    """`--chunk 100000` once asked for 480 GB and `--chunk 10**9` aborted the process in C++: a chunk longer
+    than the prompt reads it whole either way, so it is capped (the prompt, or the model's window) and the
+    result is that of a chunk holding the prompt."""
+    from kvjax.scoring import chunked_logprobs
+
+    lm = load(tiny_dir)
+    ids = np.random.default_rng(1).integers(4, lm.config.vocab_size, 60).tolist()
+    big = chunked_logprobs(lm.model, ids, StreamingLLM(budget=32, prefill_mode="chunked", chunk=10**9))
+    fit = chunked_logprobs(lm.model, ids, StreamingLLM(budget=32, prefill_mode="chunked", chunk=64))
+    np.testing.assert_allclose(big, fit, atol=1e-5)
+    g = generate(lm.model, [ids], SnapKV(budget=16, observation_window=4, prefill_mode="chunked", chunk=100_000),
+                 max_new_tokens=4)
+    h = generate(lm.model, [ids], SnapKV(budget=16, observation_window=4, prefill_mode="chunked", chunk=64),
+                 max_new_tokens=4)
+    assert g.tokens.tolist() == h.tokens.tolist()
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--budget", "32", "--prefill-mode",
+                         "chunked", "--chunk", str(10**9), "hello there"]) == 0
