@@ -794,3 +794,13 @@ def test_cli_error_absurd_chunk_is_capped_not_allocated(tiny_dir, tmp_path, caps
     assert g.tokens.tolist() == h.tokens.tolist()
     assert gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--budget", "32", "--prefill-mode",
                          "chunked", "--chunk", str(10**9), "hello there"]) == 0
+
+
+def test_cli_error_h2o_budget_of_one_names_only_what_was_given(tiny_dir, capsys):
+    """`--policy h2o --budget 1` once said the budget "must exceed --recent 1", a flag the user never gave."""
+    code, err = run_cli(gen_cli.main, ["--model", str(tiny_dir), "--policy", "h2o", "--budget", "1", "hi"], capsys)
+    line = one_error_line(err)
+    assert code == 2 and "--budget 1 must be >= 2" in line and "--recent" not in line
+    from kvjax.policies import H2O, make_policy
+
+    assert make_policy("h2o", 256) == H2O(budget=256, recent=128)  # the default split, spelled in the description

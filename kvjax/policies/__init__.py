@@ -122,9 +122,8 @@ REGISTRY.update({
     # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of
     # --budget, or under --ratio to half of each row's budget
     "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
-        budget=_sized(budget, ratio), ratio=ratio,
-        recent=recent if recent is not None or ratio is not None else max(1, budget // 2), positions=positions,
-        prefill_mode=prefill_mode, chunk=chunk),
+        budget=_sized(budget, ratio), ratio=ratio, recent=recent, positions=positions, prefill_mode=prefill_mode,
+        chunk=chunk),
     # Attention-Gate: the trained gates decide (load them with --gate-params); no budget.
     "gate": lambda budget, bucket=64: GateEviction(bucket=bucket),
     # RazorAttention takes no token budget: --compression C and --buffer S0 set the local heads' window

@@ -46,6 +46,13 @@ class H2O(RatioBudget, LayerPolicy):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.budget is not None and self.recent is None:
+            # the paper's split, said here in terms of what the caller gave (a budget of 1 is not "budget must
+            # exceed recent=1": no recent was given)
+            if self.budget < 2:
+                raise InvalidInput(f"H2O: budget={self.budget} must be >= 2 (half of it is the recent window, the rest "
+                                   "heavy hitters)")
+            object.__setattr__(self, "recent", self.budget // 2)
         if self.recent is not None and self.recent < 1:
             raise InvalidInput(f"H2O: recent={self.recent} must be >= 1 (the current token)")
         check_ratio(self, self.budget)
