@@ -34,6 +34,7 @@ from experiments.common import (
     int_list,
     positive_int,
 )
+from experiments.records import shown
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, position_limit, prefill_fn
@@ -132,7 +133,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
                 log.add({"id": rid, "policy": pol.describe(), "length": L,
                          **time_policy(lm.model, prompts, pol, new, repeats)})
             rows.append(log.records[rid] | {"label": lab})
-    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": str(lm.path), "batch": batch,
+    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": shown(lm.path), "batch": batch,
             "new": new, "dtype": dtype}
     table, summary, figures = write_report(Path(out), rows, meta)
     return driver.finish("efficiency", out, table, summary, policies, figures)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, nonnegative_int, positive_int
-from experiments.records import dumps_finite, write_atomic
+from experiments.records import dumps_finite, write_atomic, shown
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
 from kvjax.anllm_anchors import AC_TOKEN, place_anchors
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         timing = fewshot.time_caching(model, demo_ids, timed, policy)
         full_cache_s = fewshot.time_caching(model, demo_ids, timed, FullCache()).caching_s
     summary = summarise(records, l_d, l_kv, timing, full_cache_s)
-    summary |= {"model": str(lm.path), "variant": variant, "placement": placement, "anchor_ids": list(anchor_ids),
+    summary |= {"model": shown(lm.path), "variant": variant, "placement": placement, "anchor_ids": list(anchor_ids),
                 "data": args.data or f"facts(shots={args.shots}, options={args.options}, seed={args.seed})"}
     write_report(out, summary, f"AnLLM-{variant.upper()} {lm.path.name}: {summary['data']}")
     print((out / "results.md").read_text())

@@ -19,6 +19,7 @@ import numpy as np
 
 from experiments import cli, driver
 from experiments.common import add_run_args
+from experiments.records import shown
 from kvjax import heads as H
 from kvjax.errors import require_finite
 from models import load
@@ -49,7 +50,7 @@ def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_r
         g = cfg.num_heads // cfg.num_kv_heads
         q_mask = np.repeat(kv_mask, g, axis=1)  # a KV head's query heads
     fields = dict(
-        model=str(lm.path), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        model=shown(lm.path), num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         position_embedding=cfg.position_embedding, probe=dict(k=k, repeats=repeats, seed=seed),
         induction_ratio=induction_ratio, echo_ratio=echo_ratio, control=control,
         echo=scores.echo, induction=scores.induction,

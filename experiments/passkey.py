@@ -22,14 +22,14 @@ from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import (
-    add_policy_args,
+    add_compare_args,
+    chosen_policies,
     add_protocol_arg,
     add_run_args,
     attach_gate_params,
     float_list,
     int_list,
     nonnegative_int,
-    policy_from_args,
     positive_int,
     split_question,
 )
@@ -201,19 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default="results/passkey")
     add_protocol_arg(p)
-    add_policy_args(p, default="full")
+    add_compare_args(p, default="full")
     add_run_args(p)
     args = p.parse_args(argv)
 
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
-    policy = policy_from_args(args, num_layers=lm.config.num_layers, model_dir=lm.path)
-    res = driver.call(p, suite, lm, [policy], args.out, lengths=args.lengths, depths=args.depths,
+    _, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
+    res = driver.call(p, suite, lm, policies, args.out, lengths=args.lengths, depths=args.depths,
                       samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol)
-    records = [r for r in ResultLog(res.out / "samples.jsonl") if r["policy"] == policy.describe()]
     print(res.table)
-    print(f"{policy.describe()}: {100 * np.mean([r['correct'] for r in records]):.1f} % over {len(records)} samples; "
-          f"wrote {res.out}/results.{{md,json,png}}")
+    for policy in policies:
+        records = [r for r in ResultLog(res.out / "samples.jsonl") if r["policy"] == policy.describe()]
+        print(f"{policy.describe()}: {100 * np.mean([r['correct'] for r in records]):.1f} % over {len(records)} "
+              f"samples")
+    print(f"wrote {res.out}/results.{{md,json,png}}")
     return 0
 
 

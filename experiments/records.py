@@ -49,6 +49,28 @@ def write_atomic(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shown(path) -> str:
+    """A path as tables and reports print it: relative to the repository when inside it, a fetched model by
+    its name (`models.fetch`), anything else as given; never the home directory of the machine that ran it."""
+    p = Path(str(path)).expanduser()
+    try:
+        return str(p.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        pass
+    from models import fetch
+
+    for name in fetch.KNOWN:
+        try:
+            if p.resolve() == fetch.cached_path(name).resolve():
+                return name
+        except OSError:
+            pass
+    return str(path)
+
+
 def write_csv_atomic(path: str | Path, rows: Iterable[Iterable]) -> None:
     """`rows` as a CSV file, written all at once (`write_atomic`)."""
     import csv

@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
 from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, nonnegative_int, positive_int
-from experiments.records import write_atomic
+from experiments.records import shown, write_atomic
 from experiments.longbench import __main__ as longbench
 from kvjax.policies import default_shallow_layers
 from models import SMALL_DIR
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     shallow = args.shallow_layers if args.shallow_layers is not None else default_shallow_layers(cfg.num_layers)
     # SnapKV's observation window of 32 is a sixteenth of a 512-token window
     window = {"observation_window": 16} if n < 2048 else {}
-    md = [f"# kvjax report: {args.model}", "", f"Budgets are cache slots per layer and KV head: {args.budget} outside "
+    md = [f"# kvjax report: {shown(args.model)}", "", f"Budgets are cache slots per layer and KV head: {args.budget} outside "
           f"the sweeps, {', '.join(map(str, args.budgets))} in them (the model's window is {n} tokens); MAT's L_s = "
           f"{shallow} of {cfg.num_layers} layers. Command: `python -m experiments.report "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", ""]

@@ -29,7 +29,7 @@ from experiments.common import (
 )
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
-from experiments.records import content_fingerprint, dumps_finite, write_atomic, write_csv_atomic
+from experiments.records import content_fingerprint, dumps_finite, write_atomic, write_csv_atomic, shown
 from models import SMALL_DIR
 
 DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
@@ -138,7 +138,7 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
         for d in driver.cells(names, label, progress):
             preds = harness.predict(lm, policy, Path(data_dir), d, out, opts)
             scores[label][d] = harness.score_dataset(d, preds, e)
-    result = {"model": str(lm.path), "data_dir": str(data_dir), "datasets": names, "e": e,
+    result = {"model": shown(lm.path), "data_dir": shown(data_dir), "datasets": names, "e": e,
               "policies": {lab: pol.describe() for lab, pol in policies.items()},
               "slugs": {lab: harness.policy_slug(pol) for lab, pol in policies.items()},
               "scores": scores, "seconds": round(time.time() - t0, 1)}

@@ -38,7 +38,7 @@ from experiments.common import (
     policies_at_ratios,
     positive_int,
 )
-from experiments.records import ResultLog, write_atomic, write_csv_atomic
+from experiments.records import ResultLog, write_atomic, write_csv_atomic, shown
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate
@@ -256,7 +256,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
                 described[label] = policy.describe()
                 with tqdm(total=len(cell), desc=f"{name} {n} {label}", leave=False, disable=not progress) as bar:
                     rows += predict(lm, policy, label, task, n, cell, log, protocol, batch, gen, bar)
-    meta = {"model": str(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described}
+    meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described}
     table, summary, figures = write_report(out, rows, meta)
     return driver.finish("ruler", out, table, summary, described, figures)
 
