@@ -110,6 +110,14 @@ def prefill_fn(model, tokens, positions, key, *, plan, sampling):
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
+@compiled(static=("plans", "sampling"))
+def prefill_many_fn(model, tokens, positions, key, *, plans, sampling):
+    """One plain prompt pass for several sized plans (`Llama.prefill_plans`): the first token, sampled from
+    the logits every plan shares, and each plan's cache."""
+    logits, caches = model.prefill_plans(tokens, positions, plans)
+    return sample(logits, key, sampling), _all_finite(logits), caches
+
+
 @functools.partial(jax.jit, static_argnames=("sampling",))
 def first_token(logits, key, *, sampling):
     """The first generated token from the prompt's last logits, and whether they were finite."""
@@ -308,8 +316,37 @@ def generate(
     `NonFiniteError` naming the row and the generated token. `progress(step)`, if given, is called
     from the decode loop after each generated token (a separate compilation of the loop).
     """
+    return generate_many(model, prompts, [policy], max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                         eos_ids=eos_ids, pad_id=pad_id, truncate=truncate, min_bucket=min_bucket, progress=progress,
+                         questions=questions)[0]
+
+
+def generate_many(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    policies: Sequence[Policy],
+    *,
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    key: PRNGKeyArray | None = None,
+    eos_ids: Sequence[int] | None = None,
+    pad_id: int | None = None,
+    truncate: bool = False,
+    min_bucket: int = MIN_BUCKET,
+    progress=None,
+    questions: Sequence[Sequence[int]] | None = None,
+) -> list[Generation]:
+    """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
+    per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
+    eq. 4 mask, no gates: SnapKV, PyramidKV, SlimKV, TOVA, KNorm, StreamingLLM, H2O, FullCache, ...) share that
+    pass, each compressing it under its own rule (`Llama.prefill_plans`). A sweep of prompt compressors then
+    pays for one forward over each prompt instead of one per policy. Prompts are truncated (with `truncate`)
+    to the shortest position limit among the policies."""
     cfg = model.cfg
-    check_policy(policy)
+    if not policies:
+        raise InvalidInput("policies: give at least one policy")
+    for policy in policies:
+        check_policy(policy)
     if max_new_tokens < 1:
         raise InvalidInput(f"max_new_tokens={max_new_tokens} must be >= 1")
     prompts = prompt_rows(prompts, cfg.vocab_size)
@@ -328,16 +365,20 @@ def generate(
     if eos_ids is not None:  # integers; one outside the vocabulary is never generated, which is harmless
         token_ids(list(eos_ids), np.iinfo(np.int32).max, "eos_ids")
     asked = questions or [[] for _ in prompts]
-    plan = model.plan(policy)
-    limit = position_limit(plan, cfg, max_new_tokens)
     rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions
     longest = max(len(p) + len(q) for p, q in zip(rows, asked))
-    if limit is not None and longest > limit:
-        fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
-        if not truncate or fit < 2:
-            raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=plan.absolute,
-                                truncate=truncate)
-        prompts = [truncate_middle(p, fit) for p in prompts]
+    # the strictest position limit among the policies (None: rolling positions read in pieces, no limit)
+    plans = [model.plan(policy) for policy in policies]
+    limits = [(position_limit(plan, cfg, max_new_tokens), plan) for plan in plans]
+    bounded = [(lim, plan) for lim, plan in limits if lim is not None]
+    if bounded:
+        limit, plan = min(bounded, key=lambda x: x[0])
+        if longest > limit:
+            fit = limit - max(map(len, asked))  # truncation cuts contexts, never questions
+            if not truncate or fit < 2:
+                raise PromptTooLong(longest, max_new_tokens, cfg.max_position_embeddings, absolute=plan.absolute,
+                                    truncate=truncate)
+            prompts = [truncate_middle(p, fit) for p in prompts]
     longest = max(map(len, prompts))
     eos = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
     pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
@@ -355,16 +396,43 @@ def generate(
     buffer = bucket_length(max_new_tokens, min_bucket)
     room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
-    t0 = time.perf_counter()
-    if policy.prefill_mode == "chunked":
-        # One compiled chunk step looped on the host: a prompt of any bucket compiles nothing new, and the
-        # device holds the cache and one chunk, never the whole prompt's activations.
-        logits, cache = engine.chunked_prefill(model, tokens, positions, policy, bucket + room)
-        first, first_finite = first_token(logits, k_prefill, sampling=sampling)
-    else:
-        first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
-                                                     plan=model.plan(policy, bucket + room, bucket), sampling=sampling)
-    first.block_until_ready()
+    sized = [model.plan(policy, bucket + room, bucket) for policy in policies]
+    shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
+    prefilled: dict[int, tuple] = {}
+    if len(shared) > 1:
+        t0 = time.perf_counter()
+        first, first_finite, caches = prefill_many_fn.pure(graphdef, state, tokens, positions, k_prefill,
+                                                           plans=tuple(sized[i] for i in shared), sampling=sampling)
+        first.block_until_ready()
+        seconds = (time.perf_counter() - t0) / len(shared)  # each policy's share of the one pass
+        for i, cache in zip(shared, caches):
+            prefilled[i] = (first, first_finite, cache, seconds)
+    out = []
+    for i, policy in enumerate(policies):
+        t0 = time.perf_counter()
+        if i in prefilled:
+            first, first_finite, cache, shared_s = prefilled[i]
+        else:
+            shared_s = 0.0
+            if policy.prefill_mode == "chunked":
+                # One compiled chunk step looped on the host: a prompt of any bucket compiles nothing new, and the
+                # device holds the cache and one chunk, never the whole prompt's activations.
+                logits, cache = engine.chunked_prefill(model, tokens, positions, policy, bucket + room)
+                first, first_finite = first_token(logits, k_prefill, sampling=sampling)
+            else:
+                first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
+                                                             plan=sized[i], sampling=sampling)
+        first.block_until_ready()
+        out.append(_continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions,
+                             k_prefill, k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket,
+                             progress, t0, shared_s))
+    return out
+
+
+def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions, k_prefill,
+              k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket, progress, t0,
+              shared_s) -> Generation:
+    """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)
     if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question
@@ -406,7 +474,7 @@ def generate(
         cache=cache,
         prompt_bucket=bucket,
         room=room,
-        prefill_s=t1 - t0,
+        prefill_s=shared_s + t1 - t0,
         decode_s=t2 - t1,
         decode_steps=int(steps) - 1,
     )

@@ -297,15 +297,35 @@ class Attention(nnx.Module):
             anchor_mask=anchor_mask, key_keep=key_keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
         if plan is not None:
-            k_store = k if plan.position_mode == "rolling" else k_rot
             if keep is not None:
                 stats = dataclasses.replace(stats, gate_keep=key_keep)
-            ctx = Context(pos, tokens)
-            cache = regroup(cache, [
-                rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
-                             stats if heads is None else stats.map(lambda a: a[:, heads]))
-                for heads, rule, c in rule_groups(plan, cache)])
+            cache = self._cache_prompt(plan, cache, k, k_rot, v, pos, tokens, stats)
         return self._out(o), cache, keep
+
+    def _cache_prompt(self, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats):
+        """Each head group of the layer's `plan` builds its cache from the attended prompt (`stats` hold at least
+        what its rule asked for)."""
+        k_store = k if plan.position_mode == "rolling" else k_rot
+        ctx = Context(pos, tokens)
+        return regroup(cache, [
+            rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
+                         stats if heads is None else stats.map(lambda a: a[:, heads]))
+            for heads, rule, c in rule_groups(plan, cache)])
+
+    def prefill_shared(self, x, pos, plans: tuple[LayerPlan, ...], caches, tokens):
+        """A prompt attended once for several plans of this layer (none with an eq. 4 mask or gates: the
+        attention is then the same for all), each caching it under its own rule: `(output, caches)`."""
+        q, k, v = self._qkv(x)
+        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
+        wanted = NO_STATS
+        for lp in plans:
+            wanted = wanted | lp.prefill_stats()
+        o, stats = attention.prefill_attention(
+            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
+            impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
+        )
+        return self._out(o), tuple(self._cache_prompt(lp, c, k, k_rot, v, pos, tokens, stats)
+                                   for lp, c in zip(plans, caches))
 
     def extend(
         self,
@@ -487,6 +507,10 @@ class DecoderLayer(nnx.Module):
     def extend(self, x, pos, plan, cache, anchor_mask=None):
         return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, plan, cache, anchor_mask))
 
+    def prefill_shared(self, x, pos, plans, caches, tokens):
+        a, caches = self.self_attn.prefill_shared(self.input_layernorm(x), pos, plans, caches, tokens)
+        return self._finish(x, a), caches
+
     def chunk(self, x, pos, plan, cache, tokens):
         a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, plan, cache, tokens)
         return self._finish(x, a), cache
@@ -644,6 +668,26 @@ class Llama(nnx.Module):
             x, cache, _ = layer.prefill(x, positions, lp, cache, anchor_mask, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
+
+    def prefill_plans(
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], plans: tuple[Plan, ...]
+    ) -> tuple[Float[Array, "b V"], tuple[Cache, ...]]:
+        """One pass over a prompt for several sized plans whose prompt attention is the same (each attends the
+        whole prompt, `prefill_mode="full"`, with no eq. 4 mask and no gates: `Plan.plain_prompt_pass`): the last
+        logits, the same for all, and each plan's cache. A comparison of prompt compressors (SnapKV, PyramidKV,
+        TOVA, ...) pays for one forward instead of one per policy."""
+        for plan in plans:
+            if not plan.plain_prompt_pass:
+                raise ValueError(f"{plan.policy.describe()} does not attend its prompt as a plain causal pass "
+                                 "(chunked or stream prefill, an eq. 4 mask or gates): prefill it alone")
+        b = tokens.shape[0]
+        caches = [self._empty_cache(plan, b) for plan in plans]
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x, layer_caches = layer.prefill_shared(x, positions, tuple(plan.layers[i] for plan in plans),
+                                                   tuple(c[i] for c in caches), tokens)
+            caches = [c[:i] + (lc,) + c[i + 1:] for c, lc in zip(caches, layer_caches)]
+        return self._logits(x[:, -1]), tuple(caches)
 
     def _chunked(self, tokens, positions, caches, policy) -> tuple[Float[Array, "b V"], Cache]:
         """`prefill` in chunks of `policy.chunk` tokens: one `lax.scan`, the prompt left-padded to whole

@@ -169,3 +169,31 @@ def test_prefill_compiles_once_per_plan_not_per_max_len(tiny):
         for max_len in (64, 96, 96):
             engine.prefill(model, tokens, positions, plan=model.plan(FullCache(), max_len, 32))
     assert len(ring_log) == 1 and len(full_log) == 2
+
+
+def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sharp_dir):
+    """`generate_many`: prompt compressors, rings and H2O share one pass over the prompts (one compiled
+    program for the tuple of plans), MAT's stream prefill runs alone, and every policy's tokens and kept
+    positions equal those of its own `generate` call, with questions (the agnostic protocol) and without."""
+    from kvjax import generate_many, kept_positions
+    from kvjax.policies import H2O, TOVA, PyramidKV, SnapKV, mat
+    from models import load
+
+    model = load(sharp_dir).model
+    policies = [FullCache(), StreamingLLM(budget=12, sinks=2), SnapKV(budget=12, observation_window=4, kernel=3),
+                PyramidKV(budget=12, observation_window=4, kernel=3, num_layers=2, beta=1), TOVA(budget=12),
+                H2O(budget=12, recent=4), mat(12, 4, shallow_layers=1, sinks=2)]
+    prompts = [random_ids(40, 260, seed=60), random_ids(29, 260, seed=61)]
+    questions = [random_ids(5, 260, seed=62), random_ids(7, 260, seed=63)]
+    for qs in (None, questions):
+        many = generate_many(model, prompts, policies, max_new_tokens=6, questions=qs)
+        for policy, got in zip(policies, many):
+            alone = generate(model, prompts, policy, max_new_tokens=6, questions=qs)
+            assert got.tokens.tolist() == alone.tokens.tolist(), policy.describe()
+            for a, b in zip(kept_positions(got.cache), kept_positions(alone.cache)):
+                np.testing.assert_array_equal(a, b)
+    # one shared program, keyed by the tuple of sized plans: new prompts of the same bucket compile nothing
+    with compile_log() as compiles:
+        generate_many(model, [random_ids(38, 260, seed=64), random_ids(33, 260, seed=65)], policies,
+                      max_new_tokens=6, questions=questions)
+    assert compiles == []

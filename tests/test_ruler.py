@@ -279,20 +279,21 @@ def test_cli_on_the_default_model_resumes_and_refuses_another_identity(tmp_path,
     out = tmp_path / "ruler"
     argv = ["--tasks", "niah_single_1,fwe", "--max-new-tokens", "16", "--samples", "2", "--batch", "1",
             "--compare", "full,streaming,snapkv", "--budget", "128", "--observation-window", "16", "--out", str(out)]
-    calls = []
-    real = ruler_cli.generate
+    calls = []  # one entry per (sample, policy) predicted
+    real = ruler_cli.generate_many
 
-    def killed_after_three(*a, **k):
+    def killed_after_three(model, prompts, policies, **k):
         if len(calls) == 3:
-            raise KeyboardInterrupt  # the run is killed here
-        calls.append(1)
-        return real(*a, **k)
+            raise KeyboardInterrupt  # the run is killed here (Ctrl-C: one line, exit 130)
+        calls.extend([1] * len(prompts) * len(policies))
+        return real(model, prompts, policies, **k)
 
-    monkeypatch.setattr(ruler_cli, "generate", killed_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        cli.run(ruler_cli.main, argv)
-    assert len((out / "preds.jsonl").read_text().splitlines()) == 3
-    monkeypatch.setattr(ruler_cli, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ruler_cli, "generate_many", killed_after_three)
+    assert cli.run(ruler_cli.main, argv) == 130
+    assert len((out / "preds.jsonl").read_text().splitlines()) == 3  # the first sample under the three policies
+    monkeypatch.setattr(ruler_cli, "generate_many",
+                        lambda model, prompts, policies, **k: calls.extend([1] * len(prompts) * len(policies))
+                        or real(model, prompts, policies, **k))
     assert cli.run(ruler_cli.main, argv) == 0
     assert len(calls) == 3 + (2 * 3 * 2 - 3)  # the rerun computes only what the kill left
     result = json.loads((out / "results.json").read_text())

@@ -41,7 +41,7 @@ from experiments.common import (
 from experiments.records import ResultLog, write_atomic, write_csv_atomic, shown
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
-from kvjax import Sampling, generate
+from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput
 
 # kvpress's public leaderboard: RULER at 4K, these compression ratios, the presses kvjax shares with
@@ -123,28 +123,35 @@ def encode(tok, sample: T.Sample) -> tuple[list[int], list[int]]:
                                                     add_special_tokens=False)["input_ids"]
 
 
-def predict(lm, policy, label: str, task: T.Task, length: int, samples, log: ResultLog, protocol: str, batch: int,
+def predict(lm, policies: dict, task: T.Task, length: int, samples, log: ResultLog, protocol: str, batch: int,
             gen: int, bar):
+    """Every sample of a cell under each of `policies` (`{label: policy}`), appended to `log` as they finish:
+    per batch of samples, the policies still missing a record run together (`generate_many`: the prompt
+    compressors share one pass over the prompts). Returns the records, per label."""
     tok = lm.tokenizer
-    key = lambda s: f"{policy.describe()}|{protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
-    todo = [s for s in samples if key(s) not in log]
-    bar.update(len(samples) - len(todo))
+    key = lambda p, s: f"{p.describe()}|{protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
+    bar.update(sum(key(p, s) in log for p in policies.values() for s in samples))
+    todo = [s for s in samples if any(key(p, s) not in log for p in policies.values())]
     for i in range(0, len(todo), batch):
         chunk = todo[i:i + batch]
+        wanted = {lab: p for lab, p in policies.items() if any(key(p, s) not in log for s in chunk)}
         ids = [encode(tok, s) for s in chunk]
         if protocol == "agnostic":
-            gen_out = generate(lm.model, [c for c, _ in ids], policy, questions=[q for _, q in ids],
-                               max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
+            outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
+                                 max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
         else:
-            gen_out = generate(lm.model, [c + q for c, q in ids], policy, max_new_tokens=gen, sampling=Sampling(),
-                               pad_id=tok.pad_token_id)
-        for s, seq in zip(chunk, gen_out.sequences()):
-            pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
-            log.add({"id": key(s), "label": label, "policy": policy.describe(), "task": task.name, "length": length,
-                     "index": s.index, "pred": pred, "outputs": list(s.outputs),
-                     "score": scoring.sample_match_all(pred, s.outputs)})
-        bar.update(len(chunk))
-    return [log.records[key(s)] for s in samples]
+            outs = generate_many(lm.model, [c + q for c, q in ids], list(wanted.values()), max_new_tokens=gen,
+                                 sampling=Sampling(), pad_id=tok.pad_token_id)
+        for (label, policy), gen_out in zip(wanted.items(), outs):
+            for s, seq in zip(chunk, gen_out.sequences()):
+                if key(policy, s) in log:
+                    continue
+                pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
+                log.add({"id": key(policy, s), "label": label, "policy": policy.describe(), "task": task.name,
+                         "length": length, "index": s.index, "pred": pred, "outputs": list(s.outputs),
+                         "score": scoring.sample_match_all(pred, s.outputs)})
+                bar.update(1)
+    return {lab: [log.records[key(p, s)] for s in samples] for lab, p in policies.items()}
 
 
 def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
@@ -252,10 +259,12 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
             except InvalidInput as err:
                 raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
                                            "max_new_tokens=", usage=False) from None
-            for label, policy in per_cell(n - gen).items():
-                described[label] = policy.describe()
-                with tqdm(total=len(cell), desc=f"{name} {n} {label}", leave=False, disable=not progress) as bar:
-                    rows += predict(lm, policy, label, task, n, cell, log, protocol, batch, gen, bar)
+            pols = per_cell(n - gen)
+            described.update({label: policy.describe() for label, policy in pols.items()})
+            with tqdm(total=len(cell) * len(pols), desc=f"{name} {n} ({len(pols)} policies)", leave=False,
+                      disable=not progress) as bar:
+                for recs in predict(lm, pols, task, n, cell, log, protocol, batch, gen, bar).values():
+                    rows += recs
     meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described}
     table, summary, figures = write_report(out, rows, meta)
     return driver.finish("ruler", out, table, summary, described, figures)

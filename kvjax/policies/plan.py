@@ -69,6 +69,13 @@ class Plan:
         """Every group's rule, layer by layer."""
         return tuple(g.rule for lp in self.layers for g in lp.groups)
 
+    @property
+    def plain_prompt_pass(self) -> bool:
+        """Whether the prompt is attended as a plain causal pass (the whole prompt at once, no AnLLM eq. 4
+        mask, no Attention-Gates), so one pass serves several such plans (`kvjax.generate.generate_many`)."""
+        return self.policy.prefill_mode == "full" and all(
+            type(lp.rule).prompt_mask is Policy.prompt_mask and not lp.prefill_stats().gate_keep for lp in self.layers)
+
     def sized(self, max_len: int, prompt_len: int = 0) -> "Plan":
         """The plan with each group's slot count fixed for sequences of at most `max_len` tokens whose
         (padded) prompt is `prompt_len` long."""
