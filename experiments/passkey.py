@@ -35,7 +35,7 @@ from experiments.common import (
 )
 from experiments.records import ResultLog
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
-from kvjax import Sampling, generate
+from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput
 
 MAX_NEW_TOKENS = 8
@@ -88,31 +88,45 @@ def first_int(text: str) -> int | None:
 def run(model, tok, policy, lengths, depths, samples: int, log: ResultLog, *, seed: int = 0, batch: int = 8,
         label: str = "", progress: bool = True, protocol: str = "aware") -> list[dict]:
     """Appends a record per (length, depth, sample) not yet in `log`; returns this policy's records."""
-    todo = []
+    return run_many(model, tok, {label or policy.describe(): policy}, lengths, depths, samples, log, seed=seed,
+                    batch=batch, progress=progress, protocol=protocol)[label or policy.describe()]
+
+
+def run_many(model, tok, policies: dict, lengths, depths, samples: int, log: ResultLog, *, seed: int = 0,
+             batch: int = 8, progress: bool = True, protocol: str = "aware") -> dict[str, list[dict]]:
+    """`run` for several policies (`{label: policy}`, records labelled by `label`): per batch of prompts, the
+    policies still missing a record run together (`generate_many`: those whose prompt is one plain pass
+    share it). Returns each label's records."""
+    cells = []
     for length in lengths:
         for depth in depths:
             for i in range(samples):
-                rid = f"{label}|{length}|{depth}|{i}"
-                if rid not in log:
-                    rng = np.random.default_rng([seed, length, int(round(depth * 1000)), i])
-                    todo.append((rid, length, depth, int(rng.integers(10000, 100000))))
-    bar = tqdm(total=len(todo), desc=f"passkey {label}", disable=not progress)
+                rng = np.random.default_rng([seed, length, int(round(depth * 1000)), i])
+                cells.append((length, depth, i, int(rng.integers(10000, 100000))))
+    rid = lambda label, c: f"{label}|{c[0]}|{c[1]}|{c[2]}"  # noqa: E731
+    todo = [c for c in cells if any(rid(lab, c) not in log for lab in policies)]
+    bar = tqdm(total=sum(rid(lab, c) not in log for lab in policies for c in cells),
+               desc=f"passkey ({len(policies)} policies)", disable=not progress)
     for length in lengths:  # one compilation per length
-        rows = [t for t in todo if t[1] == length]
+        rows = [c for c in todo if c[0] == length]
         for s in range(0, len(rows), batch):
             chunk = rows[s : s + batch]
-            prompts = [passkey_prompt(tok, length, d, k) for _, _, d, k in chunk]
+            wanted = {lab: p for lab, p in policies.items() if any(rid(lab, c) not in log for c in chunk)}
+            prompts = [passkey_prompt(tok, length, d, k) for _, d, _, k in chunk]
             contexts, questions = split_question([p for p, _ in prompts], [len(_encode(tok, PASSKEY_QUESTION))] *
                                                  len(prompts), protocol)
-            out = generate(model, contexts, policy, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
-                           sampling=Sampling())
-            for (rid, _, depth, key), (_, at), seq in zip(chunk, prompts, out.sequences()):
-                text = tok.decode(seq, skip_special_tokens=True)
-                log.add({"id": rid, "policy": label, "length": length, "depth": depth, "key": key,
-                         "needle_at": at, "output": text, "correct": first_int(text) == key})
-            bar.update(len(chunk))
+            outs = generate_many(model, contexts, list(wanted.values()), questions=questions,
+                                 max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
+            for lab, out in zip(wanted, outs):
+                for c, (_, at), seq in zip(chunk, prompts, out.sequences()):
+                    if rid(lab, c) in log:
+                        continue
+                    text = tok.decode(seq, skip_special_tokens=True)
+                    log.add({"id": rid(lab, c), "policy": lab, "length": length, "depth": c[1], "key": c[3],
+                             "needle_at": at, "output": text, "correct": first_int(text) == c[3]})
+                    bar.update(1)
     bar.close()
-    return [r for r in log if r["policy"] == label]
+    return {lab: [r for r in log if r["policy"] == lab] for lab in policies}
 
 
 def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
@@ -180,9 +194,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
                                    f"({min_length(tok)} tokens with this tokenizer)")
     log = driver.open_records(out, lm, "samples.jsonl", {"seed": seed, "batch": batch, "protocol": protocol})
     policies = driver.labelled(policies)
-    for pol in policies.values():
-        run(lm.model, tok, pol, lengths, list(depths), samples, log, seed=seed, protocol=protocol, batch=batch,
-            label=pol.describe(), progress=progress)
+    run_many(lm.model, tok, {pol.describe(): pol for pol in policies.values()}, lengths, list(depths), samples, log,
+             seed=seed, protocol=protocol, batch=batch, progress=progress)
     tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in dict.fromkeys(
         r["policy"] for r in log)}
     table, summary, figures = write_report(Path(out), tables)

@@ -268,13 +268,13 @@ def test_resume_skips_finished_samples_and_loses_none(tmp_path, tiny, monkeypatc
     lines = (tmp_path / "a" / "preds" / harness.policy_slug(policy) / "stdlib_passkey.jsonl").read_text().splitlines()
     log.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:20])
     seen = []
-    real = harness.generate
+    real = harness.generate_many
 
-    def counting(model, prompts, *a, **kw):
-        seen.append(len(prompts))
-        return real(model, prompts, *a, **kw)
+    def counting(model, prompts, policies, *a, **kw):
+        seen.append(len(prompts) * len(policies))
+        return real(model, prompts, policies, *a, **kw)
 
-    monkeypatch.setattr(harness, "generate", counting)
+    monkeypatch.setattr(harness, "generate_many", counting)
     got = harness.predict(tiny, policy, data, "stdlib_passkey", tmp_path / "b", opts, progress=False)
     assert sum(seen) == 3  # only the torn one and the two never started
     assert sorted(got, key=lambda r: r["_id"]) == sorted(ref, key=lambda r: r["_id"])

@@ -131,12 +131,11 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
                                              "harness config": content_fingerprint(harness.CONFIG_FILE)})
     out = Path(out)
     opts = harness.Options(max_length=max_length, batch=batch, samples=samples, chat=chat, e=e, protocol=protocol)
-    scores: dict[str, dict] = {}
+    scores: dict[str, dict] = {label: {} for label in policies}
     t0 = time.time()
-    for label, policy in policies.items():
-        scores[label] = {}
-        for d in driver.cells(names, label, progress):
-            preds = harness.predict(lm, policy, Path(data_dir), d, out, opts)
+    for d in driver.cells(names, f"{len(policies)} policies", progress):  # the policies of a dataset run together
+        for label, preds in zip(policies, harness.predict_many(lm, list(policies.values()), Path(data_dir), d, out,
+                                                               opts, progress)):
             scores[label][d] = harness.score_dataset(d, preds, e)
     result = {"model": shown(lm.path), "data_dir": shown(data_dir), "datasets": names, "e": e,
               "policies": {lab: pol.describe() for lab, pol in policies.items()},

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from experiments.longbench import metrics
 from experiments.records import ResultLog
-from kvjax import Sampling, generate
+from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput, MissingFile
 
 CONFIG_FILE = Path(__file__).resolve().parent / "config.json"
@@ -135,6 +135,14 @@ class Options:
 
 def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, progress: bool = True) -> list[dict]:
     """Predictions for every row not yet in OUT/preds/<policy>/<dataset>.jsonl; returns all of them."""
+    return predict_many(lm, [policy], data_dir, dataset, out, opts, progress)[0]
+
+
+def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Options,
+                 progress: bool = True) -> list[list[dict]]:
+    """`predict` for several policies at once (each keeps its own OUT/preds/<policy>/ log): per batch of rows,
+    the policies still missing a prediction run together (`generate_many`: those whose prompt is one plain
+    pass share it). Returns each policy's predictions, in order."""
     tok, cfg = lm.tokenizer, config()
     if opts.samples is not None and (isinstance(opts.samples, bool) or not isinstance(opts.samples, int)
                                      or opts.samples < 1):
@@ -143,14 +151,18 @@ def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, 
     rows = load_rows(data_dir, dataset, opts.e)[: opts.samples]
     max_new = cfg["max_new_tokens"][dataset]
     max_length = opts.max_length or lm.config.max_position_embeddings - max_new
-    log = ResultLog(out / "preds" / policy_slug(policy) / f"{dataset}{'_e' if opts.e else ''}.jsonl", key="_id")
-    todo = [r for r in rows if r["_id"] not in log]
+    logs = [ResultLog(out / "preds" / policy_slug(p) / f"{dataset}{'_e' if opts.e else ''}.jsonl", key="_id")
+            for p in policies]
+    todo = [r for r in rows if any(r["_id"] not in log for log in logs)]
     eos = list(lm.config.eos_token_ids)
     if dataset in cfg["stop_at_newline"]:
         eos.append(tok.encode("\n", add_special_tokens=False)[-1])
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=dataset, disable=not progress, leave=False)
+    total = len(rows) * len(policies)
+    bar = tqdm(total=total, initial=sum(r["_id"] in log for log in logs for r in rows), desc=dataset,
+               disable=not progress, leave=False)
     for s in range(0, len(todo), opts.batch):
         chunk = todo[s : s + opts.batch]
+        wanted = [i for i, log in enumerate(logs) if any(r["_id"] not in log for r in chunk)]
         texts = [build_prompt(tok, dataset, r, max_length, opts.chat) for r in chunk]
         if opts.protocol == "agnostic":
             parts = [split_prompt(tok, dataset, r, t) for r, t in zip(chunk, texts)]
@@ -159,15 +171,20 @@ def predict(lm, policy, data_dir: Path, dataset: str, out: Path, opts: Options, 
         else:  # today's ids: the whole prompt tokenised at once
             prompts, questions = [tok(t, truncation=False)["input_ids"] for t in texts], None
             contexts = prompts
-        gen = generate(lm.model, contexts, policy, questions=questions, max_new_tokens=max_new, sampling=Sampling(),
-                       eos_ids=eos, pad_id=tok.pad_token_id, truncate=True)
-        for r, p, seq in zip(chunk, prompts, gen.sequences()):
-            log.add({"_id": r["_id"], "pred": tok.decode(seq, skip_special_tokens=True), "answers": r["answers"],
-                     "all_classes": r["all_classes"], "length": r["length"], "prompt_tokens": len(p)})
-        bar.update(len(chunk))
+        gens = generate_many(lm.model, contexts, [policies[i] for i in wanted], questions=questions,
+                             max_new_tokens=max_new, sampling=Sampling(), eos_ids=eos, pad_id=tok.pad_token_id,
+                             truncate=True)
+        for i, gen in zip(wanted, gens):
+            for r, p, seq in zip(chunk, prompts, gen.sequences()):
+                if r["_id"] in logs[i]:
+                    continue
+                logs[i].add({"_id": r["_id"], "pred": tok.decode(seq, skip_special_tokens=True),
+                             "answers": r["answers"], "all_classes": r["all_classes"], "length": r["length"],
+                             "prompt_tokens": len(p)})
+                bar.update(1)
     bar.close()
     ids = {r["_id"] for r in rows}
-    return [r for r in log if r["_id"] in ids]
+    return [[r for r in log if r["_id"] in ids] for log in logs]
 
 
 def score_dataset(dataset: str, preds: list[dict], e: bool = False) -> dict:
