@@ -186,7 +186,7 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--chunk", type=positive_int, help="prompt tokens per chunk with --prefill-mode chunked")
     g.add_argument("--recompress-every", type=positive_int,
                    help="prompt compressors (snapkv, slimkv, ...): re-score the cache every N generated tokens and "
-                        "evict back to the budget (kvpress's DecodingPress); the cache holds budget + N slots")
+                        "evict back to the budget (as kvpress's PrefillDecodingPress with both targets at the budget); the cache holds budget + N slots")
     p.set_defaults(default_budget=budget)
 
 

@@ -1,5 +1,7 @@
-"""Decode-time re-compression (kvpress's DecodingPress): a prompt compressor applied again every `every`
-generated tokens, so long outputs (reasoning traces) stay within budget + every slots.
+"""Decode-time re-compression: a prompt compressor applied again every `every` generated tokens, so long
+outputs (reasoning traces) stay within budget + every slots. In kvpress's terms it fires like a
+`PrefillDecodingPress` whose prefill and decoding targets are both the scorer's budget B (compress the prompt
+to B, then return to B every N tokens), not like a `DecodingPress` alone, which leaves the prompt whole.
 
 `Recompress(SnapKV(budget=B, observation_window=W), every=N)` compresses the prompt as SnapKV does, into a cache of
 `B + N` slots, then appends generated tokens; when the cache is full it re-scores every slot with the
@@ -11,7 +13,10 @@ into each slot's score for the last W queries before the cache fills (every quer
 attention, whose score is all queries). Nothing is evicted between two re-compressions, so those W
 queries saw exactly the slots they would in a prompt's observation window, causally. The scorer
 then ranks the slots in position order (its pooling runs over neighbours in time), as it ranks a
-prompt. Its group aggregation becomes a sum over the group's heads (the same ranking as the mean).
+prompt. Its group aggregation is not the scorer's: decode attention hands over each slot's probability
+summed over the group's query heads, so the scorer pools that sum, where SnapKV on a prompt pools each
+head's scores and then averages them. With max-pooling over heads whose peaks sit at different slots the
+two rank differently (no parity test against kvpress's decoding presses exists yet).
 """
 
 from __future__ import annotations
