@@ -14,7 +14,7 @@ import pytest
 
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
-from kvjax.policies import TOVA, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
+from kvjax.policies import TOVA, KeyDiff, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
 from models import load
 from tests.conftest import left_pad, stepper
 
@@ -31,6 +31,7 @@ def ours_and_theirs(name, num_layers):
                    kvpress.SnapKVPress(compression_ratio=RATIO, window_size=WINDOW, kernel_size=KERNEL)),
         "streaming": (StreamingLLM(budget=n_kept, sinks=4), kvpress.StreamingLLMPress(compression_ratio=RATIO, n_sink=4)),
         "knorm": (KNorm(ratio=RATIO), kvpress.KnormPress(compression_ratio=RATIO)),
+        "keydiff": (KeyDiff(ratio=RATIO), kvpress.KeyDiffPress(compression_ratio=RATIO)),
         "tova": (TOVA(ratio=RATIO), kvpress.TOVAPress(compression_ratio=RATIO)),
         "observed": (ObservedAttention(ratio=RATIO, normalize=True, group_agg="mean"),
                      kvpress.ObservedAttentionPress(compression_ratio=RATIO)),
@@ -54,7 +55,7 @@ def model_pair(request, tmp_path_factory):
     return pt, load(path).model
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming", "knorm", "tova", "observed", "pyramidkv"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming", "knorm", "keydiff", "tova", "observed", "pyramidkv"])
 def test_kept_positions_and_next_logits_match_kvpress(model_pair, name):
     from transformers import DynamicCache
 

@@ -28,6 +28,7 @@ from kvjax.policies.recompress import Recompress
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
 from kvjax.policies.scored import (
     TOVA,
+    KeyDiff,
     KNorm,
     ObservedAttention,
     PyramidKV,
@@ -119,6 +120,9 @@ REGISTRY.update({
     "knorm": lambda budget, ratio=None, observation_window=0, positions="absolute", prefill_mode="full", chunk=None:
         _scored(KNorm, budget, ratio, observation_window=observation_window, positions=positions,
                 prefill_mode=prefill_mode, chunk=chunk),
+    "keydiff": lambda budget, ratio=None, observation_window=0, positions="absolute", prefill_mode="full", chunk=None:
+        _scored(KeyDiff, budget, ratio, observation_window=observation_window, positions=positions,
+                prefill_mode=prefill_mode, chunk=chunk),
     # --ratio: each row keeps floor(n * (1 - ratio)) of its n prompt tokens; --recent defaults to half of
     # --budget, or under --ratio to half of each row's budget
     "h2o": lambda budget, recent=None, ratio=None, positions="absolute", prefill_mode="full", chunk=None: H2O(
@@ -170,7 +174,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 __all__ = [
     "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
-    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "LayerPolicy", "LocalWindow",
+    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
     "mat_with_sink", "reduces_to",

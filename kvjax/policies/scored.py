@@ -22,6 +22,7 @@ Conventions (defaults are the papers'; kvpress's are options where they differ):
 * TOVA: the last query's attention averaged over all heads of the layer (one ranking shared by
   the KV heads, as TOVA and kvpress do); the last token is always kept.
 * KNorm: keep the keys with the smallest L2 norm.
+* KeyDiff: keep the keys least similar (cosine) to the mean normalised key; no attention needed.
 
 Chunked prefill (`prefill_mode="chunked", chunk=n`, memory bounded by the budget whatever the prompt's
 length) is a different method for a prompt longer than one chunk, said here and warned once where it is
@@ -329,6 +330,29 @@ class KNorm(ScoredPolicy):
         return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
 
 
+@renamed_keywords(window="observation_window")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyDiff(ScoredPolicy):
+    """KeyDiff (Park et al. 2025, arXiv:2504.15364): attention-free; a key's score is minus its cosine
+    similarity to the anchor, the mean of the prompt's L2-normalised keys (per KV head), so the keys most like
+    the average are evicted and the distinctive ones kept (kvpress's `KeyDiffPress`; the paper's block-wise
+    iteration is a chunked prefill here, `prefill_mode="chunked"`)."""
+
+    observation_window: int = 0
+
+    def score(self, layer, k, v, pos, stats):
+        p = pos if pos.ndim == 3 else pos[:, None, :]
+        real = (p >= 0)[..., None]
+        k = k.astype(jnp.float32)
+        unit = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-12)  # F.normalize's eps
+        anchor = jnp.sum(jnp.where(real, unit, 0), axis=2, keepdims=True) / jnp.maximum(jnp.sum(real, axis=2,
+                                                                                              keepdims=True), 1)
+        # F.cosine_similarity: x . y / max(|x| |y|, 1e-8)
+        cos = jnp.sum(k * anchor, axis=-1) / jnp.maximum(
+            jnp.linalg.norm(k, axis=-1) * jnp.linalg.norm(anchor, axis=-1), 1e-8)
+        return -cos
+
+
 def _check(policy, pool=None, group_agg=None, kernel=None):
     name = type(policy).__name__
     # `pool1d` pads kernel // 2 on each side, which keeps the length only for odd kernels; an even
@@ -342,4 +366,4 @@ def _check(policy, pool=None, group_agg=None, kernel=None):
         raise InvalidInput(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
 
 
-__all__ = ["KNorm", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
+__all__ = ["KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
