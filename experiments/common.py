@@ -24,7 +24,7 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchor_slots", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
                   "observation_window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
-                  "compensate", "fold", "bucket", "chunk")
+                  "compensate", "fold", "bucket", "chunk", "duo_pattern", "head_compression")
 
 
 # ---- renamed flags: the old spelling still parses, with a warning naming the new one ----
@@ -176,6 +176,11 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--fold", choices=["decode", "prefill"],
                    help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
                         "prompt only and append generated tokens (the paper's Algorithm 1)")
+    g.add_argument("--duo-pattern", help="DuoAttention: a pattern folder (full_attention_heads.tsv + config.json, as "
+                                         "mit-han-lab/duo-attention ships them) or a heads file with duo_scores "
+                                         "(python -m experiments.find_heads --duo)")
+    g.add_argument("--head-compression", type=fraction_removed,
+                   help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
     g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
                                                        "this; default 64")
@@ -209,6 +214,7 @@ NO_BUDGET_WHY = {
     "full": "full keeps every token",
     "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
     "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
+    "duo": "duo's streaming heads keep --sinks + --recent tokens and its other heads everything",
     "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
 }
 

@@ -27,7 +27,8 @@ from models import load
 
 def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_ratio: float = 0.14,
          echo_ratio: float = 0.01, eps: float = 1e-3, bound: str = "paper", control: str | None = None,
-         plot: str | None = None, progress: bool = False) -> tuple[dict, H.HeadScores]:
+         plot: str | None = None, progress: bool = False, duo_texts: int = 0,
+         duo_len: int = 1024) -> tuple[dict, H.HeadScores]:
     """RazorAttention's probe on `lm`: scores every head, selects the retrieval heads and writes the
     heads file `out` (and its heatmap, `plot` or next to it). Returns (the file's fields, the scores)."""
     for name, value in (("induction_ratio", induction_ratio), ("echo_ratio", echo_ratio)):
@@ -59,6 +60,17 @@ def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_r
     if cfg.position_embedding == "alibi":
         scopes = H.alibi_scopes(lm.model, eps, bound)
         fields.update(eps=eps, bound=bound, scopes=scopes, kv_scopes=H.kv_scopes(scopes, cfg.num_kv_heads))
+    if duo_texts:
+        # DuoAttention's head scores as kvpress computes them "on the fly", on windows of the offline held-out
+        # text (kvpress samples 50 BookSum chapters from the hub), with DuoAttention's default sizes
+        from experiments.common import default_text
+
+        ids = lm.tokenizer(default_text(), add_special_tokens=False)["input_ids"]
+        length = min(duo_len, cfg.max_position_embeddings)
+        step = max(length, (len(ids) - length) // duo_texts)
+        rows = [ids[i:i + length] for i in range(0, len(ids) - length + 1, step)][:duo_texts]
+        fields.update(duo_scores=H.duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=length,
+                      sink_size=128, recent_size=256)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     H.save_heads(out, **fields)
@@ -83,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", choices=["none", "random"],
                    help="RazorAttention Table 1's controls: write no protected head, or as many as the probe "
                         "finds drawn at random (--seed), instead of the retrieval heads")
+    p.add_argument("--duo", type=int, default=0, metavar="N",
+                   help="also write DuoAttention's head scores (duo_scores), computed on the fly as kvpress does, "
+                        "on N windows of the offline text (0: none)")
+    p.add_argument("--duo-len", type=int, default=1024, help="tokens per --duo window")
     add_run_args(p)
     args = p.parse_args(argv)
     for name in ("induction_ratio", "echo_ratio"):  # at parsing, before the model loads
@@ -94,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = lm.config
     fields, scores = driver.call(p, find, lm, args.out, k=args.k, repeats=args.repeats, seed=args.seed,
                                  induction_ratio=args.induction_ratio, echo_ratio=args.echo_ratio, eps=args.eps,
-                                 bound=args.bound, control=args.control, plot=args.plot, progress=True)
+                                 bound=args.bound, control=args.control, plot=args.plot, progress=True,
+                                 duo_texts=args.duo, duo_len=args.duo_len)
     q_mask, kv_mask, plot = fields["retrieval_heads"], fields["retrieval_kv_heads"], fields["plot"]
     out, length = Path(args.out), 1 + args.k * args.repeats
     n = cfg.num_layers * cfg.num_heads

@@ -63,6 +63,38 @@ def _layers(model, tokens: Int[Array, "b t"]):
         x, _, _ = layer.prefill(x, pos, None, None)
 
 
+def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
+    """DuoAttention head scores "on the fly", as kvpress computes them (`duo_attention_on_the_fly`): per text
+    (token ids) and layer, the mean unrotated query and key of each head over the text, each repeated `q_len`
+    times and rotated by RoPE at positions 0..q_len-1; the last query's attention over those keys
+    (`softmax(q k / sqrt(d))`); the score is the area under its cumulated curve (the mean of its cumulative
+    sum), averaged over a KV head's query heads and over the texts. `[layers, kv_heads]`, higher for a head
+    that spreads its attention over the context (a retrieval head). kvpress draws 50 BookSum chapters from
+    the hub; here the caller gives the texts (offline)."""
+    c = model.cfg
+    if c.position_embedding != "rope":
+        raise ValueError("duo_scores needs a RoPE model (the repeated mean query and key are rotated)")
+    g = c.num_heads // c.num_kv_heads
+    total = np.zeros((c.num_layers, c.num_kv_heads))
+    p = jnp.arange(q_len, dtype=jnp.int32)[None, None, :]
+    for ids in rows:
+        tokens = jnp.asarray([list(ids)], jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = model.embed(tokens)
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            q, k, _ = attn._qkv(layer.input_layernorm(x))
+            qm = jnp.broadcast_to(q.mean(axis=2, keepdims=True), (1, c.num_heads, q_len, c.head_dim))
+            km = jnp.broadcast_to(k.mean(axis=2, keepdims=True), (1, c.num_kv_heads, q_len, c.head_dim))
+            qr, kr = attn._rotate(qm, p), jnp.repeat(attn._rotate(km, p), g, axis=1)
+            w = jax.nn.softmax(jnp.einsum("bhd,bhsd->bhs", qr[:, :, -1], kr).astype(jnp.float32) / c.head_dim**0.5,
+                               axis=-1)
+            score = jnp.cumsum(w, axis=-1).mean(-1)[0]  # [h]
+            total[i] += np.asarray(score.reshape(c.num_kv_heads, g).mean(-1)) / len(rows)
+            x, _, _ = layer.prefill(x, pos, None, None)
+    return total
+
+
 def _logits(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
     """Scaled, soft-capped, biased attention logits `[b, kvh, g, tq, tk]` of query block `q`
     `[b, h, tq, d]` (masked entries -inf), as the layer's attention computes them."""

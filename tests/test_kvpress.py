@@ -89,3 +89,79 @@ def test_kept_positions_and_next_logits_match_kvpress(model_pair, name):
     logits, _ = decode(jnp.asarray([ids[T]]), jnp.asarray([T]), cache)
     assert np.abs(theirs_logits).max() > 0.5
     np.testing.assert_allclose(np.asarray(logits[0]), theirs_logits, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def sdpa_pair(tmp_path_factory):
+    """A GQA Llama with SDPA attention (kvpress's head-wise presses refuse eager attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
+                      attn_implementation="sdpa")
+    pt = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("kvpress_sdpa")
+    pt.save_pretrained(path)
+    return pt, load(path).model
+
+
+def test_duo_attention_kept_positions_match_kvpress_for_a_fixed_pattern(sdpa_pair):
+    """DuoAttention with a fixed head pattern: per layer and KV head, the positions our streaming heads keep
+    (in their own arrays) are the ones kvpress's DuoAttentionPress leaves unmasked, and retrieval heads keep
+    everything, at two head compressions."""
+    from transformers import DynamicCache
+
+    from kvjax.policies import DuoAttention, streaming_heads
+
+    pt, model = sdpa_pair
+    scores = np.random.default_rng(2).random((3, 2))
+    ids = np.random.RandomState(8).randint(0, 97, T)
+    for compression in (0.34, 0.67):
+        press = kvpress.DuoAttentionPress(head_compression_ratio=compression)
+        press.post_init_from_model = lambda model: None  # the fixed pattern below, not one from the hub
+        press.sink_size, press.recent_size = 8, 24
+        press.streaming_mask = torch.zeros(scores.shape, dtype=torch.bool)
+        n = round(scores.size * compression)
+        press.streaming_mask.view(-1)[torch.as_tensor(np.argsort(scores, axis=None)[:n])] = True
+        with torch.no_grad(), press(pt):
+            pt(torch.tensor(ids[None]), past_key_values=DynamicCache())
+        ours = DuoAttention(streaming=streaming_heads(scores, compression), sinks=8, recent=24)
+        assert np.array_equal(np.asarray(ours.streaming), press.streaming_mask.numpy())
+        prefill, _ = stepper(model, ours, 128 + 1)
+        _, cache = prefill(*left_pad(ids.tolist(), 128))
+        kept = kept_sets(cache)
+        for layer in range(3):
+            masked = pt.model.layers[layer].self_attn.masked_key_indices
+            for h in range(2):
+                gone = {int(s) for b, hh, s in zip(*masked) if int(hh) == h} if masked is not None else set()
+                assert kept[layer][h] == sorted(set(range(T)) - gone), (compression, layer, h)
+
+
+def test_duo_scores_match_kvpress_on_the_fly(sdpa_pair, monkeypatch):
+    """kvpress's on-the-fly DuoAttention scores (the mean query and key repeated with RoPE, the area under the
+    last query's cumulated attention), on the same token rows: kvpress's BookSum download and tokenizer are
+    replaced by these rows, which is all that changes."""
+    import pandas as pd
+
+    from kvjax.heads import duo_scores
+    from kvpress.presses import duo_attention_press as duo
+
+    pt, model = sdpa_pair
+    rows = [np.random.RandomState(s).randint(0, 97, 60).tolist() for s in range(3)]
+
+    class Encoded(dict):
+        def to(self, device):
+            return self
+
+    class FakeData:
+        def to_pandas(self):
+            return pd.DataFrame({"chapter": [f"text{i}" for i in range(len(rows))]})
+
+    monkeypatch.setattr(duo, "load_dataset", lambda *a, **k: FakeData())
+    monkeypatch.setattr(duo.AutoTokenizer, "from_pretrained", lambda *a, **k: (
+        lambda text, return_tensors=None: Encoded(input_ids=torch.tensor([rows[int(text[4:])]]))))
+    duo.cache.clear()
+    theirs = duo.duo_attention_on_the_fly(pt, num_samples=3, q_len=40)
+    ours = duo_scores(model, rows, q_len=40)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@ from kvjax.policies.compose import (
     by_head,
     by_layer,
 )
+from kvjax.policies.duo import DuoAttention, duo_from_pattern, streaming_heads
 from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import (
@@ -46,6 +47,12 @@ def _mat_anchor_slots(budget, anchor_slots, ratio=None):
         raise InvalidInput(f"MAT: ratio={ratio} sizes each row's c as a share of its prompt, but anchor_slots=None: beta is "
                            "a token count to choose (the paper grid-searches it per budget)")
     return max(1, budget // 4)
+
+
+def _needs(value, policy: str, flag: str):
+    if value is None:
+        raise InvalidInput(f"--policy {policy} needs {flag}")
+    return value
 
 
 def default_shallow_layers(num_layers: int | None) -> int:
@@ -136,6 +143,11 @@ REGISTRY.update({
     fold="decode", prefill_mode="full", chunk=None: razor_from_heads(
         heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks, compensate=compensate, fold=fold,
         prefill_mode=prefill_mode, chunk=chunk),
+    # DuoAttention: a pattern (DuoAttention's attn_patterns folder, or a heads file with duo_scores from
+    # `experiments.find_heads --duo`); --head-compression: the share of KV heads made streaming heads
+    "duo": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None, prefill_mode="full",
+    chunk=None: duo_from_pattern(_needs(duo_pattern, "duo", "--duo-pattern"), head_compression, sinks=sinks,
+                                 recent=recent, prefill_mode=prefill_mode, chunk=chunk),
     # RazorAttention Table 1's protocol: the heads of the table kept whole, every other head "only the recent
     # 4K tokens" (--buffer S0, default 4000): no sinks, no compensation token, no N / C.
     "razor-table1": lambda budget, heads=None, buffer=None, prefill_mode="full", chunk=None: razor_from_heads(
@@ -144,7 +156,7 @@ REGISTRY.update({
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo"})
 
 
 def reduces_to(policy: Policy) -> str | None:
@@ -173,9 +185,9 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
+    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "DuoAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
-    "by_layer", "default_shallow_layers", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
+    "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
     "mat_with_sink", "reduces_to",
 ]

@@ -1,0 +1,127 @@
+"""DuoAttention (Xiao et al. 2024, arXiv:2410.10819): retrieval heads keep the whole cache, streaming heads
+keep `sinks` attention sinks and the `recent` latest tokens (StreamingLLM), each kind in its own arrays
+(`kvjax.cache.HeadwiseCache`), so the streaming heads' memory really shrinks (kvpress's `DuoAttentionPress`
+masks the evicted keys instead, which, as its attention patch says, "does not reduce peak memory").
+
+The head pattern is a score per (layer, KV head), higher for a head that needs the whole context:
+
+* DuoAttention's own optimised gates, as its repository ships them (`attn_patterns/<model>/`:
+  `full_attention_heads.tsv` and `config.json` with `sink_size` / `recent_size`), read by
+  `load_pattern(dir)`;
+* kvpress's "on the fly" scores (`kvjax.heads.duo_scores`): the mean query and key of each head over some
+  text, repeated with RoPE, and the area under the cumulated attention curve of the last query;
+* any table of your own.
+
+`head_compression` is the share of KV heads turned into streaming heads: the lowest-scored, as kvpress
+chooses them (`round(n_heads * head_compression)` of them over all layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.errors import InvalidInput, MissingFile
+from kvjax.policies.base import PrefillMode
+from kvjax.policies.compose import ByHead
+from kvjax.policies.ring import FullCache, StreamingLLM
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DuoAttention(ByHead):
+    """`streaming[layer][kv_head]`: True for a streaming head (sinks + recent window), False for a retrieval
+    head (the whole cache)."""
+
+    streaming: tuple[tuple[bool, ...], ...]
+    sinks: int = 128
+    recent: int = 256
+    prefill_mode: PrefillMode = "full"
+    chunk: int | None = None
+
+    def __post_init__(self):
+        rows = self.streaming
+        if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise InvalidInput("DuoAttention: the head table must have the same non-zero number of KV heads per layer")
+        if self.sinks < 0 or self.recent < 1:
+            raise InvalidInput(f"DuoAttention: sinks={self.sinks} must be >= 0 and recent={self.recent} >= 1")
+        StreamingLLM(budget=self.sinks + self.recent, sinks=self.sinks, prefill_mode=self.prefill_mode, chunk=self.chunk)
+
+    def _num_layers(self):
+        return len(self.streaming)
+
+    def check(self, num_layers, num_kv_heads=None):
+        if num_layers != len(self.streaming) or (num_kv_heads is not None and num_kv_heads != len(self.streaming[0])):
+            raise InvalidInput(f"DuoAttention: the head table is {len(self.streaming)} layers x "
+                               f"{len(self.streaming[0])} KV heads, the model has {num_layers} x {num_kv_heads}")
+        super().check(num_layers, num_kv_heads)
+
+    def head_split(self, layer):
+        modes = dict(prefill_mode=self.prefill_mode, chunk=self.chunk)
+        heads = range(len(self.streaming[layer]))
+        full = tuple(h for h in heads if not self.streaming[layer][h])
+        stream = tuple(h for h in heads if self.streaming[layer][h])
+        split = [(full, FullCache(**modes))] if full else []
+        if stream:
+            split.append((stream, StreamingLLM(budget=self.sinks + self.recent, sinks=self.sinks, **modes)))
+        return tuple(split)
+
+    def describe(self):
+        n = sum(map(sum, self.streaming))
+        total = len(self.streaming) * len(self.streaming[0])
+        digest = hashlib.sha1(repr(self.streaming).encode()).hexdigest()[:8]  # which heads, not only how many
+        return (f"DuoAttention(streaming {digest}: {n}/{total} KV heads, sinks={self.sinks}, recent={self.recent}"
+                + ("" if self.prefill_mode == "full" else f", prefill_mode={self.prefill_mode!r}")
+                + ("" if self.chunk is None else f", chunk={self.chunk}") + ")")
+
+
+def streaming_heads(scores, head_compression: float) -> tuple[tuple[bool, ...], ...]:
+    """The `round(size * head_compression)` lowest-scored heads of a `[layers, kv_heads]` score table (kvpress's
+    choice: a stable argsort over the flattened table)."""
+    scores = np.asarray(scores, np.float64)
+    if scores.ndim != 2:
+        raise InvalidInput(f"DuoAttention: head scores must be a [layers, kv_heads] table, got shape {scores.shape}")
+    if not np.all(np.isfinite(scores)):
+        raise InvalidInput("DuoAttention: head scores hold NaN or inf")
+    if not 0 <= head_compression <= 1:
+        raise InvalidInput(f"DuoAttention: head_compression={head_compression} must be in [0, 1]")
+    mask = np.zeros(scores.size, bool)
+    n = round(scores.size * head_compression)
+    if n:
+        mask[np.argsort(scores, axis=None, kind="stable")[:n]] = True
+    return tuple(tuple(bool(x) for x in row) for row in mask.reshape(scores.shape))
+
+
+def load_pattern(path) -> tuple[np.ndarray, int, int]:
+    """(head scores `[layers, kv_heads]` clipped to [0, 1], sink size, recent size) from a DuoAttention pattern
+    directory (`full_attention_heads.tsv`, `config.json`), or a kvjax heads file with `duo_scores`."""
+    path = Path(path)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if "duo_scores" not in data:
+            raise InvalidInput(f"{path} has no 'duo_scores' table (write one with python -m experiments.find_heads "
+                               "--duo)")
+        return np.asarray(data["duo_scores"], np.float64), int(data.get("sink_size", 128)), int(data.get("recent_size", 256))
+    tsv, cfg = path / "full_attention_heads.tsv", path / "config.json"
+    for f in (tsv, cfg):
+        if not f.is_file():
+            raise MissingFile(f"{f} not found: a DuoAttention pattern directory holds full_attention_heads.tsv and "
+                              "config.json (the attn_patterns folders of mit-han-lab/duo-attention)")
+    try:
+        scores = np.loadtxt(tsv, dtype=float, delimiter="\t", ndmin=2)
+        meta = json.loads(cfg.read_text())
+    except ValueError as err:
+        raise InvalidInput(f"{path}: unreadable DuoAttention pattern ({err})") from None
+    return np.clip(scores, 0, 1), int(meta["sink_size"]), int(meta["recent_size"])
+
+
+def duo_from_pattern(path, head_compression: float = 0.5, *, sinks: int | None = None, recent: int | None = None,
+                     prefill_mode: PrefillMode = "full", chunk: int | None = None) -> DuoAttention:
+    """DuoAttention from a pattern (`load_pattern`); `sinks` / `recent` override the pattern's sizes."""
+    scores, sink_size, recent_size = load_pattern(path)
+    return DuoAttention(streaming=streaming_heads(scores, head_compression),
+                        sinks=sink_size if sinks is None else sinks, recent=recent_size if recent is None else recent,
+                        prefill_mode=prefill_mode, chunk=chunk)
