@@ -28,6 +28,9 @@ class StatsRequest:
     * `gate_keep`: at prefill, the prompt is attended under the model's Attention-Gates (eq. 7) and their
       keep flags are handed on. The model computes them (the gates are its weights), not attention:
       attention only applies them as `key_keep`.
+    * `query_moments`: for each `(sinks, future)`, the mean and covariance of the prompt's unrotated queries
+      (positions from `sinks` on), both rotated by RoPE averaged over the `future` positions after the prompt
+      (ExpectedAttention's statistics of future queries). The model computes them (it knows its RoPE).
     """
 
     first_logit: bool = False
@@ -35,12 +38,17 @@ class StatsRequest:
     windows: frozenset[int] = frozenset()
     probs: bool = False
     gate_keep: bool = False
+    query_moments: frozenset[tuple[int, int]] = frozenset()
 
     def __post_init__(self):
         windows = frozenset(self.windows)
         if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
             raise ValueError(f"StatsRequest: windows={sorted(windows, key=str)} must be integers >= 1")
         object.__setattr__(self, "windows", windows)
+        moments = frozenset(tuple(m) for m in self.query_moments)
+        if any(len(m) != 2 or m[0] < 0 or m[1] < 1 for m in moments):
+            raise ValueError(f"StatsRequest: query_moments={sorted(moments)} must be (sinks >= 0, future >= 1) pairs")
+        object.__setattr__(self, "query_moments", moments)
 
     @classmethod
     def window(cls, w: int) -> StatsRequest:
@@ -48,15 +56,23 @@ class StatsRequest:
 
     def __or__(self, other: StatsRequest) -> StatsRequest:
         return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
-                            self.windows | other.windows, self.probs or other.probs, self.gate_keep or other.gate_keep)
+                            self.windows | other.windows, self.probs or other.probs, self.gate_keep or other.gate_keep,
+                            self.query_moments | other.query_moments)
 
     def __bool__(self) -> bool:
-        return self.first_logit or self.colsum or bool(self.windows) or self.probs or self.gate_keep
+        return (self.first_logit or self.colsum or bool(self.windows) or self.probs or self.gate_keep
+                or bool(self.query_moments))
+
+    def attention_part(self) -> StatsRequest:
+        """What attention itself measures (the query moments are the model's)."""
+        return dataclasses.replace(self, query_moments=frozenset())
 
     def names(self) -> list[str]:
         """The requested statistics in words, for error messages."""
-        flags = [f.name for f in dataclasses.fields(self) if f.name != "windows" and getattr(self, f.name)]
-        return flags + [f"window_probs[{w}]" for w in sorted(self.windows)]
+        flags = [f.name for f in dataclasses.fields(self)
+                 if f.name not in ("windows", "query_moments") and getattr(self, f.name)]
+        return (flags + [f"window_probs[{w}]" for w in sorted(self.windows)]
+                + [f"query_moments[{m}]" for m in sorted(self.query_moments)])
 
 
 NO_STATS = StatsRequest()
@@ -76,6 +92,8 @@ class AttentionStats:
     window_probs: Mapping[int, Array] = dataclasses.field(default_factory=dict)
     probs: Array | None = None
     gate_keep: Array | None = None
+    # (sinks, future) -> (mean [b, kvh, g, d], covariance [b, kvh, g, d, d]), grouped by KV head
+    query_moments: Mapping[tuple[int, int], tuple[Array, Array]] = dataclasses.field(default_factory=dict)
 
     def window(self, w: int) -> Array:
         """The last `w` queries' probabilities; a KeyError naming what was computed otherwise."""

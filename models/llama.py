@@ -293,9 +293,12 @@ class Attention(nnx.Module):
         # that carry the gates' training gradient.
         key_keep = keep if keep is None or plan is None else keep > 0
         o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
-            anchor_mask=anchor_mask, key_keep=key_keep, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
+            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted.attention_part(), alibi=self._alibi(),
+            window=self.window, anchor_mask=anchor_mask, key_keep=key_keep, impl=self.cfg.attention_impl,
+            softcap=self.softcap, self_attention=True,
         )
+        if wanted.query_moments:
+            stats = dataclasses.replace(stats, query_moments=self._query_moments(q, pos, wanted.query_moments))
         if plan is not None:
             if keep is not None:
                 stats = dataclasses.replace(stats, gate_keep=key_keep)
@@ -321,9 +324,11 @@ class Attention(nnx.Module):
         for lp in plans:
             wanted = wanted | lp.prefill_stats()
         o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted, alibi=self._alibi(), window=self.window,
-            impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
+            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted.attention_part(), alibi=self._alibi(),
+            window=self.window, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
         )
+        if wanted.query_moments:
+            stats = dataclasses.replace(stats, query_moments=self._query_moments(q, pos, wanted.query_moments))
         return self._out(o), tuple(self._cache_prompt(lp, c, k, k_rot, v, pos, tokens, stats)
                                    for lp, c in zip(plans, caches))
 
@@ -401,6 +406,37 @@ class Attention(nnx.Module):
             q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
         )
         return o, rule.absorb(self.layer, cache, k, v, ctx, stats)
+
+    def _query_moments(self, q, pos, requests):
+        """ExpectedAttention's statistics of future queries, for each `(sinks, future)`: the mean and covariance of
+        the prompt's unrotated queries `q` `[b, h, t, d]` at positions >= sinks, both rotated by RoPE averaged over
+        the `future` positions after each row's prompt (R = mean of the rotation matrices; mean R^T, R cov R^T);
+        grouped by KV head, `[b, kvh, g, d]` and `[b, kvh, g, d, d]`."""
+        if self.cfg.position_embedding != "rope" or self.rope.rope_type == "longrope":
+            raise InvalidInput("ExpectedAttention's future queries need a plain RoPE model (not ALiBi or LongRoPE)")
+        b, h, t, d = q.shape
+        kvh = self.cfg.num_kv_heads
+        q32 = q.astype(jnp.float32)
+        freq = jnp.asarray(_freq(self.rope, d), jnp.float32)
+        length = jnp.max(pos, axis=1) + 1  # [b]
+        half = d // 2
+        flip = np.zeros((d, d), np.float32)  # rotate_half as a matrix: x -> (-x2, x1)
+        flip[half:, :half], flip[:half, half:] = np.eye(half), -np.eye(half)
+        out = {}
+        for sinks, future in sorted(requests):
+            valid = (pos >= sinks)[:, None, :, None]  # [b, 1, t, 1]
+            n = jnp.maximum(jnp.sum(valid, axis=2, keepdims=True), 1)
+            mu = jnp.sum(jnp.where(valid, q32, 0.0), axis=2, keepdims=True) / n  # [b, h, 1, d]
+            centred = jnp.where(valid, q32 - mu, 0.0)
+            cov = jnp.einsum("bhsi,bhsj->bhij", centred, centred) / n
+            ang = (length[:, None] + jnp.arange(future))[..., None].astype(jnp.float32) * freq  # [b, future, d/2]
+            c, s = jnp.cos(ang).mean(axis=1), jnp.sin(ang).mean(axis=1)
+            c, s = jnp.concatenate([c, c], -1), jnp.concatenate([s, s], -1)  # [b, d]
+            rot = c[:, :, None] * jnp.eye(d) + s[:, None, :] * flip  # R[i, k] = cos_k I[i, k] + sin_k P[i, k]
+            mean = jnp.einsum("bhk,bik->bhi", mu[:, :, 0], rot)
+            cov = jnp.einsum("bik,bhkl,bjl->bhij", rot, cov, rot)
+            out[(sinks, future)] = (mean.reshape(b, kvh, h // kvh, d), cov.reshape(b, kvh, h // kvh, d, d))
+        return out
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""

@@ -14,7 +14,7 @@ import pytest
 
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
-from kvjax.policies import TOVA, KeyDiff, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
+from kvjax.policies import TOVA, ExpectedAttention, KeyDiff, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
 from models import load
 from tests.conftest import left_pad, stepper
 
@@ -32,6 +32,10 @@ def ours_and_theirs(name, num_layers):
         "streaming": (StreamingLLM(budget=n_kept, sinks=4), kvpress.StreamingLLMPress(compression_ratio=RATIO, n_sink=4)),
         "knorm": (KNorm(ratio=RATIO), kvpress.KnormPress(compression_ratio=RATIO)),
         "keydiff": (KeyDiff(ratio=RATIO), kvpress.KeyDiffPress(compression_ratio=RATIO)),
+        "expected": (ExpectedAttention(ratio=RATIO), kvpress.ExpectedAttentionPress(compression_ratio=RATIO)),
+        "expected-mean": (ExpectedAttention(ratio=RATIO, future=64, covariance=False, vnorm=False, sinks=2),
+                          kvpress.ExpectedAttentionPress(compression_ratio=RATIO, n_future_positions=64,
+                                                         use_covariance=False, use_vnorm=False, n_sink=2)),
         "tova": (TOVA(ratio=RATIO), kvpress.TOVAPress(compression_ratio=RATIO)),
         "observed": (ObservedAttention(ratio=RATIO, normalize=True, group_agg="mean"),
                      kvpress.ObservedAttentionPress(compression_ratio=RATIO)),
@@ -55,7 +59,8 @@ def model_pair(request, tmp_path_factory):
     return pt, load(path).model
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming", "knorm", "keydiff", "tova", "observed", "pyramidkv"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming", "knorm", "keydiff", "expected", "expected-mean", "tova",
+                                  "observed", "pyramidkv"])
 def test_kept_positions_and_next_logits_match_kvpress(model_pair, name):
     from transformers import DynamicCache
 

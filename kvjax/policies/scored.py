@@ -330,6 +330,50 @@ class KNorm(ScoredPolicy):
         return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpectedAttention(ScoredPolicy):
+    """ExpectedAttention (kvpress's `ExpectedAttentionPress`): the attention future queries are expected to pay
+    each key, from the statistics of the prompt's queries. With the mean mu and covariance S of the unrotated
+    queries (positions from `sinks` on), both rotated by RoPE averaged over the `future` positions after the
+    prompt, a key k scores softmax_k(k . mu / sqrt(d) + k^T S k / (2 d)) (the expectation of exp(q k / sqrt(d))
+    for Gaussian queries; `covariance=False` drops the second term), averaged over the KV group's query heads
+    and times |v| (`vnorm`, plus `epsilon` first). The first `sinks` tokens are always kept.
+    The query statistics are the whole prompt's, so a chunked prefill is refused."""
+
+    observation_window: int = 0
+    sinks: int = 4
+    future: int = 512
+    covariance: bool = True
+    vnorm: bool = True
+    epsilon: float = 0.0
+    chunk_refusal = "its statistics of future queries are the whole prompt's"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0 or self.future < 1:
+            raise InvalidInput(f"ExpectedAttention: sinks={self.sinks} must be >= 0 and future={self.future} >= 1")
+        if self.prefill_mode == "chunked":
+            raise InvalidInput(f"ExpectedAttention cannot run prefill_mode='chunked': {self.chunk_refusal}")
+
+    def prefill_stats(self, layer):
+        return StatsRequest(query_moments=frozenset({(self.sinks, self.future)}))
+
+    def score(self, layer, k, v, pos, stats):
+        mean, cov = stats.query_moments[(self.sinks, self.future)]  # [b, kvh, g, d], [b, kvh, g, d, d]
+        d = k.shape[-1]
+        k = k.astype(jnp.float32)
+        s = jnp.einsum("bhgd,bhtd->bhgt", mean, k) / jnp.sqrt(d)
+        if self.covariance:
+            s = s + jnp.einsum("bhti,bhgij,bhtj->bhgt", k, cov, k) / d / 2
+        p = pos if pos.ndim == 3 else pos[:, None, :]
+        scored = ((p >= self.sinks) & (p >= 0))[:, :, None]  # the sinks are not scored (kvpress drops them)
+        s = jax.nn.softmax(jnp.where(scored, s, -jnp.inf), axis=-1).mean(axis=2)  # [b, kvh, t]
+        if self.vnorm:
+            s = (s + self.epsilon) * jnp.linalg.norm(v.astype(jnp.float32), axis=-1)
+        top = jnp.max(jnp.where(scored[:, :, 0], s, -jnp.inf)) + 1  # the sinks above every scored key
+        return jnp.where((p >= 0) & (p < self.sinks), top, jnp.where(scored[:, :, 0], s, -jnp.inf))
+
+
 @renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KeyDiff(ScoredPolicy):
@@ -366,4 +410,4 @@ def _check(policy, pool=None, group_agg=None, kernel=None):
         raise InvalidInput(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
 
 
-__all__ = ["KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
+__all__ = ["ExpectedAttention", "KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
