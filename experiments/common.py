@@ -24,7 +24,7 @@ RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
 # Policy options on the command line; each is passed to the policies that take it (REGISTRY).
 POLICY_OPTIONS = ("sinks", "anchor_slots", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
                   "observation_window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
-                  "compensate", "fold", "bucket", "chunk", "duo_pattern", "head_compression")
+                  "compensate", "fold", "bucket", "chunk", "duo_pattern", "head_compression", "adakv_alpha")
 
 
 # ---- renamed flags: the old spelling still parses, with a warning naming the new one ----
@@ -181,6 +181,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                                          "(python -m experiments.find_heads --duo)")
     g.add_argument("--head-compression", type=fraction_removed,
                    help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
+    g.add_argument("--adakv-alpha", type=probability,
+                   help="AdaKV: the share of its count each head keeps before the top-k over the layer; default 0.2")
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
     g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
                                                        "this; default 64")

@@ -170,3 +170,35 @@ def test_duo_scores_match_kvpress_on_the_fly(sdpa_pair, monkeypatch):
     theirs = duo.duo_attention_on_the_fly(pt, num_samples=3, q_len=40)
     ours = duo_scores(model, rows, q_len=40)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_adakv_kept_positions_per_head_match_kvpress(sdpa_pair):
+    """AdaKV(SnapKV): the positions each KV head keeps after the layer-wide top-k (each head first keeping
+    its alpha share) are those kvpress's AdaKVPress leaves unmasked, at two ratios; the heads keep different
+    counts whose sum is the layer's budget."""
+    from transformers import DynamicCache
+
+    from kvjax.policies import AdaKV
+
+    pt, model = sdpa_pair
+    ids = np.random.RandomState(9).randint(0, 97, T)
+    varied = False
+    for ratio in (0.5, 0.8):
+        press = kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW,
+                                                       kernel_size=KERNEL), alpha_safeguard=0.2)
+        with torch.no_grad(), press(pt):
+            pt(torch.tensor(ids[None]), past_key_values=DynamicCache())
+        ours = AdaKV(scorer=SnapKV(ratio=ratio, observation_window=WINDOW, kernel=KERNEL, pool="avg",
+                                   group_agg="mean"), alpha=0.2)
+        prefill, _ = stepper(model, ours, 128 + 1)
+        _, cache = prefill(*left_pad(ids.tolist(), 128))
+        kept = kept_sets(cache)
+        n_kept = int(T * (1 - ratio))
+        for layer in range(3):
+            masked = pt.model.layers[layer].self_attn.masked_key_indices
+            for h in range(2):
+                gone = {int(s) for b, hh, s in zip(*masked) if int(hh) == h}
+                assert kept[layer][h] == sorted(set(range(T)) - gone), (ratio, layer, h)
+            assert sum(len(x) for x in kept[layer]) == 2 * n_kept
+            varied |= len(kept[layer][0]) != len(kept[layer][1])
+    assert varied  # the heads really keep different counts

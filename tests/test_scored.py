@@ -214,3 +214,23 @@ def test_token_by_token_scoring_refuses_prefill_only_compressors(sharp_dir):
     with pytest.raises(ValueError, match=r"SnapKV\(.*compresses a whole prompt once"):
         perplexity(model, ids, SnapKV(budget=16, observation_window=4))
     assert np.isfinite(perplexity(model, ids, H2O(budget=16, recent=4, prefill_mode="stream")))
+
+
+def test_ratio_counts_under_jit_are_kvpress_float64_counts(sharp_dir):
+    """A ratio's count is kvpress's `int(n * (1 - ratio))` in float64, also under jit: 100 tokens at ratio 0.8
+    keep 19 (float32 rounds 100 * 0.2 up to 20, one slot more than kvpress), for a prompt compressor and for a
+    ring policy's per-row budget."""
+    import jax.numpy as jnp
+
+    from kvjax.cache import kept_sets
+    from kvjax.policies import StreamingLLM
+    from models import load
+    from tests.conftest import left_pad, random_ids, stepper
+
+    assert int(100 * (1 - 0.8)) == 19 and int(np.float32(100) * np.float32(1 - 0.8)) == 20
+    model = load(sharp_dir).model
+    ids = random_ids(100, 260, seed=90)
+    for policy in (SnapKV(ratio=0.8, observation_window=4, kernel=3), StreamingLLM(budget=None, ratio=0.8, sinks=2)):
+        prefill, _ = stepper(model, policy, 128 + 2)
+        _, cache = prefill(*left_pad(ids, 128))
+        assert all(len(h) == 19 for layer in kept_sets(cache) for h in layer), policy.describe()

@@ -29,6 +29,7 @@ from kvjax.policies.recompress import Recompress
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
 from kvjax.policies.scored import (
     TOVA,
+    AdaKV,
     ExpectedAttention,
     KeyDiff,
     KNorm,
@@ -128,6 +129,10 @@ REGISTRY.update({
     "knorm": lambda budget, ratio=None, observation_window=0, positions="absolute", prefill_mode="full", chunk=None:
         _scored(KNorm, budget, ratio, observation_window=observation_window, positions=positions,
                 prefill_mode=prefill_mode, chunk=chunk),
+    # AdaKV on SnapKV's score: one top-k over a layer's heads, each head at least --adakv-alpha of the count
+    "adakv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    adakv_alpha=0.2: AdaKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel,
+                                          pool=pool, group_agg=group_agg), alpha=adakv_alpha),
     "expected-attention": lambda budget, ratio=None, observation_window=0, sinks=4, positions="absolute",
     prefill_mode="full", chunk=None: _scored(ExpectedAttention, budget, ratio, observation_window=observation_window,
                                              sinks=sinks, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
@@ -189,7 +194,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
+    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",

@@ -295,11 +295,19 @@ def check_ratio(policy: LayerPolicy, budget: int | None, name: str = "budget") -
                            "prompt of any length; give a token budget)")
 
 
-def ratio_slots(length, ratio: float, least: int):
+def ratio_slots(length, ratio: float, least: int, bound: int | None = None):
     """Slots a row keeps for a `length`-token prompt: `max(least, floor(length (1 - ratio)))` (numpy or
-    jnp lengths); `least` is what the rule cannot do without (sinks + the current token, the recent window)."""
-    xp = jnp if isinstance(length, jax.Array) else np
-    return xp.maximum(least, xp.floor(length * (1 - ratio))).astype(xp.int32)
+    jnp lengths); `least` is what the rule cannot do without (sinks + the current token, the recent window).
+
+    Computed in float64 as kvpress computes `int(n * (1 - ratio))`: in float32, 100 * (1 - 0.8) rounds up to
+    20 where float64 gives 19.999..., one slot more than kvpress. A jnp `length` (traced) reads a table of
+    every length up to `bound`, made on the host in float64."""
+    if isinstance(length, jax.Array):
+        if bound is None:
+            raise ValueError("ratio_slots of traced lengths needs their bound (the prompt's padded length)")
+        table = np.maximum(least, np.floor(np.arange(bound + 1) * (1 - ratio))).astype(np.int32)
+        return jnp.asarray(table)[jnp.clip(length, 0, bound)]
+    return np.maximum(least, np.floor(np.asarray(length, np.float64) * (1 - ratio))).astype(np.int32)
 
 
 class RatioBudget:
@@ -317,9 +325,9 @@ class RatioBudget:
         """The fewest slots the rule works with (sinks + the current token, the recent window, ...)."""
         raise NotImplementedError
 
-    def row_slots(self, length):
-        """Slots a row keeps for a `length`-token prompt under `ratio`."""
-        return ratio_slots(length, self.ratio, self.least_slots())
+    def row_slots(self, length, bound: int | None = None):
+        """Slots a row keeps for a `length`-token prompt under `ratio` (`bound`: the padded length of traced ones)."""
+        return ratio_slots(length, self.ratio, self.least_slots(), bound)
 
     def ratio_capacity(self, max_len: int, prompt_len: int) -> int:
         """The array's slot count under `ratio`: what the bucket's longest prompt (`prompt_len`) keeps."""
@@ -327,7 +335,7 @@ class RatioBudget:
 
     def prompt_rows(self, cache: LayerCache, pos: Int[Array, "b t"]) -> Int[Array, "b"]:
         """Each row's slot count for its prompt at positions `pos` (left or right padded with -1)."""
-        return jnp.minimum(self.row_slots(jnp.max(pos, axis=1) + 1), cache.capacity)
+        return jnp.minimum(self.row_slots(jnp.max(pos, axis=1) + 1, pos.shape[1]), cache.capacity)
 
     def size_rows(self, layer, cache: LayerCache, ctx: Context) -> LayerCache:
         return cache if self.ratio is None else kvcache.limit_rows(cache, self.prompt_rows(cache, ctx.pos))

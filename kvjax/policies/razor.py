@@ -123,12 +123,12 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
         room = max_len - prompt_len if self.fold == "prefill" else 0
         return kept + room + int(self.compensate)
 
-    def _row_windows(self, n, kvh):
-        """`[b, kvh]` window length per row and head."""
+    def _row_windows(self, n, kvh, bound: int):
+        """`[b, kvh]` window length per row and head (`bound`: the prompt's padded length)."""
         if self.scopes is not None:
             return jnp.broadcast_to(jnp.asarray(self.scopes, jnp.int32), (n.shape[0], kvh))
         if self.ratio is not None:
-            win = self.row_slots(n) - self.sinks - int(self.compensate)
+            win = self.row_slots(n, bound) - self.sinks - int(self.compensate)
         else:
             win = buffer_length(n, self.buffer, self.compression)
         return jnp.broadcast_to(win[:, None], (n.shape[0], kvh))
@@ -139,7 +139,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
         # own N (or its ratio's share), rides in the slots' score, as after a full prefill.
         if self.scopes is not None:
             return cache
-        win = self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1])[..., None]
+        win = self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1], pos.shape[1])[..., None]
         window_slots = jnp.arange(cache.capacity) < self._layout(cache.capacity)[1]  # not the compensation slot
         return dataclasses.replace(cache, score=jnp.where(window_slots, win, cache.score).astype(cache.score.dtype))
 
@@ -147,7 +147,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
         pos = ctx.pos
         b, kvh, t, _ = k.shape
         n = jnp.max(pos, axis=1) + 1  # real tokens per row (left padded)
-        win = self._row_windows(n, kvh)  # [b, kvh]
+        win = self._row_windows(n, kvh, t)  # [b, kvh]
         p = pos[:, None, :]  # [b, 1, t]
         real = p >= 0
         keep = real & ((p < self.sinks) | (p >= (n[:, None, None] - win[:, :, None])))

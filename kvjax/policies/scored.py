@@ -122,6 +122,12 @@ class ScoredPolicy(LayerPolicy):
             return xp.minimum(length, self.budget)
         return xp.maximum(1, xp.floor(length * (1 - self.ratio))).astype(xp.int32)
 
+    def _keep(self, layer: int, length, bound: int):
+        """`keep_count` of traced lengths as its float64 (numpy) form gives them, kvpress's `int(n * (1 - ratio))`
+        (float32 would round 100 * 0.2 up to 20): a table over 0..`bound` made on the host."""
+        table = np.asarray(self.keep_count(layer, np.arange(bound + 1)), np.int32)
+        return jnp.asarray(table)[jnp.clip(length, 0, bound)]
+
     # -- shared -----------------------------------------------------------------------
     def capacity(self, layer, max_len, prompt_len=0):
         # The most any prompt of this bucket keeps, plus a slot for every decoded token.
@@ -131,7 +137,7 @@ class ScoredPolicy(LayerPolicy):
     def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
         length = jnp.max(pos, axis=1) + 1  # [b]
-        n_keep = self.keep_count(layer, length)[:, None, None]
+        n_keep = self._keep(layer, length, pos.shape[1])[:, None, None]
         p = pos[:, None, :]
         real = p >= 0
         in_window = real & (p >= (length - self.observation_window)[:, None, None])
@@ -148,6 +154,7 @@ class ScoredPolicy(LayerPolicy):
         real = both.pos >= 0
         in_window = real & (both.pos >= (length - self.observation_window)[:, None, None])
         rank, stored = self._chunk_scores(layer, both, stats)
+        # (a token budget: chunked prefill takes no ratio, so min(length, budget) is exact in any precision)
         keep = kvcache.keep_top(rank, real, in_window, self.keep_count(layer, length)[:, None, None])
         both = dataclasses.replace(both, score=stored.astype(both.score.dtype))
         return kvcache.take_slots(both, kvcache.compact(keep, cache.capacity, right=True))
@@ -397,6 +404,71 @@ class KeyDiff(ScoredPolicy):
         return -cos
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaKV(LayerPolicy):
+    """AdaKV (Feng et al. 2024, arXiv:2407.11550) on any prompt compressor's score (`AdaKV(SnapKV(ratio=0.5))`):
+    instead of each KV head keeping the scorer's count, a layer keeps its KV heads' total (heads x count) by one
+    top-k over all its heads' scores, so heads keep different numbers of tokens; each head first keeps its
+    `alpha` share of the count (at least 1), the paper's safeguard. The scorer's observation window is kept in
+    every head. As kvpress's `AdaKVPress`.
+
+    Memory: the per-head counts are only known after the prompt, and this cache keeps kvjax's `[b, kvh, C]`
+    layout, so C is the prompt's length: evicted slots are emptied, not freed (kvpress masks them). A pooled
+    layout with per-head offsets, whose bytes are the sum of the per-head budgets, is not implemented."""
+
+    scorer: ScoredPolicy
+    alpha: float = 0.2
+    evicts_while_decoding = False
+
+    def __post_init__(self):
+        if not isinstance(self.scorer, ScoredPolicy):
+            raise InvalidInput(f"AdaKV: scorer={self.scorer!r} is not a prompt compressor (SnapKV, PyramidKV, SlimKV, "
+                               "TOVA, KNorm, KeyDiff, ExpectedAttention, ObservedAttention)")
+        if not 0 <= self.alpha <= 1:
+            raise InvalidInput(f"AdaKV: alpha={self.alpha} must be in [0, 1]")
+        if self.scorer.prefill_mode != "full":
+            raise InvalidInput("AdaKV: the scorer must attend the whole prompt (prefill_mode='full'): the top-k runs "
+                               "over every head's scores of the prompt")
+        object.__setattr__(self, "positions", self.scorer.positions)
+        object.__setattr__(self, "prefill_mode", "full")
+        super().__post_init__()
+
+    def prefill_stats(self, layer):
+        return self.scorer.prefill_stats(layer)
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return max_len  # a head may keep up to its whole prompt (see the class docstring)
+
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        pos = ctx.pos
+        sc = self.scorer
+        length = jnp.max(pos, axis=1) + 1  # [b]
+        p = pos[:, None, :]
+        real = p >= 0
+        in_window = real & (p >= (length - sc.observation_window)[:, None, None])
+        n_keep = sc._keep(layer, length, pos.shape[1])  # [b] per head
+        score = jnp.where(real, sc.score(layer, k, v, pos, stats).astype(jnp.float32), -jnp.inf)
+        top = jnp.max(jnp.where(real & ~in_window, score, -jnp.inf), axis=(1, 2), keepdims=True)
+        score = jnp.where(in_window, top + 1, score)  # the window above every scored key (kvpress: max + 1)
+        n_safe = jnp.where(n_keep > 0, jnp.maximum(1, jnp.floor(n_keep * self.alpha)), 0).astype(jnp.int32)
+        rank = jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1)
+        score = jnp.where(real & (rank < n_safe[:, None, None]), jnp.finfo(jnp.float32).max, score)
+        b, kvh, t = score.shape
+        flat = score.reshape(b, kvh * t)
+        grank = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1).reshape(b, kvh, t)
+        keep = real & (grank < (kvh * n_keep)[:, None, None])
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
+
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        return kvcache.append(cache, k, v, ctx.pos)
+
+    def check(self, num_layers, num_kv_heads=None):
+        self.scorer.check(num_layers, num_kv_heads)
+
+    def describe(self):
+        return f"AdaKV(scorer={self.scorer.describe()}, alpha={self.alpha})"
+
+
 def _check(policy, pool=None, group_agg=None, kernel=None):
     name = type(policy).__name__
     # `pool1d` pads kernel // 2 on each side, which keeps the length only for odd kernels; an even
@@ -410,4 +482,4 @@ def _check(policy, pool=None, group_agg=None, kernel=None):
         raise InvalidInput(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
 
 
-__all__ = ["ExpectedAttention", "KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
+__all__ = ["AdaKV", "ExpectedAttention", "KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
