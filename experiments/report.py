@@ -68,6 +68,8 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
 SECTIONS = ("perplexity", "razor", "longbench", "ruler", "zeroshot", "passkey", "efficiency")
 # The compression baselines of the RULER section (SlimKV Table 1's, with kvpress's TOVA and KNorm).
 RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "knorm")
+# The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff; DuoAttention from the model's own head scores) beside them
+RULER_2026 = ("adakv", "expected-attention", "keydiff")
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 RENAMED = {"needle": "razor"}  # section 2 ran on the needle before it ran on the passkey task
 
@@ -211,11 +213,23 @@ def main(argv: list[str] | None = None) -> int:
         length = args.ruler_length or min(4096, n)
         tasks = args.ruler_tasks.split(",")
 
+        duo = out / "duo.json"
+        if not duo.is_file():  # DuoAttention's head scores on the fly (kvpress's method), on offline text
+            from experiments.common import default_text
+            from kvjax.heads import duo_scores, save_heads
+
+            ids = lm.tokenizer(default_text(), add_special_tokens=False)["input_ids"]
+            win = min(1024, n)
+            rows = [ids[i:i + win] for i in range(0, 8 * win, win)]
+            save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
+                       recent_size=256)
+
         def at_ratios(room):
             pols = {"full": driver.resolve_policies("full")["full"]}
             for r in args.ruler_ratios:
-                for name, pol in driver.resolve_policies(RULER_POLICIES, ratio=r, num_layers=depth).items():
+                for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth).items():
                     pols[f"{name}@{r:g}"] = pol
+                pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
             return pols
 
         res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
@@ -226,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                f"compressed cache; `name@r` removes a share r of each prompt. Tasks {', '.join(tasks)}, "
                f"{args.ruler_samples} samples each (one sample is {100 / args.ruler_samples:.0f} points of a task).",
                "", res.table, ""]
+        md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
+               f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
+               f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
+               "score with its evicted slots emptied, not freed.", ""]
+        for r in args.ruler_ratios:
+            new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "duo")}
+            claims.append(f"The 2026 baselines on RULER-{length} at ratio {r:g} (average %): "
+                          + ", ".join(f"{k} {v}" for k, v in new.items()) + f"; full {scores['full']}")
         for r in args.ruler_ratios:
             slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
             n_items = args.ruler_samples * len(tasks)

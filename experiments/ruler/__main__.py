@@ -48,7 +48,7 @@ from kvjax.errors import InvalidInput
 # kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
 LEADERBOARD_RATIOS = (0.25, 0.5, 0.75, 0.875)
 LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "knorm", "h2o-prefill", "mat", "slimkv",
-                        "h2o")
+                        "h2o", "adakv", "expected-attention", "keydiff")
 
 
 def parse(argv):
@@ -83,7 +83,8 @@ def parse(argv):
     if args.preset:
         if args.ratios or args.compare or args.policy:
             p.error("--preset leaderboard sets --ratios and --compare itself")
-        extra = [n for n, given in (("razor", args.heads), ("gate", args.gate_params)) if given]
+        extra = [n for n, given in (("razor", args.heads), ("gate", args.gate_params), ("duo", args.duo_pattern))
+                 if given]
         args.compare, args.ratios = ",".join(LEADERBOARD_POLICIES + tuple(extra)), LEADERBOARD_RATIOS
     else:
         parse_ratios(p, args)
