@@ -247,7 +247,9 @@ def test_train_gate_cli_cpt_then_generate(tiny_dir, tmp_path, capsys):
     assert gen_cli.main(["--model", str(tiny_dir), "--policy", "gate", "--gate-params", str(out), "--bucket", "8",
                          "--max-new-tokens", "3", "hello world, hello"]) == 0
     assert "GateEviction" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="needs --gate-params"):
+    from kvjax.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="needs --gate-params"):
         gen_cli.main(["--model", str(tiny_dir), "--policy", "gate", "hi"])
 
 
