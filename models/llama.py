@@ -27,10 +27,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax import attention
-from kvjax import cache as kvcache
-from kvjax.cache import AnyLayerCache, Cache, HeadwiseCache, LayerCache
+from kvjax import layer as layer_fns
+from kvjax.cache import AnyLayerCache, Cache, LayerCache
 from kvjax.deprecated import renamed_keywords
-from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.plan import LayerPlan, Plan, resolve
@@ -217,24 +216,6 @@ def _linear(i, o, bias, dtype, rngs, std=0.02):
     return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
 
-def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
-    """`[(kv_heads, rule, cache)]` of a layer's plan: its one rule over all its KV heads (`kv_heads`
-    None), or each head group's heads, rule and cache. Prefill, chunks, decoding and `size_rows` all
-    go through it."""
-    if not plan.split:
-        return [(None, plan.groups[0].rule, cache)]
-    return [(list(g.kv_heads), g.rule, c) for g, c in zip(plan.groups, cache.groups)]
-
-
-def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
-    """The layer's cache from what `rule_groups`' rules returned, in its order."""
-    return caches[0] if isinstance(cache, LayerCache) else HeadwiseCache(tuple(caches), cache.heads)
-
-
-def kv_heads(x: Float[Array, "b kvh ..."], heads: list[int] | None) -> Float[Array, "b kvh2 ..."]:
-    return x if heads is None else x[:, heads]
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -267,6 +248,15 @@ class Attention(nnx.Module):
         b, h, t, d = o.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, h * d))
 
+    @property
+    def geometry(self) -> layer_fns.Geometry:
+        """This layer's attention for `kvjax.layer`: scale, window, soft-cap, ALiBi slopes and its RoPE."""
+        c = self.cfg
+        return layer_fns.Geometry(
+            layer=self.layer, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            scale=self.scale, rope=self._rotate if c.position_embedding == "rope" else None, alibi=self._alibi(),
+            window=self.window, softcap=self.softcap, impl=c.attention_impl)
+
     def prefill(
         self,
         x: Float[Array, "b t D"],
@@ -280,7 +270,6 @@ class Attention(nnx.Module):
         (eq. 7) when a gate runs: in the plain forward (`plan` None), and at prefill under a plan
         whose rules ask for them. With a plan, each of its groups caches its heads under its rule."""
         q, k, v = self._qkv(x)
-        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
         wanted = NO_STATS if plan is None else plan.prefill_stats()
         keep = None
         if wanted.gate_keep and self.gate is None:
@@ -292,45 +281,15 @@ class Attention(nnx.Module):
         # lets attention skip the blocks every head evicted; the plain forward keeps the float flags
         # that carry the gates' training gradient.
         key_keep = keep if keep is None or plan is None else keep > 0
-        o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted.attention_part(), alibi=self._alibi(),
-            window=self.window, anchor_mask=anchor_mask, key_keep=key_keep, impl=self.cfg.attention_impl,
-            softcap=self.softcap, self_attention=True,
-        )
-        if wanted.query_moments:
-            stats = dataclasses.replace(stats, query_moments=self._query_moments(q, pos, wanted.query_moments))
-        if plan is not None:
-            if keep is not None:
-                stats = dataclasses.replace(stats, gate_keep=key_keep)
-            cache = self._cache_prompt(plan, cache, k, k_rot, v, pos, tokens, stats)
+        o, cache = layer_fns.prefill(self.geometry, plan, cache, q, k, v, pos, tokens, anchor_mask=anchor_mask,
+                                     key_keep=key_keep, gate_keep=None if keep is None or plan is None else key_keep)
         return self._out(o), cache, keep
 
-    def _cache_prompt(self, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats):
-        """Each head group of the layer's `plan` builds its cache from the attended prompt (`stats` hold at least
-        what its rule asked for)."""
-        k_store = k if plan.position_mode == "rolling" else k_rot
-        ctx = Context(pos, tokens)
-        return regroup(cache, [
-            rule.prefill(self.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
-                         stats if heads is None else stats.map(lambda a: a[:, heads]))
-            for heads, rule, c in rule_groups(plan, cache)])
-
     def prefill_shared(self, x, pos, plans: tuple[LayerPlan, ...], caches, tokens):
-        """A prompt attended once for several plans of this layer (none with an eq. 4 mask or gates: the
-        attention is then the same for all), each caching it under its own rule: `(output, caches)`."""
+        """A prompt attended once for several plans of this layer (`kvjax.layer.prefill_shared`)."""
         q, k, v = self._qkv(x)
-        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
-        wanted = NO_STATS
-        for lp in plans:
-            wanted = wanted | lp.prefill_stats()
-        o, stats = attention.prefill_attention(
-            q_rot, k_rot, v, pos, pos, scale=self.scale, stats=wanted.attention_part(), alibi=self._alibi(),
-            window=self.window, impl=self.cfg.attention_impl, softcap=self.softcap, self_attention=True,
-        )
-        if wanted.query_moments:
-            stats = dataclasses.replace(stats, query_moments=self._query_moments(q, pos, wanted.query_moments))
-        return self._out(o), tuple(self._cache_prompt(lp, c, k, k_rot, v, pos, tokens, stats)
-                                   for lp, c in zip(plans, caches))
+        o, caches = layer_fns.prefill_shared(self.geometry, plans, caches, q, k, v, pos, tokens)
+        return self._out(o), caches
 
     def extend(
         self,
@@ -342,101 +301,17 @@ class Attention(nnx.Module):
     ) -> Float[Array, "b t D"]:
         """A chunk attending the read-only `cache` (absolute positions) and itself."""
         q, k, v = self._qkv(x)
-        q_rot, k_rot = self._rotate(q, pos[:, None, :]), self._rotate(k, pos[:, None, :])
-        o, _ = attention.prefix_attention(
-            q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=self.scale,
-            slot_visible=plan.rule.prefix_visible(self.layer, cache, anchor_mask), anchor_mask=anchor_mask,
-            alibi=self._alibi(), window=self.window, softcap=self.softcap, impl=self.cfg.attention_impl,
-        )
-        return self._out(o)
+        return self._out(layer_fns.extend(self.geometry, plan, cache, q, k, v, pos, anchor_mask))
 
     def chunk(
         self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], plan: LayerPlan, cache: AnyLayerCache,
         tokens: Int[Array, "b n"],
     ) -> tuple[Float[Array, "b n D"], AnyLayerCache]:
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
-        then the policy folds it into the cache (see `kvjax.policies.base`); head groups one by one."""
+        then the policy folds it into the cache (`kvjax.layer.chunk`)."""
         q, k, v = self._qkv(x)
-        o, cache = self._per_group(plan, cache, q, k, v, lambda q, k, v, rule, c, slopes:
-                                   self._chunk_heads(q, k, v, pos, rule, c, tokens, slopes))
+        o, cache = layer_fns.chunk(self.geometry, plan, cache, q, k, v, pos, tokens)
         return self._out(o), cache
-
-    def _per_group(self, plan: LayerPlan, cache: AnyLayerCache, q, k, v, run):
-        """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the
-        `plan` splits the KV heads (`rule_groups`), each group with its query heads, its KV heads, its
-        own rule, cache and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
-        slopes = self._alibi()
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        outs, caches, order = [], [], []
-        for heads, sub, c in rule_groups(plan, cache):
-            if heads is None:
-                return run(q, k, v, sub, c, slopes)
-            qh = [h * g + j for h in heads for j in range(g)]
-            o, c = run(q[:, qh], k[:, heads], v[:, heads], sub, c, None if slopes is None else slopes[qh])
-            outs.append(o)
-            caches.append(c)
-            order += qh
-        return jnp.concatenate(outs, axis=1)[:, np.argsort(order)], regroup(cache, caches)
-
-    def _chunk_heads(self, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
-        """The query heads `q` `[b, h', n, d]` of one chunk, reading KV heads `k, v` `[b, kvh', n, d]`
-        and their `cache` under `rule`: `(output [b, h', n, d], cache)`."""
-        ctx = Context(pos, tokens)
-        cache = rule.make_room(self.layer, cache, ctx)
-        slot_visible, chunk_visible = rule.chunk_visible(self.layer, cache, ctx)
-        kw = dict(scale=self.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
-                  window=self.window, softcap=self.softcap, stats=rule.chunk_stats(self.layer),
-                  impl=self.cfg.attention_impl)
-        if rule.position_mode(self.layer) == "absolute":
-            k_rot = self._rotate(k, pos[:, None, :])
-            o, stats = attention.prefix_attention(self._rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
-                                                  cache.pos, cache.log_w, **kw)
-            return o, rule.absorb(self.layer, cache, k_rot, v, ctx, stats)
-        # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at
-        # its true distance (rotated relative to the chunk's last position, keeping angles small); a sink
-        # is ranked first, so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
-        if slopes is not None:
-            raise InvalidInput("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
-        sinks = rule.rolling_sinks(self.layer, cache.capacity)
-        base = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]
-        coord = lambda p: jnp.where(p < sinks, p, p - base[..., None] if p.ndim == 3 else p - base)  # noqa: E731
-        o, stats = attention.prefix_attention(
-            self._rotate(q, (pos - base)[:, None, :]), self._rotate(k, coord(pos)[:, None, :]), v, pos,
-            self._rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
-            q_sinks=self._rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
-        )
-        return o, rule.absorb(self.layer, cache, k, v, ctx, stats)
-
-    def _query_moments(self, q, pos, requests):
-        """ExpectedAttention's statistics of future queries, for each `(sinks, future)`: the mean and covariance of
-        the prompt's unrotated queries `q` `[b, h, t, d]` at positions >= sinks, both rotated by RoPE averaged over
-        the `future` positions after each row's prompt (R = mean of the rotation matrices; mean R^T, R cov R^T);
-        grouped by KV head, `[b, kvh, g, d]` and `[b, kvh, g, d, d]`."""
-        if self.cfg.position_embedding != "rope" or self.rope.rope_type == "longrope":
-            raise InvalidInput("ExpectedAttention's future queries need a plain RoPE model (not ALiBi or LongRoPE)")
-        b, h, t, d = q.shape
-        kvh = self.cfg.num_kv_heads
-        q32 = q.astype(jnp.float32)
-        freq = jnp.asarray(_freq(self.rope, d), jnp.float32)
-        length = jnp.max(pos, axis=1) + 1  # [b]
-        half = d // 2
-        flip = np.zeros((d, d), np.float32)  # rotate_half as a matrix: x -> (-x2, x1)
-        flip[half:, :half], flip[:half, half:] = np.eye(half), -np.eye(half)
-        out = {}
-        for sinks, future in sorted(requests):
-            valid = (pos >= sinks)[:, None, :, None]  # [b, 1, t, 1]
-            n = jnp.maximum(jnp.sum(valid, axis=2, keepdims=True), 1)
-            mu = jnp.sum(jnp.where(valid, q32, 0.0), axis=2, keepdims=True) / n  # [b, h, 1, d]
-            centred = jnp.where(valid, q32 - mu, 0.0)
-            cov = jnp.einsum("bhsi,bhsj->bhij", centred, centred) / n
-            ang = (length[:, None] + jnp.arange(future))[..., None].astype(jnp.float32) * freq  # [b, future, d/2]
-            c, s = jnp.cos(ang).mean(axis=1), jnp.sin(ang).mean(axis=1)
-            c, s = jnp.concatenate([c, c], -1), jnp.concatenate([s, s], -1)  # [b, d]
-            rot = c[:, :, None] * jnp.eye(d) + s[:, None, :] * flip  # R[i, k] = cos_k I[i, k] + sin_k P[i, k]
-            mean = jnp.einsum("bhk,bik->bhi", mu[:, :, 0], rot)
-            cov = jnp.einsum("bik,bhkl,bjl->bhij", rot, cov, rot)
-            out[(sinks, future)] = (mean.reshape(b, kvh, h // kvh, d), cov.reshape(b, kvh, h // kvh, d, d))
-        return out
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -458,46 +333,8 @@ class Attention(nnx.Module):
         self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], plan: LayerPlan, cache: AnyLayerCache, tokens=None
     ):
         q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
-        o, cache = self._per_group(plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0],
-                                   lambda q, k, v, rule, c, slopes: self._decode_heads(q, k, v, pos, rule, c, slopes,
-                                                                                       tokens))
+        o, cache = layer_fns.decode(self.geometry, plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos, tokens)
         return self._out(o[:, :, None, :]), cache
-
-    def _decode_heads(self, q, k, v, pos, policy, cache: LayerCache, slopes, tokens=None):
-        """One token through `cache` for the query heads `q` `[b, h', d]` reading KV heads `k, v` `[b, kvh', d]`."""
-        c = self.cfg
-        b, kvh = k.shape[:2]
-        rolling = policy.position_mode(self.layer) == "rolling"
-        k_store = k if rolling else self._rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
-        ctx = Context(pos, tokens)
-        cache = policy.step(self.layer, cache, k_store, v, ctx)
-        if rolling:
-            # StreamingLLM: positions are ranks inside the cache, the query being the newest.
-            k_coord = kvcache.ranks(cache.pos)
-            q_coord = jnp.max(k_coord, axis=-1)  # [b, kvh]
-            keys = self._rotate(cache.k, k_coord)
-            qg = q.reshape(b, kvh, -1, c.head_dim)
-            q = self._rotate(qg, q_coord[:, :, None]).reshape(b, -1, c.head_dim)
-        else:
-            k_coord, q_coord = cache.pos, jnp.broadcast_to(pos[:, None], (b, kvh))
-            keys = cache.k
-            q = self._rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
-        o, stats = attention.decode_attention(
-            q,
-            keys,
-            cache.v,
-            cache.pos,
-            cache.log_w,
-            scale=self.scale,
-            stats=policy.decode_stats(self.layer),
-            q_coord=q_coord,
-            k_coord=k_coord,
-            alibi=slopes,
-            window=self.window,
-            impl=c.attention_impl,
-            softcap=self.softcap,
-        )
-        return o, policy.observe(self.layer, cache, ctx, stats)
 
 
 class MLP(nnx.Module):
@@ -652,25 +489,12 @@ class Llama(nnx.Module):
 
     def _empty_cache(self, plan: Plan, batch: int) -> Cache:
         """Empty arrays of a sized plan's slot counts (`Plan.sized`)."""
-        c = self.cfg
-
-        def layer_cache(lp: LayerPlan):
-            if not lp.split:
-                return kvcache.empty(batch, c.num_kv_heads, lp.sizes[0], c.head_dim, self.dtype)
-            return HeadwiseCache(
-                tuple(kvcache.empty(batch, len(g.kv_heads), n, c.head_dim, self.dtype)
-                      for g, n in zip(lp.groups, lp.sizes)),
-                tuple(g.kv_heads for g in lp.groups),
-            )
-
-        return tuple(layer_cache(lp) for lp in plan.layers)
+        return layer_fns.init_cache(plan, batch, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
 
     def size_rows(self, cache: Cache, positions: Int[Array, "b t"], policy: Policy) -> Cache:
         """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
         each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
-        ctx = Context(positions)
-        return tuple(regroup(c, [rule.size_rows(lp.layer, g, ctx) for _, rule, g in rule_groups(lp, c)])
-                     for lp, c in zip(self.plan(policy).layers, cache))
+        return tuple(layer_fns.size_rows(lp, c, positions) for lp, c in zip(self.plan(policy).layers, cache))
 
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int

@@ -176,7 +176,7 @@ class ByHead(Policy):
     Subclasses define `head_split(layer)`. The model's plan (`kvjax.policies.plan`) turns each group
     into a `Group` with its own rule: the model allocates a `kvjax.cache.HeadwiseCache` (one
     `LayerCache` per group, of that group's capacity) and runs every rule method group by group
-    (`models.llama.rule_groups`), so the split itself caches nothing.
+    (`kvjax.layer.rule_groups`), so the split itself caches nothing.
     """
 
     def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], Policy], ...]:

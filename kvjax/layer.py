@@ -1,0 +1,284 @@
+"""The functions a model's attention layer calls to run kvjax's cache policies: the only code that calls
+policy rules.
+
+A layer gives its sized `LayerPlan` (from `kvjax.policies.resolve(policy, ...).sized(...)`), its `Geometry`
+(scale, sliding window, soft-cap, ALiBi, and a RoPE function of positions) and its *unrotated* q / k / v;
+each function returns the attention output and the new cache:
+
+    o, cache = layer.prefill(geom, plan, cache, q, k, v, pos, tokens)        # a whole prompt
+    o, cache = layer.chunk(geom, plan, cache, q, k, v, pos, tokens)          # one chunk of a prompt
+    o, cache = layer.decode(geom, plan, cache, q, k, v, pos, tokens)         # one token per row
+    cache = layer.init_cache(plan, batch, head_dim, dtype)                   # empty, the plan's sizes
+
+Shapes: q `[b, h, t, d]`, k / v `[b, kvh, t, d]` (decode: `[b, h, d]`, `[b, kvh, d]`), positions `[b, t]`
+(`[b]`), -1 on padding. Head-group dispatch (a plan that splits the KV heads: RazorAttention, DuoAttention),
+rolling positions (keys cached unrotated and rotated by their rank) and cache construction live here, so a
+model of any structure (Flax, pure pytrees, ...) only projects, calls these, and projects back
+(`models/llama.py` and the pure-pytree decoder of `tests/test_own_model.py` do exactly that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from kvjax import attention
+from kvjax import cache as kvcache
+from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache
+from kvjax.errors import InvalidInput
+from kvjax.policies.base import Context, Policy
+from kvjax.policies.plan import LayerPlan
+from kvjax.stats import NO_STATS
+
+Rope = Callable[[Array, Array], Array]  # (x [..., t, d], positions broadcastable to x[..., 0]) -> rotated x
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What one layer's attention computes with, besides its inputs.
+
+    `rope(x, positions)` rotates `x` at `positions` (None: the model has no rotary positions, e.g. ALiBi);
+    `alibi`: the ALiBi slopes of its query heads (None: no ALiBi); `window`: how far back a query sees
+    (None: the whole context); `softcap`: Gemma 2's logit cap; `impl`: "xla" (the jnp reference) or "pallas"."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    rope: Rope | None = None
+    alibi: np.ndarray | None = None
+    window: int | None = None
+    softcap: float | None = None
+    impl: str = "xla"
+
+    def rotate(self, x, positions):
+        return x if self.rope is None else self.rope(x, positions)
+
+
+# ---- caches ----------------------------------------------------------------------------------------
+
+
+def init_layer_cache(plan: LayerPlan, batch: int, num_kv_heads: int, head_dim: int, dtype) -> AnyLayerCache:
+    """Empty arrays of a sized layer plan's slot counts (one array, or one per head group)."""
+    if plan.sizes is None:
+        raise ValueError("init_layer_cache needs a sized plan (Plan.sized(max_len, prompt_len))")
+    if not plan.split:
+        return kvcache.empty(batch, num_kv_heads, plan.sizes[0], head_dim, dtype)
+    return HeadwiseCache(tuple(kvcache.empty(batch, len(g.kv_heads), n, head_dim, dtype)
+                               for g, n in zip(plan.groups, plan.sizes)), tuple(g.kv_heads for g in plan.groups))
+
+
+def init_cache(plan, batch: int, num_kv_heads: int, head_dim: int, dtype) -> tuple[AnyLayerCache, ...]:
+    """Every layer's empty cache for a sized `Plan`."""
+    return tuple(init_layer_cache(lp, batch, num_kv_heads, head_dim, dtype) for lp in plan.layers)
+
+
+def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
+    """`[(kv_heads, rule, cache)]` of a layer's plan: its one rule over all its KV heads (`kv_heads` None), or
+    each head group's heads, rule and cache. Every function below goes through it."""
+    if not plan.split:
+        return [(None, plan.groups[0].rule, cache)]
+    return [(list(g.kv_heads), g.rule, c) for g, c in zip(plan.groups, cache.groups)]
+
+
+def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
+    """The layer's cache from what `rule_groups`' rules returned, in its order."""
+    return caches[0] if isinstance(cache, LayerCache) else HeadwiseCache(tuple(caches), cache.heads)
+
+
+def kv_heads(x: Float[Array, "b kvh ..."], heads: list[int] | None) -> Float[Array, "b kvh2 ..."]:
+    return x if heads is None else x[:, heads]
+
+
+def size_rows(plan: LayerPlan, cache: AnyLayerCache, positions: Int[Array, "b t"]) -> AnyLayerCache:
+    """A fresh cache made ready for whole prompts at `positions` to be read token by token or in chunks: each
+    rule sets what depends on a row's prompt (a ratio budget, RazorAttention's window)."""
+    ctx = Context(positions)
+    return regroup(cache, [rule.size_rows(plan.layer, g, ctx) for _, rule, g in rule_groups(plan, cache)])
+
+
+# ---- a whole prompt ----------------------------------------------------------------------------------
+
+
+def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None, q, k, v, pos, tokens=None, *,
+            anchor_mask=None, key_keep=None, gate_keep=None):
+    """A prompt attended whole (causal, the layer's window / ALiBi / soft-cap, an eq. 4 `anchor_mask`, gate
+    `key_keep` flags), then cached by each of `plan`'s groups: `(output [b, h, t, d], cache)`. With `plan`
+    None, the plain forward (no cache). `gate_keep`: the flags handed to a gate policy (bool)."""
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    wanted = NO_STATS if plan is None else plan.prefill_stats()
+    o, stats = attention.prefill_attention(
+        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), alibi=geom.alibi,
+        window=geom.window, anchor_mask=anchor_mask, key_keep=key_keep, impl=geom.impl, softcap=geom.softcap,
+        self_attention=True,
+    )
+    if plan is None:
+        return o, cache
+    if wanted.query_moments:
+        stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
+    if gate_keep is not None:
+        stats = dataclasses.replace(stats, gate_keep=gate_keep)
+    return o, cache_prompt(geom, plan, cache, k, k_rot, v, pos, tokens, stats)
+
+
+def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v, pos, tokens=None):
+    """One prompt attended once for several plans (no eq. 4 mask, no gates: the attention is the same for all),
+    each caching it under its own rules: `(output, caches)` (`kvjax.generate.generate_many`)."""
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    wanted = NO_STATS
+    for lp in plans:
+        wanted = wanted | lp.prefill_stats()
+    o, stats = attention.prefill_attention(
+        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), alibi=geom.alibi,
+        window=geom.window, impl=geom.impl, softcap=geom.softcap, self_attention=True,
+    )
+    if wanted.query_moments:
+        stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
+    return o, tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats) for lp, c in zip(plans, caches))
+
+
+def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats):
+    """Each head group of `plan` builds its cache from the attended prompt (`stats` hold at least what its rule
+    asked for); rolling positions cache the keys unrotated."""
+    k_store = k if plan.position_mode == "rolling" else k_rot
+    ctx = Context(pos, tokens)
+    return regroup(cache, [
+        rule.prefill(geom.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
+                     stats if heads is None else stats.map(lambda a: a[:, heads]))
+        for heads, rule, c in rule_groups(plan, cache)])
+
+
+def query_moments(geom: Geometry, q, pos, requests):
+    """ExpectedAttention's statistics of future queries, for each `(sinks, future)`: the mean and covariance of the
+    prompt's unrotated queries `q` `[b, h, t, d]` at positions >= sinks, both rotated by the layer's RoPE
+    averaged over the `future` positions after each row's prompt (R = the mean rotation matrix: R mu,
+    R S R^T); grouped by KV head, `[b, kvh, g, d]` and `[b, kvh, g, d, d]`."""
+    if geom.rope is None:
+        raise InvalidInput("ExpectedAttention's future queries need a RoPE model")
+    b, h, t, d = q.shape
+    q32 = q.astype(jnp.float32)
+    length = jnp.max(pos, axis=1) + 1  # [b]
+    eye = jnp.eye(d, dtype=jnp.float32)
+    out = {}
+    for sinks, future in sorted(requests):
+        valid = (pos >= sinks)[:, None, :, None]  # [b, 1, t, 1]
+        n = jnp.maximum(jnp.sum(valid, axis=2, keepdims=True), 1)
+        mu = jnp.sum(jnp.where(valid, q32, 0.0), axis=2, keepdims=True) / n  # [b, h, 1, d]
+        centred = jnp.where(valid, q32 - mu, 0.0)
+        cov = jnp.einsum("bhsi,bhsj->bhij", centred, centred) / n
+        # the rotation at position p maps the basis vector e_i to column i of R_p: rotate the identity
+        future_pos = (length[:, None] + jnp.arange(future))[:, :, None]  # [b, future, 1]
+        rotated = geom.rope(jnp.broadcast_to(eye, (b, future, d, d)), jnp.broadcast_to(future_pos, (b, future, d)))
+        rot = jnp.swapaxes(rotated.astype(jnp.float32).mean(axis=1), -1, -2)  # [b, d, d]: R[i, k]
+        mean = jnp.einsum("bik,bhk->bhi", rot, mu[:, :, 0])
+        cov = jnp.einsum("bik,bhkl,bjl->bhij", rot, cov, rot)
+        out[(sinks, future)] = (mean.reshape(b, geom.num_kv_heads, h // geom.num_kv_heads, d),
+                                cov.reshape(b, geom.num_kv_heads, h // geom.num_kv_heads, d, d))
+    return out
+
+
+def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
+    """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    o, _ = attention.prefix_attention(
+        q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
+        slot_visible=plan.rule.prefix_visible(geom.layer, cache, anchor_mask), anchor_mask=anchor_mask,
+        alibi=geom.alibi, window=geom.window, softcap=geom.softcap, impl=geom.impl,
+    )
+    return o
+
+
+# ---- one chunk of a prompt, one token ------------------------------------------------------------------
+
+
+def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, run):
+    """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the plan splits the KV
+    heads, each with its query heads, KV heads, own rule, cache and ALiBi slopes; the outputs (query heads on
+    axis 1) return to head order."""
+    slopes = geom.alibi
+    g = geom.num_heads // geom.num_kv_heads
+    outs, caches, order = [], [], []
+    for heads, sub, c in rule_groups(plan, cache):
+        if heads is None:
+            return run(q, k, v, sub, c, slopes)
+        qh = [h * g + j for h in heads for j in range(g)]
+        o, c = run(q[:, qh], k[:, heads], v[:, heads], sub, c, None if slopes is None else slopes[qh])
+        outs.append(o)
+        caches.append(c)
+        order += qh
+    return jnp.concatenate(outs, axis=1)[:, np.argsort(order)], regroup(cache, caches)
+
+
+def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens):
+    """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
+    rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
+    return _per_group(geom, plan, cache, q, k, v,
+                      lambda q, k, v, rule, c, slopes: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, slopes))
+
+
+def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
+    ctx = Context(pos, tokens)
+    cache = rule.make_room(geom.layer, cache, ctx)
+    slot_visible, chunk_visible = rule.chunk_visible(geom.layer, cache, ctx)
+    kw = dict(scale=geom.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
+              window=geom.window, softcap=geom.softcap, stats=rule.chunk_stats(geom.layer), impl=geom.impl)
+    if rule.position_mode(geom.layer) == "absolute":
+        k_rot = geom.rotate(k, pos[:, None, :])
+        o, stats = attention.prefix_attention(geom.rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
+                                              cache.pos, cache.log_w, **kw)
+        return o, rule.absorb(geom.layer, cache, k_rot, v, ctx, stats)
+    # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at its true
+    # distance (rotated relative to the chunk's last position, keeping angles small); a sink is ranked first,
+    # so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
+    if slopes is not None or geom.rope is None:
+        raise InvalidInput("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
+    sinks = rule.rolling_sinks(geom.layer, cache.capacity)
+    base = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]
+    coord = lambda p: jnp.where(p < sinks, p, p - base[..., None] if p.ndim == 3 else p - base)  # noqa: E731
+    o, stats = attention.prefix_attention(
+        geom.rotate(q, (pos - base)[:, None, :]), geom.rotate(k, coord(pos)[:, None, :]), v, pos,
+        geom.rotate(cache.k, coord(cache.pos)), cache.v, cache.pos, cache.log_w,
+        q_sinks=geom.rotate(q, jnp.minimum(pos, cache.capacity - 1)[:, None, :]), sinks=sinks, **kw,
+    )
+    return o, rule.absorb(geom.layer, cache, k, v, ctx, stats)
+
+
+def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None):
+    """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
+    nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
+    observes what it asked for: `(output [b, h, d], cache)`."""
+    return _per_group(geom, plan, cache, q, k, v,
+                      lambda q, k, v, rule, c, slopes: _decode_heads(geom, q, k, v, pos, rule, c, slopes, tokens))
+
+
+def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCache, slopes, tokens=None):
+    b, kvh = k.shape[:2]
+    rolling = policy.position_mode(geom.layer) == "rolling"
+    k_store = k if rolling else geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
+    ctx = Context(pos, tokens)
+    cache = policy.step(geom.layer, cache, k_store, v, ctx)
+    if rolling:
+        # StreamingLLM: positions are ranks inside the cache, the query being the newest.
+        k_coord = kvcache.ranks(cache.pos)
+        q_coord = jnp.max(k_coord, axis=-1)  # [b, kvh]
+        keys = geom.rotate(cache.k, k_coord)
+        qg = q.reshape(b, kvh, -1, geom.head_dim)
+        q = geom.rotate(qg, q_coord[:, :, None]).reshape(b, -1, geom.head_dim)
+    else:
+        k_coord, q_coord = cache.pos, jnp.broadcast_to(pos[:, None], (b, kvh))
+        keys = cache.k
+        q = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
+    o, stats = attention.decode_attention(
+        q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=policy.decode_stats(geom.layer),
+        q_coord=q_coord, k_coord=k_coord, alibi=slopes, window=geom.window, impl=geom.impl, softcap=geom.softcap,
+    )
+    return o, policy.observe(geom.layer, cache, ctx, stats)
+
+
+__all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
+           "prefill_shared", "query_moments", "regroup", "rule_groups", "size_rows"]
