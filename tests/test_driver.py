@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import textwrap
 import json
 
 import pytest
@@ -84,7 +85,13 @@ def test_the_report_calls_the_suites_as_functions():
     tree = ast.parse(inspect.getsource(report))
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert "main" not in used and {"suite", "find", "resolve_policies", "load_model"} <= used
-    assert "results.json" not in inspect.getsource(report.main).split("for name, path, how in")[0]
+    # the suites' sections read no file back (only the heads file the report itself writes); the AnLLM and
+    # Attention-Gate sections read the user's --anllm/--gate directories, which no section of the report writes
+    suites = inspect.getsource(report.main).split("for name, path, how in")[0]
+    reads = [ast.get_source_segment(suites, c) for c in ast.walk(ast.parse(textwrap.dedent(suites) + "\n    pass"))
+             if isinstance(c, ast.Call) and (getattr(c.func, "id", None) == "_json"
+                                             or getattr(c.func, "attr", None) in ("read_text", "read_bytes", "open"))]
+    assert reads and all("heads" in r and "results" not in r for r in reads), reads
 
 
 def test_identity_flags_read_as_keywords_from_python_and_back_as_flags():
