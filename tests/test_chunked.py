@@ -416,12 +416,17 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
     kept = [[] for _ in range(kvh)]
     acc = [dict() for _ in range(kvh)]
     checked = 0
-    for t in range(steps):
-        p_ = Context(jnp.asarray([t], jnp.int32))
-        cache = policy.step(0, cache, jnp.asarray(k[t][None]), jnp.asarray(k[t][None]), p_)
-        _, stats = attention.decode_attention(jnp.asarray(q[t][None]), cache.k, cache.v, cache.pos, cache.log_w,
+
+    @jax.jit  # one decode step (the position an array: one compilation; op by op it took minutes)
+    def step(cache, q_t, k_t, t):
+        p_ = Context(t)
+        cache = policy.step(0, cache, k_t, k_t, p_)
+        _, stats = attention.decode_attention(q_t, cache.k, cache.v, cache.pos, cache.log_w,
                                               scale=d**-0.5, stats=policy.decode_stats(0))
-        cache = policy.observe(0, cache, p_, stats)
+        return policy.observe(0, cache, p_, stats)
+
+    for t in range(steps):
+        cache = step(cache, jnp.asarray(q[t][None]), jnp.asarray(k[t][None]), jnp.asarray([t], jnp.int32))
         assert cache.capacity == B + N
         full = False
         for j in range(kvh):  # the reference

@@ -217,6 +217,7 @@ def test_phi3_greedy_generation_equals_transformers(phi3_checkpoint, capsys):
     assert ours == theirs and len(ours) > 0
 
 
+@pytest.mark.slow  # a sharded Gemma 3 through a suite: 80 s on 2 cores
 def test_gemma3_sharded_and_through_a_suite(tmp_path):
     """Tensor and data parallel on a Gemma 3 checkpoint equal one device (tests/mesh_script.py), and a
     suite (passkey) runs on it under a policy."""

@@ -44,8 +44,13 @@ def test_outputs_stripped_badge_and_public_imports(path):
                 assert re.search(rf"\b{re.escape(node.module)}\b", readme), f"{path.name}: {node.module} not in README"
 
 
+# The quickstart runs in the default suite; the other three take 40-110 s each on 2 cores (`pytest -m slow`)
+RUN_BY_DEFAULT = {"quickstart"}
+
+
 @pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(), reason="needs kvjax-small")
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p if p.stem in RUN_BY_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -115,12 +115,16 @@ def read_prompt(params, plan, caches, tokens, pos):
         logits, caches = prefill(params, plan, caches, tokens, pos)
         return logits[:, -1], caches
     caches = tuple(layer.size_rows(lp, c, pos) for lp, c in zip(plan.layers, caches))  # a row's N, before reading
-    n = plan.policy.chunk if mode == "chunked" else 1
+    if mode == "stream":  # a scan over the tokens: one decode step compiled, not one per token
+        def body(caches, xs):
+            logits, caches = decode(params, plan, caches, *xs)
+            return caches, logits
+
+        caches, logits = jax.lax.scan(body, caches, (tokens.T, pos.T))
+        return logits[-1], caches
+    n = plan.policy.chunk
     for s in range(0, tokens.shape[1], n):
-        if mode == "chunked":
-            logits, caches = chunk(params, plan, caches, tokens[:, s:s + n], pos[:, s:s + n])
-        else:
-            logits, caches = decode(params, plan, caches, tokens[:, s], pos[:, s])
+        logits, caches = chunk(params, plan, caches, tokens[:, s:s + n], pos[:, s:s + n])
     return logits, caches
 
 
