@@ -75,15 +75,21 @@ def mlp(p, x):
     return x + (jax.nn.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
 
 
-def prefill(params, plan, caches, tokens, pos):
-    """A whole prompt `[b, t]` (positions -1 on padding): logits `[b, t, vocab]` and every layer's cache."""
+def _layers(params, plan, caches, tokens, pos, attend):
+    """Every layer over `tokens` `[b, t]`, its attention `attend` (`layer.prefill` or `layer.chunk`): the final
+    hidden states' logits `[b, t, vocab]` and every layer's cache."""
     x, new = params["embed"][tokens], []
     for i, (p, lp, c) in enumerate(zip(params["layers"], plan.layers, caches)):
         q, k, v = qkv(p, rms(x, p["ln1"]))
-        o, c = layer.prefill(geometry(i), lp, c, q, k, v, pos, tokens)
+        o, c = attend(geometry(i), lp, c, q, k, v, pos, tokens)
         x = mlp(p, x + o.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ p["o"].T)
         new.append(c)
     return rms(x, params["norm"]) @ params["head"].T, tuple(new)
+
+
+def prefill(params, plan, caches, tokens, pos):
+    """A whole prompt `[b, t]` (positions -1 on padding): logits `[b, t, vocab]` and every layer's cache."""
+    return _layers(params, plan, caches, tokens, pos, layer.prefill)
 
 
 def decode(params, plan, caches, token, pos):
@@ -99,13 +105,8 @@ def decode(params, plan, caches, token, pos):
 
 def chunk(params, plan, caches, tokens, pos):
     """One chunk of a prompt through the caches (`prefill_mode="chunked"`): the last logits and the caches."""
-    x, new = params["embed"][tokens], []
-    for i, (p, lp, c) in enumerate(zip(params["layers"], plan.layers, caches)):
-        q, k, v = qkv(p, rms(x, p["ln1"]))
-        o, c = layer.chunk(geometry(i), lp, c, q, k, v, pos, tokens)
-        x = mlp(p, x + o.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ p["o"].T)
-        new.append(c)
-    return (rms(x, params["norm"]) @ params["head"].T)[:, -1], tuple(new)
+    logits, caches = _layers(params, plan, caches, tokens, pos, layer.chunk)
+    return logits[:, -1], caches
 
 
 def read_prompt(params, plan, caches, tokens, pos):
@@ -225,6 +226,9 @@ OWN_VS_LLAMA = {
     "razor-headwise": lambda: RazorAttention(retrieval=((True, False), (False, True)), buffer=6, sinks=2, compression=4),
     "h2o": lambda: H2O(budget=16, recent=6),
     "h2o-chunked": lambda: H2O(budget=16, recent=6, prefill_mode="chunked", chunk=8),
+    # its local heads' window max(S0, N / C) is set from the whole prompt before the first chunk (layer.size_rows)
+    "razor-chunked": lambda: RazorAttention(retrieval=((True, False), (False, True)), buffer=6, sinks=2,
+                                            compression=4, prefill_mode="chunked", chunk=8),
 }
 
 
