@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import InvalidInput, MissingFile
-from kvjax.policies import NO_BUDGET, REGISTRY, Policy, Recompress, make_policy
+from kvjax.policies import NO_BUDGET, REGISTRY, Policy, Quantized, Recompress, make_policy
 from kvjax.policies.scored import ScoredPolicy
 from models import DEFAULT_DIR
 
@@ -194,7 +194,30 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--recompress-every", type=positive_int,
                    help="prompt compressors (snapkv, slimkv, ...): re-score the cache every N generated tokens and "
                         "evict back to the budget (as kvpress's PrefillDecodingPress with both targets at the budget); the cache holds budget + N slots")
+    q = p.add_argument_group("quantized cache (kvjax.quant): every policy's kept slots stored as codes")
+    q.add_argument("--kv-bits", type=int, choices=[8, 4, 2],
+                   help="8: int8, one scale per token; 4 or 2: KIVI (keys per channel, values per token)")
+    q.add_argument("--kv-group", type=positive_int, help="KIVI's group size G (4 and 2 bits); default 32")
+    q.add_argument("--kv-residual", type=nonnegative_int,
+                   help="the R most recent tokens also held in full precision; default 128 for 4 and 2 bits, 0 for 8")
     p.set_defaults(default_budget=budget)
+
+
+def quantized(args: argparse.Namespace, policy: Policy) -> Policy:
+    """`policy` stored quantized as --kv-bits / --kv-group / --kv-residual say, or as it is without --kv-bits."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        given = [f for f, k in (("--kv-group", "kv_group"), ("--kv-residual", "kv_residual"))
+                 if getattr(args, k, None) is not None]
+        if given:
+            raise InvalidInput(f"{', '.join(given)} without --kv-bits: the cache is not quantized")
+        return policy
+    if bits == 8 and args.kv_group is not None:
+        raise InvalidInput(f"--kv-group {args.kv_group} with --kv-bits 8: int8 has one scale per token (the group "
+                           "size is KIVI's, for 4 and 2 bits)")
+    group = None if bits == 8 else (args.kv_group if args.kv_group is not None else 32)
+    residual = args.kv_residual if args.kv_residual is not None else (0 if bits == 8 else 128)
+    return Quantized(policy, bits=bits, group=group, residual=residual)
 
 
 def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
@@ -288,6 +311,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
             out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
             if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
                 out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
+            out[-1] = quantized(args, out[-1])
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
             raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None

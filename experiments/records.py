@@ -231,7 +231,8 @@ def options_of(args: argparse.Namespace | Mapping, *, policy_keyed: bool = True,
     skip = set(PRESENTATION) | set(selection)
     files = {*files, "gate_params"}  # trained gates change what the gate policy keeps
     if policy_keyed:
-        skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget", "recompress_every"}
+        skip |= set(POLICY_OPTIONS) | {"policy", "compare", "budget", "default_budget", "recompress_every", "kv_bits", "kv_group",
+                 "kv_residual"}
     out = {}
     for name, value in sorted((args if isinstance(args, Mapping) else vars(args)).items()):
         if name in skip or name.startswith("_"):  # "_typed_flags": how options were spelled, not what they are

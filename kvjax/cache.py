@@ -286,7 +286,7 @@ def nbytes(cache: Cache) -> int:
 def num_slots(cache: Cache) -> int:
     """Slots per sequence, summed over layers and KV heads."""
     groups = [g for layer in cache for g in (layer.groups if isinstance(layer, HeadwiseCache) else (layer,))]
-    return sum(g.k.shape[1] * g.capacity for g in groups)
+    return sum(g.pos.shape[1] * g.capacity for g in groups)
 
 
 def equal_bytes_budget(model, policy, prompt_len: int, new_tokens: int) -> int:

@@ -26,12 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention
+from kvjax import attention, quant
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.plan import LayerPlan
+from kvjax.quant import QuantizedLayerCache
 from kvjax.stats import NO_STATS
 
 Rope = Callable[[Array, Array], Array]  # (x [..., t, d], positions broadcastable to x[..., 0]) -> rotated x
@@ -67,10 +68,15 @@ def init_layer_cache(plan: LayerPlan, batch: int, num_kv_heads: int, head_dim: i
     """Empty arrays of a sized layer plan's slot counts (one array, or one per head group)."""
     if plan.sizes is None:
         raise ValueError("init_layer_cache needs a sized plan (Plan.sized(max_len, prompt_len))")
+    def empty(heads, n):
+        if plan.quant is None:
+            return kvcache.empty(batch, heads, n, head_dim, dtype)
+        return quant.empty(plan.quant, batch, heads, n, head_dim, dtype)
+
     if not plan.split:
-        return kvcache.empty(batch, num_kv_heads, plan.sizes[0], head_dim, dtype)
-    return HeadwiseCache(tuple(kvcache.empty(batch, len(g.kv_heads), n, head_dim, dtype)
-                               for g, n in zip(plan.groups, plan.sizes)), tuple(g.kv_heads for g in plan.groups))
+        return empty(num_kv_heads, plan.sizes[0])
+    return HeadwiseCache(tuple(empty(len(g.kv_heads), n) for g, n in zip(plan.groups, plan.sizes)),
+                         tuple(g.kv_heads for g in plan.groups))
 
 
 def init_cache(plan, batch: int, num_kv_heads: int, head_dim: int, dtype) -> tuple[AnyLayerCache, ...]:
@@ -88,7 +94,18 @@ def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] |
 
 def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
     """The layer's cache from what `rule_groups`' rules returned, in its order."""
-    return caches[0] if isinstance(cache, LayerCache) else HeadwiseCache(tuple(caches), cache.heads)
+    return HeadwiseCache(tuple(caches), cache.heads) if isinstance(cache, HeadwiseCache) else caches[0]
+
+
+def read(cache: LayerCache | QuantizedLayerCache) -> LayerCache:
+    """A group's cache as its rule reads it: a quantized one dequantized (`kvjax.quant.view`)."""
+    return quant.view(cache) if isinstance(cache, QuantizedLayerCache) else cache
+
+
+def stored(plan: LayerPlan, cache: LayerCache, pos: Int[Array, "b *t"]) -> LayerCache | QuantizedLayerCache:
+    """What a rule returned, stored as the plan says: quantized, with the tokens up to this call's (`pos`)
+    newest in the residual, or as it is."""
+    return cache if plan.quant is None else quant.store(plan.quant, cache, quant.newest(pos))
 
 
 def kv_heads(x: Float[Array, "b kvh ..."], heads: list[int] | None) -> Float[Array, "b kvh2 ..."]:
@@ -99,7 +116,8 @@ def size_rows(plan: LayerPlan, cache: AnyLayerCache, positions: Int[Array, "b t"
     """A fresh cache made ready for whole prompts at `positions` to be read token by token or in chunks: each
     rule sets what depends on a row's prompt (a ratio budget, RazorAttention's window)."""
     ctx = Context(positions)
-    return regroup(cache, [rule.size_rows(plan.layer, g, ctx) for _, rule, g in rule_groups(plan, cache)])
+    return regroup(cache, [stored(plan, rule.size_rows(plan.layer, read(g), ctx), positions)
+                           for _, rule, g in rule_groups(plan, cache)])
 
 
 # ---- a whole prompt ----------------------------------------------------------------------------------
@@ -148,8 +166,8 @@ def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, token
     k_store = k if plan.position_mode == "rolling" else k_rot
     ctx = Context(pos, tokens)
     return regroup(cache, [
-        rule.prefill(geom.layer, c, kv_heads(k_store, heads), kv_heads(v, heads), ctx,
-                     stats if heads is None else stats.map(lambda a: a[:, heads]))
+        stored(plan, rule.prefill(geom.layer, read(c), kv_heads(k_store, heads), kv_heads(v, heads), ctx,
+                                  stats if heads is None else stats.map(lambda a: a[:, heads])), pos)
         for heads, rule, c in rule_groups(plan, cache)])
 
 
@@ -184,6 +202,7 @@ def query_moments(geom: Geometry, q, pos, requests):
 
 def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
     """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
+    cache = read(cache)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     o, _ = attention.prefix_attention(
         q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
@@ -196,10 +215,14 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
 # ---- one chunk of a prompt, one token ------------------------------------------------------------------
 
 
-def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, run):
-    """`run(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the plan splits the KV
-    heads, each with its query heads, KV heads, own rule, cache and ALiBi slopes; the outputs (query heads on
-    axis 1) return to head order."""
+def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
+    """`run_rule(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the plan splits the
+    KV heads, each with its query heads, KV heads, own rule, cache (read, and stored back, as the plan stores it)
+    and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
+    def run(q, k, v, rule, c, slopes):
+        o, c = run_rule(q, k, v, rule, read(c), slopes)
+        return o, stored(plan, c, pos)
+
     slopes = geom.alibi
     g = geom.num_heads // geom.num_kv_heads
     outs, caches, order = [], [], []
@@ -217,7 +240,7 @@ def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, run):
 def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens):
     """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
     rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
-    return _per_group(geom, plan, cache, q, k, v,
+    return _per_group(geom, plan, cache, q, k, v, pos,
                       lambda q, k, v, rule, c, slopes: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, slopes))
 
 
@@ -252,7 +275,7 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
     observes what it asked for: `(output [b, h, d], cache)`."""
-    return _per_group(geom, plan, cache, q, k, v,
+    return _per_group(geom, plan, cache, q, k, v, pos,
                       lambda q, k, v, rule, c, slopes: _decode_heads(geom, q, k, v, pos, rule, c, slopes, tokens))
 
 
@@ -281,4 +304,4 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
 
 
 __all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
-           "prefill_shared", "query_moments", "regroup", "rule_groups", "size_rows"]
+           "prefill_shared", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

@@ -33,6 +33,7 @@ from kvjax.deprecated import renamed_keywords
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.plan import LayerPlan, Plan, resolve
+from kvjax.policies.quantized import Quantized
 from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 from kvjax.stats import NO_STATS
@@ -463,6 +464,8 @@ class Llama(nnx.Module):
         layer never sees more than W tokens, so there is nothing there to compress. To choose every
         layer's policy yourself, pass a `PerLayer` (its sliding layers are still bounded by W)."""
         c = self.cfg
+        if isinstance(policy, Quantized):  # the wrapped policy made native, its cache stored as before
+            return dataclasses.replace(policy, policy=self.native_policy(policy.policy))
         if c.layer_types is None:
             return policy if c.sliding_window is None else policy.on_sliding_window(c.sliding_window)
         if isinstance(policy, PerLayer):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.policies.base import Policy, PositionMode
+from kvjax.policies.quantized import Quantized
+from kvjax.quant import KVQuant
 from kvjax.stats import StatsRequest
 
 
@@ -41,6 +43,7 @@ class LayerPlan:
     rule: Policy
     groups: tuple[Group, ...]
     sizes: tuple[int, ...] | None = None  # each group's slot count, once the plan is sized (`Plan.sized`)
+    quant: KVQuant | None = None  # how every group's cache is stored (`kvjax.quant`); None: full precision
 
     @property
     def split(self) -> bool:
@@ -99,7 +102,8 @@ class Plan:
             return "; ".join(f"KV heads {list(g.kv_heads)}: {g.rule.describe()}" for g in lp.groups)
 
         def sizes(lp: LayerPlan) -> str:
-            return "" if lp.sizes is None else f" [{', '.join(map(str, lp.sizes))} slots]"
+            quant = "" if lp.quant is None else f", stored quantized ({lp.quant.describe()})"
+            return ("" if lp.sizes is None else f" [{', '.join(map(str, lp.sizes))} slots]") + quant
 
         return "\n".join(f"layer {lp.layer}: {layer(lp)}{sizes(lp)}" for lp in self.layers)
 
@@ -108,10 +112,12 @@ def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) ->
     """`policy` resolved into one `LayerPlan` per layer, after `policy.check` (so a combination that
     cannot work, e.g. AnLLM in one head group, is refused here with its reason)."""
     policy.check(num_layers, num_kv_heads)
+    # A quantized cache changes no rule: the wrapped policy's rules, each layer's cache stored as codes.
+    quant, rules_of = (policy.kv_quant, policy.policy) if isinstance(policy, Quantized) else (None, policy)
     layers = []
     for i in range(num_layers):
-        rule = policy.at_layer(i)
+        rule = rules_of.at_layer(i)
         split = rule.head_split(i)
         groups = (Group(None, rule),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
-        layers.append(LayerPlan(i, rule, groups))
+        layers.append(LayerPlan(i, rule, groups, quant=quant))
     return Plan(policy, tuple(layers))

@@ -1,0 +1,74 @@
+"""`Quantized(policy, bits=2)`: any policy's kept slots stored as int8 or KIVI codes (`kvjax.quant`).
+
+The wrapper changes no rule: `resolve` hands the model the wrapped policy's rules and puts the `KVQuant` on
+the plan, and `kvjax.layer` stores each layer's cache quantized between calls (eviction scores are computed
+on the dequantized cache). Its description names both, so a record's identity includes the width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.errors import InvalidInput
+from kvjax.policies.base import Policy
+from kvjax.quant import KVQuant
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized(Policy):
+    policy: Policy
+    bits: int
+    group: int | None = None
+    residual: int = 0
+
+    def __post_init__(self):
+        self.kv_quant  # noqa: B018  (checks the width, group and residual)
+        if isinstance(self.policy, Quantized):
+            raise InvalidInput("Quantized(Quantized(...)): a cache is quantized once")
+        if type(self.policy).shrink is not Policy.shrink:
+            raise InvalidInput(f"{self.policy.describe()} moves its cache on the host after the prompt (shrink); it is "
+                               "not combined with a quantized cache")
+
+    @property
+    def kv_quant(self) -> KVQuant:
+        return KVQuant(self.bits, self.group, self.residual)
+
+    # The wrapped policy decides everything else.
+    @property
+    def prefill_mode(self):
+        return self.policy.prefill_mode
+
+    @property
+    def chunk(self):
+        return self.policy.chunk
+
+    @property
+    def evicts_while_decoding(self):
+        return self.policy.evicts_while_decoding
+
+    def describe(self) -> str:
+        return f"Quantized({self.policy.describe()}, {self.kv_quant.describe()})"
+
+    def at_layer(self, layer):
+        # `resolve` unwraps a Quantized policy; reaching here means one sits inside a combinator, where its
+        # width would be lost.
+        raise InvalidInput(f"{self.describe()} inside a combinator: quantize the whole policy "
+                           "(Quantized(by_layer(...), bits=...)), not one of its members")
+
+    def check(self, num_layers, num_kv_heads=None):
+        self.policy.check(num_layers, num_kv_heads)
+
+    def position_mode(self, layer):
+        return self.policy.position_mode(layer)
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return self.policy.capacity(layer, max_len, prompt_len)
+
+    def on_sliding_window(self, window):
+        return dataclasses.replace(self, policy=self.policy.on_sliding_window(window))
+
+    def prefill(self, layer, cache, k, v, ctx, stats):
+        raise TypeError("Quantized is not a rule: resolve() gives the model the wrapped policy's rules")
+
+    def step(self, layer, cache, k, v, ctx):
+        raise TypeError("Quantized is not a rule: resolve() gives the model the wrapped policy's rules")

@@ -1,0 +1,285 @@
+"""A quantized KV cache: a policy's kept slots stored as int8 or KIVI's 4 / 2-bit codes, in real bytes.
+
+Eviction decides which tokens stay; quantization shrinks each one. `QuantizedLayerCache` holds the same
+slots as a `kvjax.cache.LayerCache` (positions, scores and logit biases unchanged) with the keys and values
+replaced by codes:
+
+* `KVQuant(bits=8)`: int8, symmetric, one scale per (KV head, slot) for keys and for values.
+* `KVQuant(bits=4 | 2, group=G)`: KIVI (Liu et al., 2024). Keys per channel: each channel of a group of
+  G consecutive slots shares a scale and a zero point (keys have outlier channels); values per token: each
+  group of G channels of a slot shares them. Asymmetric, `x ~ zero + scale * code`, `code` in
+  [0, 2^bits - 1], `scale = (max - min) / (2^bits - 1)`, `zero = min`. Codes are packed 8 / bits per byte.
+* `residual=R`: the R most recent tokens (by position) are also held in full precision, as KIVI keeps its
+  residual, and attention reads them from there; a token's codes are used once it is older.
+
+How it composes with a policy (`kvjax.layer`): each layer call reads the quantized cache as a LayerCache
+(`view`: codes dequantized, recent tokens from the residual), runs the policy's rule and attention on it
+unchanged, and stores the result back (`store`). So eviction scores are computed from dequantized values
+(and the full-precision residual), and every policy, chunked prefill and decoding work as they are.
+
+Where this differs from KIVI, which appends to one sequence and never evicts: `store` quantizes every slot
+from the view. A slot's codes are the same when its group's members are unchanged (quantizing dequantized
+values is exact: the group's minimum and maximum are codes 0 and 2^bits - 1), so a prefill-then-append
+policy (SnapKV & co, the full cache) sees KIVI's codes: a key group fills while its tokens are in the
+residual (R >= G) and is quantized from full precision. A policy that writes a token into a slot of an
+older key group (a ring buffer, H2O, TOVA, MAT), or moves slots (Recompress), requantizes that group from
+its members' dequantized values: if the new token widens the group's range, the older members are rounded
+a second time. With R = 0 a key group is quantized as it fills, each new member rounding the others again.
+The prompt's own attention (prefill_mode "full") is in full precision, as in KIVI; a streamed or chunked
+prompt attends the quantized cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from kvjax import cache as kvcache
+from kvjax.cache import EMPTY, LayerCache
+from kvjax.errors import InvalidInput
+
+BITS = (8, 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuant:
+    """How a cache is quantized: `bits` 8 (int8 per token), 4 or 2 (KIVI, group size `group`), and the
+    `residual` most recent tokens kept in full precision besides their codes."""
+
+    bits: int
+    group: int | None = None
+    residual: int = 0
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise InvalidInput(f"kv bits={self.bits}; expected one of {BITS}")
+        if self.bits == 8 and self.group is not None:
+            raise InvalidInput(f"kv bits=8 is int8 with one scale per token: group={self.group} does not apply "
+                               "(KIVI's group size is for 4 and 2 bits)")
+        if self.bits < 8 and (self.group is None or self.group < 1):
+            raise InvalidInput(f"kv bits={self.bits} (KIVI) needs a group size >= 1; got group={self.group}")
+        if self.residual < 0:
+            raise InvalidInput(f"kv residual={self.residual} must be >= 0")
+
+    @property
+    def kivi(self) -> bool:
+        return self.bits < 8
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.kivi and head_dim % self.group:
+            raise InvalidInput(f"kv group={self.group}: values are quantized in groups of channels, which must divide "
+                               f"the head size {head_dim}")
+        if head_dim % (8 // self.bits):
+            raise InvalidInput(f"kv bits={self.bits}: {8 // self.bits} codes are packed per byte, which must divide "
+                               f"the head size {head_dim}")
+
+    def describe(self) -> str:
+        group = "" if self.group is None else f", group={self.group}"
+        return f"bits={self.bits}{group}, residual={self.residual}"
+
+    def bytes_per_slot(self, head_dim: int, scale_bytes: int) -> float:
+        """Bytes of keys and values per (KV head, slot) by formula, the residual aside (`nbytes` counts it):
+        int8 `2 (d + s)`; KIVI `2 d bits / 8` of codes, `2 s d / G` for the keys' per-channel scale and zero
+        (one pair per channel per G slots) and `2 s d / G` for the values' (one pair per G channels)."""
+        if not self.kivi:
+            return 2 * (head_dim + scale_bytes)
+        return 2 * head_dim * self.bits / 8 + 4 * scale_bytes * head_dim / self.group
+
+
+# ---- codes ------------------------------------------------------------------------------------------
+
+
+def pack(codes: Int[Array, "... d"], bits: int) -> Array:
+    """Codes in [0, 2^bits) packed 8 / bits per uint8 along the last axis (the first code in the low bits)."""
+    per = 8 // bits
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
+    return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint8)  # the fields do not overlap: a sum is their OR
+
+
+def unpack(packed: Array, bits: int) -> Int[Array, "... d"]:
+    per = 8 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
+    c = (packed[..., None] >> shifts) & jnp.uint8(2 ** bits - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _asym(x, mn, mx, bits, dtype):
+    """KIVI's asymmetric quantizer over groups already reduced to `mn` / `mx` (broadcastable to `x`):
+    the scale and zero are rounded to the storage dtype first, so codes and dequantization agree."""
+    top = 2 ** bits - 1
+    scale = ((mx - mn) / top).astype(dtype)
+    zero = mn.astype(dtype)
+    s = scale.astype(jnp.float32)
+    safe = jnp.where(s > 0, s, 1.0)  # a constant group: every code 0, dequantized to its value exactly
+    codes = jnp.round(jnp.clip((x - zero.astype(jnp.float32)) / safe, 0, top))
+    return codes.astype(jnp.uint8), scale, zero
+
+
+def quantize_int8(x: Float[Array, "... d"], dtype) -> tuple[Array, Array]:
+    """Symmetric int8 per vector: `scale = max |x| / 127`, `code = round(x / scale)`."""
+    x = x.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(x), axis=-1) / 127).astype(dtype)
+    s = scale.astype(jnp.float32)
+    safe = jnp.where(s > 0, s, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_int8(codes, scale, dtype):
+    return (codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+def quantize_values(x: Float[Array, "b kvh c d"], bits: int, group: int, dtype):
+    """KIVI's values: per token, groups of `group` channels. `(packed [b, kvh, c, d bits / 8], scale, zero
+    [b, kvh, c, d / group])`."""
+    x = x.astype(jnp.float32)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    codes, scale, zero = _asym(g, g.min(-1, keepdims=True), g.max(-1, keepdims=True), bits, dtype)
+    return pack(codes.reshape(x.shape), bits), scale[..., 0], zero[..., 0]
+
+
+def dequantize_values(packed, scale, zero, bits: int, group: int, dtype):
+    c = unpack(packed, bits).astype(jnp.float32)
+    g = c.reshape(*c.shape[:-1], c.shape[-1] // group, group)
+    x = zero.astype(jnp.float32)[..., None] + scale.astype(jnp.float32)[..., None] * g
+    return x.reshape(c.shape).astype(dtype)
+
+
+def _slot_groups(x, group: int, fill):
+    """`[b, kvh, c, ...]` -> `[b, kvh, ceil(c / group), group, ...]`, the last group padded with `fill`."""
+    c = x.shape[2]
+    n = math.ceil(c / group)
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, n * group - c)
+    x = jnp.pad(x, pad, constant_values=fill)
+    return x.reshape(*x.shape[:2], n, group, *x.shape[3:])
+
+
+def quantize_keys(x: Float[Array, "b kvh c d"], valid: Array, bits: int, group: int, dtype):
+    """KIVI's keys: per channel, over groups of `group` consecutive slots, the statistics over the `valid`
+    (held) slots only. `(packed [b, kvh, c, d bits / 8], scale, zero [b, kvh, ceil(c / group), d])`."""
+    x = x.astype(jnp.float32)
+    g = _slot_groups(x, group, 0.0)
+    ok = _slot_groups(valid, group, False)[..., None]
+    mn = jnp.min(jnp.where(ok, g, jnp.inf), axis=3, keepdims=True)
+    mx = jnp.max(jnp.where(ok, g, -jnp.inf), axis=3, keepdims=True)
+    none = ~jnp.any(ok, axis=3, keepdims=True)
+    mn, mx = jnp.where(none, 0.0, mn), jnp.where(none, 0.0, mx)
+    codes, scale, zero = _asym(g, mn, mx, bits, dtype)
+    codes = codes.reshape(*x.shape[:2], -1, x.shape[-1])[:, :, : x.shape[2]]
+    return pack(codes, bits), scale[:, :, :, 0], zero[:, :, :, 0]
+
+
+def dequantize_keys(packed, scale, zero, bits: int, group: int, dtype):
+    c = unpack(packed, bits).astype(jnp.float32)
+    n = c.shape[2]
+    per_slot = lambda s: jnp.repeat(s.astype(jnp.float32), group, axis=2)[:, :, :n]  # noqa: E731
+    return (per_slot(zero) + per_slot(scale) * c).astype(dtype)
+
+
+# ---- the cache --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayerCache:
+    """A LayerCache whose keys and values are codes (see the module docstring).
+
+    k_codes, v_codes: int8 `[b, kvh, C, d]` (8 bits) or uint8 `[b, kvh, C, d bits / 8]` (KIVI).
+    k_scale (and k_zero): `[b, kvh, C]` (int8) or `[b, kvh, ceil(C / G), d]` (KIVI, per channel per G slots).
+    v_scale (and v_zero): `[b, kvh, C]` (int8) or `[b, kvh, C, d / G]` (KIVI, per G channels per slot).
+    pos, score, log_w: as in LayerCache.
+    res_k, res_v `[b, kvh, R, d]`, res_pos `[b, kvh, R]`: the residual, a ring of the R most recent held
+    tokens in full precision (slot `pos % R`), -1 where empty; None when R = 0.
+    """
+
+    k_codes: Array
+    k_scale: Array
+    k_zero: Array | None
+    v_codes: Array
+    v_scale: Array
+    v_zero: Array | None
+    pos: Int[Array, "b kvh c"]
+    score: Float[Array, "b kvh c"]
+    log_w: Float[Array, "b kvh c"]
+    res_k: Array | None
+    res_v: Array | None
+    res_pos: Array | None
+    spec: KVQuant
+    dtype: str  # the model's dtype, which dequantized keys and values take
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+jax.tree_util.register_dataclass(
+    QuantizedLayerCache,
+    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "pos", "score", "log_w", "res_k",
+                 "res_v", "res_pos"],
+    meta_fields=["spec", "dtype"])
+
+
+def empty(spec: KVQuant, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> QuantizedLayerCache:
+    spec.check_head_dim(head_dim)
+    plain = kvcache.empty(batch, kv_heads, capacity, head_dim, dtype)
+    return store(spec, plain, jnp.full((batch,), EMPTY, jnp.int32))
+
+
+def view(qc: QuantizedLayerCache) -> LayerCache:
+    """The cache as a LayerCache: codes dequantized to the model's dtype, held tokens of the residual read from it."""
+    s, dtype = qc.spec, jnp.dtype(qc.dtype)
+    if s.kivi:
+        k = dequantize_keys(qc.k_codes, qc.k_scale, qc.k_zero, s.bits, s.group, dtype)
+        v = dequantize_values(qc.v_codes, qc.v_scale, qc.v_zero, s.bits, s.group, dtype)
+    else:
+        k, v = dequantize_int8(qc.k_codes, qc.k_scale, dtype), dequantize_int8(qc.v_codes, qc.v_scale, dtype)
+    if s.residual:
+        ring = jnp.where(qc.pos >= 0, qc.pos % s.residual, 0)
+        hit = ((qc.pos >= 0) & (jnp.take_along_axis(qc.res_pos, ring, axis=2) == qc.pos))[..., None]
+        k = jnp.where(hit, jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), k)
+        v = jnp.where(hit, jnp.take_along_axis(qc.res_v, ring[..., None], axis=2), v)
+    return LayerCache(k=k, v=v, pos=qc.pos, score=qc.score, log_w=qc.log_w)
+
+
+def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLayerCache:
+    """`lc` quantized; the residual holds its slots at positions within `residual` of each row's newest token
+    (the larger of `newest` and the newest position `lc` holds)."""
+    dtype = lc.k.dtype
+    valid = lc.pos >= 0
+    if spec.kivi:
+        kc, ks, kz = quantize_keys(lc.k, valid, spec.bits, spec.group, dtype)
+        vc, vs, vz = quantize_values(lc.v, spec.bits, spec.group, dtype)
+    else:
+        (kc, ks), (vc, vs) = quantize_int8(lc.k, dtype), quantize_int8(lc.v, dtype)
+        kz = vz = None
+    res_k = res_v = res_pos = None
+    if spec.residual:
+        r = spec.residual
+        top = jnp.maximum(newest, jnp.max(lc.pos, axis=(1, 2)))[:, None, None]
+        recent = valid & (lc.pos > top - r)
+        b, h, _ = lc.pos.shape
+        idx = (jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], jnp.where(recent, lc.pos % r, r))
+        res_k = jnp.zeros((b, h, r, lc.k.shape[-1]), dtype).at[idx].set(lc.k, mode="drop")
+        res_v = jnp.zeros((b, h, r, lc.v.shape[-1]), dtype).at[idx].set(lc.v, mode="drop")
+        res_pos = jnp.full((b, h, r), EMPTY, jnp.int32).at[idx].set(lc.pos, mode="drop")
+    return QuantizedLayerCache(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz, pos=lc.pos,
+                               score=lc.score, log_w=lc.log_w, res_k=res_k, res_v=res_v, res_pos=res_pos, spec=spec,
+                               dtype=jnp.dtype(dtype).name)
+
+
+def newest(pos: Int[Array, "b *t"]) -> Int[Array, "b"]:
+    """Each row's newest position in a call (`[b]` for a decode step, `[b, t]` for a prompt or a chunk)."""
+    return pos if pos.ndim == 1 else jnp.max(pos, axis=1)
+
+
+__all__ = ["BITS", "KVQuant", "QuantizedLayerCache", "dequantize_int8", "dequantize_keys", "dequantize_values", "empty",
+           "newest", "pack", "quantize_int8", "quantize_keys", "quantize_values", "store", "unpack", "view"]
