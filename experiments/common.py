@@ -203,21 +203,22 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     p.set_defaults(default_budget=budget)
 
 
-def quantized(args: argparse.Namespace, policy: Policy) -> Policy:
-    """`policy` stored quantized as --kv-bits / --kv-group / --kv-residual say, or as it is without --kv-bits."""
+def quantizer(args: argparse.Namespace):
+    """What --kv-bits / --kv-group / --kv-residual do to each policy of a run: store it quantized
+    (`kvjax.policies.Quantized`), or nothing without --kv-bits. Checked once, before any policy is built."""
     bits = getattr(args, "kv_bits", None)
     if bits is None:
-        given = [f for f, k in (("--kv-group", "kv_group"), ("--kv-residual", "kv_residual"))
+        given = [f"{f} {getattr(args, k)}" for f, k in (("--kv-group", "kv_group"), ("--kv-residual", "kv_residual"))
                  if getattr(args, k, None) is not None]
         if given:
             raise InvalidInput(f"{', '.join(given)} without --kv-bits: the cache is not quantized")
-        return policy
+        return lambda policy: policy
     if bits == 8 and args.kv_group is not None:
         raise InvalidInput(f"--kv-group {args.kv_group} with --kv-bits 8: int8 has one scale per token (the group "
                            "size is KIVI's, for 4 and 2 bits)")
     group = None if bits == 8 else (args.kv_group if args.kv_group is not None else 32)
     residual = args.kv_residual if args.kv_residual is not None else (0 if bits == 8 else 128)
-    return Quantized(policy, bits=bits, group=group, residual=residual)
+    return lambda policy: Quantized(policy, bits=bits, group=group, residual=residual)
 
 
 def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
@@ -301,6 +302,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
         flags = ", ".join(flag_given(args, k) for k in sorted(options - taken))
         raise InvalidInput(f"{flags}: no policy of {','.join(names)} takes it")
     check_modes(args, names, options)
+    quantize = quantizer(args)
     out = []
     for n in names:
         params = inspect.signature(REGISTRY[n]).parameters
@@ -311,7 +313,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
             out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
             if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
                 out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
-            out[-1] = quantized(args, out[-1])
+            out[-1] = quantize(out[-1])
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
             raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None

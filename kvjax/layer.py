@@ -97,9 +97,10 @@ def regroup(cache: AnyLayerCache, caches: list[LayerCache]) -> AnyLayerCache:
     return HeadwiseCache(tuple(caches), cache.heads) if isinstance(cache, HeadwiseCache) else caches[0]
 
 
-def read(cache: LayerCache | QuantizedLayerCache) -> LayerCache:
-    """A group's cache as its rule reads it: a quantized one dequantized (`kvjax.quant.view`)."""
-    return quant.view(cache) if isinstance(cache, QuantizedLayerCache) else cache
+def read(cache: LayerCache | QuantizedLayerCache, pos: Int[Array, "b *t"]) -> LayerCache:
+    """A group's cache as its rule reads it in a call at positions `pos`: a quantized one dequantized, the
+    residual's tokens within R of this call's newest in full precision (`kvjax.quant.view`)."""
+    return quant.view(cache, quant.newest(pos)) if isinstance(cache, QuantizedLayerCache) else cache
 
 
 def stored(plan: LayerPlan, cache: LayerCache, pos: Int[Array, "b *t"]) -> LayerCache | QuantizedLayerCache:
@@ -116,7 +117,7 @@ def size_rows(plan: LayerPlan, cache: AnyLayerCache, positions: Int[Array, "b t"
     """A fresh cache made ready for whole prompts at `positions` to be read token by token or in chunks: each
     rule sets what depends on a row's prompt (a ratio budget, RazorAttention's window)."""
     ctx = Context(positions)
-    return regroup(cache, [stored(plan, rule.size_rows(plan.layer, read(g), ctx), positions)
+    return regroup(cache, [stored(plan, rule.size_rows(plan.layer, read(g, positions), ctx), positions)
                            for _, rule, g in rule_groups(plan, cache)])
 
 
@@ -166,7 +167,7 @@ def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, token
     k_store = k if plan.position_mode == "rolling" else k_rot
     ctx = Context(pos, tokens)
     return regroup(cache, [
-        stored(plan, rule.prefill(geom.layer, read(c), kv_heads(k_store, heads), kv_heads(v, heads), ctx,
+        stored(plan, rule.prefill(geom.layer, read(c, pos), kv_heads(k_store, heads), kv_heads(v, heads), ctx,
                                   stats if heads is None else stats.map(lambda a: a[:, heads])), pos)
         for heads, rule, c in rule_groups(plan, cache)])
 
@@ -202,7 +203,7 @@ def query_moments(geom: Geometry, q, pos, requests):
 
 def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
     """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
-    cache = read(cache)
+    cache = read(cache, pos)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     o, _ = attention.prefix_attention(
         q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
@@ -220,7 +221,7 @@ def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
     KV heads, each with its query heads, KV heads, own rule, cache (read, and stored back, as the plan stores it)
     and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
     def run(q, k, v, rule, c, slopes):
-        o, c = run_rule(q, k, v, rule, read(c), slopes)
+        o, c = run_rule(q, k, v, rule, read(c, pos), slopes)
         return o, stored(plan, c, pos)
 
     slopes = geom.alibi

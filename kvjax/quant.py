@@ -234,8 +234,10 @@ def empty(spec: KVQuant, batch: int, kv_heads: int, capacity: int, head_dim: int
     return store(spec, plain, jnp.full((batch,), EMPTY, jnp.int32))
 
 
-def view(qc: QuantizedLayerCache) -> LayerCache:
-    """The cache as a LayerCache: codes dequantized to the model's dtype, held tokens of the residual read from it."""
+def view(qc: QuantizedLayerCache, newest: Int[Array, "b"] | None = None) -> LayerCache:
+    """The cache as a LayerCache: codes dequantized to the model's dtype, held tokens of the residual read from
+    it. `newest`: each row's newest position in the call that reads it (a decode step's token), so that the
+    residual's oldest tokens give way: the R most recent tokens, that one included, are in full precision."""
     s, dtype = qc.spec, jnp.dtype(qc.dtype)
     if s.kivi:
         k = dequantize_keys(qc.k_codes, qc.k_scale, qc.k_zero, s.bits, s.group, dtype)
@@ -244,7 +246,10 @@ def view(qc: QuantizedLayerCache) -> LayerCache:
         k, v = dequantize_int8(qc.k_codes, qc.k_scale, dtype), dequantize_int8(qc.v_codes, qc.v_scale, dtype)
     if s.residual:
         ring = jnp.where(qc.pos >= 0, qc.pos % s.residual, 0)
-        hit = ((qc.pos >= 0) & (jnp.take_along_axis(qc.res_pos, ring, axis=2) == qc.pos))[..., None]
+        hit = (qc.pos >= 0) & (jnp.take_along_axis(qc.res_pos, ring, axis=2) == qc.pos)
+        if newest is not None:
+            hit &= qc.pos > newest[:, None, None] - s.residual
+        hit = hit[..., None]
         k = jnp.where(hit, jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), k)
         v = jnp.where(hit, jnp.take_along_axis(qc.res_v, ring[..., None], axis=2), v)
     return LayerCache(k=k, v=v, pos=qc.pos, score=qc.score, log_w=qc.log_w)
