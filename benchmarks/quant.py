@@ -1,0 +1,127 @@
+"""Decode speed and cache bytes of the quantized cache (`kvjax.quant`): 16-bit vs int8 vs KIVI 4 / 2-bit.
+
+    python -m benchmarks.quant [--lengths 4096,16384,65536] [--steps 32] [--out benchmarks/results]
+
+One attention layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, bfloat16), batch 1,
+its cache filled with `L` random tokens, then `--steps` tokens decoded through `kvjax.layer.decode` under
+`FullCache` stored at each width (the jnp path: each call dequantizes the layer's cache, attends, and
+requantizes it). Writes quant_<platform>.json / .md / .png; numbers are for reading, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from kvjax import cache as kvcache
+from kvjax import layer
+from kvjax.policies import FullCache, Quantized, resolve
+
+SHAPE = dict(num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's attention
+WIDTHS = {16: None, 8: dict(bits=8), 4: dict(bits=4, group=32, residual=128), 2: dict(bits=2, group=32, residual=128)}
+
+
+def filled(plan, length: int, dtype):
+    """A cache of `plan`'s size holding `length` random tokens at positions 0..length-1, stored as the plan says."""
+    h, d = SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    c = plan.sizes[0]
+    rng = np.random.RandomState(length)
+    pos = np.where(np.arange(c) < length, np.arange(c), -1).astype(np.int32)
+    lc = kvcache.LayerCache(k=jnp.asarray(rng.randn(1, h, c, d), dtype), v=jnp.asarray(rng.randn(1, h, c, d), dtype),
+                            pos=jnp.broadcast_to(jnp.asarray(pos), (1, h, c)), score=jnp.zeros((1, h, c)),
+                            log_w=jnp.zeros((1, h, c)))
+    return layer.stored(plan, lc, jnp.asarray([length - 1]))
+
+
+def time_width(bits: int, length: int, steps: int, repeats: int, dtype) -> dict:
+    spec = WIDTHS[bits]
+    policy = FullCache() if spec is None else Quantized(FullCache(), **spec)
+    plan = resolve(policy, 1, SHAPE["num_kv_heads"]).sized(length + steps).layers[0]
+    geom = layer.Geometry(layer=0, **SHAPE, scale=SHAPE["head_dim"] ** -0.5)
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(steps, 1, SHAPE["num_heads"], SHAPE["head_dim"]), dtype)
+    kv = jnp.asarray(rng.randn(2, steps, 1, SHAPE["num_kv_heads"], SHAPE["head_dim"]), dtype)
+
+    @jax.jit
+    def run(cache):
+        def step(c, x):
+            i, qi, ki, vi = x
+            o, c = layer.decode(geom, plan, c, qi, ki, vi, (length + i)[None])
+            return c, o
+
+        return jax.lax.scan(step, cache, (jnp.arange(steps, dtype=jnp.int32), q, kv[0], kv[1]))
+
+    cache = filled(plan, length, dtype)
+    jax.block_until_ready(run(cache))  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(cache))
+        best = min(best, time.perf_counter() - t)
+    return dict(bits=bits, length=length, tok_s=steps / best, cache_bytes=cache.nbytes,
+                kv_bytes=sum(x.nbytes for name, x in vars(cache).items() if name.startswith(("k", "v", "res")) and
+                             x is not None))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="4096,16384,65536")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--widths", default="16,8,4,2")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    widths = [int(x) for x in args.widths.split(",")]
+    bad = [w for w in widths if w not in WIDTHS]
+    if bad:
+        p.error(f"--widths: {bad}; expected some of {sorted(WIDTHS)}")
+    plat = jax.devices()[0].platform
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [time_width(w, n, args.steps, args.repeats, jnp.bfloat16)
+            for n in tqdm(lengths, desc="cache lengths") for w in widths]
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+                shape=SHAPE, dtype="bfloat16", steps=args.steps, jax=jax.__version__, widths=WIDTHS)
+    (out / f"quant_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    base = {r["length"]: r for r in rows if r["bits"] == 16}
+    lines = [f"# Quantized cache: decode speed and bytes ({meta['device']}, jax {jax.__version__})", "",
+             f"One attention layer of SmolLM2-135M's shape ({SHAPE}), bfloat16, batch 1, FullCache holding L tokens, "
+             f"{args.steps} tokens decoded (best of {args.repeats}). 8: int8 per token; 4 / 2: KIVI, G = 32, R = 128. "
+             "Bytes: the whole layer cache (codes, scales, zeros, positions, scores, biases, residual).", "",
+             "| L | bits | decode tok/s | x 16-bit speed | cache MiB | x 16-bit bytes |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get(r["length"])
+        ratio = lambda k: f"{r[k] / b[k]:.2f}" if b else "-"  # noqa: E731
+        lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s']:.1f} | {ratio('tok_s')} | "
+                     f"{r['cache_bytes'] / 2**20:.2f} | {ratio('cache_bytes')} |")
+    (out / f"quant_{plat}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for w in widths:
+        pts = [r for r in rows if r["bits"] == w]
+        a.plot([r["length"] for r in pts], [r["tok_s"] for r in pts], marker="o", label=f"{w}-bit")
+        b.plot([r["length"] for r in pts], [r["cache_bytes"] / 2**20 for r in pts], marker="o", label=f"{w}-bit")
+    a.set(xscale="log", xlabel="cached tokens", ylabel="decode steps/s (one layer)", title=f"decode ({plat})")
+    b.set(xscale="log", yscale="log", xlabel="cached tokens", ylabel="cache MiB (one layer)", title="cache bytes")
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"quant_{plat}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
