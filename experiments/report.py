@@ -65,7 +65,7 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
         if full <= floor + margin else ")"
 
 
-SECTIONS = ("perplexity", "razor", "longbench", "ruler", "zeroshot", "passkey", "efficiency")
+SECTIONS = ("perplexity", "razor", "longbench", "ruler", "zeroshot", "passkey", "efficiency", "quantization")
 # The compression baselines of the RULER section (SlimKV Table 1's, with kvpress's TOVA and KNorm).
 RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "knorm")
 # The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff; DuoAttention from the model's own head scores) beside them
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="section 4's compression ratios (share of each prompt removed)")
     p.add_argument("--zeroshot-ratios", type=float_list,
                    help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
+    p.add_argument("--quant-ppl-length", type=positive_int,
+                   help="the quantization section's text length (default: the shortest --ppl-lengths)")
     p.add_argument("--anllm", help="an experiments.eval_anllm output directory to include")
     p.add_argument("--gate", help="an experiments.eval_gate output directory to include")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
@@ -302,6 +304,36 @@ def main(argv: list[str] | None = None) -> int:
                                        num_layers=depth)
         md += ["## 7. Efficiency (MAT Table 6)", "", driver.call(p, efficiency.suite, lm, pols, out / "efficiency").table, "",
                "![efficiency](efficiency/efficiency.png)", ""]
+
+    if "quantization" not in skip:
+        from kvjax.policies import Quantized
+
+        d = out / "quantization"
+        group = 32 if cfg.head_dim % 32 == 0 else cfg.head_dim
+        widths = {16: None, 8: dict(bits=8), 4: dict(bits=4, group=group, residual=128),
+                  2: dict(bits=2, group=group, residual=128)}
+
+        def at_widths(base):
+            return {f"{lab}@{w}": pol if q is None else Quantized(pol, **q)
+                    for lab, pol in base.items() for w, q in widths.items()}
+
+        length = args.quant_ppl_length or min(ppl_lengths)
+        ppl = driver.call(p, perplexity.suite, lm, at_widths(
+            driver.resolve_policies("full") | driver.resolve_policies("streaming", budget=args.budget)),
+            d / "perplexity", lengths=[length], text=args.ppl_text)
+        keys = driver.call(p, passkey.suite, lm, at_widths(
+            driver.resolve_policies("full") | driver.resolve_policies("snapkv", budget=args.budget, **window)),
+            d / "passkey", lengths=args.razor_lengths, samples=args.razor_samples)
+        md += ["## 8. A quantized cache (KIVI), alone and under eviction", "",
+               f"16: the model's dtype; 8: int8 per token; 4 and 2: KIVI (keys per channel, values per token, group "
+               f"{group}, the 128 most recent tokens in full precision). StreamingLLM and SnapKV at budget "
+               f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({length} tokens):",
+               "", ppl.table, "", "Passkey accuracy %: the prompt is attended in full precision and then stored, as KIVI "
+               "prefills, so the width acts on the answer's tokens:", "", keys.table, ""]
+        full_ppl = ppl.summary["ppl"]
+        two, sixteen = full_ppl["full@2"][str(length)], full_ppl["full@16"][str(length)]
+        claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: "
+                      f"{_verdict(two <= 1.05 * sixteen)} ({two:.2f} vs {sixteen:.2f} over {length} tokens)")
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
                                                     "experiments.eval_anllm"),
