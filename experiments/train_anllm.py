@@ -21,12 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
-from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, read_text, windows
+from experiments.common import (
+    add_deprecated_alias,
+    add_run_args,
+    load_with_tokenizer,
+    read_text,
+    windows,
+)
 from experiments.records import training_identity, write_atomic
-from kvjax.anllm_anchors import add_ac_token, anchor_flags, anchor_mask, parse_placement, place_anchors, with_ac
+from kvjax.anllm_anchors import (
+    anchor_flags,
+    anchor_mask,
+    parse_placement,
+    place_anchors,
+    with_ac,
+)
 from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
+from models.vocab import add_ac_token
 
 # Sentences the anchor string is appended to, to see which id it gets at the end of a sentence.
 ANCHOR_PROBES = ("The sky is blue", "It ends here", "word", "A b c")

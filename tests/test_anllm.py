@@ -178,7 +178,7 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
 
 
 def test_ac_embedding_init(tiny):
-    from kvjax.anllm_anchors import add_ac_token
+    from models.vocab import add_ac_token
     from models import load
 
     lm = load(tiny.path)

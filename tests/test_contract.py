@@ -135,3 +135,20 @@ def test_combinators_answer_no_rule_question_and_the_plan_answers_for_them(tiny)
     assert not resolve(layers, 2).evicts_while_decoding
     with pytest.raises(ValueError, match="compresses a whole prompt once"):
         stream_logprobs(tiny.model, list(range(4, 40)), layers)
+
+
+def test_kvjax_never_imports_models_or_experiments():
+    """Data flows one way: models/ and experiments/ build on kvjax, never the reverse (every import statement
+    of every kvjax module, those inside functions included)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted((root / "kvjax").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names
+                    if n.split(".")[0] in ("models", "experiments", "benchmarks")]
+    assert bad == []
