@@ -267,3 +267,20 @@ def test_compressed_and_quantized_generation_compiles_once(small):
     for a, b in zip(plain, packed):  # 2-bit codes of float32 keys and values: a 16th of their bytes
         assert b.k_codes.nbytes * 16 == a.k.nbytes and b.v_codes.nbytes * 16 == a.v.nbytes
     assert kvcache.nbytes(packed) < kvcache.nbytes(plain)
+
+
+def test_a_residual_holding_the_whole_window_changes_nothing_chunked_or_streamed(small):
+    """LocalWindow(32) holds only tokens within 32 + chunk of the newest: a residual of 64 holds them all in full
+    precision, so scoring a text in chunks or token by token equals the unquantized cache; with R = 0 it does not."""
+    from experiments.common import default_text
+    from kvjax.policies import LocalWindow
+    from kvjax.scoring import logprobs
+
+    ids = small.tokenizer.encode(default_text())[:160]
+    g = min(32, small.config.head_dim)
+    for mode in (dict(prefill_mode="chunked", chunk=16), dict(prefill_mode="stream")):
+        plain = logprobs(small.model, ids, LocalWindow(size=32, **mode))
+        whole = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 64))
+        np.testing.assert_allclose(whole, plain, atol=1e-5)
+        bare = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 0))
+        assert np.abs(bare - plain).max() > 1e-2
