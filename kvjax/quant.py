@@ -25,8 +25,10 @@ residual (R >= G) and is quantized from full precision. A policy that writes a t
 older key group (a ring buffer, H2O, TOVA, MAT), or moves slots (Recompress), requantizes that group from
 its members' dequantized values: if the new token widens the group's range, the older members are rounded
 a second time. With R = 0 a key group is quantized as it fills, each new member rounding the others again.
-The prompt's own attention (prefill_mode "full") is in full precision, as in KIVI; a streamed or chunked
-prompt attends the quantized cache.
+The prompt's own attention (prefill_mode "full") is in full precision, as in KIVI; a streamed prompt attends
+the stored cache token by token; a chunk attends the stored cache (its residual counted back from the
+chunk's last token) and, in full precision, its own tokens, so a chunk of n tokens sees up to n - 1 more
+full-precision keys than the same tokens streamed.
 """
 
 from __future__ import annotations
