@@ -335,3 +335,58 @@ def test_leaderboard_preset_mirrors_kvpress():
     assert "razor" in args.compare.split(",")
     with pytest.raises(SystemExit):
         ruler_cli.parse(["--preset", "leaderboard", "--compare", "full"])
+
+
+# ---- QA (qa_1 SQuAD, qa_2 HotpotQA), read from a local data directory ----
+
+
+@pytest.fixture(scope="module")
+def qa_dir(tmp_path_factory):
+    from tests.ruler_qa_data import write
+
+    d = tmp_path_factory.mktemp("qa")
+    write(d)
+    return d
+
+
+@pytest.mark.parametrize("name,dataset", [("qa_1", "squad"), ("qa_2", "hotpotqa")])
+@pytest.mark.parametrize("length", [1500, 2600])
+def test_qa_samples_equal_rulers_own_generator(default, qa_dir, name, dataset, length):
+    """RULER's qa.py on the same files and tokenizer (counting `tokenizer.tokenize`, as RULER does) wrote
+    tests/data/ruler_qa/*.jsonl: kvjax's samples are the same, byte for byte."""
+    from pathlib import Path
+
+    ref = [json.loads(line) for line in
+           (Path(__file__).parent / "data" / "ruler_qa" / f"{dataset}-{length}.jsonl").read_text().splitlines()]
+    got = T.generate(name, length, len(ref), lambda text: len(default.tokenizer.tokenize(text)), data_dir=qa_dir)
+    assert [(s.input, list(s.outputs), s.length, s.answer_prefix) for s in got] == \
+        [(r["input"], r["outputs"], r["length"], r["answer_prefix"]) for r in ref]
+    for s in got:  # kvpress's split: the question starts at the last instruction
+        assert s.context + s.question == s.input and s.answer_prefix == " Answer:"
+        assert s.question.startswith("Answer the question based on the given documents.") and "Question: " in s.question
+
+
+def test_qa_reads_rulers_formats(qa_dir):
+    qas, docs = T.read_qa(T.TASKS["qa_1"], qa_dir)
+    assert len(qas) == 6 * 3 * 2 and len(docs) == 18  # unanswerable questions skipped, a shared paragraph once
+    # the other paragraphs of the article: 2, or 3 in the article that also holds a shared one
+    assert docs == sorted(docs) and sorted(len(q["more"]) for q in qas) == [2] * 30 + [3] * 6
+    qas, docs = T.read_qa(T.TASKS["qa_2"], qa_dir)
+    assert len(qas) == 8 and all(len(q["context"]) == 4 and q["more"] == [] for q in qas)
+    with pytest.raises(T.InvalidInput, match="--data-dir DIR with squad.json"):
+        T.read_qa(T.TASKS["qa_1"], None)
+
+
+def test_qa_scores_any_reference_the_others_every_reference():
+    assert scoring.sample_score("it was Paris", ["Paris", "Lyon"], "part") == 1.0
+    assert scoring.sample_score("it was Paris", ["Paris", "Lyon"], "all") == 0.5
+    assert T.METRICS["qa"] == "part" and T.METRICS["niah"] == "all"
+
+
+def test_qa_without_its_data_is_said_not_run(default, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ruler_cli.parse(["--tasks", "niah_single_1", "--data-dir", str(tmp_path)])
+    assert "--data-dir" in capsys.readouterr().err
+    code = cli.run(ruler_cli.main, ["--tasks", "qa_1,qa_2", "--compare", "full", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no task to run: qa_1 (its squad file" in err and "qa_2 (its hotpotqa file" in err

@@ -38,7 +38,7 @@ from experiments.common import (
     policies_at_ratios,
     positive_int,
 )
-from experiments.records import ResultLog, write_atomic, write_csv_atomic, shown
+from experiments.records import ResultLog, content_fingerprint, shown, write_atomic, write_csv_atomic
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate_many
@@ -59,6 +59,8 @@ def parse(argv):
     p.add_argument("--tasks", help=f"comma-separated (default: RULER's offline tasks {','.join(T.OFFICIAL)}); "
                                    f"all: {','.join(T.TASKS)}")
     p.add_argument("--samples", type=positive_int, default=10, help="samples per task and length")
+    p.add_argument("--data-dir", help=f"RULER's QA files ({', '.join(T.QA_FILES.values())}, from RULER's "
+                                      "download_qa_dataset.sh) for qa_1 / qa_2; without it those are not run")
     p.add_argument("--seed", type=nonnegative_int, default=T.DEFAULT_SEED, help="RULER's random_seed")
     p.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic",
                    help="agnostic: compress the context without the question (kvpress); aware: with it")
@@ -80,6 +82,8 @@ def parse(argv):
     if unknown:
         p.error(f"argument --tasks: unknown task {unknown[0]!r}; RULER's offline tasks: {', '.join(T.TASKS)}")
     args.task_names = names
+    if args.data_dir and not set(names) & set(T.NEEDS_DATA):
+        p.error(f"--data-dir {args.data_dir}: only {', '.join(T.NEEDS_DATA)} read it, and --tasks has neither")
     if args.preset:
         if args.ratios or args.compare or args.policy:
             p.error("--preset leaderboard sets --ratios and --compare itself")
@@ -101,7 +105,8 @@ def cell_policies(p, args, num_layers: int, model_dir=None):
     return lambda room: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room, model_dir=model_dir))
 
 
-def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int) -> list[T.Sample]:
+def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int, data_dir=None
+                 ) -> list[T.Sample]:
     """The cell's `count` samples, generated once and kept in OUT/data (the identity ties them to the
     tokenizer and the seed)."""
     path = out / "data" / f"{task.name}-{length}.jsonl"
@@ -113,7 +118,8 @@ def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
             raise InvalidInput(f"{path} is not a sample file kvjax wrote ({type(err).__name__}: {err}); delete it to "
                                "generate the samples again") from None
-    samples = T.generate(task, length, count, T.token_counter(lm.tokenizer), seed=seed, tokens_to_generate=gen)
+    samples = T.generate(task, length, count, T.token_counter(lm.tokenizer), seed=seed, tokens_to_generate=gen,
+                         data_dir=data_dir)
     write_atomic(path, "".join(json.dumps(s.__dict__ | {"outputs": list(s.outputs)}) + "\n" for s in samples))
     return samples
 
@@ -150,7 +156,7 @@ def predict(lm, policies: dict, task: T.Task, length: int, samples, log: ResultL
                 pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
                 log.add({"id": key(policy, s), "label": label, "policy": policy.describe(), "task": task.name,
                          "length": length, "index": s.index, "pred": pred, "outputs": list(s.outputs),
-                         "score": scoring.sample_match_all(pred, s.outputs)})
+                         "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind])})
                 bar.update(1)
     return {lab: [log.records[key(p, s)] for s in samples] for lab, p in policies.items()}
 
@@ -172,7 +178,7 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
             for n in lengths:
                 cell = [r for r in rows if r["label"] == lab and r["task"] == t and r["length"] == n]
                 if cell:
-                    table.setdefault(lab, {}).setdefault(t, {})[n] = scoring.string_match_all(
+                    table.setdefault(lab, {}).setdefault(t, {})[n] = scoring.METRICS[T.METRICS[T.TASKS[t].kind]](
                         [r["pred"] for r in cell], [r["outputs"] for r in cell])
     avg = {lab: {n: round(float(np.mean([table[lab][t][n] for t in tasks if n in table[lab].get(t, {})])), 2)
                  for n in lengths} for lab in labels}
@@ -193,6 +199,11 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
     unofficial = [t for t in tasks if not T.TASKS[t].official]
     if unofficial:
         lines += ["", f"`{'`, `'.join(unofficial)}`: RULER's essay tasks on standard-library text; not RULER's scores."]
+    if any(T.TASKS[t].kind == "qa" for t in tasks):
+        lines += ["", "QA is scored as RULER scores it: a sample counts when any reference is in the prediction "
+                      "(string_match_part); the other tasks by the share of references found (string_match_all)."]
+    if meta.get("not_run"):
+        lines += ["", f"Not run: {'; '.join(meta['not_run'])}."]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for lab in labels:
         ax.plot(lengths, [avg[lab][n] for n in lengths], marker="o", label=lab)
@@ -227,11 +238,12 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
 
 def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[str] | None = None, samples: int = 10,
           seed: int = T.DEFAULT_SEED, protocol: str = "agnostic", max_new_tokens: int | None = None, batch: int = 4,
-          progress: bool = True) -> driver.SuiteResult:
+          progress: bool = True, data_dir=None) -> driver.SuiteResult:
     """RULER's `tasks` (default: its offline ones) at each sequence length (default: the model's
     window) under each policy, into `out`; summary `{"scores": {label: {task: {length: score}}},
     "average": ..., ...}`. `policies` is `{label: policy}` (a list, or one), or a function of a cell's
-    prompt room (length - tokens generated) giving them, as a ratio sweep needs."""
+    prompt room (length - tokens generated) giving them, as a ratio sweep needs. `data_dir`: RULER's QA files
+    (`T.QA_FILES`); qa_1 / qa_2 without it are not run, and the table says so."""
     driver.positive(samples, "samples")
     driver.positive(batch, "batch")
     tasks = list(tasks or T.OFFICIAL)
@@ -248,15 +260,23 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
     per_cell = policies if callable(policies) else (lambda room, fixed=driver.labelled(policies): fixed)
     out = Path(out)
     # lengths, tasks and samples only select records
-    log = driver.open_records(out, lm, "preds.jsonl", {"seed": seed, "protocol": protocol,
-                                                       "max_new_tokens": max_new_tokens, "batch": batch})
+    not_run = [f"{n} (its {T.TASKS[n].arg('dataset')} file: data_dir= / --data-dir)" for n in tasks
+               if n in T.NEEDS_DATA and data_dir is None]
+    tasks = [n for n in tasks if not (n in T.NEEDS_DATA and data_dir is None)]
+    qa_files = sorted({T.QA_FILES[T.TASKS[n].arg("dataset")] for n in tasks if n in T.NEEDS_DATA})
+    # the QA files' content is part of what the samples are
+    options = {"seed": seed, "protocol": protocol, "max_new_tokens": max_new_tokens, "batch": batch}
+    if qa_files:
+        options["qa_data"] = {f: content_fingerprint(Path(data_dir) / f) if (Path(data_dir) / f).is_file() else None
+                              for f in qa_files}
+    log = driver.open_records(out, lm, "preds.jsonl", options)
     rows, described = [], {}
     for n in lengths:
         for name in tasks:
             task = T.TASKS[name]
             gen = max_new_tokens or task.tokens_to_generate
             try:
-                cell = cell_samples(out, lm, task, n, samples, seed, gen)
+                cell = cell_samples(out, lm, task, n, samples, seed, gen, data_dir)
             except InvalidInput as err:
                 raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
                                            "max_new_tokens=", usage=False) from None
@@ -266,7 +286,10 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
                       disable=not progress) as bar:
                 for recs in predict(lm, pols, task, n, cell, log, protocol, batch, gen, bar).values():
                     rows += recs
-    meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described}
+    meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described,
+            "not_run": not_run}
+    if not rows:
+        raise driver.ArgumentError(f"no task to run: {'; '.join(not_run)}", usage=False)
     table, summary, figures = write_report(out, rows, meta)
     return driver.finish("ruler", out, table, summary, described, figures)
 
@@ -278,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     attach_gate_params(args, lm)
     res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out,
                       lengths=args.lengths, tasks=args.task_names, samples=args.samples, seed=args.seed,
-                      protocol=args.protocol, max_new_tokens=args.max_new_tokens, batch=args.batch)
+                      protocol=args.protocol, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                      data_dir=args.data_dir)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}} and " + ", ".join(str(f) for f in res.figures))
     return 0

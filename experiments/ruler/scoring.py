@@ -35,4 +35,12 @@ def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[
     return round(sum(hits) / len(predictions) * 100, 2)
 
 
-__all__ = ["postprocess", "sample_match_all", "string_match_all", "string_match_part"]
+def sample_score(prediction: str, references: Sequence[str], metric: str) -> float:
+    """One sample's score under RULER's `metric`: "all" (the share of references found) or "part" (1 if any is)."""
+    found = [r.lower() in prediction.lower() for r in references]
+    return sum(found) / len(found) if metric == "all" else float(any(found))
+
+
+METRICS = {"all": string_match_all, "part": string_match_part}
+
+__all__ = ["METRICS", "postprocess", "sample_match_all", "sample_score", "string_match_all", "string_match_part"]

@@ -1,7 +1,7 @@
 """RULER's synthetic tasks, generated offline at any length with any tokenizer.
 
 A reimplementation (no code copied) of NVIDIA/RULER's generators, read as specifications:
-`scripts/data/synthetic/{niah,variable_tracking,common_words_extraction,freq_words_extraction}.py`,
+`scripts/data/synthetic/{niah,variable_tracking,common_words_extraction,freq_words_extraction,qa}.py`,
 `scripts/synthetic.yaml` (the task table below) and `scripts/data/synthetic/constants.py`
 (templates, answer prefixes, tokens to generate). What follows RULER exactly:
 
@@ -24,14 +24,21 @@ A reimplementation (no code copied) of NVIDIA/RULER's generators, read as specif
 * the seeds: one `random.Random(seed)` and one NumPy `RandomState(seed)` per task, drawn in RULER's
   order, and the fresh `random.Random(seed)` RULER uses for its shuffles (default seed 42);
 * the input is split from its answer prefix where RULER splits it (`rfind` of the prefix's first
-  10 characters).
+  10 characters);
+* QA (qa_1 SQuAD 2.0, qa_2 HotpotQA, read from RULER's `squad.json` / `hotpotqa.json` in a local data
+  directory): the dataset's answerable questions in order, each with its gold documents, its article's
+  other paragraphs (SQuAD) and random others, shuffled by a fresh `Random(seed)`, numbered "Document i:";
+  10 documents per step; scored by string_match_part. Byte-identical to RULER's qa.py on the same files
+  (tests/data/ruler_qa; RULER seeds `random` before importing transformers, whose import draws from it, so
+  RULER's own samples depend on the transformers install unless transformers is imported first).
 
 Where kvjax differs, and why:
 
 * token counts are of what the model reads: the tokenizer's ids with its special tokens (BOS),
   so "fits the length" holds for the prompt kvjax actually generates from (RULER counts
   `tokenizer.tokenize(text)`, without BOS);
-* a draw that never fits raises a clear error (RULER's loop would spin forever), and so does CWE
+* a sample that does not fit at the smallest haystack is drawn again, as RULER does, but at most 100 times,
+  then raises a clear error (RULER's loop would spin forever); so does CWE
   beyond the 8166 distinct `wonderwords` words (RULER then reads its own `english_words.json`,
   which kvjax does not ship);
 * the essay haystack (Paul Graham's essays in RULER) is the standard library's English reference
@@ -85,12 +92,27 @@ TEMPLATES = {
                     "text?",
         "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared words are:",
     },
+    "qa": {
+        "tokens_to_generate": 32,
+        "template": "Answer the question based on the given documents. Only give me the answer and do not output any other "
+                    "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+                    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+        "answer_prefix": " Answer:",
+    },
 }
+# scripts/eval/synthetic/constants.py: QA counts a sample when any reference is found, the others the share found.
+METRICS = {"niah": "all", "variable_tracking": "all", "common_words_extraction": "all", "freq_words_extraction": "all",
+           "qa": "part"}
+# RULER's QA files (scripts/data/synthetic/json/download_qa_dataset.sh): SQuAD 2.0's dev set and HotpotQA's dev
+# set (distractor), as RULER names them in its json/ folder.
+QA_FILES = {"squad": "squad.json", "hotpotqa": "hotpotqa.json"}
+DOCUMENT = "Document {i}:\n{document}"
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int)]
 DEFAULT_SEED = 42
+REDRAWS = 100  # draws at the smallest haystack before a task is said not to fit (RULER draws forever)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +157,12 @@ TASKS = {t.name: t for t in (
     _niah("niah_multikey_1_stdlib", "essay", "words", "numbers", nk=4, official=False),
     _niah("niah_multivalue_stdlib", "essay", "words", "numbers", nv=4, official=False),
     _niah("niah_multiquery_stdlib", "essay", "words", "numbers", nq=4, official=False),
+    # read from a local data directory (`generate(data_dir=...)`, `--data-dir`): not generated offline
+    Task("qa_1", "qa", (("dataset", "squad"),)),
+    Task("qa_2", "qa", (("dataset", "hotpotqa"),)),
 )}
-OFFICIAL = tuple(n for n, t in TASKS.items() if t.official)
+NEEDS_DATA = tuple(n for n, t in TASKS.items() if t.kind == "qa")
+OFFICIAL = tuple(n for n, t in TASKS.items() if t.official and n not in NEEDS_DATA)  # generated offline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +412,7 @@ QUESTION_PATTERNS = {
     "variable_tracking": re.compile(r"Question: Find all variables that are assigned the value"),
     "common_words_extraction": re.compile(r"Question: What are the 10 most common words in the above list\?"),
     "freq_words_extraction": re.compile(r"Question: Do not provide any explanation\."),
+    "qa": re.compile(r"Answer the question based on the given documents\."),
 }
 
 
@@ -396,10 +423,10 @@ def split_question(text: str, kind: str) -> tuple[str, str]:
 
 
 def generate(task: Task | str, max_seq_length: int, num_samples: int, count: Callable[[str], int],
-             seed: int = DEFAULT_SEED, tokens_to_generate: int | None = None) -> list[Sample]:
+             seed: int = DEFAULT_SEED, tokens_to_generate: int | None = None, data_dir=None) -> list[Sample]:
     """`num_samples` samples of `task` whose prompt (as `count` tokenizes it) plus the tokens to
     generate (the task's, unless `tokens_to_generate` overrides them) fit `max_seq_length`, each as
-    close to it as one haystack step."""
+    close to it as one haystack step. QA reads its dataset from `data_dir` (`QA_FILES`)."""
     task = TASKS[task] if isinstance(task, str) else task
     d = _Draws(seed)
     gen = task.tokens_to_generate if tokens_to_generate is None else tokens_to_generate
@@ -407,7 +434,13 @@ def generate(task: Task | str, max_seq_length: int, num_samples: int, count: Cal
         raise InvalidInput(f"{task.name}: length {max_seq_length} leaves no room for its {gen} generated tokens")
 
     icl = ""
-    if task.kind == "niah":
+    if task.kind == "qa":
+        qas, docs = read_qa(task, data_dir)
+        step = 10  # RULER's `incremental`
+        make = lambda n, index=0: qa_text(task, qas, docs, index, n, d)  # noqa: E731
+        per = count(make(step)[0]) / step
+        high = max(int(max_seq_length / per * 3), step * 2)
+    elif task.kind == "niah":
         essay = task.arg("type_haystack") == "essay"
         step = 500 if essay else (25 if max_seq_length >= 4096 else 5)
         make = lambda n: niah_text(task, n, d)  # noqa: E731
@@ -434,21 +467,86 @@ def generate(task: Task | str, max_seq_length: int, num_samples: int, count: Cal
     best = _binary_search(lambda n: length(make(n)[0]) <= max_seq_length, step, high)
     num = best if best is not None else step
     samples = []
+    if task.kind == "qa" and num_samples > len(qas):
+        raise InvalidInput(f"{task.name}: {num_samples} samples asked, its file has {len(qas)} answerable questions")
     for index in range(num_samples):
-        used = num
+        used, redraws = num, 0
         while True:
-            text, answer = make(used)
+            # QA asks the dataset's questions in order (RULER: QAS[index]); the others draw afresh
+            text, answer = make(used, index) if task.kind == "qa" else make(used)
             if icl:
                 text = _vt_rename(icl, task.arg("num_hops"), d) + "\n" + text
             total = count(text) + gen
             if total <= max_seq_length:
                 break
-            if used <= step:
+            if used > step:
+                used -= step
+                continue
+            # At the smallest haystack RULER draws again until a draw fits (QA's documents differ in length),
+            # forever if none does; kvjax stops after REDRAWS draws.
+            redraws += 1
+            if redraws >= REDRAWS:
                 raise InvalidInput(f"{task.name} does not fit in {max_seq_length} tokens with this tokenizer: its "
-                                   f"smallest haystack gives {total} tokens (prompt + {gen} generated)")
-            used -= step
+                                   f"smallest haystack gives {total} tokens (prompt + {gen} generated) in "
+                                   f"{REDRAWS} draws")
         samples.append(_sample(index, text, answer, total, task.kind))
     return samples
+
+
+def read_qa(task: Task, data_dir) -> tuple[list[dict], list[str]]:
+    """RULER's `read_squad` / `read_hotpotqa`: the questions (SQuAD's answerable ones), each with the indices of
+    its gold documents (and, for SQuAD, of its article's other paragraphs), and the distinct documents, sorted."""
+    import json
+    from pathlib import Path
+
+    name = task.arg("dataset")
+    if data_dir is None:
+        raise InvalidInput(f"{task.name} reads {name} from a data directory (--data-dir DIR with {QA_FILES[name]}, "
+                           "as RULER's scripts/data/synthetic/json/download_qa_dataset.sh writes it)")
+    path = Path(data_dir) / QA_FILES[name]
+    if not path.is_file():
+        raise InvalidInput(f"{task.name}: no {path} ({name}, as RULER's download_qa_dataset.sh writes it)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if name == "squad":
+            docs = sorted({p["context"] for art in data["data"] for p in art["paragraphs"]})
+            at = {c: i for i, c in enumerate(docs)}
+            qas = []
+            for art in data["data"]:
+                article = [at[p["context"]] for p in art["paragraphs"]]
+                for p in art["paragraphs"]:
+                    qas += [{"query": q["question"], "outputs": [a["text"] for a in q["answers"]],
+                             "context": [at[p["context"]]], "more": [i for i in article if i != at[p["context"]]]}
+                            for q in p["qas"] if not q["is_impossible"]]
+        else:
+            text = lambda title, sents: f"{title}\n{''.join(sents)}"  # noqa: E731
+            docs = sorted({text(t, p) for row in data for t, p in row["context"]})
+            at = {c: i for i, c in enumerate(docs)}
+            qas = [{"query": row["question"], "outputs": [row["answer"]],
+                    "context": [at[text(t, p)] for t, p in row["context"]], "more": []} for row in data]
+    except (ValueError, KeyError, TypeError) as err:
+        raise InvalidInput(f"{path} is not {name} in RULER's format ({type(err).__name__}: {err})") from None
+    return qas, docs
+
+
+def qa_text(task: Task, qas: list[dict], docs: list[str], index: int, num_docs: int, d: _Draws
+            ) -> tuple[str, list[str]]:
+    """RULER's QA prompt: question `index`'s gold documents, then its article's other paragraphs, then random
+    others up to `num_docs` (drawn from the task's random state), shuffled by a fresh `Random(seed)`, numbered."""
+    qa = qas[index]
+    gold, more = qa["context"], qa["more"]
+    if num_docs < len(docs):
+        if num_docs - len(gold) > len(more):
+            rest = [i for i in range(len(docs)) if i not in gold + more]
+            picked = gold + more + d.py.sample(rest, max(0, num_docs - len(gold) - len(more)))
+        else:
+            picked = gold + d.py.sample(more, num_docs - len(gold))
+        chosen = [docs[i] for i in picked]
+    else:
+        chosen = (docs * -(-num_docs // len(docs)))[:num_docs]
+    random.Random(d.seed).shuffle(chosen)
+    context = "\n\n".join(DOCUMENT.format(i=i + 1, document=doc) for i, doc in enumerate(chosen))
+    return task.template.format(context=context, query=qa["query"]), list(qa["outputs"])
 
 
 def _sample(index: int, text: str, answer, total: int, kind: str) -> Sample:
@@ -520,5 +618,6 @@ def token_counter(tokenizer) -> Callable[[str], int]:
     return lambda text: len(tokenizer(text, verbose=False)["input_ids"])
 
 
-__all__ = ["DEFAULT_SEED", "OFFICIAL", "Sample", "TASKS", "TEMPLATES", "Task", "generate", "split_question",
+__all__ = ["DEFAULT_SEED", "METRICS", "NEEDS_DATA", "OFFICIAL", "QA_FILES", "Sample", "TASKS", "TEMPLATES", "Task",
+           "generate", "qa_text", "read_qa", "split_question",
            "token_counter"]
