@@ -140,3 +140,17 @@ def test_cli_table_2_protocol_sweeps_kv_ratios_resumes_and_keeps_its_identity(tm
     with pytest.raises(ValueError, match="--ratio 0.5 sizes each row's c as a share of its prompt, but --anchor-slots None"):
         zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--compare", "mat", "--ratios", "0.5",
                        "--out", str(tmp_path / "o2")])
+
+
+def test_held_share_counts_what_each_head_keeps(tiny):
+    """The KV share the Table 2 sweep plots is measured: a 40-token context under FullCache holds all of it,
+    StreamingLLM(16) 16 / 40, and a head split keeping everything in one KV head of two and 8 tokens in the
+    other (RazorAttention's shape) (40 + 8) / 80, not the local heads' share."""
+    from kvjax.fewshot import prefix_cache
+    from kvjax.policies import FullCache, LocalWindow, StreamingLLM, by_head
+
+    ids = list(range(5, 45))
+    share = lambda policy: zeroshot.held_share(prefix_cache(tiny.model, ids, policy, 4), len(ids))  # noqa: E731
+    assert share(FullCache()) == 1.0
+    assert share(StreamingLLM(budget=16, sinks=4)) == 16 / 40
+    assert share(by_head([[True, False]] * 2, FullCache(), LocalWindow(size=8))) == (40 + 8) / 80
