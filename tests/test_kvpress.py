@@ -202,3 +202,71 @@ def test_adakv_kept_positions_per_head_match_kvpress(sdpa_pair):
             assert sum(len(x) for x in kept[layer]) == 2 * n_kept
             varied |= len(kept[layer][0]) != len(kept[layer][1])
     assert varied  # the heads really keep different counts
+
+
+@pytest.fixture(scope="module")
+def distinct_pair(tmp_path_factory):
+    """A GQA pair with a vocabulary large enough for 120 distinct token ids: a repeated id has the same layer-0 key
+    norm up to rounding, a tie KNorm's two implementations break differently, and the difference then spreads
+    to every later layer through the tokens decoded after it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
+                      attn_implementation="eager")
+    pt = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("kvpress_distinct")
+    pt.save_pretrained(path)
+    return pt, load(path).model
+
+
+@pytest.mark.parametrize("scorer", ["knorm", "keydiff"])
+def test_recompress_kept_positions_match_kvpress_prefill_decoding_press(distinct_pair, scorer):
+    """`Recompress(scorer(budget=B), every=N)` against kvpress's `PrefillDecodingPress` (the scorer compresses the
+    prompt to B, then `DecodingPress(scorer, compression_interval=N, target_size=B)`): 20 tokens decoded one by one,
+    two re-compressions, the same kept positions per layer and KV head (scorers that read keys only, where the
+    two frameworks' group aggregations cannot differ)."""
+    from transformers import DynamicCache
+
+    from kvjax.policies import Recompress
+
+    pt, model = distinct_pair
+    every, steps = 8, 20
+    budget = int(T * (1 - RATIO))
+    press_of = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress}[scorer]
+    ours = Recompress(scorer={"knorm": KNorm, "keydiff": KeyDiff}[scorer](budget=budget), every=every)
+    press = kvpress.PrefillDecodingPress(
+        prefilling_press=press_of(compression_ratio=RATIO),
+        decoding_press=kvpress.DecodingPress(base_press=press_of(), compression_interval=every, target_size=budget))
+    ids = np.random.RandomState(11).permutation(257)[:T + steps]  # distinct ids: no ties
+
+    class Recorded(DynamicCache):
+        """Keeps every key handed to the cache, per layer, in position order: a decoded token's key depends on
+        the compressed cache of the layers below it, so only this run's keys identify its kept positions."""
+        seen: dict
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            self.seen.setdefault(layer_idx, []).append(key_states[0].clone())
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    compressed = Recorded()
+    compressed.seen = {}
+    with torch.no_grad():
+        with press(pt):
+            pt(torch.tensor(ids[None, :T]), past_key_values=compressed)
+            for t in range(T, T + steps):
+                pt(torch.tensor([[ids[t]]]), past_key_values=compressed, position_ids=torch.tensor([[t]]))
+
+    prefill, decode = stepper(model, ours, 128 + steps)
+    _, cache = prefill(*left_pad(ids[:T].tolist(), 128))
+    for t in range(T, T + steps):
+        _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+    our_kept = kept_sets(cache)
+    for layer in range(model.cfg.num_layers):
+        fk, ck = torch.cat(compressed.seen[layer], dim=1), compressed.layers[layer].keys[0]
+        assert fk.shape[1] == T + steps
+        for h in range(fk.shape[0]):
+            theirs = sorted(int(torch.where((fk[h] == row).all(-1))[0][0]) for row in ck[h])
+            assert len(theirs) == budget + steps - 2 * every  # two re-compressions, then 4 appended
+            assert our_kept[layer][h] == theirs, (scorer, layer, h)

@@ -16,7 +16,10 @@ then ranks the slots in position order (its pooling runs over neighbours in time
 prompt. Its group aggregation is not the scorer's: decode attention hands over each slot's probability
 summed over the group's query heads, so the scorer pools that sum, where SnapKV on a prompt pools each
 head's scores and then averages them. With max-pooling over heads whose peaks sit at different slots the
-two rank differently (no parity test against kvpress's decoding presses exists yet).
+two rank differently. Against kvpress's `PrefillDecodingPress(prefilling_press=P(ratio),
+decoding_press=DecodingPress(P, compression_interval=N, target_size=B))`, the kept positions per layer and KV
+head are equal for the scorers that read keys only (KNorm, KeyDiff; `tests/test_kvpress.py`); no parity is
+claimed for the attention-based scorers, whose group aggregation differs as said.
 """
 
 from __future__ import annotations
