@@ -411,3 +411,26 @@ def test_gate_module_is_the_papers_mha_prime_and_gate(theta):
     later = x.copy()
     later[0, 7:] += 5.0
     np.testing.assert_array_equal(np.asarray(gate(jnp.asarray(later), pos))[0, :, :7], flags[:, :7])
+
+
+def test_table_1_protocol_accuracy_and_eviction_through_the_zero_shot_scorer(tiny_dir, tmp_path):
+    """Attention-Gate Table 1's measure: zero-shot accuracy with each policy's eviction, the gate at its own and
+    the baselines at a fixed 50 % (`--ratio 0.5`): a baseline holds floor(n / 2) of an n-token context (BOS
+    included), the gate what its flags kept, measured from the cache."""
+    import json
+
+    from experiments import zeroshot
+    from kvjax.gate import save_gates
+
+    save_gates(_gated(tiny_dir), tmp_path / "g")
+    items = [{"context": "the cat sat on the mat " * 6, "query": " where?", "choices": [" mat", " hat"], "gold": 0}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    assert zeroshot.main(["--model", str(tiny_dir), "--gate-params", str(tmp_path / "g"), "--data",
+                          str(tmp_path / "t.jsonl"), "--compare", "gate,streaming,h2o-prefill", "--ratio", "0.5",
+                          "--out", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    n = 1 + len(load(tiny_dir).tokenizer(items[0]["context"], add_special_tokens=False)["input_ids"])
+    for baseline in ("streaming", "h2o-prefill"):
+        assert res[baseline]["kv_share"] == pytest.approx((n // 2) / n)
+    gate = res["gate"]["kv_share"]
+    assert 0 < gate < 1 and gate != pytest.approx((n // 2) / n)
