@@ -58,8 +58,8 @@ def _layers(model, tokens: Int[Array, "b t"]):
     x = model.embed(jnp.asarray(tokens))
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, _ = attn._qkv(layer.input_layernorm(x))
-        yield i, attn._rotate(q, pos[:, None, :]), attn._rotate(k, pos[:, None, :]), attn
+        q, k, _ = attn.qkv(layer.input_layernorm(x))
+        yield i, attn.geometry.rotate(q, pos[:, None, :]), attn.geometry.rotate(k, pos[:, None, :]), attn
         x, _, _ = layer.prefill(x, pos, None, None)
 
 
@@ -83,10 +83,10 @@ def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
         x = model.embed(tokens)
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
-            q, k, _ = attn._qkv(layer.input_layernorm(x))
+            q, k, _ = attn.qkv(layer.input_layernorm(x))
             qm = jnp.broadcast_to(q.mean(axis=2, keepdims=True), (1, c.num_heads, q_len, c.head_dim))
             km = jnp.broadcast_to(k.mean(axis=2, keepdims=True), (1, c.num_kv_heads, q_len, c.head_dim))
-            qr, kr = attn._rotate(qm, p), jnp.repeat(attn._rotate(km, p), g, axis=1)
+            qr, kr = attn.geometry.rotate(qm, p), jnp.repeat(attn.geometry.rotate(km, p), g, axis=1)
             w = jax.nn.softmax(jnp.einsum("bhd,bhsd->bhs", qr[:, :, -1], kr).astype(jnp.float32) / c.head_dim**0.5,
                                axis=-1)
             score = jnp.cumsum(w, axis=-1).mean(-1)[0]  # [h]
@@ -117,7 +117,7 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     out = []
     for _, q, k, attn in _layers(model, tokens):
-        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn._alibi(), attn.window, attn.softcap)
+        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn.geometry.alibi, attn.window, attn.softcap)
         p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
         out.append(np.where(p <= reference._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
@@ -195,7 +195,7 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
 
         layers = tqdm(layers, total=c.num_layers, desc="probe layers", unit="layer")
     for _, q, k, attn in layers:
-        slopes = attn._alibi()
+        slopes = attn.geometry.alibi
         e, i = layer_scores(q, k, None if slopes is None else jnp.asarray(slopes), attn.scale, attn.window, attn.softcap)
         echo.append(np.asarray(e))
         ind.append(np.asarray(i))

@@ -235,7 +235,9 @@ class Attention(nnx.Module):
         self.rope = cfg.rope_of(layer)
         self.gate = nnx.data(None)  # an Attention-Gate (kvjax.gate.attach_gates / load_gates), or None
 
-    def _qkv(self, x: Float[Array, "b t D"]):
+    def qkv(self, x: Float[Array, "b t D"]):
+        """The layer's unrotated projections `(q [b, h, t, d], k, v [b, kvh, t, d])` of the normed input `x`
+        (q / k norms applied): what `kvjax.layer` and the head probes (`kvjax.heads`) take."""
         b, t, _ = x.shape
         c = self.cfg
         split = lambda y, n: y.reshape(b, t, n, c.head_dim).transpose(0, 2, 1, 3)
@@ -270,7 +272,7 @@ class Attention(nnx.Module):
         """Attention over a prompt: `(output, cache, keep)`, `keep` `[b, kvh, t]` the gate's flags
         (eq. 7) when a gate runs: in the plain forward (`plan` None), and at prefill under a plan
         whose rules ask for them. With a plan, each of its groups caches its heads under its rule."""
-        q, k, v = self._qkv(x)
+        q, k, v = self.qkv(x)
         wanted = NO_STATS if plan is None else plan.prefill_stats()
         keep = None
         if wanted.gate_keep and self.gate is None:
@@ -288,7 +290,7 @@ class Attention(nnx.Module):
 
     def prefill_shared(self, x, pos, plans: tuple[LayerPlan, ...], caches, tokens):
         """A prompt attended once for several plans of this layer (`kvjax.layer.prefill_shared`)."""
-        q, k, v = self._qkv(x)
+        q, k, v = self.qkv(x)
         o, caches = layer_fns.prefill_shared(self.geometry, plans, caches, q, k, v, pos, tokens)
         return self._out(o), caches
 
@@ -301,7 +303,7 @@ class Attention(nnx.Module):
         anchor_mask: attention.AnchorMask | None = None,
     ) -> Float[Array, "b t D"]:
         """A chunk attending the read-only `cache` (absolute positions) and itself."""
-        q, k, v = self._qkv(x)
+        q, k, v = self.qkv(x)
         return self._out(layer_fns.extend(self.geometry, plan, cache, q, k, v, pos, anchor_mask))
 
     def chunk(
@@ -310,7 +312,7 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "b n D"], AnyLayerCache]:
         """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
         then the policy folds it into the cache (`kvjax.layer.chunk`)."""
-        q, k, v = self._qkv(x)
+        q, k, v = self.qkv(x)
         o, cache = layer_fns.chunk(self.geometry, plan, cache, q, k, v, pos, tokens)
         return self._out(o), cache
 
@@ -333,7 +335,7 @@ class Attention(nnx.Module):
     def decode(
         self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], plan: LayerPlan, cache: AnyLayerCache, tokens=None
     ):
-        q, k, v = self._qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
+        q, k, v = self.qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
         o, cache = layer_fns.decode(self.geometry, plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos, tokens)
         return self._out(o[:, :, None, :]), cache
 

@@ -152,3 +152,23 @@ def test_kvjax_never_imports_models_or_experiments():
             bad += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names
                     if n.split(".")[0] in ("models", "experiments", "benchmarks")]
     assert bad == []
+
+
+def test_kvjax_reaches_into_no_private_member_of_a_model():
+    """kvjax uses a model through public names (`Attention.qkv`, `.geometry`): no attribute kvjax reads is a
+    private method or field defined by a class of models/."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    private = set()
+    for path in (root / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                private |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and f.name.startswith("_") and not f.name.startswith("__")}
+    used = [f"{path.relative_to(root)}:{node.lineno} .{node.attr}" for path in sorted((root / "kvjax").rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in private
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert "_rotate" in private and used == []

@@ -98,7 +98,7 @@ def _eq7_forward(model, tokens, pos, n_prompt, gated=None):
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q, k, v = attn._qkv(h)
+        q, k, v = attn.qkv(h)
         p = pos[:, None, :]
         flags = attn.gate(h, pos) if gated is None or i in gated else jnp.ones(k.shape[:3])
         keep = jnp.where((pos >= n_prompt)[:, None, :], 1.0, flags)
