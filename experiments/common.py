@@ -11,21 +11,23 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.default_model import (  # noqa: F401
+    DEFAULT_MODEL_DIR,
+    RANDOM_DEFAULT_DIR,
+    default_model_dir,
+)
+from experiments.driver import attach_gates
+from experiments.policy_options import POLICY_OPTIONS
 from kvjax.errors import InvalidInput, MissingFile
-from kvjax.policies import NO_BUDGET, REGISTRY, Policy, Quantized, Recompress, make_policy
+from kvjax.policies import (
+    NO_BUDGET,
+    REGISTRY,
+    Policy,
+    Quantized,
+    Recompress,
+    make_policy,
+)
 from kvjax.policies.scored import ScoredPolicy
-from models import DEFAULT_DIR
-
-# The embedded default: trained by `python -m experiments.train_tiny` and committed (see its README.md).
-DEFAULT_MODEL_DIR = DEFAULT_DIR
-RANDOM_DEFAULT_DIR = Path.home() / ".cache" / "kvjax" / "random-tiny-llama"
-
-
-# Policy options on the command line; each is passed to the policies that take it (REGISTRY).
-POLICY_OPTIONS = ("sinks", "anchor_slots", "shallow_layers", "group_agg", "positions", "prefill_mode", "ratio",
-                  "observation_window", "kernel", "pool", "combine", "recent", "beta", "heads", "compression", "buffer",
-                  "compensate", "fold", "bucket", "chunk", "duo_pattern", "head_compression", "adakv_alpha")
-
 
 # ---- renamed flags: the old spelling still parses, with a warning naming the new one ----
 
@@ -400,25 +402,10 @@ def attach_gate_params(args: argparse.Namespace, lm) -> None:
     """Loads --gate-params into the model `lm` (a `LoadedModel`, whose identity records them);
     --policy gate without them is an error."""
     if getattr(args, "gate_params", None):
-        from experiments.driver import attach_gates
-
         attach_gates(lm, args.gate_params)
     elif getattr(args, "policy", None) == "gate" or "gate" in (getattr(args, "compare", None) or "").split(","):
         raise InvalidInput("--policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
 
-
-def default_model_dir() -> tuple[Path, bool]:
-    """(directory, is random) of the embedded default model.
-
-    The trained default (models/default); if it is missing (a checkout without its weights), a
-    tiny *randomly initialised* Llama created on first use, flagged as random."""
-    from models.tiny import is_random, make_random_checkpoint
-
-    if (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
-        return DEFAULT_MODEL_DIR, False
-    if not (RANDOM_DEFAULT_DIR / "model.safetensors").is_file():
-        make_random_checkpoint(RANDOM_DEFAULT_DIR)
-    return RANDOM_DEFAULT_DIR, is_random(RANDOM_DEFAULT_DIR)
 
 
 # ---- training text (offline) ----

@@ -30,7 +30,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from experiments.records import ResultLog, claim_results_dir, dumps_finite, options_of, write_atomic
+from experiments.records import (
+    ResultLog,
+    claim_results_dir,
+    dumps_finite,
+    options_of,
+    write_atomic,
+)
 from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
@@ -88,7 +94,7 @@ def load_model(path=None, *, dtype: str = "float32", attention_impl: str = "xla"
     Attention-Gate parameters attached when `gate_params` names a directory from
     `experiments.train_gate`. How it was loaded is recorded on it (`lm.load_options`) and is part of
     every results directory's identity."""
-    from experiments.common import DEFAULT_MODEL_DIR, default_model_dir
+    from experiments.default_model import DEFAULT_MODEL_DIR, default_model_dir
     from models import load
 
     if path is None:

@@ -226,7 +226,7 @@ def options_of(args: argparse.Namespace | Mapping, *, policy_keyed: bool = True,
     sample counts) when each record's key names its own coordinates: a rerun asking for more of
     them resumes rather than being refused.
     """
-    from experiments.common import POLICY_OPTIONS
+    from experiments.policy_options import POLICY_OPTIONS
 
     skip = set(PRESENTATION) | set(selection)
     files = {*files, "gate_params"}  # trained gates change what the gate policy keeps

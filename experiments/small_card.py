@@ -29,8 +29,14 @@ from experiments.common import positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
-from experiments.tasks import MARKER_KINDS, TITLE_COUNT, TITLE_QUERIES
-from experiments.train_small import EXTEND_MIXTURE, mixture, mixture_text
+from experiments.tasks import (
+    EXTEND_MIXTURE,
+    MARKER_KINDS,
+    TITLE_COUNT,
+    TITLE_QUERIES,
+    mixture,
+    mixture_text,
+)
 from experiments.train_tiny import tokenize_corpus
 from kvjax.errors import InvalidInput, MissingFile, NonFiniteError
 from models import SMALL_DIR

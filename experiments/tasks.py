@@ -10,6 +10,7 @@ drowned by filler.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import numpy as np
@@ -364,3 +365,34 @@ class RowSampler:
         x = self._text(rng, n)
         lead = self._text(rng, span - 2 * n - len(marker))
         return [(lead, 1.0), (x, 1.0), (marker, 1.0), (x, 1.0)]
+
+
+# kvjax-small's training mixtures (experiments.train_small), and --extend-mixture's text form
+MIXTURE = Mixture(text=0.20, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.40)
+# the third stage: the formats the model failed at full length when it was added were the suites' (passage
+# retrieval as it was then, QA, key-value, RULER's needles), so half the rows are suite prompts
+EXTEND_MIXTURE = Mixture(text=0.10, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.50)
+
+
+def mixture_text(m: Mixture) -> str:
+    return ",".join(f"{f.name}={getattr(m, f.name):g}" for f in dataclasses.fields(m) if getattr(m, f.name))
+
+
+def mixture(text: str) -> Mixture:
+    """`--extend-mixture`'s value (KIND=SHARE pairs over Mixture's kinds; the record keeps the text)."""
+    kinds = {f.name for f in dataclasses.fields(Mixture)}
+    shares = dict.fromkeys(kinds, 0.0)
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in kinds:
+            raise argparse.ArgumentTypeError(f"{part!r}: the kinds are {', '.join(sorted(kinds))}")
+        try:
+            shares[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: the share after '=' must be a number") from None
+    m = Mixture(**shares)
+    try:
+        m.probabilities()
+    except InvalidInput as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return m

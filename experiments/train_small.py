@@ -28,7 +28,6 @@ Every batch is a pure function of (seed, step); each stage resumes from its chec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -45,19 +44,21 @@ from tqdm import tqdm
 from experiments import cli, corpus
 from experiments.common import nonnegative_int, positive_float, positive_int
 from experiments.records import dumps_finite, training_identity, write_atomic
-from experiments.tasks import Mixture, RowSampler
+from experiments.tasks import (
+    EXTEND_MIXTURE,
+    MIXTURE,
+    RowSampler,
+    mixture,
+    mixture_text,
+)
 from experiments.train_tiny import tokenize_corpus
-from kvjax.errors import InvalidInput, MissingFile
+from kvjax.errors import MissingFile
 from kvjax.rope import RopeConfig
 from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models import load
 from models.grow import grow_depth
 from models.loading import save_pretrained
 
-MIXTURE = Mixture(text=0.20, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.40)
-# the third stage: the formats the model failed at full length when it was added were the suites' (passage
-# retrieval as it was then, QA, key-value, RULER's needles), so half the rows are suite prompts
-EXTEND_MIXTURE = Mixture(text=0.10, passkey=0.10, kv=0.10, facts=0.05, copy=0.05, induction=0.10, suite=0.50)
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 TRAIN_SEED = 1_000_003  # RULER samples for training: never the evaluation's seed (42)
 
@@ -134,30 +135,6 @@ def batches(args, sampler: RowSampler, short: RowSampler, lo: int, extend: RowSa
                 "weights": jnp.asarray(np.stack([r[1] for r in rows]))}
 
     return batch
-
-
-def mixture_text(m: Mixture) -> str:
-    return ",".join(f"{f.name}={getattr(m, f.name):g}" for f in dataclasses.fields(m) if getattr(m, f.name))
-
-
-def mixture(text: str) -> Mixture:
-    """`--extend-mixture`'s value (KIND=SHARE pairs over Mixture's kinds; the record keeps the text)."""
-    kinds = {f.name for f in dataclasses.fields(Mixture)}
-    shares = dict.fromkeys(kinds, 0.0)
-    for part in text.split(","):
-        name, _, value = part.partition("=")
-        if name.strip() not in kinds:
-            raise argparse.ArgumentTypeError(f"{part!r}: the kinds are {', '.join(sorted(kinds))}")
-        try:
-            shares[name.strip()] = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: the share after '=' must be a number") from None
-    m = Mixture(**shares)
-    try:
-        m.probabilities()
-    except InvalidInput as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return m
 
 
 def checked(convert):

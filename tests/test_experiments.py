@@ -26,8 +26,10 @@ def test_generate_cli_on_a_local_model(tiny_dir, capsys):
 
 def test_generate_cli_default_model_is_labelled_random_when_the_trained_one_is_missing(tmp_path, monkeypatch,
                                                                                        capsys):
-    monkeypatch.setattr(common, "DEFAULT_MODEL_DIR", tmp_path / "no-such-model")
-    monkeypatch.setattr(common, "RANDOM_DEFAULT_DIR", tmp_path / "random")
+    from experiments import default_model
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "no-such-model")
+    monkeypatch.setattr(default_model, "RANDOM_DEFAULT_DIR", tmp_path / "random")
     assert gen_cli.main(["--max-new-tokens", "4", "--policy", "full"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("NOTE: RANDOM WEIGHTS")
