@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
@@ -30,7 +29,14 @@ from kvjax import engine
 from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
-from kvjax.generate import bucket_length, check_policy, check_positions, pad_left, token_ids
+from kvjax.generate import (
+    bucket_length,
+    check_policy,
+    check_positions,
+    pad_left,
+    token_ids,
+)
+from kvjax.model import CachedLM
 from kvjax.policies.base import Policy
 
 
@@ -90,7 +96,7 @@ def room_for(items: Sequence[Item]) -> int:
     return max(len(it.query) + max(map(len, it.options)) for it in items)
 
 
-def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: int) -> Cache:
+def prefix_cache(model: CachedLM, demos: Sequence[int], policy: Policy, room: int) -> Cache:
     """The demonstrations prefilled under `policy`, with capacity for `room` more tokens."""
     if not demos:
         raise InvalidInput("no demonstration tokens to cache")
@@ -103,7 +109,7 @@ def prefix_cache(model: nnx.Module, demos: Sequence[int], policy: Policy, room: 
     return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan)[1]
 
 
-def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, policy: Policy) -> np.ndarray:
+def cached_scores(model: CachedLM, cache: Cache, n_demos: int, item: Item, policy: Policy) -> np.ndarray:
     """Option log-probs `[n_options]` given the cached demonstrations (the cache is not changed)."""
     length = bucket_length(len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, n_demos, length)
@@ -111,7 +117,7 @@ def cached_scores(model: nnx.Module, cache: Cache, n_demos: int, item: Item, pol
     return require_finite(scores, "option log-probabilities (row = option)")
 
 
-def full_scores(model: nnx.Module, demos: Sequence[int], item: Item) -> np.ndarray:
+def full_scores(model: CachedLM, demos: Sequence[int], item: Item) -> np.ndarray:
     """Option log-probs `[n_options]` from a full causal forward over demonstrations + query + option."""
     demos = token_ids(demos, model.cfg.vocab_size, "context")
     if len(demos) + room_for([item]) > model.cfg.max_position_embeddings:
@@ -138,7 +144,7 @@ class Timing:
         return self.non_caching_s / self.caching_s
 
 
-def time_caching(model: nnx.Module, demos: Sequence[int], items: Sequence[Item], policy: Policy,
+def time_caching(model: CachedLM, demos: Sequence[int], items: Sequence[Item], policy: Policy,
                  repeats: int = 3) -> Timing:
     """T⇑'s two times, best of `repeats`, each path compiled (run once) before it is timed."""
     room = room_for(items)

@@ -24,6 +24,7 @@ from kvjax import engine, sharding
 from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
+from kvjax.model import CachedLM
 from kvjax.policies.base import Policy
 from kvjax.policies.plan import Plan
 
@@ -287,7 +288,7 @@ def position_limit(plan: Plan, cfg, max_new_tokens: int) -> int | None:
 
 
 def generate(
-    model: nnx.Module,
+    model: CachedLM,
     prompts: Sequence[Sequence[int]],
     policy: Policy,
     *,
@@ -322,7 +323,7 @@ def generate(
 
 
 def generate_many(
-    model: nnx.Module,
+    model: CachedLM,
     prompts: Sequence[Sequence[int]],
     policies: Sequence[Policy],
     *,

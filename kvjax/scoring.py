@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length, check_policy, check_positions, token_ids
+from kvjax.model import CachedLM
 from kvjax.policies.base import Policy
 
 # A text this many chunks long shows a progress bar.
@@ -29,7 +30,7 @@ def _stream_logprobs(model, tokens, positions, *, policy, max_len):
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
+def stream_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.ndarray:
     """`log p(x_t | x_<t)` for t = 1..n-1, the cache compressed after every token.
 
     The sequence is right padded to a power-of-two bucket with positions -1 (no-op
@@ -38,7 +39,7 @@ def stream_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np
     return stream_logprobs_rows(model, [ids], policy)[0]
 
 
-def stream_logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
+def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`stream_logprobs` of several texts in one batch, each row its own length: a ratio budget keeps
     each row's share of its own text (`Policy.size_rows`)."""
     check_policy(policy)
@@ -72,7 +73,7 @@ def _chunk_logprobs(model, tokens, positions, targets, cache, *, policy):
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], cache
 
 
-def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
+def chunked_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.ndarray:
     """`log p(x_t | x_<t)` for t = 1..n-1 under `prefill_mode="chunked"`: each chunk of `policy.chunk`
     tokens attends the cache compressed so far and itself, then is folded in.
 
@@ -105,7 +106,7 @@ def chunked_logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> n
     return logp
 
 
-def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarray:
+def logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.ndarray:
     """`log p(x_t | x_<t)` for t = 1..n-1, the policy compressing as the text is read: in chunks under
     `prefill_mode="chunked"`, else token by token."""
     check_policy(policy)
@@ -114,7 +115,7 @@ def logprobs(model: nnx.Module, ids: Sequence[int], policy: Policy) -> np.ndarra
     return stream_logprobs(model, ids, policy)
 
 
-def logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
+def logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`logprobs` of several texts, each compressed as it is read: one batch token by token (a ratio
     budget keeps each row's share of its own text), or each text in chunks under `prefill_mode="chunked"`."""
     check_policy(policy)
@@ -123,5 +124,5 @@ def logprobs_rows(model: nnx.Module, rows: Sequence[Sequence[int]], policy: Poli
     return stream_logprobs_rows(model, rows, policy)
 
 
-def perplexity(model: nnx.Module, ids: Sequence[int], policy: Policy) -> float:
+def perplexity(model: CachedLM, ids: Sequence[int], policy: Policy) -> float:
     return float(np.exp(-logprobs(model, ids, policy).mean()))

@@ -206,3 +206,36 @@ def test_experiments_has_no_import_cycle():
 
     cycles = [c for m in sorted(graph) if m not in state and (c := cycle_from(m, [m]))]
     assert cycles == []
+
+
+def test_the_model_contract_is_what_generation_calls(tiny):
+    """`kvjax.model.CachedLM` declares every attribute that generation, scoring, few-shot evaluation and the engine
+    read from a model (found by walking their source), kvjax's Llama provides it, and a model lacking one
+    method does not."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from kvjax.model import CachedLM, LMConfig
+
+    root = Path(__file__).resolve().parents[1] / "kvjax"
+    read, cfg_read = set(), set()
+    for name in ("generate.py", "scoring.py", "fewshot.py", "engine.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model":
+                read.add(node.attr)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                    node.value.attr == "cfg" and isinstance(node.value.value, ast.Name) and node.value.value.id == "model":
+                cfg_read.add(node.attr)
+    declared = {n for n in dir(CachedLM) if not n.startswith("_")} | set(CachedLM.__annotations__)
+    assert read and read <= declared, read - declared
+    assert cfg_read and cfg_read <= set(LMConfig.__annotations__), cfg_read - set(LMConfig.__annotations__)
+    assert isinstance(tiny.model, CachedLM)
+
+    class NoDecode:
+        cfg, dtype = tiny.model.cfg, tiny.model.dtype
+
+    for m in declared - {"cfg", "dtype", "decode"}:
+        setattr(NoDecode, m, lambda self, *a, **k: None)
+    assert not isinstance(NoDecode(), CachedLM)
+    assert "decode" in inspect.getsource(CachedLM)
