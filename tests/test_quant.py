@@ -284,3 +284,25 @@ def test_a_residual_holding_the_whole_window_changes_nothing_chunked_or_streamed
         np.testing.assert_allclose(whole, plain, atol=1e-5)
         bare = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 0))
         assert np.abs(bare - plain).max() > 1e-2
+
+
+def test_a_prompt_compressed_whole_keeps_the_same_tokens_quantized(small):
+    """Whole-prompt compression scores the prompt's own (full-precision) attention and keys, so every policy
+    keeps the same positions per layer and KV head with a quantized cache; only their bytes differ. Head splits
+    (DuoAttention-style `by_head`) and per-layer rules (PyramidKV) included."""
+    from kvjax import engine
+    from kvjax.policies import AdaKV, KeyDiff, LocalWindow, PyramidKV, by_head
+    from tests.conftest import left_pad
+
+    cfg = small.config
+    ids = random_ids(200, cfg.vocab_size, seed=5)
+    tokens, positions = left_pad(ids, 256)
+    split = by_head([[h % 2 == 0 for h in range(cfg.num_kv_heads)]] * cfg.num_layers, FullCache(), LocalWindow(size=16))
+    for policy in (PyramidKV(budget=48, observation_window=8, beta=2, num_layers=cfg.num_layers), AdaKV(scorer=SnapKV(budget=48)), KeyDiff(budget=48),
+                   split):
+        plain = engine.prefill(small.model, tokens, positions, plan=small.model.plan(policy, 264, 256))[1]
+        q = Quantized(policy, 2, min(32, cfg.head_dim), 16)
+        packed = engine.prefill(small.model, tokens, positions, plan=small.model.plan(q, 264, 256))[1]
+        for a, b in zip(kvcache.kept_positions(plain), kvcache.kept_positions(packed)):
+            np.testing.assert_array_equal(a, b)
+        assert kvcache.nbytes(packed) < kvcache.nbytes(plain)
