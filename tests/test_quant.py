@@ -233,7 +233,7 @@ def small():
 
 
 def test_small_model_perplexity_and_bytes(small):
-    """kvjax-small reading 256 tokens of prose token by token: int8 and 4-bit cost < 1 % perplexity, 2-bit with
+    """The default model reading 256 tokens of text token by token: int8 and 4-bit cost < 1 % perplexity, 2-bit with
     a residual of 128 (KIVI's setting) a few %; the cache is as small as the formula says."""
     from experiments.common import default_text
     from kvjax.scoring import perplexity
