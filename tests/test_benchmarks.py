@@ -38,3 +38,17 @@ def test_attention_decode_rows_count_every_rows_cache_and_refuse_an_unknown_dtyp
     # bytes read = GB/s x µs: K and V of each row, 2 x 8 heads x 128 slots x d 128 x 4 bytes per row
     for r in rows:
         assert r["xla_GBps"] * r["xla_us"] * 1e3 == pytest.approx(r["batch"] * 2 * 8 * 128 * 128 * 4)
+
+
+def test_quant_benchmark_writes_its_tables_and_bytes_fall_with_the_width(tmp_path, capsys):
+    from benchmarks import quant
+
+    with pytest.raises(SystemExit):
+        quant.main(["--widths", "16,3", "--out", str(tmp_path)])
+    assert "--widths: [3]" in capsys.readouterr().err
+    quant.main(["--lengths", "1024", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "quant_cpu.json").read_text())["rows"]
+    assert [r["bits"] for r in rows] == [16, 8, 4, 2]
+    kv = [r["cache_bytes"] for r in rows]
+    assert kv == sorted(kv, reverse=True)  # 16 > 8 > 4 > 2 bits, the 128-token residual included, at 1024 tokens
+    assert (tmp_path / "quant_cpu.md").is_file() and (tmp_path / "quant_cpu.png").is_file()
