@@ -97,8 +97,9 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
         policy = SnapKV(budget=256, prefill_mode="chunked", chunk=CHUNK)
         cache = jax.eval_shape(lambda: model.init_cache(policy, 1, max_len, length))
         chunk = jax.ShapeDtypeStruct((1, CHUNK), jnp.int32)
-        compiled = engine.prefill_chunk.pure.lower(graphdef, state, chunk, chunk, cache, policy=policy).compile()
-        call = lambda: engine.chunked_prefill(model, tokens, positions, policy, max_len)  # noqa: E731
+        plan = model.plan(policy, max_len, length)
+        compiled = engine.prefill_chunk.pure.lower(graphdef, state, chunk, chunk, cache, plan=plan).compile()
+        call = lambda: engine.chunked_prefill(model, tokens, positions, plan)  # noqa: E731
     mem = compiled.memory_analysis()
     out = {"mode": mode, "length": length,
            "xla_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes),

@@ -140,7 +140,7 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
     first, first_finite, cache = pre()
     lengths = jnp.full((b,), n, jnp.int32)
     args = (first, first_finite, lengths, key, jnp.asarray(eos_array(())), jnp.int32(new), jnp.int32(0))
-    dkw = dict(policy=policy, sampling=Sampling(), buffer=new)
+    dkw = dict(plan=kw["plan"], sampling=Sampling(), buffer=new)
     t = time.perf_counter()
     dec = decode_fn.pure.lower(graphdef, state, cache, *args, **dkw).compile()
     compile_decode = time.perf_counter() - t

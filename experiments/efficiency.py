@@ -58,7 +58,8 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     t = time.perf_counter()
     first, first_finite, cache = jax.block_until_ready(pre())
     prefill_s = time.perf_counter() - t
-    dec = functools.partial(decode_fn.pure, graphdef, state, policy=policy, sampling=Sampling(), buffer=new)
+    dec = functools.partial(decode_fn.pure, graphdef, state, plan=model.plan(policy, bucket + new, bucket),
+                            sampling=Sampling(), buffer=new)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     best, steps, c = float("inf"), 0, cache
     for _ in range(repeats + 1):  # the first run compiles

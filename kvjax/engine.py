@@ -48,38 +48,55 @@ def prefill(model, tokens, positions, *, plan):
     return model.prefill_plan(tokens, positions, plan)
 
 
-@compiled(static=("policy",), donate=("cache",))
-def decode(model, tokens, positions, cache, *, policy):
-    """`model.decode`: one token per row through the cache, which is replaced."""
-    return model.decode(tokens, positions, cache, policy)
+@compiled(static=("plan",), donate=("cache",))
+def decode(model, tokens, positions, cache, *, plan):
+    """`model.decode`: one token per row through the cache, which is replaced. Keyed by the sized plan the cache
+    was made for (`model.plan(policy, max_len, prompt_len)`)."""
+    return model.decode(tokens, positions, cache, plan)
 
 
-@compiled(static=("policy",), donate=("cache",))
-def prefill_chunk(model, tokens, positions, cache, *, policy):
-    """`model.prefill_chunk`: one chunk of a chunked prefill; last-position logits and the cache, replaced."""
-    return model.prefill_chunk(tokens, positions, cache, policy, all_logits=False)
+@compiled(static=("plan",), donate=("cache",))
+def prefill_chunk(model, tokens, positions, cache, *, plan):
+    """`model.prefill_chunk`: one chunk of a chunked prefill; last-position logits and the cache, replaced. Keyed
+    by the sized plan, so every prompt whose plan is the same (a budget policy's, at any prompt length) shares one
+    compiled step."""
+    return model.prefill_chunk(tokens, positions, cache, plan, all_logits=False)
 
 
-def chunked_prefill(model, tokens, positions, policy, max_len: int):
-    """`model.prefill` under `prefill_mode="chunked"` as a host loop over one compiled chunk step: the
+def chunked_prefill(model, tokens, positions, plan):
+    """`model.prefill_plan` under `prefill_mode="chunked"` as a host loop over one compiled chunk step: the
     same cache as the scan, but one compilation for every prompt length and nothing on the device
     that grows with the prompt (the prompt's ids stay on the host). `tokens`, `positions`: `[b, t]`,
-    left padded (positions -1); returns the last position's logits and the cache."""
+    left padded (positions -1); `plan`: the sized plan (`model.plan(policy, max_len, t)`); returns the last
+    position's logits and the cache."""
     import numpy as np
+
+    from kvjax import layer
 
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, t = tokens.shape
     # No chunk reads more than the model's window (a chunk past the prompt reads it whole either way): an absurd
     # chunk (10**5, 10**9) is capped there instead of padding the prompt to its size; every prompt bucket still
     # shares one compiled chunk step
-    n = min(policy.chunk, model.cfg.max_position_embeddings)
+    n = min(plan.policy.chunk, model.cfg.max_position_embeddings)
     pad = -t % n
     tokens = np.pad(tokens, ((0, 0), (pad, 0)))
     positions = np.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
-    cache = model.init_cache(policy, b, max_len, t)
+    cache = layer.init_cache(plan, b, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype)
+    # What depends on a row's whole prompt (RazorAttention's window max(S0, N / C)) is set before the first chunk, as
+    # the scan of `model.prefill_plan` sets it. From each row's last position only, as a `[b, 1]` array, so that
+    # prompts of every bucket share one compiled step: a chunked prefill takes no ratio budget (refused), the one
+    # rule that would read more than the prompt's length.
+    cache = size_rows(model, cache, positions.max(axis=1, keepdims=True), plan=plan)
     graphdef, state = nnx.split(model)
     logits = None
     for s in range(0, t + pad, n):
         logits, cache = prefill_chunk.pure(graphdef, state, tokens[:, s:s + n], positions[:, s:s + n], cache,
-                                           policy=policy)
+                                           plan=plan)
     return logits, cache
+
+
+@compiled(static=("plan",), donate=("cache",))
+def size_rows(model, cache, positions, *, plan):
+    """`model.size_rows`: a fresh cache made ready for the whole prompts at `positions` to be read in chunks."""
+    return model.size_rows(cache, positions, plan)

@@ -79,10 +79,10 @@ def _option_logprob(logits: Float[Array, "n t V"], tokens: Int[Array, "n t"], sc
     return jnp.sum(jnp.where(scored[:, 1:], tok, 0.0), axis=-1)
 
 
-@compiled(static=("policy",))
-def _cached_scores(model, cache, tokens, positions, scored, *, policy):
+@compiled(static=("plan",))
+def _cached_scores(model, cache, tokens, positions, scored, *, plan):
     rows = jax.tree.map(lambda x: jnp.repeat(x, tokens.shape[0], axis=0), cache)
-    return _option_logprob(model.extend(tokens, positions, rows, policy), tokens, scored)
+    return _option_logprob(model.extend(tokens, positions, rows, plan), tokens, scored)
 
 
 @compiled()
@@ -113,7 +113,7 @@ def cached_scores(model: CachedLM, cache: Cache, n_demos: int, item: Item, polic
     """Option log-probs `[n_options]` given the cached demonstrations (the cache is not changed)."""
     length = bucket_length(len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, n_demos, length)
-    scores = np.asarray(_cached_scores(model, cache, tokens, positions, scored, policy=policy))
+    scores = np.asarray(_cached_scores(model, cache, tokens, positions, scored, plan=model.plan(policy)))
     return require_finite(scores, "option log-probabilities (row = option)")
 
 

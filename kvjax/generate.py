@@ -125,11 +125,11 @@ def first_token(logits, key, *, sampling):
     return sample(logits, key, sampling), _all_finite(logits)
 
 
-@compiled(static=("policy", "sampling"), donate=("cache",))
-def question_fn(model, cache, tokens, positions, key, *, policy, sampling):
+@compiled(static=("plan", "sampling"), donate=("cache",))
+def question_fn(model, cache, tokens, positions, key, *, plan, sampling):
     """A question extends the compressed context's cache token by token (the decode path), so the
     context was compressed without it; returns the first generated token, as prefill does."""
-    logits, cache = model.stream(tokens, positions, cache, policy, all_logits=False)
+    logits, cache = model.stream(tokens, positions, cache, plan, all_logits=False)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
@@ -143,11 +143,12 @@ def _tick(step) -> None:
         _progress_hook(int(step))
 
 
-@compiled(static=("policy", "sampling", "buffer", "progress"), donate=("cache",))
-def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, policy, sampling, buffer,
+@compiled(static=("plan", "sampling", "buffer", "progress"), donate=("cache",))
+def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, plan, sampling, buffer,
               progress=False):
-    """The decode loop. `eos` (ids, padded with -1), `max_new` and `pad_id` are arrays, so new values
-    never recompile; `buffer` (static) is the token buffer, `max_new` rounded up to a bucket."""
+    """The decode loop under the sized plan the cache was made for. `eos` (ids, padded with -1), `max_new` and
+    `pad_id` are arrays, so new values never recompile; `buffer` (static) is the token buffer, `max_new` rounded
+    up to a bucket."""
     b = first.shape[0]
 
     def cond(s: DecodeState):
@@ -155,7 +156,7 @@ def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id,
 
     def body(s: DecodeState) -> DecodeState:
         last = s.tokens[:, s.step - 1]
-        logits, c = model.decode(last, s.pos, s.cache, policy)
+        logits, c = model.decode(last, s.pos, s.cache, plan)
         key, sub = jax.random.split(s.key)
         tok = jnp.where(s.done, pad_id, sample(logits, sub, sampling))
         bad = ~s.done & ~_all_finite(logits) & (s.nonfinite < 0)
@@ -418,7 +419,7 @@ def generate_many(
             if policy.prefill_mode == "chunked":
                 # One compiled chunk step looped on the host: a prompt of any bucket compiles nothing new, and the
                 # device holds the cache and one chunk, never the whole prompt's activations.
-                logits, cache = engine.chunked_prefill(model, tokens, positions, policy, bucket + room)
+                logits, cache = engine.chunked_prefill(model, tokens, positions, sized[i])
                 first, first_finite = first_token(logits, k_prefill, sampling=sampling)
             else:
                 first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
@@ -435,6 +436,7 @@ def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, 
               shared_s) -> Generation:
     """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
+    plan = model.plan(policy, bucket + room, bucket)  # the decode key: after a gate's shrink, its new sizes
     ends = np.asarray([len(p) for p in prompts], np.int32)
     if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question
         cache = jax.tree.map(lambda x: jnp.repeat(x, len(questions), axis=0), cache)
@@ -445,7 +447,7 @@ def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, 
         q_pos = np.where(q_pos >= 0, q_pos + ends[:, None], -1).astype(np.int32)
         first, first_finite, cache = question_fn.pure(
             graphdef, state, cache, sharding.shard_batch(q_tokens, mesh), sharding.shard_batch(q_pos, mesh),
-            jax.random.fold_in(k_prefill, 1), policy=policy, sampling=sampling,
+            jax.random.fold_in(k_prefill, 1), plan=plan, sampling=sampling,
         )
         first.block_until_ready()
         ends = ends + np.asarray([len(q) for q in questions], np.int32)
@@ -457,7 +459,7 @@ def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, 
         out, steps, nonfinite, cache = decode_fn.pure(
             graphdef, state, cache, first, first_finite, next_pos, k_decode,
             jnp.asarray(eos_array(eos)), jnp.int32(max_new_tokens), jnp.int32(pad),
-            policy=policy, sampling=sampling, buffer=buffer,
+            plan=plan, sampling=sampling, buffer=buffer,
             progress=progress is not None,
         )
         out = np.asarray(out)[:, :max_new_tokens]

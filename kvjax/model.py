@@ -5,8 +5,9 @@ runs through `kvjax.generate`, `kvjax.scoring` and the suites. Its attention lay
 the README's "Your own model"), so each method below is the model's own forward around those calls. The
 engine compiles a model with `nnx.split` / `nnx.merge`, so a model is a Flax NNX module.
 
-Static arguments: `plan` (a sized `Plan`) and `policy` are hashable and part of a compiled program's key;
-everything that varies between calls (tokens, positions, lengths) is an array.
+Every cached call takes the plan (`model.plan(policy, max_len, prompt_len)`), the one place a policy is
+resolved; the plan is hashable and the static key of each compiled program (prefill, chunk, decode); everything
+that varies between calls (tokens, positions, lengths) is an array.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class CachedLM(Protocol):
     def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
         """Empty caches of the sized plan's slot counts."""
 
-    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], policy: Policy) -> Cache:
+    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], plan: Plan) -> Cache:
         """A fresh cache made ready for the whole prompts at `positions` to be read token by token or in chunks."""
 
     def prefill_plan(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], plan: Plan
@@ -57,19 +58,19 @@ class CachedLM(Protocol):
                       ) -> tuple[Float[Array, "b V"], tuple[Cache, ...]]:
         """One plain prompt pass cached under several sized plans (`Plan.plain_prompt_pass`)."""
 
-    def prefill_chunk(self, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: Cache, policy: Policy,
+    def prefill_chunk(self, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: Cache, plan: Plan,
                       all_logits: bool = True) -> tuple[Array, Cache]:
         """One chunk of a prompt under `prefill_mode="chunked"`: logits (every position's, or the last) and the cache."""
 
-    def decode(self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy
+    def decode(self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, plan: Plan
                ) -> tuple[Float[Array, "b V"], Cache]:
         """One token per row through the cache."""
 
-    def stream(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, policy: Policy, *,
+    def stream(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan, *,
                all_logits: bool = True) -> tuple[Array, Cache]:
         """Tokens read one by one through the decode path (a scan)."""
 
-    def extend(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, policy: Policy
+    def extend(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan
                ) -> Float[Array, "b t V"]:
         """A chunk attending the read-only cache and itself (every position's logits); the cache is unchanged."""
 

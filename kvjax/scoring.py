@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from kvjax import engine, layer
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length, check_policy, check_positions, token_ids
@@ -21,11 +22,11 @@ from kvjax.policies.base import Policy
 PROGRESS_CHUNKS = 64
 
 
-@compiled(static=("policy", "max_len"))
-def _stream_logprobs(model, tokens, positions, *, policy, max_len):
+@compiled(static=("plan",))
+def _stream_logprobs(model, tokens, positions, *, plan):
     # The scored texts are the prompts: a ratio budget is a share of each row's text.
-    cache = model.size_rows(model.init_cache(policy, tokens.shape[0], max_len, max_len), positions, policy)
-    logits, _ = model.stream(tokens, positions, cache, policy)
+    cache = layer.init_cache(plan, tokens.shape[0], model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype)
+    logits, _ = model.stream(tokens, positions, model.size_rows(cache, positions, plan), plan)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
@@ -58,7 +59,7 @@ def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy:
     positions = np.full((len(rows), t), -1, np.int32)
     for r, ids in enumerate(rows):
         tokens[r, : len(ids)], positions[r, : len(ids)] = ids, np.arange(len(ids))
-    out = np.asarray(_stream_logprobs(model, tokens, positions, policy=policy, max_len=t))
+    out = np.asarray(_stream_logprobs(model, tokens, positions, plan=model.plan(policy, t, t)))
     # Column j scores token j + 1: name the token whose log-probability broke.
     logp = [out[r, : n - 1] for r, n in enumerate(lengths)]
     for lp in logp:
@@ -66,9 +67,9 @@ def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy:
     return logp
 
 
-@compiled(static=("policy",), donate=("cache",))
-def _chunk_logprobs(model, tokens, positions, targets, cache, *, policy):
-    logits, cache = model.prefill_chunk(tokens, positions, cache, policy)
+@compiled(static=("plan",), donate=("cache",))
+def _chunk_logprobs(model, tokens, positions, targets, cache, *, plan):
+    logits, cache = model.prefill_chunk(tokens, positions, cache, plan)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], cache
 
@@ -93,13 +94,16 @@ def chunked_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.
     tokens[0, :n] = ids
     positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
     targets = np.roll(tokens, -1, axis=1)  # column j scores token j + 1 (the last column is unused)
-    cache = model.init_cache(policy, 1, n, n)  # a prompt of n tokens, nothing decoded after it
+    plan = model.plan(policy, n, n)  # a prompt of n tokens, nothing decoded after it
+    # what depends on the text's whole length (RazorAttention's window max(S0, N / C)) is set before the first chunk
+    cache = engine.size_rows(model, layer.init_cache(plan, 1, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype),
+                             positions.max(axis=1, keepdims=True), plan=plan)  # as `engine.chunked_prefill` does
     graphdef, state = nnx.split(model)
     out = []
     steps = range(0, t, c)
     for s in (tqdm(steps, desc="chunks", leave=False) if len(steps) >= PROGRESS_CHUNKS else steps):
         lp, cache = _chunk_logprobs.pure(graphdef, state, tokens[:, s:s + c], positions[:, s:s + c],
-                                         targets[:, s:s + c], cache, policy=policy)
+                                         targets[:, s:s + c], cache, plan=plan)
         out.append(lp[0])  # kept on the device: no host round trip between chunks
     logp = np.concatenate([np.asarray(x) for x in out])[: n - 1]  # (a jnp concatenate would compile per count)
     require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")

@@ -9,10 +9,11 @@ Three entry points share one set of layers:
 * `model.prefill(tokens, positions, policy, max_len)`: full attention over a
   left-padded prompt (`positions` = -1 on padding), each layer's cache built by
   the policy; returns the last position's logits and the cache.
-* `model.decode(tokens, positions, cache, policy)`: one token per row through
-  the cache.
+* `model.decode(tokens, positions, cache, plan)`: one token per row through
+  the cache, under `plan = model.plan(policy, max_len, prompt_len)`.
 
-The policy is a static, hashable object, so these trace to fixed shapes.
+The plan (and the policy it was resolved from) is a static, hashable object, so these trace to fixed shapes;
+every cached call takes the plan, and no call resolves a policy again (`plan` is the only place that does).
 """
 
 from __future__ import annotations
@@ -496,10 +497,10 @@ class Llama(nnx.Module):
         """Empty arrays of a sized plan's slot counts (`Plan.sized`)."""
         return layer_fns.init_cache(plan, batch, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
 
-    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], policy: Policy) -> Cache:
+    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], plan: Plan) -> Cache:
         """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
         each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
-        return tuple(layer_fns.size_rows(lp, c, positions) for lp, c in zip(self.plan(policy).layers, cache))
+        return tuple(layer_fns.size_rows(lp, c, positions) for lp, c in zip(plan.layers, cache))
 
     def prefill(
         self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
@@ -519,13 +520,13 @@ class Llama(nnx.Module):
         policy = plan.policy
         caches = self._empty_cache(plan, tokens.shape[0])
         if policy.prefill_mode == "stream":
-            caches = self.size_rows(caches, positions, policy)
-            logits, caches = self.stream(tokens, positions, caches, policy, all_logits=False)
+            caches = self.size_rows(caches, positions, plan)
+            logits, caches = self.stream(tokens, positions, caches, plan, all_logits=False)
             return logits, caches
         if policy.prefill_mode == "chunked":
             # what depends on a row's whole prompt (RazorAttention's window max(S0, N / C)) is set before the
             # first chunk, as for the stream
-            return self._chunked(tokens, positions, self.size_rows(caches, positions, policy), policy)
+            return self._chunked(tokens, positions, self.size_rows(caches, positions, plan), plan)
         x = self.embed(tokens)
         out = []
         for layer, lp, cache in zip(self.layers, plan.layers, caches):
@@ -554,14 +555,14 @@ class Llama(nnx.Module):
             caches = [c[:i] + (lc,) + c[i + 1:] for c, lc in zip(caches, layer_caches)]
         return self._logits(x[:, -1]), tuple(caches)
 
-    def _chunked(self, tokens, positions, caches, policy) -> tuple[Float[Array, "b V"], Cache]:
-        """`prefill` in chunks of `policy.chunk` tokens: one `lax.scan`, the prompt left-padded to whole
+    def _chunked(self, tokens, positions, caches, plan: Plan) -> tuple[Float[Array, "b V"], Cache]:
+        """`prefill` in chunks of `plan.policy.chunk` tokens: one `lax.scan`, the prompt left-padded to whole
         chunks (padding: position -1, a no-op), so the cache carried between chunks is all that grows
         with the prompt besides the tokens themselves."""
         b, t = tokens.shape
         # A chunk longer than the prompt reads it whole either way: capped there, an absurd chunk (10**5, 10**9)
         # never pads the prompt to its size
-        n = min(policy.chunk, t)
+        n = min(plan.policy.chunk, t)
         pad = -t % n
         tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
         positions = jnp.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
@@ -569,7 +570,7 @@ class Llama(nnx.Module):
 
         def body(carry, xs):
             cache, _ = carry
-            logits, cache = self.prefill_chunk(xs[0], xs[1], cache, policy, all_logits=False)
+            logits, cache = self.prefill_chunk(xs[0], xs[1], cache, plan, all_logits=False)
             return (cache, logits), None
 
         init = (caches, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
@@ -581,7 +582,7 @@ class Llama(nnx.Module):
         tokens: Int[Array, "b n"],
         positions: Int[Array, "b n"],
         cache: Cache,
-        policy: Policy,
+        plan: Plan,
         *,
         all_logits: bool = True,
     ) -> tuple[Float[Array, "b n V"] | Float[Array, "b V"], Cache]:
@@ -592,22 +593,21 @@ class Llama(nnx.Module):
         the same cache."""
         x = self.embed(tokens)
         out = []
-        for layer, lp, c in zip(self.layers, self.plan(policy).layers, cache):
+        for layer, lp, c in zip(self.layers, plan.layers, cache):
             x, c = layer.chunk(x, positions, lp, c, tokens)
             out.append(c)
         return self._logits(x if all_logits else x[:, -1]), tuple(out)
 
     def extend(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, policy: Policy
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan
     ) -> Float[Array, "b t V"]:
         """Logits of a chunk of tokens that continues a prefilled `cache`, which is only read.
 
         Prefix caching: a cached prefix (few-shot demonstrations, AnLLM's anchors) is
         reused for many continuations, each attended in one parallel pass. The chunk
-        follows `policy.prompt_mask` within itself and `policy.prefix_visible` against
+        follows the rules' `prompt_mask` within itself and `prefix_visible` against
         the cache; nothing is evicted while it runs. Right-pad with positions -1.
         """
-        plan = self.plan(policy)
         for lp in plan.layers:
             if lp.split or lp.position_mode != "absolute":
                 raise ValueError(f"extend needs one cache array per layer in absolute positions; "
@@ -622,7 +622,7 @@ class Llama(nnx.Module):
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
         cache: Cache,
-        policy: Policy,
+        plan: Plan,
         *,
         all_logits: bool = True,
     ) -> tuple[Float[Array, "b t V"] | Float[Array, "b V"], Cache]:
@@ -633,12 +633,11 @@ class Llama(nnx.Module):
         all logits `[b, t, V]`, or only the last step's with `all_logits=False`.
         """
         b = tokens.shape[0]
-        policy = self.native_policy(policy)
 
         def body(carry, xs):
             cache, last = carry
             tok, pos = xs
-            logits, cache = self.decode(tok, pos, cache, policy)
+            logits, cache = self.decode(tok, pos, cache, plan)
             return (cache, logits), (logits if all_logits else None)
 
         init = (cache, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
@@ -646,12 +645,12 @@ class Llama(nnx.Module):
         return (seq.transpose(1, 0, 2) if all_logits else last), cache
 
     def decode(
-        self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, policy: Policy
+        self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, plan: Plan
     ) -> tuple[Float[Array, "b V"], Cache]:
         """One token per row at `positions` through the cache."""
         x = self.embed(tokens[:, None])
         out = []
-        for layer, lp, c in zip(self.layers, self.plan(policy).layers, cache):
+        for layer, lp, c in zip(self.layers, plan.layers, cache):
             x, c = layer.decode(x, positions, lp, c, tokens)
             out.append(c)
         return self._logits(x[:, 0]), tuple(out)

@@ -114,7 +114,7 @@ def stepper(model, policy, max_len):
         return engine.prefill(model, tokens, positions, plan=model.plan(policy, max_len, tokens.shape[1]))
 
     def decode(tokens, positions, cache):
-        return engine.decode(model, tokens, positions, cache, policy=policy)
+        return engine.decode(model, tokens, positions, cache, plan=model.plan(policy, max_len))
 
     return prefill, decode
 

@@ -31,7 +31,7 @@ from kvjax.policies import (
 from kvjax.policies.base import Context
 from kvjax.scoring import _chunk_logprobs, chunked_logprobs, stream_logprobs
 from models import load
-from tests.conftest import compile_log
+from tests.conftest import compile_log, left_pad, random_ids
 
 T = 45  # two rows: one of 45 tokens, one of 40 (left padded)
 
@@ -353,7 +353,8 @@ def _compiled_chunk_bytes(model, policy, prompt_len):
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len, prompt_len))
     chunk = jax.ShapeDtypeStruct((1, policy.chunk), jnp.int32)
-    compiled = _chunk_logprobs.pure.lower(graphdef, state, chunk, chunk, chunk, cache, policy=policy).compile()
+    compiled = _chunk_logprobs.pure.lower(graphdef, state, chunk, chunk, chunk, cache,
+                                          plan=model.plan(policy, prompt_len, prompt_len)).compile()
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
     return total, hash(compiled.as_text())
@@ -485,7 +486,7 @@ def test_host_loop_equals_the_scan(sharp, prompts):
     from kvjax import engine
 
     policy = SnapKV(budget=10, observation_window=4, kernel=3, prefill_mode="chunked", chunk=8)
-    logits, cache = engine.chunked_prefill(sharp, *prompts, policy, T + 3)
+    logits, cache = engine.chunked_prefill(sharp, *prompts, sharp.plan(policy, T + 3, prompts[0].shape[1]))
     ref_logits, ref_kept = _run(sharp, *prompts, policy)
     np.testing.assert_allclose(np.asarray(logits), ref_logits[0], rtol=0, atol=1e-5)
     for a, b in zip(kvcache.kept_positions(cache), ref_kept[0]):
@@ -600,3 +601,32 @@ def test_mat_chunks_of_any_size_are_stream_mode(sharp, chunk):
                                       kept(make(prefill_mode="stream")))):
         for layer, (x, y) in enumerate(zip(a, b)):
             np.testing.assert_array_equal(x, y, err_msg=f"kept positions, step {step}, layer {layer}")
+
+
+def test_decode_and_chunk_steps_are_keyed_by_the_sized_plan(tiny):
+    """`engine.decode` and `engine.prefill_chunk` compile once per sized plan (with the cache's shapes): a budget
+    policy's plan is the same for prompts of every bucket and any max_len, so a second bucket compiles no new
+    decode or chunk step; FullCache's plan grows with max_len, and so does its cache: a new compilation."""
+    from kvjax import engine
+
+    model = tiny.model
+
+    def steps(policy, bucket, max_len):
+        """Prompt (chunked: the host loop of chunk steps), then one decode step; the compilations of both."""
+        plan = model.plan(policy, max_len, bucket)
+        tokens, positions = left_pad(random_ids(bucket - 3, 260, seed=bucket), bucket)
+        with compile_log() as log:
+            if policy.prefill_mode == "chunked":
+                _, cache = engine.chunked_prefill(model, tokens, positions, plan)
+            else:
+                _, cache = engine.prefill(model, tokens, positions, plan=plan)
+            engine.decode(model, jnp.asarray([7]), jnp.asarray([bucket]), cache, plan=plan)
+        return plan, log
+
+    ring = StreamingLLM(budget=16, sinks=4, prefill_mode="chunked", chunk=8)
+    plan_a, first = steps(ring, 32, 48)
+    plan_b, second = steps(ring, 64, 96)
+    assert plan_a == plan_b and len(first) >= 1 and second == []
+    plan_a, first = steps(FullCache(), 32, 48)
+    plan_b, second = steps(FullCache(), 32, 64)
+    assert plan_a != plan_b and len(second) >= 2  # the prompt pass and the decode step, for a new plan

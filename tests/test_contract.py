@@ -48,7 +48,8 @@ def test_a_rule_reading_token_ids_gets_them_inside_by_layer(tiny):
             assert got[h][got[h] >= 0].tolist() == even
         whole = np.asarray(cache[1].pos[0, 0])
         assert whole[whole >= 0].tolist() == (even if isinstance(policy, KeepEvenIds) else list(range(20)))
-        _, cache = tiny.model.decode(jnp.asarray([5], jnp.int32), jnp.asarray([20], jnp.int32), cache, policy)
+        _, cache = tiny.model.decode(jnp.asarray([5], jnp.int32), jnp.asarray([20], jnp.int32), cache,
+                                     tiny.model.plan(policy))
         assert 20 in np.asarray(cache[0].pos[0, 0]).tolist() and 20 in np.asarray(cache[1].pos[0, 0]).tolist()
 
 

@@ -24,7 +24,7 @@ def _extend(model, policy, prefix, chunk, chunk_bucket=16):
     ct = np.zeros((1, chunk_bucket), np.int32)
     cp = np.full((1, chunk_bucket), -1, np.int32)
     ct[0, : len(chunk)], cp[0, : len(chunk)] = chunk, len(prefix) + np.arange(len(chunk))
-    return np.asarray(model.extend(jnp.asarray(ct), jnp.asarray(cp), cache, policy))[0, : len(chunk)]
+    return np.asarray(model.extend(jnp.asarray(ct), jnp.asarray(cp), cache, model.plan(policy)))[0, : len(chunk)]
 
 
 def test_extend_full_cache_equals_full_forward(tiny):
@@ -52,7 +52,7 @@ def test_extend_rejects_rolling_positions(tiny):
     policy = StreamingLLM(budget=8, sinks=2, positions="rolling")
     _, cache = tiny.model.prefill(toks, pos, policy, 32)
     with pytest.raises(ValueError, match="rolling positions in layer 0"):
-        tiny.model.extend(toks, pos, cache, policy)
+        tiny.model.extend(toks, pos, cache, tiny.model.plan(policy))
 
 
 def test_cached_scores_match_full_scores_and_cache_length(tiny):

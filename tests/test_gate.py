@@ -135,7 +135,7 @@ def test_prefill_evict_then_decode_equals_the_eq7_forward(tiny_dir):
     got = [np.asarray(logits)]
     for i in range(n_new - 1):
         tok = jnp.asarray([s[n + i] for s, n in zip(seqs, lengths)], jnp.int32)
-        step_logits, cache = model.decode(tok, jnp.asarray(lengths, jnp.int32) + i, cache, small_policy)
+        step_logits, cache = model.decode(tok, jnp.asarray(lengths, jnp.int32) + i, cache, model.plan(small_policy))
         got.append(np.asarray(step_logits))
     for r, (s, n) in enumerate(zip(seqs, lengths)):
         full_pos = jnp.arange(n + n_new - 1, dtype=jnp.int32)[None]
@@ -290,7 +290,8 @@ def test_gate_inside_by_layer_gates_its_layers_only(tiny_dir):
     assert cache[0].capacity < n + n_new == cache[1].capacity  # only the gate layer shrank
     got = [np.asarray(logits[0])]
     for i in range(n_new - 1):
-        step, cache = model.decode(jnp.asarray([seq[n + i]], jnp.int32), jnp.asarray([n + i], jnp.int32), cache, small)
+        step, cache = model.decode(jnp.asarray([seq[n + i]], jnp.int32), jnp.asarray([n + i], jnp.int32), cache,
+                                   model.plan(small))
         got.append(np.asarray(step[0]))
     ref = _eq7_forward(model, jnp.asarray(seq[None, : n + n_new - 1]), jnp.arange(n + n_new - 1)[None], n, gated={0})
     np.testing.assert_allclose(np.stack(got), np.asarray(ref[0, n - 1:]), atol=1e-5, rtol=0)

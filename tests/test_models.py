@@ -206,7 +206,7 @@ def test_streaming_on_alibi_uses_stored_positions(tmp_path, positions):
     ref = baichuan_reference(w, c, ids, keys_for)
     model = load(tmp_path).model
     policy = StreamingLLM(budget=budget, sinks=sinks, positions=positions, prefill_mode="stream")
-    stream = nnx.jit(lambda m, t, p: m.stream(t, p, m.init_cache(policy, 1, 32), policy)[0])
+    stream = nnx.jit(lambda m, t, p: m.stream(t, p, m.init_cache(policy, 1, 32), m.plan(policy))[0])
     ours = np.asarray(stream(model, jnp.asarray([ids]), jnp.arange(30)[None]))[0]
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
     assert np.abs(ref - baichuan_reference(w, c, ids)).max() > 1e-3  # eviction changed something
