@@ -605,3 +605,28 @@ def test_table_1_controls_decide_the_protected_heads_of_an_alibi_model(control, 
     np.testing.assert_array_equal(whole, protected)
     assert (control == "none") == (not whole.any())
     assert max(s for r, p in zip(policy.scopes, protected) for s, k in zip(r, p) if not k) <= 8
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_a_left_padded_prompt_read_in_chunks_keeps_max_s0_and_n_over_c(sharp_dir, chunk):
+    """A 50-token prompt padded to 64, read in chunks (the padding first): a local head keeps its 2 sinks and the
+    last max(8, 50 / 2) = 25 tokens, as a whole prompt does; padding-only chunks once reset the window to S0, so
+    it kept 8. Through the model's scan and through `engine.chunked_prefill` (the host loop `generate` runs),
+    which once skipped `size_rows` and kept S0 for every prompt."""
+    from kvjax import engine
+
+    sinks, n, bucket = 2, 50, 64
+    lm = load(sharp_dir)
+    policy = RazorAttention(retrieval=RETRIEVAL, buffer=8, compression=2.0, sinks=sinks, prefill_mode="chunked",
+                            chunk=chunk)
+    tokens, positions = left_pad(random_ids(n, 260, seed=82), bucket)
+    plan = lm.model.plan(policy, bucket + 4, bucket)
+    scan = engine.prefill(lm.model, tokens, positions, plan=plan)[1]
+    loop = engine.chunked_prefill(lm.model, tokens, positions, plan)[1]
+    for cache in (scan, loop):
+        snap = _ours_snapshot(policy, cache, 0)
+        for layer in range(2):
+            for h in range(2):
+                kept, comp = snap[layer][h]
+                want = list(range(n)) if RETRIEVAL[layer][h] else list(range(sinks)) + list(range(n - 25, n))
+                assert kept == want, (layer, h, kept)

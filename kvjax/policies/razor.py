@@ -211,7 +211,11 @@ class CompensatedWindow(RatioBudget, LayerPolicy):
         src = [sink_src, kvcache.compact(window, end - start)]
         if self.compensate:
             src.append(jnp.full(sink_src.shape[:2] + (1,), c - 1, jnp.int32))
-        return kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
+        out = kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
+        # The window length rides in the scores of the slots below `end`, empty ones included: a chunk that leaves
+        # window slots empty (a left-padded prompt's padding chunks) must not reset it to S0.
+        return dataclasses.replace(out, score=jnp.where((slots < end) & (out.pos < 0), win[..., None].astype(
+            out.score.dtype), out.score))
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
