@@ -251,7 +251,8 @@ def test_own_model_keeps_what_llama_keeps(pt_and_params, tmp_path, name):
                                         jnp.arange(n_prompt, dtype=jnp.int32)[None], policy, 64)
     theirs_steps = []
     for j, t in enumerate(ids[n_prompt:]):
-        out, caches = model.decode(jnp.asarray([t], jnp.int32), jnp.asarray([n_prompt + j], jnp.int32), caches, policy)
+        out, caches = model.decode(jnp.asarray([t], jnp.int32), jnp.asarray([n_prompt + j], jnp.int32), caches,
+                                   model.plan(policy))
         theirs_steps.append(np.asarray(out[0]))
     np.testing.assert_allclose(ours_last, np.asarray(theirs_last[0]), atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(ours_steps, np.stack(theirs_steps), atol=2e-4, rtol=1e-4)
