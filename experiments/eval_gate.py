@@ -69,7 +69,7 @@ def _cont_nll(model, prefix, cont, *, policy):
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
     last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
     cpos = jnp.broadcast_to(jnp.arange(p, p + cont.shape[1] - 1, dtype=jnp.int32), (b, cont.shape[1] - 1))
-    logits = jnp.concatenate([last[:, None], model.extend(cont[:, :-1], cpos, cache, policy)], axis=1)
+    logits = jnp.concatenate([last[:, None], model.extend(cont[:, :-1], cpos, cache, model.plan(policy))], axis=1)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     held = [c.pos if isinstance(c, LayerCache) else jnp.concatenate([g.pos for g in c.groups], axis=1) for c in cache]
     kept = jnp.mean(jnp.stack([jnp.mean(jnp.sum((h >= 0) & (h < p), axis=-1) / p) for h in held]))
