@@ -68,7 +68,7 @@ def _run_uncached(model, toks, pos, policy, steps):
     out, kept = [np.asarray(logits)], [kvcache.kept_positions(cache)]
     nxt = jnp.max(pos, axis=1) + 1
     for s in range(steps):
-        logits, cache = jax.jit(model.decode, static_argnums=3)(toks[:, s], nxt + s, cache, policy)
+        logits, cache = jax.jit(model.decode, static_argnums=3)(toks[:, s], nxt + s, cache, model.plan(policy))
         out.append(np.asarray(logits))
         kept.append(kvcache.kept_positions(cache))
     return out, kept
@@ -593,7 +593,7 @@ def test_mat_chunks_of_any_size_are_stream_mode(sharp, chunk):
         out = [kvcache.kept_positions(cache)]
         nxt = jnp.max(pos, axis=1) + 1
         for s in range(3):
-            _, cache = jax.jit(sharp.decode, static_argnums=3)(toks[:, s], nxt + s, cache, policy)
+            _, cache = jax.jit(sharp.decode, static_argnums=3)(toks[:, s], nxt + s, cache, sharp.plan(policy))
             out.append(kvcache.kept_positions(cache))
         return out
 
