@@ -40,6 +40,7 @@ def test_attention_decode_rows_count_every_rows_cache_and_refuse_an_unknown_dtyp
         assert r["xla_GBps"] * r["xla_us"] * 1e3 == pytest.approx(r["batch"] * 2 * 8 * 128 * 128 * 4)
 
 
+@pytest.mark.slow
 def test_quant_benchmark_writes_its_tables_and_bytes_fall_with_the_width(tmp_path, capsys):
     from benchmarks import quant
 

@@ -221,7 +221,7 @@ def distinct_pair(tmp_path_factory):
     return pt, load(path).model
 
 
-@pytest.mark.parametrize("scorer", ["knorm", "keydiff"])
+@pytest.mark.parametrize("scorer", ["knorm", pytest.param("keydiff", marks=pytest.mark.slow)])
 def test_recompress_kept_positions_match_kvpress_prefill_decoding_press(distinct_pair, scorer):
     """`Recompress(scorer(budget=B), every=N)` against kvpress's `PrefillDecodingPress` (the scorer compresses the
     prompt to B, then `DecodingPress(scorer, compression_interval=N, target_size=B)`): 20 tokens decoded one by one,

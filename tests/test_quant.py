@@ -232,6 +232,7 @@ def small():
     return models.load_default()
 
 
+@pytest.mark.slow
 def test_small_model_perplexity_and_bytes(small):
     """The default model reading 256 tokens of text token by token: int8 and 4-bit cost < 1 % perplexity, 2-bit with
     a residual of 128 (KIVI's setting) a few %; the cache is as small as the formula says."""
@@ -269,6 +270,7 @@ def test_compressed_and_quantized_generation_compiles_once(small):
     assert kvcache.nbytes(packed) < kvcache.nbytes(plain)
 
 
+@pytest.mark.slow
 def test_a_residual_holding_the_whole_window_changes_nothing_chunked_or_streamed(small):
     """LocalWindow(32) holds only tokens within 32 + chunk of the newest: a residual of 64 holds them all in full
     precision, so scoring a text in chunks or token by token equals the unquantized cache; with R = 0 it does not."""
@@ -286,6 +288,7 @@ def test_a_residual_holding_the_whole_window_changes_nothing_chunked_or_streamed
         assert np.abs(bare - plain).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_a_prompt_compressed_whole_keeps_the_same_tokens_quantized(small):
     """Whole-prompt compression scores the prompt's own (full-precision) attention and keys, so every policy
     keeps the same positions per layer and KV head with a quantized cache; only their bytes differ. Head splits

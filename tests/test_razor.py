@@ -607,7 +607,7 @@ def test_table_1_controls_decide_the_protected_heads_of_an_alibi_model(control, 
     assert max(s for r, p in zip(policy.scopes, protected) for s, k in zip(r, p) if not k) <= 8
 
 
-@pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 8])
 def test_a_left_padded_prompt_read_in_chunks_keeps_max_s0_and_n_over_c(sharp_dir, chunk):
     """A 50-token prompt padded to 64, read in chunks (the padding first): a local head keeps its 2 sinks and the
     last max(8, 50 / 2) = 25 tokens, as a whole prompt does; padding-only chunks once reset the window to S0, so
