@@ -47,7 +47,12 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
+        return tree_nbytes(self)
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of every array leaf of `tree` (shapes only: works on abstract values too)."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
@@ -220,7 +219,7 @@ class QuantizedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
+        return kvcache.tree_nbytes(self)
 
 
 jax.tree_util.register_dataclass(
