@@ -40,6 +40,11 @@ from experiments.records import (
 from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
+__all__ = [
+    "ArgumentError", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "call", "cells", "claim", "finish",
+    "labelled", "load_model", "open_records", "policy_options", "positive", "resolve_policies",
+]
+
 
 class ArgumentError(InvalidInput):
     """A suite's argument is invalid, or (`usage=False`) does not fit the data or the model. The

@@ -94,6 +94,8 @@ jax.tree_util.register_dataclass(HeadwiseCache, data_fields=["groups"], meta_fie
 
 AnyLayerCache = LayerCache | HeadwiseCache
 Cache = tuple[AnyLayerCache, ...]
+"""A model's cache: one layer cache per layer (a `LayerCache`, a `HeadwiseCache` when the plan splits the
+layer's KV heads into groups, or a quantized layer cache under `Quantized`), a pytree."""
 
 
 def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:

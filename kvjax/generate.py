@@ -210,6 +210,9 @@ def check_finite_steps(nonfinite: np.ndarray, what: str = "logits", step_name: s
 
 @dataclasses.dataclass
 class Generation:
+    """What `generate` returns: the new tokens per row, how many each row made, the final cache, and the
+    prefill / decode timings (compilation excluded from the decode rate)."""
+
     tokens: np.ndarray  # [b, max_new_tokens], pad after EOS
     lengths: np.ndarray  # [b] tokens generated per row, EOS included
     cache: Cache  # the final cache (inspect with kvjax.cache.kept_positions)

@@ -8,9 +8,11 @@ from models.loading import LoadedModel, load, save_pretrained
 
 # The embedded default model (trained by `python -m experiments.train_tiny`; see its README.md).
 DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+"""The embedded default model's directory (2 layers, 512 tokens): the fast tests' and most suites' default."""
 # kvjax-small: the default grown to 6 layers and a 2048-token context (`python -m experiments.train_small`);
 # the main job's model.
 SMALL_DIR = Path(__file__).resolve().parent / "small"
+"""kvjax-small's directory (6 layers, 2048 tokens): the main job's and the report's model."""
 
 
 def load_default(**kwargs) -> LoadedModel:

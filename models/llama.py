@@ -42,6 +42,10 @@ from kvjax.stats import NO_STATS
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
+    """The decoder's shape and options, read from a checkpoint's config.json (or a GGUF file's metadata) by
+    `models.load`: one config for every family kvjax reads (Llama, Mistral, Qwen2 / 3, Gemma 2 / 3, Phi-3,
+    Baichuan)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -398,6 +402,9 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
+    """kvjax's functional decoder (Flax NNX) for every family it loads; its attention is projection ->
+    `kvjax.layer` -> output projection, and it satisfies `kvjax.model.CachedLM`."""
+
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, init_std: float = 0.02):
         """`init_std`: normal init of every matrix (HF's initializer_range); weights are loaded over it."""
         self.cfg = cfg

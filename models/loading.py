@@ -62,6 +62,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclasses.dataclass
 class LoadedModel:
+    """What `models.load` returns: the model, its tokenizer (or None), its config, where it came from, and
+    how it was loaded."""
+
     model: nnx.Module
     tokenizer: object | None  # a transformers tokenizer, or None if the directory has none
     config: LlamaConfig

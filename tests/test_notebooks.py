@@ -1,5 +1,6 @@
 """The Colab notebooks run top to bottom on CPU (with kvjax-small), are committed
-without outputs, carry an "Open in Colab" badge and import only what the README documents."""
+without outputs, carry an "Open in Colab" badge and import only what the documentation (README.md and the
+site under docs/) documents."""
 
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ def _code(nb) -> list[str]:
     return [c.source for c in nb.cells if c.cell_type == "code"]
 
 
-def test_the_four_notebooks_exist_and_the_readme_links_them():
+def documentation() -> str:
+    """The README and every page of the documentation site."""
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+
+
+def test_the_four_notebooks_exist_and_the_documentation_links_them():
     names = {p.name for p in NOTEBOOKS}
     assert names == {"quickstart.ipynb", "compose_policies.ipynb", "attention_patterns.ipynb",
                      "longbench_real_model.ipynb"}
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation()
     for n in names:
         assert f"colab/{n}" in readme
 
@@ -37,11 +43,11 @@ def test_outputs_stripped_badge_and_public_imports(path):
     assert "github.com/kvjax/kvjax" not in path.read_text()
     install = _code(nb)[0]
     assert 'KVJAX_SOURCE = ""' in install and "set KVJAX_SOURCE" in install
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation()
     for src in _code(nb):
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] in ("kvjax", "models", "experiments"):
-                assert re.search(rf"\b{re.escape(node.module)}\b", readme), f"{path.name}: {node.module} not in README"
+                assert re.search(rf"\b{re.escape(node.module)}\b", readme), f"{path.name}: {node.module} not documented"
 
 
 # The quickstart runs in the default suite; the other three take 40-110 s each on 2 cores (`pytest -m slow`)

@@ -102,6 +102,8 @@ REGISTRY = {
         positions=positions, prefill_mode=prefill_mode, chunk=chunk,
     ),
 }
+"""`--policy` name -> constructor taking `budget` and the policy's command-line options (by their `dest`);
+`make_policy(name, budget, **options)` builds from it and refuses an option the policy does not take."""
 
 
 def _scored(cls, budget, ratio=None, **kw):

@@ -12,6 +12,7 @@ from kvjax.stats import NO_STATS
 
 # `split` meaning "every layer is shallow", whatever the model's depth.
 EVERY_LAYER = 2**31 - 1
+"""`ByLayer(split=EVERY_LAYER, ...)`: every layer uses the shallow policy, whatever the model's depth."""
 
 
 def _for_the_plan(name: str):
@@ -167,6 +168,8 @@ class PerLayer(LayerDispatch):
 
 
 def by_layer(shallow: Policy, deep: Policy, split: int) -> ByLayer:
+    """Layers `0 .. split - 1` cached by `shallow`, the rest by `deep` (MAT is
+    `by_layer(StreamingLLM, AnchorCache, L_s)`); each member may itself be any policy or combinator."""
     return ByLayer(split=split, shallow=shallow, deep=deep)
 
 

@@ -65,6 +65,10 @@ class LayerPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """A policy resolved for a model: per layer a `LayerPlan` (the layer's rule and its KV-head groups).
+    Built once by `resolve`; `sized(max_len, prompt_len)` fixes each group's slot count, and the sized plan
+    is the static key of every compiled prefill, chunk and decode step."""
+
     policy: Policy
     layers: tuple[LayerPlan, ...]
 

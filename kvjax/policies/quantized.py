@@ -16,6 +16,11 @@ from kvjax.quant import KVQuant
 
 @dataclasses.dataclass(frozen=True)
 class Quantized(Policy):
+    """`policy`'s kept slots stored as codes: `bits=8` int8 per token (symmetric, a scale per KV head and
+    token), `bits=4 | 2` KIVI (keys per channel over `group` slots, values per token over `group` channels,
+    the `residual` most recent tokens also in full precision). The wrapped policy's rules run unchanged on
+    the dequantized cache."""
+
     policy: Policy
     bits: int
     group: int | None = None

@@ -40,6 +40,9 @@ from kvjax.stats import AttentionStats, StatsRequest
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recompress(Policy):
+    """`scorer` compresses the prompt, then re-scores the cache and evicts back to its budget every `every`
+    generated tokens (the module docstring says how, and where it differs from kvpress)."""
+
     scorer: ScoredPolicy
     every: int
 

@@ -179,6 +179,11 @@ class ScoredPolicy(LayerPolicy):
 @renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapKV(ScoredPolicy):
+    """SnapKV (Li et al. 2024): each prefix token scored by the attention the last `observation_window`
+    prompt queries give it, pooled over `kernel` neighbouring positions (`pool`), the query heads of a KV
+    group combined by `group_agg`; the window plus the top-scored prefix tokens are kept. Paper defaults
+    (window 32, kernel 7, max-pool); kvpress's `SnapKVPress` is `observation_window=64, kernel=5, pool="avg"`."""
+
     kernel: int = 7
     pool: str = "max"
     group_agg: str = "mean"
@@ -258,6 +263,10 @@ class PyramidKV(SnapKV):
 @renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlimKV(ScoredPolicy):
+    """SlimKV: SnapKV's window attention S1 (summed over a KV group's query heads) combined with S2, each
+    token's largest absolute value channel (eq. 4; `combine`:
+    "product" is the paper's eq. 5, "sum" its Listing 1, "s1" / "s2" Table 3's ablations), pooled as SnapKV."""
+
     kernel: int = 7
     pool: str = "avg"
     # eq. 5; "sum" is Listing 1's S1 + S2; "s1" / "s2" prune by one of them alone (Table 3's ablations)
@@ -317,6 +326,9 @@ class ObservedAttention(ScoredPolicy):
 @renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TOVA(ScoredPolicy):
+    """TOVA (Oren et al. 2024): keeps the tokens the last query attends most, its probabilities averaged over
+    every head of the layer, so all KV heads of a layer keep the same positions."""
+
     observation_window: int = 1
 
     def prefill_stats(self, layer):
@@ -331,6 +343,8 @@ class TOVA(ScoredPolicy):
 @renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KNorm(ScoredPolicy):
+    """KNorm (Devoto et al. 2024): keeps the keys of smallest L2 norm; needs no attention statistics."""
+
     observation_window: int = 0
 
     def score(self, layer, k, v, pos, stats):
