@@ -53,9 +53,10 @@ def test_the_site_builds_strictly_with_every_guide_page(site):
     assert (site / "models" / "small" / "index.html").is_file()
     assert (site / "benchmarks" / "results" / "quant_cpu.png").is_file()
     assert (site / "colab" / "quickstart.ipynb").is_file()
-    # equations are handed to MathJax (arithmatex), not left as raw TeX
-    scored = (site / "policies" / "scored" / "index.html").read_text()
-    assert 'class="arithmatex"' in scored
+    # equations are MathML, rendered at build time: no raw TeX is left for a script to typeset
+    for page in ("policies/scored", "policies/razor", "policies/ring"):
+        html = (site / page / "index.html").read_text()
+        assert "<math" in html and 'class="arithmatex"' not in html and "\\frac" not in html, page
 
 
 def test_every_public_name_is_in_the_generated_reference(site):

@@ -4,13 +4,17 @@
   their plots), the committed benchmark results (benchmarks/results/) and the notebooks (colab/). They are
   added to the site at the same relative paths, so a page links them as `models/small/README.md` from the
   site's root and the link checker sees them.
+- Equations are rendered at build time: the TeX that pymdownx.arithmatex marks is converted to MathML
+  (latex2mathml), which browsers draw natively, so the site shows its equations offline, with no script.
 - A public name without a docstring fails the strict build: every name in `__all__` of the modules the API
   reference documents must say what it is (mkdocstrings itself renders an undocumented name silently).
 """
 
 from __future__ import annotations
 
+import html
 import logging
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -45,6 +49,23 @@ def on_page_markdown(markdown, page, config, files):
         # the README links the site's pages from the repository root
         markdown = markdown.replace("](docs/", "](")
     return markdown
+
+
+MATH = re.compile(r'<(span|div) class="arithmatex">\\[(\[](.*?)\\[)\]]</\1>', re.S)
+
+
+def on_page_content(content, page, config, files):
+    from latex2mathml.converter import convert
+
+    def mathml(m):
+        tex = html.unescape(m.group(2))
+        try:
+            return convert(tex, display="block" if m.group(1) == "div" else "inline")
+        except Exception as err:  # noqa: BLE001  (any parse failure is reported and fails the strict build)
+            log.warning(f"{page.file.src_uri}: cannot render the equation {tex!r}: {err}")
+            return m.group(0)
+
+    return MATH.sub(mathml, content)
 
 
 def undocumented(module: str, search_paths: list[str] | None = None) -> list[str]:
