@@ -234,3 +234,18 @@ def test_ratio_counts_under_jit_are_kvpress_float64_counts(sharp_dir):
         prefill, _ = stepper(model, policy, 128 + 2)
         _, cache = prefill(*left_pad(ids, 128))
         assert all(len(h) == 19 for layer in kept_sets(cache) for h in layer), policy.describe()
+
+
+def test_expected_attention_refuses_chunks_without_first_warning_they_change_it():
+    """ExpectedAttention's query statistics are the whole prompt's: a chunked prefill is refused with that reason,
+    and not also warned about as if it would run as another method."""
+    import warnings
+
+    from kvjax.errors import InvalidInput
+    from kvjax.policies import ExpectedAttention
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidInput, match="statistics of future queries are the whole prompt's"):
+            ExpectedAttention(ratio=0.5, prefill_mode="chunked", chunk=32)
+    assert not [w for w in seen if "chunk" in str(w.message)], [str(w.message) for w in seen]

@@ -370,11 +370,12 @@ class ExpectedAttention(ScoredPolicy):
     chunk_refusal = "its statistics of future queries are the whole prompt's"
 
     def __post_init__(self):
+        # refused before the base class warns that chunks make scoring a different method: it is not run at all
+        if self.prefill_mode == "chunked":
+            raise InvalidInput(f"ExpectedAttention cannot run prefill_mode='chunked': {self.chunk_refusal}")
         super().__post_init__()
         if self.sinks < 0 or self.future < 1:
             raise InvalidInput(f"ExpectedAttention: sinks={self.sinks} must be >= 0 and future={self.future} >= 1")
-        if self.prefill_mode == "chunked":
-            raise InvalidInput(f"ExpectedAttention cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
     def prefill_stats(self, layer):
         return StatsRequest(query_moments=frozenset({(self.sinks, self.future)}))
