@@ -32,6 +32,19 @@ BENCH_CONFIG = dict(
 )
 
 
+def bench_model(seed: int = 0):
+    """The tiny Llama of BENCH_CONFIG with random weights, saved to a temp folder and loaded: (model, folder)."""
+    tmp = Path(tempfile.mkdtemp())
+    make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG), seed=seed)
+    return load(tmp).model, tmp
+
+
+def bench_meta(**extra) -> dict:
+    """Where a benchmark ran and on what model, for its JSON."""
+    return dict(platform=jax.devices()[0].platform, device=str(jax.devices()[0]),
+                cpu=platform.processor() or platform.machine(), config=BENCH_CONFIG, jax=jax.__version__, **extra)
+
+
 def time_kvjax(model, ids, policy, new, repeats=3):
     r = time_policy(model, [ids], policy, new, repeats)
     return dict(tok_s=r["decode_tok_s"], prefill_s=r["prefill_s"], cache_bytes=r["cache_bytes"])
@@ -73,9 +86,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    tmp = Path(tempfile.mkdtemp())
-    make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG), seed=0)
-    model = load(tmp).model
+    model, tmp = bench_model()
     try:
         import torch  # noqa: F401
 
@@ -98,8 +109,7 @@ def main(argv=None):
         if with_torch:
             rows.append(dict(impl="torch", policy="full", prompt=n, **time_torch(tmp, ids, args.new)))
 
-    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
-                config=BENCH_CONFIG, new_tokens=args.new, jax=jax.__version__)
+    meta = bench_meta(new_tokens=args.new)
     (out / f"decode_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     lines = [f"# Decode benchmark ({meta['device']}, jax {jax.__version__})", "",
              f"Tiny Llama {BENCH_CONFIG}, batch 1, {args.new} new tokens, float32, greedy.", "",

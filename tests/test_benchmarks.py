@@ -53,3 +53,17 @@ def test_quant_benchmark_writes_its_tables_and_bytes_fall_with_the_width(tmp_pat
     kv = [r["cache_bytes"] for r in rows]
     assert kv == sorted(kv, reverse=True)  # 16 > 8 > 4 > 2 bits, the 128-token residual included, at 1024 tokens
     assert (tmp_path / "quant_cpu.md").is_file() and (tmp_path / "quant_cpu.png").is_file()
+
+
+@pytest.mark.slow
+def test_adakv_benchmark_writes_its_tables_and_measures_the_masked_bytes(tmp_path):
+    """kvjax's AdaKV masks (its arrays keep the prompt's length): the benchmark's bytes say so, the full cache's,
+    while SnapKV at the same per-head budget holds a quarter of them at 1024 tokens (256 + room of 1024 + room)."""
+    from benchmarks import adakv
+
+    adakv.main(["--lengths", "1024", "--new", "8", "--repeats", "1", "--out", str(tmp_path)])
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "adakv_cpu.json").read_text())["rows"]}
+    assert set(rows) == {"full", "snapkv256", "adakv256"}
+    assert rows["adakv256"]["cache_bytes"] == rows["full"]["cache_bytes"]
+    assert rows["snapkv256"]["cache_bytes"] < rows["full"]["cache_bytes"] / 3
+    assert (tmp_path / "adakv_cpu.md").is_file() and (tmp_path / "adakv_cpu.png").is_file()

@@ -1,0 +1,89 @@
+"""AdaKV against SnapKV at equal total budget: cache bytes and decode speed.
+
+    python -m benchmarks.adakv [--lengths 4096,16384] [--budget 256] [--new 64] [--out benchmarks/results]
+
+AdaKV (Feng et al. 2024) runs one top-k over all KV heads of a layer, so each head keeps a different number of
+tokens; its total per layer is SnapKV's (`kv_heads x budget`). kvjax's AdaKV is **masked**: the layer's arrays
+keep the prompt's length and the evicted slots are emptied (as kvpress masks them), so its bytes and its decode
+cost are the full cache's, not its budget's. This benchmark measures that gap on `benchmarks.decode`'s tiny Llama
+(4 layers, 2 KV heads), batch 1, random weights, at the same budget for SnapKV(budget) and AdaKV(SnapKV(budget)),
+with the full cache beside them. Writes adakv_<platform>.json / .md / .png; numbers are for reading, never
+asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.decode import BENCH_CONFIG, bench_meta, bench_model, time_kvjax
+from kvjax import FullCache
+from kvjax.policies import AdaKV, SnapKV
+
+
+def policies(budget: int) -> dict:
+    return {"full": FullCache(), f"snapkv{budget}": SnapKV(budget=budget),
+            f"adakv{budget}": AdaKV(scorer=SnapKV(budget=budget), alpha=0.2)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="4096,16384")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    plat = jax.devices()[0].platform
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model, _ = bench_model()
+    rows = []
+    for n in tqdm(lengths, desc="prompt lengths"):
+        ids = np.random.RandomState(n).randint(4, BENCH_CONFIG["vocab_size"], n).tolist()
+        for name, policy in policies(args.budget).items():
+            rows.append(dict(policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new, args.repeats)))
+
+    meta = bench_meta(new_tokens=args.new, budget=args.budget)
+    (out / f"adakv_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    full = {r["prompt"]: r for r in rows if r["policy"] == "full"}
+    lines = [f"# AdaKV vs SnapKV at equal total budget ({meta['device']}, jax {jax.__version__})", "",
+             f"Tiny Llama {BENCH_CONFIG}, batch 1, float32, {args.new} new tokens, budget {args.budget} per KV head "
+             f"(AdaKV: {BENCH_CONFIG['num_kv_heads']} x {args.budget} per layer, shared by its heads). kvjax's AdaKV "
+             "masks: its arrays keep the prompt's length, so its bytes are the full cache's.", "",
+             "| prompt | policy | cache MiB | x full bytes | decode tok/s | x full speed | prefill s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = full[r["prompt"]]
+        lines.append(f"| {r['prompt']} | {r['policy']} | {r['cache_bytes'] / 2**20:.2f} | "
+                     f"{r['cache_bytes'] / f['cache_bytes']:.3f} | {r['tok_s']:.1f} | {r['tok_s'] / f['tok_s']:.2f} | "
+                     f"{r['prefill_s']:.2f} |")
+    (out / f"adakv_{plat}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in policies(args.budget):
+        pts = [r for r in rows if r["policy"] == name]
+        a.plot([r["prompt"] for r in pts], [r["cache_bytes"] / 2**20 for r in pts], marker="o", label=name)
+        b.plot([r["prompt"] for r in pts], [r["tok_s"] for r in pts], marker="o", label=name)
+    a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="cache MiB", title="cache bytes")
+    b.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s", title=f"decode ({plat})")
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"adakv_{plat}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
