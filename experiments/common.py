@@ -29,29 +29,10 @@ from kvjax.policies import (
 )
 from kvjax.policies.scored import ScoredPolicy
 
-# ---- renamed flags: the old spelling still parses, with a warning naming the new one ----
-
-class _DeprecatedAlias(argparse.Action):
-    def __init__(self, *args, new: str, **kw):
-        super().__init__(*args, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-        # errors about this option name the flag the user wrote (`flag_given`)
-        namespace._typed_flags = {**getattr(namespace, "_typed_flags", {}), self.dest: option_string}
-
-
-def add_deprecated_alias(group, old: str, new: str, **kw) -> None:
-    """`old` sets `new`'s value (hidden from --help), warning that it is deprecated."""
-    group.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedAlias, new=new,
-                       help=argparse.SUPPRESS, **kw)
-
-
 def flag_given(args: argparse.Namespace, dest: str) -> str:
-    """The flag of option `dest` as the command line spelled it (a deprecated alias included)."""
-    return getattr(args, "_typed_flags", {}).get(dest, "--" + dest.replace("_", "-"))
+    """The command-line flag of option `dest` (`anchor_slots` -> `--anchor-slots`)."""
+    del args
+    return "--" + dest.replace("_", "-")
 
 
 # ---- option types: a bad value is refused where it is parsed, naming the flag ----
@@ -152,7 +133,6 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     g.add_argument("--sinks", type=nonnegative_int, help="attention sinks (streaming, MAT's shallow layers: s); "
                                                          "default 4")
     g.add_argument("--anchor-slots", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
-    add_deprecated_alias(g, "--anchors", "--anchor-slots", type=positive_int)
     g.add_argument("--shallow-layers", type=nonnegative_int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
     g.add_argument("--group-agg", choices=["mean", "max", "sum"],
                    help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
@@ -161,7 +141,6 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                         "the share its local heads drop, instead of --compression/--buffer; mat: give --anchor-slots)")
     g.add_argument("--observation-window", type=nonnegative_int,
                    help="the last prompt tokens, always kept and (SnapKV) scored from (SnapKV 32, kvpress 64)")
-    add_deprecated_alias(g, "--window", "--observation-window", type=nonnegative_int)
     g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
     g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
     g.add_argument("--combine", choices=["product", "sum", "s1", "s2"],

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import cli, driver
-from experiments.common import add_deprecated_alias, add_run_args, load_with_tokenizer, nonnegative_int, positive_int
+from experiments.common import add_run_args, load_with_tokenizer, nonnegative_int, positive_int
 from experiments.records import dumps_finite, write_atomic, shown
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
     p.add_argument("--anchor-tokens", nargs="*", help="anchor token strings (default: from config.json)")
-    add_deprecated_alias(p, "--anchors", "--anchor-tokens", nargs="*")
     p.add_argument("--items", type=positive_int, default=100)
     p.add_argument("--shots", type=positive_int, default=5)
     p.add_argument("--options", type=positive_int, default=4)

@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +70,6 @@ RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "
 # The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff; DuoAttention from the model's own head scores) beside them
 RULER_2026 = ("adakv", "expected-attention", "keydiff")
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
-RENAMED = {"needle": "razor"}  # section 2 ran on the needle before it ran on the passkey task
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    for old in skip & set(RENAMED):
-        warnings.warn(f"--skip {old} is now --skip {RENAMED[old]}", DeprecationWarning, stacklevel=2)
-    skip = {RENAMED.get(s, s) for s in skip}
     if skip - set(SECTIONS):
         p.error(f"--skip {args.skip}: {','.join(sorted(skip - set(SECTIONS)))} is not a section "
                 f"(the sections: {','.join(SECTIONS)})")

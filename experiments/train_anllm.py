@@ -22,7 +22,6 @@ import numpy as np
 
 from experiments import cli
 from experiments.common import (
-    add_deprecated_alias,
     add_run_args,
     load_with_tokenizer,
     read_text,
@@ -72,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
     p.add_argument("--anchor-tokens", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
-    add_deprecated_alias(p, "--anchors", "--anchor-tokens", nargs="+")
     p.add_argument("--ac-init", choices=["mean", "period"], default="mean")
     p.add_argument("--placement", default="sentence",
                    help="AnLLM-AC: where <AC> goes: sentence (after each sentence), or Table 3's every:N (after every "

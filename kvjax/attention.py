@@ -20,7 +20,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
 from kvjax import reference
-from kvjax.deprecated import renamed_keywords
 from kvjax.masks import AnchorMask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
@@ -52,7 +51,6 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-@renamed_keywords(anchors="anchor_mask")
 def prefill_route(
     impl: str, backend: str, *, stats: StatsRequest, alibi, window, anchor_mask, key_keep, softcap, self_attention: bool,
     dtype, head_dim: int,
@@ -92,7 +90,6 @@ def cudnn_prefill(
     return jnp.where((pos >= 0)[:, None, :, None], o, 0).astype(q.dtype)
 
 
-@renamed_keywords(anchors="anchor_mask")
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -138,7 +135,6 @@ def prefill_attention(
     return out, AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
 
 
-@renamed_keywords(anchors="anchor_mask")
 def prefix_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh t d"],

@@ -30,7 +30,6 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention
 from kvjax import layer as layer_fns
 from kvjax.cache import AnyLayerCache, Cache, LayerCache
-from kvjax.deprecated import renamed_keywords
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.compose import PerLayer
 from kvjax.policies.plan import LayerPlan, Plan, resolve
@@ -439,7 +438,6 @@ class Llama(nnx.Module):
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
         return out
 
-    @renamed_keywords(anchors="anchor_mask")
     def __call__(
         self,
         tokens: Int[Array, "b t"],
@@ -449,7 +447,6 @@ class Llama(nnx.Module):
         """Full causal forward: logits `[b, t, vocab]`; `anchor_mask` restricts attention to AnLLM's eq. 4."""
         return self.forward(tokens, positions, anchor_mask)[0]
 
-    @renamed_keywords(anchors="anchor_mask")
     def forward(
         self,
         tokens: Int[Array, "b t"],

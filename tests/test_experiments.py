@@ -43,7 +43,7 @@ def test_generate_cli_rejects_bad_budget(tiny_dir):
 
 
 def test_generate_cli_mat(tiny_dir, capsys):
-    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "mat", "--budget", "16", "--anchors", "5",
+    assert gen_cli.main(["--model", str(tiny_dir), "--policy", "mat", "--budget", "16", "--anchor-slots", "5",
                          "--shallow-layers", "1", "--sinks", "2", "--max-new-tokens", "30",
                          "a prompt longer than sixteen tokens"]) == 0
     out = capsys.readouterr().out
@@ -52,8 +52,8 @@ def test_generate_cli_mat(tiny_dir, capsys):
 
 
 def test_generate_cli_rejects_options_a_policy_does_not_take(tiny_dir):
-    with pytest.raises(ValueError, match=r"--anchors: no policy of streaming takes it"):
-        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchors", "4"])
+    with pytest.raises(ValueError, match=r"--anchor-slots: no policy of streaming takes it"):
+        gen_cli.main(["--model", str(tiny_dir), "--policy", "streaming", "--anchor-slots", "4"])
 
 
 @pytest.mark.parametrize("argv", [

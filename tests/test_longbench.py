@@ -294,9 +294,9 @@ def test_cli_compare_writes_one_table(tmp_path, tiny_dir):
     md = (out / "results.md").read_text()
     assert "| stdlib_passkey | first_number |" in md and "**average**" in md
     assert (out / "results.png").is_file() and (out / "results.csv").read_text().startswith("dataset,full,")
-    with pytest.raises(ValueError, match=r"--window: no policy of full,streaming takes it"):
+    with pytest.raises(ValueError, match=r"--observation-window: no policy of full,streaming takes it"):
         lb_cli.main(["--model", str(tiny_dir), "--data-dir", str(data), "--compare", "full,streaming",
-                     "--window", "8", "--out", str(out)])
+                     "--observation-window", "8", "--out", str(out)])
 
 
 def test_cli_refuses_to_resume_over_another_models_predictions(tmp_path, tiny_dir):

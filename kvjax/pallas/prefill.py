@@ -36,7 +36,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.deprecated import renamed_keywords
 from kvjax.pallas import tiles
 from kvjax.pallas.blocks import PREFILL, check_shapes, resolve
 
@@ -175,7 +174,6 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
     return o, lse.reshape(b, kvh, g, tp)[:, :, :, :t].reshape(b, h, t)
 
 
-@renamed_keywords(anchors="anchor_mask")
 def prefill_attention(
     q: Float[Array, "b h t d"],
     k: Float[Array, "b kvh s d"],
@@ -315,7 +313,6 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
     return col[:, :, :, 0, :s]
 
 
-@renamed_keywords(anchors="anchor_mask")
 def colsum(q, k, lse, q_pos, k_pos, *, scale, alibi=None, window=None, anchor_mask=None, key_keep=None, q_start=0,
            variant="gpu", interpret=False, block_q=None, block_k=None) -> Float[Array, "b kvh g s"]:
     """Each key's attention probability summed over the queries with index >= `q_start`, per

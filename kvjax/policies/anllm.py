@@ -24,14 +24,12 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.cache import LayerCache
-from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
 
 _HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
 
 
-@renamed_keywords(anchors="anchor_slots")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnchorReduction(LayerPolicy):
     """Algorithm 1 with capacities: `anchor_slots` anchor slots, `sequence` current-sequence slots and
@@ -41,7 +39,6 @@ class AnchorReduction(LayerPolicy):
     anchor_slots: int = 256
     sequence: int = 256
     span: tuple[int, int] | None = None
-    anchors = renamed_attribute("anchors", "anchor_slots")
 
     def __post_init__(self):
         super().__post_init__()

@@ -219,18 +219,8 @@ class Policy(abc.ABC):
         RazorAttention's retrieval heads: a ring of `window` slots); the attention mask hides older
         tokens for the rest.
         """
-        if type(self).with_window is not Policy.with_window:  # a subclass written against the old name
-            warnings.warn(f"{type(self).__name__}.with_window is deprecated; override on_sliding_window",
-                          DeprecationWarning, stacklevel=2)
-            return self.with_window(window)
         del window
         return self
-
-    def with_window(self, window: int) -> "Policy":
-        """Deprecated name of `on_sliding_window` ("window" alone names the observation window too)."""
-        warnings.warn("Policy.with_window is deprecated; use on_sliding_window", DeprecationWarning, stacklevel=2)
-        # Not through `on_sliding_window` when only `with_window` is overridden: its `super()` call lands here.
-        return self.on_sliding_window(window) if type(self).on_sliding_window is not Policy.on_sliding_window else self
 
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""

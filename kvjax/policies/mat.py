@@ -34,7 +34,6 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
-from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
@@ -44,7 +43,6 @@ from kvjax.stats import StatsRequest
 GROUP_AGGREGATIONS = ("mean", "max")
 
 
-@renamed_keywords(anchors="anchor_slots")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnchorCache(RatioBudget, LayerPolicy):
     """Eq. 4 in every layer ("MAT (w. anchor)"): β anchors (position 0 + the lowest π) + a window.
@@ -61,8 +59,6 @@ class AnchorCache(RatioBudget, LayerPolicy):
     group_agg: str = "mean"
     ratio: float | None = None
     prefill_mode: PrefillMode = "stream"
-    anchors = renamed_attribute("anchors", "anchor_slots")
-    window = renamed_attribute("window", "recent")
 
     def __post_init__(self):
         super().__post_init__()
@@ -179,7 +175,6 @@ class AnchorCache(RatioBudget, LayerPolicy):
         return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))
 
 
-@renamed_keywords(anchors="anchor_slots")
 def mat(
     budget: int | None,
     anchor_slots: int,
@@ -213,7 +208,6 @@ def mat_with_sink(budget: int | None, sinks: int = 4, **kw) -> ByLayer:
     return mat(budget, anchor_slots=1, shallow_layers=EVERY_LAYER, sinks=sinks, **kw)
 
 
-@renamed_keywords(anchors="anchor_slots")
 def mat_with_anchor(budget: int | None, anchor_slots: int, **kw) -> ByLayer:
     """The ablation "MAT (w. anchor)": eq. 4 in every layer."""
     return mat(budget, anchor_slots, shallow_layers=0, **kw)
@@ -224,7 +218,6 @@ def default_anchor_grid(budget: int) -> list[int]:
     return sorted({b for b in (1, budget // 8, budget // 4, 3 * budget // 8, budget // 2) if 1 <= b < budget})
 
 
-@renamed_keywords(anchors="grid")
 def grid_search_anchors(
     budget: int,
     evaluate: Callable[[Policy], float],

@@ -16,7 +16,6 @@ from jaxtyping import Array, Int
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
-from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
 
@@ -137,14 +136,12 @@ class FullCache(RingPolicy):
         return LocalWindow(size=window, positions=self.positions, prefill_mode=self.prefill_mode, chunk=self.chunk)
 
 
-@renamed_keywords(window="size")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalWindow(RingPolicy):
     """Keeps the `size` most recent tokens (the current one included)."""
 
     size: int | None = 256
     ratio: float | None = None
-    window = renamed_attribute("window", "size")
 
     def __post_init__(self):
         super().__post_init__()

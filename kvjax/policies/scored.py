@@ -46,7 +46,6 @@ import numpy as np
 
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
-from kvjax.deprecated import renamed_attribute, renamed_keywords
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, warn_chunked_method
 from kvjax.stats import StatsRequest
@@ -80,7 +79,6 @@ class ScoredPolicy(LayerPolicy):
     budget: int | None = None
     ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
-    window = renamed_attribute("window", "observation_window")
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
 
     def __post_init__(self):
@@ -176,7 +174,6 @@ class ScoredPolicy(LayerPolicy):
         return jnp.where(prefix if s.ndim == 3 else prefix[:, :, None, :], s, 0.0)
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapKV(ScoredPolicy):
     """SnapKV (Li et al. 2024): each prefix token scored by the attention the last `observation_window`
@@ -204,7 +201,6 @@ class SnapKV(ScoredPolicy):
         return aggregate(pool1d(s, self.kernel, self.pool), self.group_agg)
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PyramidKV(SnapKV):
     """SnapKV scoring with per-layer budgets decreasing linearly with depth (PyramidKV's formula,
@@ -260,7 +256,6 @@ class PyramidKV(SnapKV):
         return xp.clip(out, 1, q).astype(xp.int32)
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlimKV(ScoredPolicy):
     """SlimKV: SnapKV's window attention S1 (summed over a KV group's query heads) combined with S2, each
@@ -291,7 +286,6 @@ class SlimKV(ScoredPolicy):
         return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObservedAttention(ScoredPolicy):
     """H2O's score at prefill: attention each key received, summed over all prompt queries."""
@@ -323,7 +317,6 @@ class ObservedAttention(ScoredPolicy):
         return self._normalized(total, both.pos), total
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TOVA(ScoredPolicy):
     """TOVA (Oren et al. 2024): keeps the tokens the last query attends most, its probabilities averaged over
@@ -340,7 +333,6 @@ class TOVA(ScoredPolicy):
         return jnp.broadcast_to(layer_mean, probs.shape[:2] + probs.shape[3:])
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KNorm(ScoredPolicy):
     """KNorm (Devoto et al. 2024): keeps the keys of smallest L2 norm; needs no attention statistics."""
@@ -396,7 +388,6 @@ class ExpectedAttention(ScoredPolicy):
         return jnp.where((p >= 0) & (p < self.sinks), top, jnp.where(scored[:, :, 0], s, -jnp.inf))
 
 
-@renamed_keywords(window="observation_window")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KeyDiff(ScoredPolicy):
     """KeyDiff (Park et al. 2025, arXiv:2504.15364): attention-free; a key's score is minus its cosine
