@@ -33,7 +33,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
-from kvjax.stats import NO_STATS
+from kvjax.stats import NO_STATS, AttentionStats
 
 Rope = Callable[[Array, Array], Array]  # (x [..., t, d], positions broadcastable to x[..., 0]) -> rotated x
 
@@ -276,6 +276,8 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
     observes what it asked for: `(output [b, h, d], cache)`."""
+    if isinstance(cache, QuantizedLayerCache) and _reads_codes(geom, plan):
+        return _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)
     return _per_group(geom, plan, cache, q, k, v, pos,
                       lambda q, k, v, rule, c, slopes: _decode_heads(geom, q, k, v, pos, rule, c, slopes, tokens))
 
@@ -302,6 +304,39 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
         q_coord=q_coord, k_coord=k_coord, alibi=slopes, window=geom.window, impl=geom.impl, softcap=geom.softcap,
     )
     return o, policy.observe(geom.layer, cache, ctx, stats)
+
+
+def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
+    """Whether a decode step over this quantized cache can read the codes directly (`_decode_codes`): one rule
+    whose `step` only writes the new token (`step_reads_kv = False`), keys at absolute positions, and no ALiBi,
+    window or soft-cap, which the blockwise reader does not apply. Otherwise the cache is read as a view."""
+    rule = plan.rule
+    return (len(plan.groups) == 1 and not getattr(rule, "step_reads_kv", True)
+            and rule.position_mode(geom.layer) == "absolute" and geom.alibi is None and geom.window is None
+            and geom.softcap is None)
+
+
+def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
+    """A decode step that never dequantizes the layer's cache as a whole: the rule places the token from the
+    slots' positions and statistics (its keys and values are placeholders it only writes to, which XLA drops),
+    `quant.write_token` stores that one token, `quant.attend` reads the codes block by block, and the rule
+    observes what it asked for. The same numbers as reading the cache as a view (tests/test_quant.py)."""
+    ctx = Context(pos, tokens)
+    k_store = geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
+    shape = (*qc.pos.shape, geom.head_dim)
+    meta = LayerCache(k=jnp.zeros(shape, k_store.dtype), v=jnp.zeros(shape, v.dtype), pos=qc.pos, score=qc.score,
+                      log_w=qc.log_w)
+    stepped = rule.step(geom.layer, meta, k_store, v, ctx)
+    want = rule.decode_stats(geom.layer)
+    q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
+    # attention reads the codes as they were before this token, the token itself in full precision (the
+    # view the rule wrote it into); the token's key group is requantized after
+    placed = dataclasses.replace(qc, pos=stepped.pos, score=stepped.score, log_w=stepped.log_w)
+    o, probs, first = quant.attend(q_rot, placed, pos, (k_store, v), scale=geom.scale, probs=want.probs,
+                                   first_logit=want.first_logit)
+    seen = rule.observe(geom.layer, stepped, ctx, AttentionStats(first_logit=first, probs=probs))
+    qc = quant.write_token(qc, stepped, k_store, v, pos)
+    return o, dataclasses.replace(qc, pos=seen.pos, score=seen.score, log_w=seen.log_w)
 
 
 __all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",

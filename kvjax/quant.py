@@ -17,6 +17,16 @@ How it composes with a policy (`kvjax.layer`): each layer call reads the quantiz
 unchanged, and stores the result back (`store`). So eviction scores are computed from dequantized values
 (and the full-precision residual), and every policy, chunked prefill and decoding work as they are.
 
+Decoding reads the codes directly where it can (`write_token`, `attend`): when the layer's one rule places each
+new token from positions and statistics alone (`step_reads_kv = False`: the ring policies, H2O, SnapKV & co),
+keys sit at absolute positions and no ALiBi, window or soft-cap applies, a decode step stores only the new token
+(its key group requantized) and attends the codes `DECODE_BLOCK` slots at a time, so the layer's keys and values
+are never dequantized as a whole (`tests/test_quant.py` checks the compiled step for such a buffer). It gives the
+view path's numbers; the one difference is that groups no token entered keep their codes and scales as they
+were quantized, where the view path re-derives them from their own dequantized values on every call (the same
+codes, the scales moving in their last bits, now and then a code with them). Every other rule, and prompts and
+chunks, go through the view.
+
 Where this differs from KIVI, which appends to one sequence and never evicts: `store` quantizes every slot
 from the view. A slot's codes are the same when its group's members are unchanged (quantizing dequantized
 values is exact: the group's minimum and maximum are codes 0 and 2^bits - 1), so a prefill-then-append
@@ -282,10 +292,150 @@ def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLa
                                dtype=jnp.dtype(dtype).name)
 
 
+# ---- decoding from the codes --------------------------------------------------------------------------
+# A decode step of a rule whose `step` only writes the new token (`step_reads_kv = False`: the ring policies,
+# H2O, SnapKV & co) needs no dequantized cache: `write_token` stores that one token (its key group requantized,
+# as `store` would), and `attend` reads the codes `block` slots at a time. Both equal `view` -> rule -> attention
+# -> `store` (tests/test_quant.py), without ever holding the layer's keys and values dequantized.
+
+DECODE_BLOCK = 512  # slots dequantized at a time by `attend` (a multiple of every group size that divides it)
+
+
+def _residual_hit(qc: QuantizedLayerCache, slot_pos, newest: Int[Array, "b"]):
+    """Where a slot at `slot_pos` ([b, kvh, n]) is read from the residual: held there, and within R of `newest`
+    (`view`'s rule). Returns (hit [b, kvh, n], ring index [b, kvh, n])."""
+    r = qc.spec.residual
+    ring = jnp.where(slot_pos >= 0, slot_pos % r, 0)
+    hit = (slot_pos >= 0) & (jnp.take_along_axis(qc.res_pos, ring, axis=2) == slot_pos)
+    return hit & (slot_pos > newest[:, None, None] - r), ring
+
+
+def _slots(qc: QuantizedLayerCache, start, n: int, newest: Int[Array, "b"], current=None) -> tuple[Array, Array, Array]:
+    """Keys and values of slots `start .. start + n - 1` dequantized (the residual's in full precision; the token
+    at `newest` as `current` = (k, v) `[b, kvh, d]` gives it, when given) and their positions:
+    `([b, kvh, n, d], [b, kvh, n, d], [b, kvh, n])`."""
+    s, dtype = qc.spec, jnp.dtype(qc.dtype)
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, n, axis=2)  # noqa: E731
+    pos = take(qc.pos)
+    if s.kivi:
+        group = (start + jnp.arange(n)) // s.group  # each slot's key group
+        ks = jnp.take(qc.k_scale, group, axis=2)
+        kz = jnp.take(qc.k_zero, group, axis=2)
+        k = (kz.astype(jnp.float32) + ks.astype(jnp.float32) * unpack(take(qc.k_codes), s.bits)).astype(dtype)
+        v = dequantize_values(take(qc.v_codes), take(qc.v_scale), take(qc.v_zero), s.bits, s.group, dtype)
+    else:
+        k, v = dequantize_int8(take(qc.k_codes), take(qc.k_scale), dtype), dequantize_int8(take(qc.v_codes),
+                                                                                          take(qc.v_scale), dtype)
+    if s.residual:
+        hit, ring = _residual_hit(qc, pos, newest)
+        k = jnp.where(hit[..., None], jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), k)
+        v = jnp.where(hit[..., None], jnp.take_along_axis(qc.res_v, ring[..., None], axis=2), v)
+    if current is not None:
+        now = ((pos == newest[:, None, None]) & (pos >= 0))[..., None]
+        k = jnp.where(now, current[0][:, :, None].astype(k.dtype), k)
+        v = jnp.where(now, current[1][:, :, None].astype(v.dtype), v)
+    return k, v, pos
+
+
+def write_token(qc: QuantizedLayerCache, stepped: LayerCache, k: Float[Array, "b kvh d"],
+                v: Float[Array, "b kvh d"], pos: Int[Array, "b"]) -> QuantizedLayerCache:
+    """The token a rule's `step` placed (the slot whose position changed in `stepped`, whose keys and values are
+    not read) stored into the codes: its value (and int8 key) alone, its KIVI key group requantized from its
+    members as `view` reads them plus the new key, as `store` would; the residual ring takes it in full
+    precision. Positions, scores and biases are `stepped`'s."""
+    s, dtype = qc.spec, jnp.dtype(qc.dtype)
+    b, h, c = qc.pos.shape
+    written = stepped.pos != qc.pos
+    slot = jnp.where(jnp.any(written, axis=-1), jnp.argmax(written, axis=-1), c)  # [b, kvh]; c: none, dropped
+    at = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)
+    put = lambda x, new: x.at[at].set(new.astype(x.dtype), mode="drop")  # noqa: E731
+    out = dict(pos=stepped.pos, score=stepped.score, log_w=stepped.log_w)
+    if s.kivi:
+        vc, vs, vz = quantize_values(v[:, :, None], s.bits, s.group, dtype)
+        out.update(v_codes=put(qc.v_codes, vc[:, :, 0]), v_scale=put(qc.v_scale, vs[:, :, 0]),
+                   v_zero=put(qc.v_zero, vz[:, :, 0]))
+        # the key group of the written slot, requantized from its members (the new key in its slot)
+        g = jnp.minimum(slot, c - 1) // s.group  # [b, kvh]
+        members = g[..., None] * s.group + jnp.arange(s.group)  # [b, kvh, G] slot indices
+        inside = members < c
+        idx = jnp.minimum(members, c - 1)
+        mpos = jnp.where(inside, jnp.take_along_axis(stepped.pos, idx, axis=2), EMPTY)
+        old = jnp.take_along_axis(qc.pos, idx, axis=2)
+        gs = jnp.take_along_axis(qc.k_scale, g[..., None, None], axis=2)  # [b, kvh, 1, d]
+        gz = jnp.take_along_axis(qc.k_zero, g[..., None, None], axis=2)
+        codes = unpack(jnp.take_along_axis(qc.k_codes, idx[..., None], axis=2), s.bits)
+        keys = gz.astype(jnp.float32) + gs.astype(jnp.float32) * codes
+        if s.residual:
+            hit, ring = _residual_hit(qc, old, pos)
+            keys = jnp.where(hit[..., None], jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), keys)
+        keys = jnp.where((members == slot[..., None])[..., None], k[:, :, None].astype(jnp.float32), keys)
+        kc, ks, kz = quantize_keys(keys, mpos >= 0, s.bits, s.group, dtype)
+        rows = jnp.where((slot < c)[..., None], members, c)
+        out.update(k_codes=qc.k_codes.at[at[0][..., None], at[1][..., None], rows].set(kc, mode="drop"),
+                   k_scale=qc.k_scale.at[at[0], at[1], jnp.where(slot < c, g, c)].set(ks[:, :, 0], mode="drop"),
+                   k_zero=qc.k_zero.at[at[0], at[1], jnp.where(slot < c, g, c)].set(kz[:, :, 0], mode="drop"))
+    else:
+        (kc, ks), (vc, vs) = quantize_int8(k, dtype), quantize_int8(v, dtype)
+        out.update(k_codes=put(qc.k_codes, kc), k_scale=put(qc.k_scale, ks), v_codes=put(qc.v_codes, vc),
+                   v_scale=put(qc.v_scale, vs))
+    if s.residual:
+        ring = jnp.where(slot < c, jnp.maximum(pos, 0)[:, None] % s.residual, s.residual)
+        r_at = (at[0], at[1], ring)
+        out.update(res_k=qc.res_k.at[r_at].set(k.astype(dtype), mode="drop"),
+                   res_v=qc.res_v.at[r_at].set(v.astype(dtype), mode="drop"),
+                   res_pos=qc.res_pos.at[r_at].set(jnp.broadcast_to(pos[:, None], (b, h)), mode="drop"))
+    return dataclasses.replace(qc, **out)
+
+
+def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array, "b"], current=None, *,
+           scale: float, probs: bool = False, first_logit: bool = False, block: int = DECODE_BLOCK):
+    """One query per row over the quantized cache, `block` slots dequantized at a time (two passes: the logits,
+    then the values under their softmax): `(output [b, h, d], probs [b, kvh, C] | None, first_logit | None)`,
+    the numbers `kvjax.reference.decode_attention` gives over `view(qc, newest)` with the token at `newest` in
+    full precision (`current` = its (k, v), as a rule writes it into the view). Absolute positions; no ALiBi,
+    window or soft-cap (`kvjax.layer` sends those through the view)."""
+    from kvjax.reference import _MASKED, _acc
+
+    b, h, d = q.shape
+    kvh, c = qc.pos.shape[1:]
+    g = h // kvh
+    n = min(block, c)
+    starts = jnp.arange(-(-c // n)) * n
+    qg = q.reshape(b, kvh, g, d)
+    acc = _acc(q.dtype)
+
+    def logits(carry, start):
+        full, first = carry
+        at = jnp.minimum(start, c - n)  # the last block ends at c, overlapping slots seen before
+        k, _, pos = _slots(qc, at, n, newest, current)
+        raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=acc) * scale
+        fresh = (at + jnp.arange(n)) >= start
+        s = jnp.where((pos >= 0)[:, :, None, :], raw + jax.lax.dynamic_slice_in_dim(qc.log_w, at, n, 2)[:, :, None],
+                      _MASKED)
+        s = jnp.where(fresh, s, jax.lax.dynamic_slice_in_dim(full, at, n, 3))
+        first = jnp.maximum(first, jnp.max(jnp.where((fresh & (pos == 0))[:, :, None, :], raw, _MASKED), -1))
+        return (jax.lax.dynamic_update_slice_in_dim(full, s, at, 3), first), None
+
+    init = (jnp.full((b, kvh, g, c), _MASKED, acc), jnp.full((b, kvh, g), _MASKED, acc))
+    (s, first), _ = jax.lax.scan(logits, init, starts)
+    p = jax.nn.softmax(s, axis=-1)
+
+    def values(out, start):
+        at = jnp.minimum(start, c - n)
+        _, v, _ = _slots(qc, at, n, newest, current)
+        pb = jnp.where((at + jnp.arange(n)) >= start, jax.lax.dynamic_slice_in_dim(p, at, n, 3), 0.0)
+        return out + jnp.einsum("bkgc,bkcd->bkgd", pb.astype(v.dtype), v, preferred_element_type=acc), None
+
+    out, _ = jax.lax.scan(values, jnp.zeros((b, kvh, g, d), acc), starts)
+    return (out.reshape(b, h, d).astype(q.dtype), p.sum(axis=2) if probs else None,
+            first if first_logit else None)
+
+
 def newest(pos: Int[Array, "b *t"]) -> Int[Array, "b"]:
     """Each row's newest position in a call (`[b]` for a decode step, `[b, t]` for a prompt or a chunk)."""
     return pos if pos.ndim == 1 else jnp.max(pos, axis=1)
 
 
-__all__ = ["BITS", "KVQuant", "QuantizedLayerCache", "dequantize_int8", "dequantize_keys", "dequantize_values", "empty",
-           "newest", "pack", "quantize_int8", "quantize_keys", "quantize_values", "store", "unpack", "view"]
+__all__ = ["BITS", "DECODE_BLOCK", "KVQuant", "QuantizedLayerCache", "attend", "dequantize_int8", "dequantize_keys",
+           "dequantize_values", "empty", "newest", "pack", "quantize_int8", "quantize_keys", "quantize_values", "store",
+           "unpack", "view", "write_token"]

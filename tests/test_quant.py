@@ -163,6 +163,102 @@ def test_appending_stores_kivis_codes_and_attention_reads_them(spec):
     assert not np.allclose(ks[:, :old], k.transpose(1, 0, 2)[:, :old], atol=1e-3)  # it is quantized
 
 
+# ---- decoding from the codes (kvjax.layer._decode_codes) ---------------------------------------------------
+
+
+def _decode_both(policy, t: int, steps: int, *, kvh=2, h=4, d=16):
+    """A `t`-token prompt through `policy` (quantized), then `steps` decoded tokens, once reading the codes block by
+    block and once reading the cache as a view (the rule and reference attention on the dequantized cache):
+    per path, the outputs `[steps, h, d]` and the caches after every step."""
+    geom = layer.Geometry(layer=0, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5)
+    plan = resolve(policy, 1, kvh).sized(t + steps, t).layers[0]
+    prompt = [jnp.asarray(rand(1, n, t, d, seed=i)) for i, n in enumerate((h, kvh, kvh))]
+    _, first = layer.prefill(geom, plan, layer.init_layer_cache(plan, 1, kvh, d, jnp.float32), *prompt,
+                             jnp.arange(t)[None])
+    tokens = [(rand(1, h, d, seed=10 + i), rand(1, kvh, d, seed=50 + i) * (1 + i % 3), rand(1, kvh, d, seed=90 + i))
+              for i in range(steps)]
+    runs = {}
+    for path in ("codes", "view"):
+        reads = layer._reads_codes if path == "codes" else (lambda geom, plan: False)
+        step = jax.jit(lambda c, q, k, v, pos, reads=reads: _with_reader(reads, geom, plan, c, q, k, v, pos))
+        cache, outs, caches = first, [], []
+        for i, (q, k, v) in enumerate(tokens):
+            o, cache = step(cache, q, k, v, jnp.asarray([t + i], jnp.int32))
+            outs.append(np.asarray(o[0]))
+            caches.append(cache)
+        runs[path] = (np.stack(outs), caches)
+    return runs
+
+
+def _with_reader(reads, geom, plan, cache, q, k, v, pos):
+    saved = layer._reads_codes
+    layer._reads_codes = reads
+    try:
+        return layer.decode(geom, plan, cache, q, k, v, pos)
+    finally:
+        layer._reads_codes = saved
+
+
+SPECS = [dict(bits=8), dict(bits=8, residual=8), dict(bits=4, group=8), dict(bits=2, group=4, residual=6)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_decoding_from_the_codes_equals_reading_the_view(spec):
+    """Through the rules whose step only writes the new token, a decode step that reads the codes block by block
+    gives the view path's outputs (to 1e-4 relative, float32: the sums run in another order, where a code off by one moves an output by 1e-2) and keeps the same
+    positions. Appending (the full cache, SnapKV
+    after its prompt): every step. Overwriting (StreamingLLM's ring, H2O): the first steps; later the view path
+    drifts, as it re-derives every untouched group's scale from its own dequantized values each step (the codes
+    path leaves them as they were quantized), which the last assertion of
+    `test_decoding_from_the_codes_leaves_untouched_groups_as_they_were` pins down."""
+    from kvjax.policies import H2O
+
+    for base, exact in ((FullCache(), 20), (SnapKV(budget=20, observation_window=4), 20),
+                        (StreamingLLM(budget=24, sinks=2), 3), (H2O(budget=24), 3)):
+        runs = _decode_both(Quantized(base, **spec), 40, 20)
+        (codes, c_caches), (view, v_caches) = runs["codes"], runs["view"]
+        np.testing.assert_allclose(codes[:exact], view[:exact], rtol=1e-4, atol=5e-5, err_msg=base.describe())
+        for a, b in zip(c_caches, v_caches):
+            np.testing.assert_array_equal(a.pos, b.pos)
+
+
+def test_decoding_from_the_codes_leaves_untouched_groups_as_they_were():
+    """KIVI quantizes a key group when a token is written into it: after a ring step, the key groups the new token
+    did not enter hold the same codes and scales, bit for bit; the group it entered holds its members' codes
+    requantized with the new key (the NumPy transcription of KIVI's per-channel scheme over that group)."""
+    spec = dict(bits=4, group=8)
+    runs = _decode_both(Quantized(StreamingLLM(budget=24, sinks=2), **spec), 40, 6)
+    caches = runs["codes"][1]
+    for before, after in zip(caches, caches[1:]):
+        slot = int(np.flatnonzero(np.asarray(before.pos[0, 0]) != np.asarray(after.pos[0, 0]))[0])
+        g = slot // 8
+        groups = np.arange(before.k_scale.shape[2]) != g
+        np.testing.assert_array_equal(np.asarray(before.k_scale)[:, :, groups], np.asarray(after.k_scale)[:, :, groups])
+        slots = np.arange(before.pos.shape[2]) // 8 != g
+        np.testing.assert_array_equal(np.asarray(before.k_codes)[:, :, slots], np.asarray(after.k_codes)[:, :, slots])
+        members = quant.view(after).k[0, 0, g * 8:(g + 1) * 8]
+        np.testing.assert_allclose(members, np_kivi_keys(np.asarray(members), 4, 8), rtol=1e-6, atol=1e-6)
+    view_caches = runs["view"][1]
+    assert not np.array_equal(np.asarray(view_caches[-1].k_scale), np.asarray(caches[-1].k_scale))  # the drift
+
+
+def test_decoding_from_the_codes_holds_no_dequantized_cache():
+    """The compiled decode step over a 4096-slot KIVI cache has no float buffer of the cache's keys or values
+    (`[b, kvh, C, d]`): the rule's placeholders are dropped by XLA and attention dequantizes 512 slots at a time.
+    Read as a view, the same step holds several."""
+    kvh, h, d = 2, 4, 16
+    geom = layer.Geometry(layer=0, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5)
+    plan = resolve(Quantized(FullCache(), 4, 8, 128), 1, kvh).sized(4096, 4088).layers[0]
+    cache = layer.init_layer_cache(plan, 1, kvh, d, jnp.float32)
+    whole = f"f32[1,{kvh},{cache.capacity},{d}]"
+    args = (cache, jnp.zeros((1, h, d)), jnp.zeros((1, kvh, d)), jnp.zeros((1, kvh, d)), jnp.asarray([10]))
+    held = {}
+    for path, reads in (("codes", layer._reads_codes), ("view", lambda geom, plan: False)):
+        fn = jax.jit(lambda c, q, k, v, p, reads=reads: _with_reader(reads, geom, plan, c, q, k, v, p))
+        held[path] = fn.lower(*args).compile().as_text().count(whole)
+    assert held["codes"] == 0 and held["view"] > 0, held
+
+
 def test_bytes_by_formula():
     """Codes, scales, zeros, positions, scores, biases and the residual, counted by hand."""
     b, kvh, c, d, g, r = 1, 2, 64, 32, 16, 16

@@ -40,6 +40,8 @@ class H2O(RatioBudget, LayerPolicy):
     equal split of heavy hitters and recent tokens), so a 60-token and a 200-token prompt at ratio 0.8
     keep 6 and 20 recent tokens, not the same count."""
 
+    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
+
     budget: int | None = None
     recent: int | None = None
     ratio: float | None = None

@@ -51,6 +51,10 @@ class RingPolicy(RatioBudget, LayerPolicy):
 
     With a `ratio` (`RatioBudget`) a row whose prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))`
     slots (at least sinks + 1), and the ring of each row wraps at its own count."""
+    # `step` places the new token from positions and scores alone and only writes keys and values: a quantized
+    # cache is then decoded from its codes (kvjax.layer._decode_codes) instead of being read whole as a view
+    step_reads_kv = False
+
 
     def _layout(self, max_len: int) -> tuple[int, int]:
         """(sinks, capacity) for sequences of at most `max_len` tokens."""

@@ -80,6 +80,7 @@ class ScoredPolicy(LayerPolicy):
     ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
+    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
 
     def __post_init__(self):
         super().__post_init__()
@@ -421,6 +422,8 @@ class AdaKV(LayerPolicy):
     Memory: the per-head counts are only known after the prompt, and this cache keeps kvjax's `[b, kvh, C]`
     layout, so C is the prompt's length: evicted slots are emptied, not freed (kvpress masks them). A pooled
     layout with per-head offsets, whose bytes are the sum of the per-head budgets, is not implemented."""
+
+    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
 
     scorer: ScoredPolicy
     alpha: float = 0.2
