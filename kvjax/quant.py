@@ -310,30 +310,26 @@ def _residual_hit(qc: QuantizedLayerCache, slot_pos, newest: Int[Array, "b"]):
     return hit & (slot_pos > newest[:, None, None] - r), ring
 
 
-def _slots(qc: QuantizedLayerCache, start, n: int, newest: Int[Array, "b"], current=None) -> tuple[Array, Array, Array]:
-    """Keys and values of slots `start .. start + n - 1` dequantized (the residual's in full precision; the token
-    at `newest` as `current` = (k, v) `[b, kvh, d]` gives it, when given) and their positions:
-    `([b, kvh, n, d], [b, kvh, n, d], [b, kvh, n])`."""
+def _slots(qc: QuantizedLayerCache, start, n: int) -> tuple[Array, Array, Array]:
+    """Keys and values of slots `start .. start + n - 1` dequantized from their codes, and their positions:
+    `([b, kvh, n, d], [b, kvh, n, d], [b, kvh, n])`. Only slices are read (no gather), so a block costs its own
+    bytes."""
     s, dtype = qc.spec, jnp.dtype(qc.dtype)
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, n, axis=2)  # noqa: E731
     pos = take(qc.pos)
     if s.kivi:
-        group = (start + jnp.arange(n)) // s.group  # each slot's key group
-        ks = jnp.take(qc.k_scale, group, axis=2)
-        kz = jnp.take(qc.k_zero, group, axis=2)
-        k = (kz.astype(jnp.float32) + ks.astype(jnp.float32) * unpack(take(qc.k_codes), s.bits)).astype(dtype)
+        # the key groups the block spans (one more than n / G when it starts inside a group), then each slot's
+        groups = n // s.group + 1
+        first = start // s.group
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, groups), (0, 0)))  # noqa: E731  (a block near the end)
+        per_slot = lambda x: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+            jnp.repeat(jax.lax.dynamic_slice_in_dim(pad(x), first, groups, axis=2), s.group, axis=2),
+            start - first * s.group, n, axis=2).astype(jnp.float32)
+        k = (per_slot(qc.k_zero) + per_slot(qc.k_scale) * unpack(take(qc.k_codes), s.bits)).astype(dtype)
         v = dequantize_values(take(qc.v_codes), take(qc.v_scale), take(qc.v_zero), s.bits, s.group, dtype)
     else:
         k, v = dequantize_int8(take(qc.k_codes), take(qc.k_scale), dtype), dequantize_int8(take(qc.v_codes),
                                                                                           take(qc.v_scale), dtype)
-    if s.residual:
-        hit, ring = _residual_hit(qc, pos, newest)
-        k = jnp.where(hit[..., None], jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), k)
-        v = jnp.where(hit[..., None], jnp.take_along_axis(qc.res_v, ring[..., None], axis=2), v)
-    if current is not None:
-        now = ((pos == newest[:, None, None]) & (pos >= 0))[..., None]
-        k = jnp.where(now, current[0][:, :, None].astype(k.dtype), k)
-        v = jnp.where(now, current[1][:, :, None].astype(v.dtype), v)
     return k, v, pos
 
 
@@ -387,15 +383,18 @@ def write_token(qc: QuantizedLayerCache, stepped: LayerCache, k: Float[Array, "b
     return dataclasses.replace(qc, **out)
 
 
-def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array, "b"], current=None, *,
+def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array, "b"], current, *,
            scale: float, probs: bool = False, first_logit: bool = False, block: int = DECODE_BLOCK):
     """One query per row over the quantized cache, `block` slots dequantized at a time (two passes: the logits,
     then the values under their softmax): `(output [b, h, d], probs [b, kvh, C] | None, first_logit | None)`,
     the numbers `kvjax.reference.decode_attention` gives over `view(qc, newest)` with the token at `newest` in
-    full precision (`current` = its (k, v), as a rule writes it into the view). Absolute positions; no ALiBi,
-    window or soft-cap (`kvjax.layer` sends those through the view)."""
+    full precision (`current` = its (k, v) `[b, kvh, d]`, as a rule writes it into the view). The residual's
+    tokens and the current one are attended from their own small arrays, their logits and probabilities
+    mapped to their slots, so the blocks read codes only. Absolute positions; no ALiBi, window or soft-cap
+    (`kvjax.layer` sends those through the view)."""
     from kvjax.reference import _MASKED, _acc
 
+    spec = qc.spec
     b, h, d = q.shape
     kvh, c = qc.pos.shape[1:]
     g = h // kvh
@@ -403,12 +402,25 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
     starts = jnp.arange(-(-c // n)) * n
     qg = q.reshape(b, kvh, g, d)
     acc = _acc(q.dtype)
+    dot = lambda x: jnp.einsum("bkgd,bk...d->bkg...", qg, x, preferred_element_type=acc) * scale  # noqa: E731
+    # slots read elsewhere than their codes: the current token, and (R > 0) the residual's, by ring index
+    now_all = (qc.pos == newest[:, None, None]) & (qc.pos >= 0)
+    cur_logit = dot(current[0])  # [b, kvh, g]
+    if spec.residual:
+        hit_all, ring_all = _residual_hit(qc, qc.pos, newest)
+        hit_all &= ~now_all
+        res_logit = dot(qc.res_k)  # [b, kvh, g, R]
 
     def logits(carry, start):
         full, first = carry
         at = jnp.minimum(start, c - n)  # the last block ends at c, overlapping slots seen before
-        k, _, pos = _slots(qc, at, n, newest, current)
-        raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=acc) * scale
+        k, _, pos = _slots(qc, at, n)
+        raw = dot(k)
+        if spec.residual:
+            hit, ring = (jax.lax.dynamic_slice_in_dim(x, at, n, axis=2) for x in (hit_all, ring_all))
+            from_res = jnp.take_along_axis(res_logit, jnp.broadcast_to(ring[:, :, None], raw.shape), axis=3)
+            raw = jnp.where(hit[:, :, None], from_res, raw)
+        raw = jnp.where(jax.lax.dynamic_slice_in_dim(now_all, at, n, axis=2)[:, :, None], cur_logit[..., None], raw)
         fresh = (at + jnp.arange(n)) >= start
         s = jnp.where((pos >= 0)[:, :, None, :], raw + jax.lax.dynamic_slice_in_dim(qc.log_w, at, n, 2)[:, :, None],
                       _MASKED)
@@ -419,14 +431,25 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
     init = (jnp.full((b, kvh, g, c), _MASKED, acc), jnp.full((b, kvh, g), _MASKED, acc))
     (s, first), _ = jax.lax.scan(logits, init, starts)
     p = jax.nn.softmax(s, axis=-1)
+    elsewhere = now_all | hit_all if spec.residual else now_all
 
     def values(out, start):
         at = jnp.minimum(start, c - n)
-        _, v, _ = _slots(qc, at, n, newest, current)
-        pb = jnp.where((at + jnp.arange(n)) >= start, jax.lax.dynamic_slice_in_dim(p, at, n, 3), 0.0)
+        _, v, _ = _slots(qc, at, n)
+        keep = ((at + jnp.arange(n)) >= start) & ~jax.lax.dynamic_slice_in_dim(elsewhere, at, n, axis=2)[:, :, None]
+        pb = jnp.where(keep, jax.lax.dynamic_slice_in_dim(p, at, n, 3), 0.0)
         return out + jnp.einsum("bkgc,bkcd->bkgd", pb.astype(v.dtype), v, preferred_element_type=acc), None
 
     out, _ = jax.lax.scan(values, jnp.zeros((b, kvh, g, d), acc), starts)
+    p_now = jnp.sum(jnp.where(now_all[:, :, None], p, 0.0), axis=-1)  # [b, kvh, g]
+    out = out + p_now[..., None] * current[1][:, :, None].astype(acc)
+    if spec.residual:
+        r = spec.residual
+        bins = jnp.where(hit_all, ring_all, r)[:, :, None, :]  # r: not the residual's (dropped)
+        p_res = jnp.zeros((b, kvh, g, r), acc).at[
+            jnp.arange(b)[:, None, None, None], jnp.arange(kvh)[None, :, None, None],
+            jnp.arange(g)[None, None, :, None], jnp.broadcast_to(bins, p.shape)].add(p, mode="drop")
+        out = out + jnp.einsum("bkgr,bkrd->bkgd", p_res.astype(qc.res_v.dtype), qc.res_v, preferred_element_type=acc)
     return (out.reshape(b, h, d).astype(q.dtype), p.sum(axis=2) if probs else None,
             first if first_logit else None)
 
