@@ -11,7 +11,8 @@ batch 1, 32 / 8 heads, d = 128, bfloat16, causal, with a fraction of the keys re
 Attention-Gate keep-mask; FLOP rate counts the dense causal work `4 * h * T^2 / 2 * d`.
 `--common`: the common case (causal, no mask, no statistics) through `attention.prefill_attention`
 with `impl="pallas"`, which a GPU routes to cuDNN (`attention.prefill_route`), beside the Pallas
-kernel on the same inputs; % of peak against the dense bf16 tensor-core peak (`PEAK_FLOPS`).
+kernel on the same inputs, and the bare `jax.nn.dot_product_attention(implementation="cudnn")` call
+(what the dispatch's padding adapter costs); % of peak against the dense bf16 tensor-core peak (`PEAK_FLOPS`).
 `--masking block` drops whole 128-token key blocks (what block skipping can exploit;
 Attention-Gate's evictions cluster this way when they follow sentence structure);
 `token` drops random tokens (no block is empty, so no block can be skipped).
@@ -133,6 +134,12 @@ def bench_common(t, variant, interpret, h=32, kvh=8, d=128, dtype=jnp.bfloat16):
     flops = 4 * h * t * t / 2 * d
     row = {"T": t, "route": route, "dispatch_ms": 1e3 * best_time(dispatched, q, k, v, repeats=3, inner=5)}
     row["dispatch_TFLOPs"] = flops / row["dispatch_ms"] / 1e9
+    if route == "cudnn":  # the bare call, without the adapter's left-to-right padding rotation
+        layout = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        bare = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            layout(q), layout(k), layout(v), scale=scale, is_causal=True, implementation="cudnn").transpose(0, 2, 1, 3))
+        row["cudnn_bare_ms"] = 1e3 * best_time(bare, q, k, v, repeats=3, inner=5)
+        row["cudnn_bare_TFLOPs"] = flops / row["cudnn_bare_ms"] / 1e9
     if variant is not None:
         row["pallas_ms"] = 1e3 * best_time(ker, q, k, v, repeats=3, inner=5)
         row["pallas_TFLOPs"] = flops / row["pallas_ms"] / 1e9
@@ -164,11 +171,12 @@ def write(out: Path, info: dict, decode: list, prefill: list, common: list) -> s
         peak_flops = _peak(PEAK_FLOPS)
         lines += ["", "Prefill, the common case (batch 1, 32/8 heads, d=128, bf16, causal, no mask, no statistics): "
                       "kvjax's dispatch (`impl=\"pallas\"`) and the Pallas kernel; TFLOP/s of causal work:", "",
-                  "| T | route | dispatch ms | dispatch TFLOP/s | % of peak | Pallas kernel ms | Pallas TFLOP/s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| T | route | dispatch ms | dispatch TFLOP/s | % of peak | bare cuDNN TFLOP/s | Pallas kernel ms | "
+                  "Pallas TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
         for r in common:
             pct = f"{100 * r['dispatch_TFLOPs'] * 1e12 / peak_flops:.0f}%" if peak_flops else "n/a"
             lines.append(f"| {r['T']} | {r['route']} | {r['dispatch_ms']:.2f} | {r['dispatch_TFLOPs']:.0f} | {pct} | "
+                         f"{r.get('cudnn_bare_TFLOPs', float('nan')):.0f} | "
                          f"{r.get('pallas_ms', float('nan')):.2f} | {r.get('pallas_TFLOPs', float('nan')):.0f} |")
     (out / f"attention_{info['platform']}.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)

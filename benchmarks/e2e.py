@@ -325,7 +325,7 @@ def main(argv=None):
     if not args.model:
         ckpt = Path(tempfile.mkdtemp())
         make_random_checkpoint(ckpt, tiny_config(**shape, max_position_embeddings=bucket_length(max(lengths)) + args.new),
-                               seed=0)
+                               seed=0, dtype=dtype)  # in the run's dtype: an 8B checkpoint in f32 is 32 GB of disk
         model = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl).model
     torch_model = None
     if not args.no_torch:

@@ -58,13 +58,16 @@ def prefill_route(
     """Which code a prompt's attention runs: "xla" (the reference), "pallas" (kvjax.pallas), or "cudnn".
 
     cuDNN's flash attention (`jax.nn.dot_product_attention`) computes plain causal softmax attention,
-    so it takes only the common case under `impl="pallas"` on a GPU: a prompt attending itself, no
-    statistics, no mask beyond causality and padding (no ALiBi, window, anchor mask, gate flags or
-    soft-capping), in half precision with a head size cuDNN accepts. Any other call keeps kvjax's
-    kernels, which compute what the policy asked for."""
+    so it takes only the common case under `impl="pallas"` on a GPU: a prompt attending itself, no mask
+    beyond causality and padding (no ALiBi, window, anchor mask, gate flags or soft-capping), in half
+    precision with a head size cuDNN accepts, and no statistic that needs the kernel's log-sum-exps
+    (`colsum`, H2O's). SnapKV's windows and MAT's first logit are O(W x s) and come from
+    `reference.prompt_statistics` on every route, so SnapKV, PyramidKV, SlimKV and TOVA prompts take cuDNN
+    too. Any other call keeps kvjax's kernels, which compute what the policy asked for."""
     if impl != "pallas":
         return "xla"
-    plain = not stats and alibi is None and window is None and anchor_mask is None and key_keep is None and softcap is None
+    plain = (not stats.colsum and not stats.probs and alibi is None and window is None and anchor_mask is None
+             and key_keep is None and softcap is None)
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if backend == "gpu" and self_attention and plain and fits else "pallas"
 
@@ -120,7 +123,9 @@ def prefill_attention(
     route = prefill_route(impl, _backend(), stats=stats, softcap=softcap, self_attention=self_attention, dtype=q.dtype,
                           head_dim=q.shape[-1], **masks)
     if route == "cudnn":
-        return cudnn_prefill(q, k, v, q_pos, scale=scale), AttentionStats()
+        first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
+        return cudnn_prefill(q, k, v, q_pos, scale=scale), AttentionStats(first_logit=first_logit,
+                                                                          window_probs=window_probs)
     _no_softcap_kernel(softcap, impl)
     if route == "xla":
         return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, block=block,

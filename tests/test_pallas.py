@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvjax import attention
+from kvjax import attention, reference
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.generate import generate
 from kvjax.pallas import decode as pdecode
@@ -175,6 +175,26 @@ def test_decode_empty_slots_and_compensation(variant, g, dtype):
                                atol=tol * 10, rtol=0)
 
 
+def test_decode_launch_options_are_gpu_only_and_do_not_change_the_result():
+    """`splits`, `warps` and `stages` (benchmarks.decode_tuning's sweep) are Triton launch options: the GPU
+    variant with other values gives the reference's output; the TPU variant, which has none, refuses them."""
+    rng = np.random.default_rng(5)
+    b, kvh, g, c, d = 2, 2, 4, 96, 16
+    q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, kvh, c, d)), jnp.float32) for _ in range(2))
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, kvh, c))
+    log_w = jnp.zeros((b, kvh, c), jnp.float32)
+    ref, _ = attention.decode_attention(q, k, v, pos, log_w, scale=d**-0.5)
+    out, _ = pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, variant="gpu", interpret=True, block=16,
+                                      splits=3, warps=8, stages=1)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    for bad in (dict(splits=2), dict(warps=8), dict(stages=3)):
+        with pytest.raises(ValueError, match="GPU"):
+            pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, variant="tpu", interpret=True, **bad)
+    with pytest.raises(ValueError, match="warps=0"):
+        pdecode.decode_attention(q, k, v, pos, log_w, scale=d**-0.5, variant="gpu", interpret=True, warps=0)
+
+
 def _decode_random_shapes(variant, b, kvh, g, c, seed):
     rng = np.random.default_rng(seed)
     d = 16
@@ -274,11 +294,13 @@ def _route(**over):
 
 
 def test_cudnn_is_routed_only_plain_causal_prompts():
-    """A call with statistics or any mask beyond causality never takes cuDNN; neither does f32, a head
-    size cuDNN refuses, a chunk against a cache, the xla implementation or a CPU."""
+    """A call with H2O's column sums (which need the kernel's log-sum-exps) or any mask beyond causality
+    never takes cuDNN; neither does f32, a head size cuDNN refuses, a chunk against a cache, the xla
+    implementation or a CPU. SnapKV's windows and MAT's first logit (computed beside any route) do."""
     assert _route() == "cudnn" and _route(dtype=jnp.float16, head_dim=128) == "cudnn"
-    refused = [dict(stats=s) for s in (StatsRequest(colsum=True), StatsRequest(first_logit=True),
-                                            StatsRequest.window(8))] + [
+    assert _route(stats=StatsRequest.window(8)) == "cudnn"
+    assert _route(stats=StatsRequest(first_logit=True, windows=frozenset({1, 32}))) == "cudnn"
+    refused = [dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(colsum=True, windows=frozenset({8})))] + [
         dict(alibi=np.ones(8)), dict(window=64), dict(anchor_mask=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
         dict(softcap=50.0), dict(dtype=jnp.float32), dict(head_dim=60), dict(head_dim=256),
         dict(self_attention=False)]
@@ -306,11 +328,40 @@ def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
     kw = dict(scale=0.125, impl="pallas", self_attention=True)
     _, stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
     assert calls == ["cudnn"] and stats == AttentionStats()
-    for extra in (dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(first_logit=True)),
-                  dict(alibi=attention.alibi_slopes(4)), dict(key_keep=jnp.ones((1, 2, 16), bool))):
+    for extra in (dict(stats=StatsRequest(colsum=True)), dict(alibi=attention.alibi_slopes(4)),
+                  dict(key_keep=jnp.ones((1, 2, 16), bool))):
         calls.clear()
         attention.prefill_attention(q, k, v, pos, pos, **kw, **extra)
         assert calls == ["pallas"], extra
+
+
+def test_cudnn_route_returns_the_references_window_and_first_logit_statistics(monkeypatch):
+    """SnapKV's observation-window probabilities and MAT's first logit on the cuDNN route (a GPU faked, cuDNN's
+    API run by its XLA implementation) equal the reference's, on left-padded rows, as does the output."""
+    monkeypatch.setattr(attention, "_backend", lambda: "gpu")
+    cudnn = attention.cudnn_prefill
+    calls = []
+    monkeypatch.setattr(attention, "cudnn_prefill",
+                        lambda *a, **k: calls.append("cudnn") or cudnn(*a, **k, implementation="xla"))
+    rng = np.random.default_rng(3)
+    b, kvh, t, d = 2, 2, 32, 16
+    q, k, v = _qkv(rng, b, 2 * kvh, kvh, t, t, d, jnp.bfloat16)
+    pos = np.full((b, t), -1, np.int32)
+    for r, n in enumerate((32, 21)):
+        pos[r, t - n:] = np.arange(n)
+    pos = jnp.asarray(pos)
+    req = StatsRequest(first_logit=True, windows=frozenset({1, 8}))
+    got, got_stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=req, impl="pallas",
+                                                 self_attention=True)
+    want, want_stats = reference.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=req, self_attention=True)
+    assert calls == ["cudnn"]
+    real = np.asarray(pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, np.asarray(got, np.float32), 0),
+                               np.where(real, np.asarray(want, np.float32), 0), atol=2e-2, rtol=0)
+    np.testing.assert_allclose(got_stats.first_logit, want_stats.first_logit, atol=1e-6, rtol=0)
+    for w in (1, 8):
+        np.testing.assert_allclose(got_stats.window_probs[w], want_stats.window_probs[w], atol=1e-6, rtol=0)
+    assert got_stats.colsum is None
 
 
 @pytest.mark.parametrize("g", [1, 2])

@@ -34,6 +34,7 @@ from kvjax.pallas.blocks import DECODE, check_shapes, resolve
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 GPU_PROGRAMS = 256  # ~2 waves on an H100 (132 SMs); 32 splits per KV head measured best at C = 16K-64K
+GPU_WARPS, GPU_STAGES = 4, 2  # Triton's warps per program and pipelining depth (benchmarks.decode_tuning sweeps them)
 
 
 def _tile(q, k, pos, log_w, scale):
@@ -74,8 +75,10 @@ def _tpu_kernel(q_ref, k_ref, v_ref, pos_ref, logw_ref, o_ref, lse_ref, *rest, n
         o_ref[...], lse_ref[...] = o.astype(o_ref.dtype), lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits", "variant", "interpret", "block", "splits"))
-def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, block, splits):
+@functools.partial(jax.jit, static_argnames=("scale", "logits", "variant", "interpret", "block", "splits", "warps",
+                                                      "stages"))
+def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, block, splits, warps=GPU_WARPS,
+            stages=GPU_STAGES):
     b, h, d = q.shape
     kvh, c = k.shape[1], k.shape[2]
     g = h // kvh
@@ -117,7 +120,7 @@ def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, bloc
                 jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
                 jax.ShapeDtypeStruct((b, kvh, splits, gp, 1), jnp.float32),
             ] + s_shape,
-            compiler_params=tiles.compiler_params(variant, 3, 0),
+            compiler_params=tiles.compiler_params(variant, 3, 0, num_warps=warps, num_stages=stages),
             interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_decode_gpu",
         )(qg, kp, vp, pos, lw)
@@ -168,23 +171,32 @@ def decode_attention(
     interpret: bool = False,
     block: int | None = None,
     splits: int | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
 ) -> tuple[Float[Array, "b h d"], AttentionStats]:
     """`kvjax.attention.decode_attention` (same statistics: `probs`, `first_logit`) as a kernel.
 
     `block`: slots per tile; `splits` (GPU): slot ranges per (sequence, KV head), merged after
-    the kernel; by default enough for ~`GPU_PROGRAMS` programs. TPU ignores it."""
+    the kernel; by default enough for ~`GPU_PROGRAMS` programs. `warps` / `stages` (GPU): Triton's
+    warps per program and pipelining depth, by default `GPU_WARPS` / `GPU_STAGES`. TPU takes none of
+    the three."""
+    if variant == "tpu" and (splits, warps, stages) != (None, None, None):
+        raise ValueError(f"pallas decode_attention: splits={splits}, warps={warps}, stages={stages} are GPU (Triton) "
+                         f"options; the TPU variant has none of them")
+    for name, x in (("splits", splits), ("warps", warps), ("stages", stages)):
+        if x is not None and x < 1:
+            raise ValueError(f"pallas decode_attention: {name}={x} must be >= 1")
     blocks = resolve(DECODE, variant, interpret, None, block)
     check_shapes("pallas decode_attention", q=(q, "bhd"), k=(k, "bgcd"), v=(v, "bgcd"), slot_pos=(slot_pos, "bgc"),
                  log_w=(log_w, "bgc"))
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"pallas decode_attention: query heads ({q.shape[1]}) must be a multiple of KV heads "
                          f"({k.shape[1]}); shapes q {q.shape}, k {k.shape}")
-    if splits is not None and splits < 1:
-        raise ValueError(f"pallas decode_attention: splits={splits} must be >= 1")
     if stats.colsum or stats.windows:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     out, lse, s = _decode(q, k, v, slot_pos, log_w, scale=scale, logits=bool(stats), variant=variant,
-                          interpret=interpret, block=blocks.block_k, splits=splits)
+                          interpret=interpret, block=blocks.block_k, splits=splits,
+                          warps=warps or GPU_WARPS, stages=stages or GPU_STAGES)
     first_logit = None
     if stats.first_logit:
         raw = s - log_w[:, :, None, :].astype(s.dtype)  # q.k_0 * scale, as the reference returns it

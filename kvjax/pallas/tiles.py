@@ -130,10 +130,11 @@ def interpret_mode(variant: str, interpret: bool):
     return pltpu.InterpretParams() if variant == "tpu" else True
 
 
-def compiler_params(variant: str, parallel: int, sequential: int):
+def compiler_params(variant: str, parallel: int, sequential: int, num_warps: int = 4, num_stages: int = 2):
+    """Mosaic's grid semantics (TPU), or Triton's warps per program and software-pipelining depth (GPU)."""
     if variant == "tpu":
         return pltpu.CompilerParams(dimension_semantics=("parallel",) * parallel + ("arbitrary",) * sequential)
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def round_up(n: int, m: int) -> int:
