@@ -4,9 +4,10 @@
 
 One attention layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, bfloat16), batch 1,
 its cache filled with `L` random tokens, then `--steps` tokens decoded through `kvjax.layer.decode` under
-`FullCache` stored at each width: as kvjax decodes it (from the codes, `DECODE_BLOCK` slots at a time), and, in
-the same run, through the view path every other rule takes (the layer's cache dequantized, attended and
-requantized on every call). Writes quant_<platform>.json / .md / .png; numbers are for reading, never asserted.
+`FullCache` stored at each width: as kvjax decodes it (from the codes, `DECODE_BLOCK` slots at a time, its loops
+unrolled by `quant.DECODE_UNROLL`), and, in the same run, with those loops rolled (one block per iteration, the
+setting before `DECODE_UNROLL`) and through the view path every other rule takes (the layer's cache dequantized,
+attended and requantized on every call). Writes quant_<platform>.json / .md / .png; numbers are for reading, never asserted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvjax import cache as kvcache
-from kvjax import layer
+from kvjax import layer, quant
 from kvjax.policies import FullCache, Quantized, resolve
 
 SHAPE = dict(num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's attention
@@ -52,7 +53,18 @@ def _as_view(geom, plan, c, q, k, v, pos):
         layer._reads_codes = saved
 
 
-def time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False) -> dict:
+def time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False,
+               unroll: int | None = None) -> dict:
+    """Decode tokens/s and bytes at one width; `unroll` overrides `quant.DECODE_UNROLL` (1: the rolled loop)."""
+    saved = quant.DECODE_UNROLL
+    quant.DECODE_UNROLL = unroll or saved  # read when `attend` is traced
+    try:
+        return _time_width(bits, length, steps, repeats, dtype, view)
+    finally:
+        quant.DECODE_UNROLL = saved
+
+
+def _time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False) -> dict:
     spec = WIDTHS[bits]
     policy = FullCache() if spec is None else Quantized(FullCache(), **spec)
     plan = resolve(policy, 1, SHAPE["num_kv_heads"]).sized(length + steps).layers[0]
@@ -104,6 +116,7 @@ def main(argv=None):
             row = time_width(w, n, args.steps, args.repeats, jnp.bfloat16)
             if w != 16:
                 row["tok_s_view"] = time_width(w, n, args.steps, args.repeats, jnp.bfloat16, view=True)["tok_s"]
+                row["tok_s_rolled"] = time_width(w, n, args.steps, args.repeats, jnp.bfloat16, unroll=1)["tok_s"]
             rows.append(row)
     meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
                 shape=SHAPE, dtype="bfloat16", steps=args.steps, jax=jax.__version__, widths=WIDTHS)
@@ -113,15 +126,18 @@ def main(argv=None):
              f"One attention layer of SmolLM2-135M's shape ({SHAPE}), bfloat16, batch 1, FullCache holding L tokens, "
              f"{args.steps} tokens decoded (best of {args.repeats}). 8: int8 per token; 4 / 2: KIVI, G = 32, R = 128. "
              "Bytes: the whole layer cache (codes, scales, zeros, positions, scores, biases, residual).", "",
-             "Decode tok/s from the codes (kvjax's path for FullCache) and through the view (the layer's cache "
-             "dequantized and requantized on every call, the path of rules that read keys in their step).", "",
-             "| L | bits | decode tok/s | x 16-bit speed | via the view tok/s | x 16-bit | cache MiB | x 16-bit bytes |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Decode tok/s from the codes (kvjax's path for FullCache, its block loops unrolled by "
+             f"{quant.DECODE_UNROLL}; and rolled, one 512-slot block per loop iteration) and through the view (the "
+             "layer's cache dequantized and requantized on every call, the path of rules that read keys in their "
+             "step).", "",
+             "| L | bits | decode tok/s | x 16-bit speed | rolled loop tok/s | via the view tok/s | x 16-bit | cache MiB | "
+             "x 16-bit bytes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base.get(r["length"])
         ratio = lambda k, ref="tok_s": f"{r[k] / b[ref]:.2f}" if b and k in r else "-"  # noqa: E731
         view = f"{r['tok_s_view']:.1f}" if "tok_s_view" in r else "-"
-        lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s']:.1f} | {ratio('tok_s')} | {view} | "
+        rolled = f"{r['tok_s_rolled']:.1f}" if "tok_s_rolled" in r else "-"
+        lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s']:.1f} | {ratio('tok_s')} | {rolled} | {view} | "
                      f"{ratio('tok_s_view')} | {r['cache_bytes'] / 2**20:.2f} | {ratio('cache_bytes', 'cache_bytes')} |")
     (out / f"quant_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

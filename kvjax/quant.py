@@ -299,6 +299,12 @@ def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLa
 # -> `store` (tests/test_quant.py), without ever holding the layer's keys and values dequantized.
 
 DECODE_BLOCK = 512  # slots dequantized at a time by `attend` (a multiple of every group size that divides it)
+# Blocks per iteration of `attend`'s two loops. Rolled (1), the loops ran one 512-slot block per iteration, and on an
+# H200 int8 decoding from the codes ran 39x slower than 16-bit at 64K slots and 11x at 4K
+# (benchmarks/results/quant_gpu_h200.md), about 18 µs per iteration: the likely cost is XLA:GPU's per-iteration
+# loop overhead (its predicate read back, a launch per small kernel), which unrolling divides. The blocks stay
+# 512 slots, so memory is unchanged.
+DECODE_UNROLL = 16
 
 
 def _residual_hit(qc: QuantizedLayerCache, slot_pos, newest: Int[Array, "b"]):
@@ -384,14 +390,15 @@ def write_token(qc: QuantizedLayerCache, stepped: LayerCache, k: Float[Array, "b
 
 
 def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array, "b"], current, *,
-           scale: float, probs: bool = False, first_logit: bool = False, block: int = DECODE_BLOCK):
+           scale: float, probs: bool = False, first_logit: bool = False, block: int = DECODE_BLOCK,
+           unroll: int | None = None):
     """One query per row over the quantized cache, `block` slots dequantized at a time (two passes: the logits,
     then the values under their softmax): `(output [b, h, d], probs [b, kvh, C] | None, first_logit | None)`,
     the numbers `kvjax.reference.decode_attention` gives over `view(qc, newest)` with the token at `newest` in
     full precision (`current` = its (k, v) `[b, kvh, d]`, as a rule writes it into the view). The residual's
     tokens and the current one are attended from their own small arrays, their logits and probabilities
     mapped to their slots, so the blocks read codes only. Absolute positions; no ALiBi, window or soft-cap
-    (`kvjax.layer` sends those through the view)."""
+    (`kvjax.layer` sends those through the view). `unroll`: blocks per loop iteration (`DECODE_UNROLL`)."""
     from kvjax.reference import _MASKED, _acc
 
     spec = qc.spec
@@ -429,7 +436,8 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
         return (jax.lax.dynamic_update_slice_in_dim(full, s, at, 3), first), None
 
     init = (jnp.full((b, kvh, g, c), _MASKED, acc), jnp.full((b, kvh, g), _MASKED, acc))
-    (s, first), _ = jax.lax.scan(logits, init, starts)
+    unroll = max(1, min(unroll or DECODE_UNROLL, len(starts)))
+    (s, first), _ = jax.lax.scan(logits, init, starts, unroll=unroll)
     p = jax.nn.softmax(s, axis=-1)
     elsewhere = now_all | hit_all if spec.residual else now_all
 
@@ -440,7 +448,7 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
         pb = jnp.where(keep, jax.lax.dynamic_slice_in_dim(p, at, n, 3), 0.0)
         return out + jnp.einsum("bkgc,bkcd->bkgd", pb.astype(v.dtype), v, preferred_element_type=acc), None
 
-    out, _ = jax.lax.scan(values, jnp.zeros((b, kvh, g, d), acc), starts)
+    out, _ = jax.lax.scan(values, jnp.zeros((b, kvh, g, d), acc), starts, unroll=unroll)
     p_now = jnp.sum(jnp.where(now_all[:, :, None], p, 0.0), axis=-1)  # [b, kvh, g]
     out = out + p_now[..., None] * current[1][:, :, None].astype(acc)
     if spec.residual:
