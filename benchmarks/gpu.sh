@@ -40,7 +40,7 @@ stage decode_tuning 100 python3 -m benchmarks.decode_tuning --lengths 32768 --ba
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 stage e2e_1b 170 python3 -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 \
     --lengths 4096,32768 --batches 1 --max-batch-tokens 262144 --policies full,streaming,snapkv,'snapkv chunked 512' \
     --attention-impl pallas --compile-layers '' --new 32 --out "$r"
-stage quant 45 python3 -m benchmarks.quant --lengths 4096,16384,65536 --steps 32 --out "$r"
+stage quant 120 python3 -m benchmarks.quant --lengths 4096,16384,65536 --steps 32 --kernel --out "$r"
 stage adakv 30 python3 -m benchmarks.adakv --lengths 4096,16384 --out "$r"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 stage e2e_8b 90 python3 -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 \
     --lengths 4096,32768 --batches 1 --max-batch-tokens 262144 --policies full,snapkv --attention-impl pallas \

@@ -54,21 +54,22 @@ def _as_view(geom, plan, c, q, k, v, pos):
 
 
 def time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False,
-               unroll: int | None = None) -> dict:
-    """Decode tokens/s and bytes at one width; `unroll` overrides `quant.DECODE_UNROLL` (1: the rolled loop)."""
+               unroll: int | None = None, impl: str = "xla") -> dict:
+    """Decode tokens/s and bytes at one width; `unroll` overrides `quant.DECODE_UNROLL` (1: the rolled loop);
+    `impl="pallas"`: the codes read by `kvjax.pallas.quant_decode` (a GPU)."""
     saved = quant.DECODE_UNROLL
     quant.DECODE_UNROLL = unroll or saved  # read when `attend` is traced
     try:
-        return _time_width(bits, length, steps, repeats, dtype, view)
+        return _time_width(bits, length, steps, repeats, dtype, view, impl)
     finally:
         quant.DECODE_UNROLL = saved
 
 
-def _time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False) -> dict:
+def _time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False, impl: str = "xla") -> dict:
     spec = WIDTHS[bits]
     policy = FullCache() if spec is None else Quantized(FullCache(), **spec)
     plan = resolve(policy, 1, SHAPE["num_kv_heads"]).sized(length + steps).layers[0]
-    geom = layer.Geometry(layer=0, **SHAPE, scale=SHAPE["head_dim"] ** -0.5)
+    geom = layer.Geometry(layer=0, **SHAPE, scale=SHAPE["head_dim"] ** -0.5, impl=impl)
     rng = np.random.RandomState(0)
     q = jnp.asarray(rng.randn(steps, 1, SHAPE["num_heads"], SHAPE["head_dim"]), dtype)
     kv = jnp.asarray(rng.randn(2, steps, 1, SHAPE["num_kv_heads"], SHAPE["head_dim"]), dtype)
@@ -94,12 +95,34 @@ def _time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: b
                              x is not None))
 
 
+def kernel_error(bits: int, length: int) -> float:
+    """Largest absolute difference between the kernel's decode output and `quant.attend`'s, one step over the
+    filled cache, float32 (on a GPU, where the kernel is compiled; interpreted on a CPU)."""
+    from kvjax.pallas import quant_decode
+
+    spec = WIDTHS[bits]
+    plan = resolve(Quantized(FullCache(), **spec), 1, SHAPE["num_kv_heads"]).sized(length + 1).layers[0]
+    qc = filled(plan, length, jnp.float32)
+    rng = np.random.RandomState(1)
+    h, kvh, d = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    q = jnp.asarray(rng.randn(1, h, d), jnp.float32)
+    cur = tuple(jnp.asarray(rng.randn(1, kvh, d), jnp.float32) for _ in range(2))
+    newest = jnp.asarray([length - 1])
+    want = quant.attend(q, qc, newest, cur, scale=d ** -0.5)[0]
+    from kvjax.pallas import platform_variant
+
+    got = quant_decode.attend(q, qc, newest, cur, scale=d ** -0.5, interpret=platform_variant()[1])[0]
+    return float(jnp.max(jnp.abs(got - want)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="4096,16384,65536")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--widths", default="16,8,4,2")
+    p.add_argument("--kernel", action="store_true", help="also the Pallas kernel reading codes (a GPU): its "
+                   "tokens/s, and its largest difference from the jnp reference on the same cache")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -117,6 +140,10 @@ def main(argv=None):
             if w != 16:
                 row["tok_s_view"] = time_width(w, n, args.steps, args.repeats, jnp.bfloat16, view=True)["tok_s"]
                 row["tok_s_rolled"] = time_width(w, n, args.steps, args.repeats, jnp.bfloat16, unroll=1)["tok_s"]
+                if args.kernel:
+                    row["kernel_err"] = kernel_error(w, n)
+                    row["tok_s_kernel"] = time_width(w, n, args.steps, args.repeats, jnp.bfloat16,
+                                                     impl="pallas")["tok_s"]
             rows.append(row)
     meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
                 shape=SHAPE, dtype="bfloat16", steps=args.steps, jax=jax.__version__, widths=WIDTHS)
@@ -139,6 +166,16 @@ def main(argv=None):
         rolled = f"{r['tok_s_rolled']:.1f}" if "tok_s_rolled" in r else "-"
         lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s']:.1f} | {ratio('tok_s')} | {rolled} | {view} | "
                      f"{ratio('tok_s_view')} | {r['cache_bytes'] / 2**20:.2f} | {ratio('cache_bytes', 'cache_bytes')} |")
+    if args.kernel:
+        lines += ["", "The Pallas kernel reading codes (`--kernel`): tokens/s, and its largest absolute difference "
+                  "from the jnp reference (one step, float32)" + (" -- interpreted on a CPU, where its speed means nothing" if
+                  plat == "cpu" else "") + ":", "", "| L | bits | kernel tok/s | x 16-bit | max abs "
+                  "difference |", "|---|---|---|---|---|"]
+        for r in rows:
+            if "tok_s_kernel" in r:
+                b = base.get(r["length"])
+                lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s_kernel']:.1f} | "
+                             f"{r['tok_s_kernel'] / b['tok_s']:.2f} | {r['kernel_err']:.1e} |" if b else "")
     (out / f"quant_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
