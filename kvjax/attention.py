@@ -19,13 +19,14 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
-from kvjax import reference
+from kvjax import quant, reference
+from kvjax.pallas import quant_decode
 from kvjax.masks import AnchorMask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 __all__ = ["IMPLS", "PREFILL_BLOCK", "AnchorMask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
-           "prefill_attention", "prefill_route", "prefix_attention"]
+           "prefill_attention", "prefill_route", "prefix_attention", "quantized_decode_attention"]
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
 IMPLS = ("xla", "pallas")
@@ -163,6 +164,23 @@ def prefix_attention(
         _warn_once("attention_impl='pallas': a chunk attending a cache (chunked prefill, extend) runs in XLA; "
                    "kvjax.pallas has no kernel for it")
     return reference.prefix_attention(q, k, v, pos, cache_k, cache_v, slot_pos, log_w, **kwargs)
+
+
+def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, "b"], current, *, scale: float,
+                               probs: bool = False, first_logit: bool = False, impl: str = "xla"):
+    """`kvjax.quant.attend` (a decode step over a quantized cache's codes), run by `impl`: under "pallas" on a GPU
+    (interpreted on a CPU) the kernel `kvjax.pallas.quant_decode` where its tiles fit (`quant_decode.supported`),
+    else the jnp reference, said once where the kernel was asked for."""
+    check_impl(impl)
+    if impl == "pallas":
+        variant, interpret = kernels.platform_variant()
+        if variant == "gpu" and quant_decode.supported(qc, q.shape[-1], interpret):
+            return quant_decode.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit,
+                                       interpret=interpret)
+        _warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size {q.shape[-1]}) on "
+                   f"{variant} decodes through the jnp reference (kvjax.quant.attend): the kernel reading codes is "
+                   "GPU-only and needs power-of-two tiles >= 16")
+    return quant.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit)
 
 
 def decode_attention(

@@ -332,29 +332,12 @@ def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v
     # attention reads the codes as they were before this token, the token itself in full precision (the
     # view the rule wrote it into); the token's key group is requantized after
     placed = dataclasses.replace(qc, pos=stepped.pos, score=stepped.score, log_w=stepped.log_w)
-    o, probs, first = _attend_codes(geom, q_rot, placed, pos, (k_store, v), probs=want.probs,
-                                    first_logit=want.first_logit)
+    o, probs, first = attention.quantized_decode_attention(q_rot, placed, pos, (k_store, v), scale=geom.scale,
+                                                           probs=want.probs, first_logit=want.first_logit,
+                                                           impl=geom.impl)
     seen = rule.observe(geom.layer, stepped, ctx, AttentionStats(first_logit=first, probs=probs))
     qc = quant.write_token(qc, stepped, k_store, v, pos)
     return o, dataclasses.replace(qc, pos=seen.pos, score=seen.score, log_w=seen.log_w)
-
-
-def _attend_codes(geom: Geometry, q, qc: QuantizedLayerCache, pos, current, *, probs: bool, first_logit: bool):
-    """Attention over the codes: the Pallas kernel under `impl="pallas"` on a GPU (interpreted on a CPU) where its
-    tiles fit (`quant_decode.supported`), else the jnp reference, `quant.attend` (said once where the kernel was
-    asked for)."""
-    if geom.impl == "pallas":
-        from kvjax import pallas as kernels
-        from kvjax.pallas import quant_decode
-
-        variant, interpret = kernels.platform_variant()
-        if variant == "gpu" and quant_decode.supported(qc, geom.head_dim, interpret):
-            return quant_decode.attend(q, qc, pos, current, scale=geom.scale, probs=probs, first_logit=first_logit,
-                                       interpret=interpret)
-        attention._warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size "
-                             f"{geom.head_dim}) on {variant} decodes through the jnp reference (kvjax.quant.attend): "
-                             "the kernel reading codes is GPU-only and needs power-of-two tiles >= 16")
-    return quant.attend(q, qc, pos, current, scale=geom.scale, probs=probs, first_logit=first_logit)
 
 
 __all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",

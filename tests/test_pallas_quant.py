@@ -70,7 +70,8 @@ def test_supported_tiles():
 
 
 def test_a_layer_under_attention_impl_pallas_decodes_quantized_caches_with_the_kernel(monkeypatch):
-    """`kvjax.layer.decode` with `impl="pallas"` sends a quantized cache's decode steps to the kernel (counted) and
+    """`kvjax.layer.decode` with `impl="pallas"` sends a quantized cache's decode steps to the kernel (counted, through
+    `kvjax.attention`, the one place that dispatches to kernels) and
     gives the reference path's outputs and kept positions, through H2O (whose eviction reads the kernel's
     per-slot probabilities) and the full cache, over 2-bit KIVI with a residual."""
     import dataclasses
