@@ -104,3 +104,19 @@ def test_a_layer_under_attention_impl_pallas_decodes_quantized_caches_with_the_k
         np.testing.assert_allclose(outs["pallas"][0], outs["xla"][0], atol=1e-5, rtol=1e-5, err_msg=base.describe())
         np.testing.assert_array_equal(outs["pallas"][1], outs["xla"][1])
     assert calls, "the kernel was never called"
+
+
+def test_the_kernel_path_compiles_once_per_cache_shape():
+    """Positions, the newest position and the cache's contents are arrays: a second cache of the same shape and
+    width, at other positions, compiles nothing."""
+    from tests.conftest import compile_log
+
+    spec, d = KVQuant(2, group=4, residual=6), 16
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, d)), jnp.float32)
+    qc, newest, current = _cache(spec, 2, 2, 40, d, seed=1)
+    quant_decode.attend(q, qc, newest, current, scale=0.25, probs=True, interpret=True)[0].block_until_ready()
+    qc2, _, current2 = _cache(spec, 2, 2, 40, d, seed=2)
+    later = jnp.asarray([47, 48], jnp.int32)
+    with compile_log() as compiles:
+        quant_decode.attend(q, qc2, later, current2, scale=0.25, probs=True, interpret=True)[0].block_until_ready()
+    assert compiles == []
