@@ -43,3 +43,26 @@ def test_a_comparison_is_evidence_only_where_the_full_cache_beats_its_floor_by_t
     # a floor of 0 (no compressed cache retrieves anything): one item in n is the margin
     assert "no evidence" in report._evidence(0.0, 0.0, "StreamingLLM's or H2O's", 75)
     assert report._evidence(0.03, 0.0, "StreamingLLM's or H2O's", 75) == ")"
+
+
+def test_ruler_batch_reaches_the_ruler_suite(tmp_path, monkeypatch):
+    """`--ruler-batch` (prompts per call, which bounds memory) is handed to the RULER suite, where it is part of
+    the section's identity."""
+    from experiments.ruler import __main__ as ruler
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def suite(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ruler, "suite", suite)
+    model = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=512), seed=0)
+    skip = ",".join(s for s in report.SECTIONS if s != "ruler")
+    with pytest.raises(Stop):
+        report.main(["--model", str(model), "--skip", skip, "--ruler-batch", "2", "--ruler-samples", "1",
+                     "--out", str(tmp_path / "rep")])
+    assert seen["batch"] == 2
