@@ -43,6 +43,9 @@ class BlockSizes:
 
 
 PREFILL = {"gpu": BlockSizes(64, 64), "tpu": BlockSizes(128, 128)}
+# GPU decode: 128 slots per tile, with 4 warps, 2 stages and 32 splits at batch 1 (kvjax.pallas.decode), was the
+# fastest of 12 (tile, splits) and 6 (warps, stages) settings at 32K slots, batch 1 and 8, on an H200
+# (benchmarks/results/decode_tuning_gpu_h200.md).
 DECODE = {"gpu": BlockSizes(16, 128), "tpu": BlockSizes(8, 512)}
 
 
