@@ -343,3 +343,54 @@ def test_smollm2_greedy_text_equals_transformers_and_finds_a_passkey():
     prompt, _ = passkey_prompt(tok, 2000, depth=0.3, key=48213)
     out = generate(lm.model, [prompt], FullCache(), max_new_tokens=8).sequences()[0]
     assert "48213" in tok.decode(out), tok.decode(out)
+
+
+@pytest.mark.slow
+def test_smollm2_ruler_answers_under_snapkv_and_knorm_equal_kvpress():
+    """The real model on a RULER niah_single_1 prompt at 2K tokens, question-agnostic as kvpress runs it (the
+    context compressed alone, then the question): kvjax's SnapKV and KNorm at ratio 0.5 give kvpress 0.5.5's greedy
+    tokens on the same ids, and the full cache finds the needle."""
+    import contextlib
+
+    from kvpress import KnormPress, SnapKVPress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from experiments.ruler import tasks as T
+    from experiments.ruler.__main__ import encode
+    from kvjax import FullCache, generate
+    from kvjax.policies import KNorm, SnapKV
+
+    path = _real()
+    lm = load(path)
+    tok = lm.tokenizer
+    sample = T.generate("niah_single_1", 2048, 1, T.token_counter(tok), tokens_to_generate=12)[0]
+    ctx, question = encode(tok, sample)
+    pt = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+    def kvpress_tokens(press, new=8):
+        cache = DynamicCache()
+        with torch.no_grad():
+            with press(pt) if press is not None else contextlib.nullcontext():
+                pt(torch.tensor([ctx]), past_key_values=cache, use_cache=True)
+            p = len(ctx)
+            out = pt(torch.tensor([question]), past_key_values=cache, use_cache=True,
+                     position_ids=torch.arange(p, p + len(question))[None])
+            p += len(question)
+            toks = []
+            for _ in range(new):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(int(nxt))
+                out = pt(nxt, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[p]]))
+                p += 1
+        return toks
+
+    for ours, press in ((FullCache(), None),
+                        (SnapKV(ratio=0.5, observation_window=32, kernel=7), SnapKVPress(compression_ratio=0.5,
+                                                                                         window_size=32,
+                                                                                         kernel_size=7)),
+                        (KNorm(ratio=0.5), KnormPress(compression_ratio=0.5))):
+        got = generate(lm.model, [ctx], ours, questions=[question], max_new_tokens=8).sequences()[0]
+        want = kvpress_tokens(press)
+        assert got == want[:len(got)] and len(got) >= 4, (ours.describe(), tok.decode(got), tok.decode(want))
+        if press is None:
+            assert sample.outputs[0] in tok.decode(got), tok.decode(got)
