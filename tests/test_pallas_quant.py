@@ -120,3 +120,27 @@ def test_the_kernel_path_compiles_once_per_cache_shape():
     with compile_log() as compiles:
         quant_decode.attend(q, qc2, later, current2, scale=0.25, probs=True, interpret=True)[0].block_until_ready()
     assert compiles == []
+
+
+GPU_SPECS = [KVQuant(8), KVQuant(8, residual=32), KVQuant(4, group=32), KVQuant(4, group=32, residual=64),
+             KVQuant(2, group=32, residual=32), KVQuant(2, group=16)]
+
+
+@pytest.mark.skipif(__import__("jax").default_backend() != "gpu", reason="compiles the kernel with Triton: a GPU")
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.describe().replace(" ", ""))
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_kernel_equals_the_blockwise_reference_on_a_gpu(spec, d):
+    """Triton-compiled (not interpreted): output, per-slot probabilities and first logit equal `quant.attend`'s at
+    head sizes 64 and 128 (SmolLM2's, Llama's), GQA 3, with residual, empty slots and a slot count no tile divides.
+    Both sides in float32 with full-precision matmuls (no TF32), so 1e-4 bounds summation order only."""
+    import jax
+
+    b, kvh, c, g = 2, 2, 1000, 3
+    qc, newest, current = _cache(spec, b, kvh, c, d, seed=d)
+    q = jnp.asarray(np.random.default_rng(9).normal(size=(b, kvh * g, d)), jnp.float32)
+    assert quant_decode.supported(qc, d)
+    with jax.default_matmul_precision("highest"):
+        want = quant.attend(q, qc, newest, current, scale=d ** -0.5, probs=True, first_logit=True)
+        got = quant_decode.attend(q, qc, newest, current, scale=d ** -0.5, probs=True, first_logit=True)
+    for name, a, w in zip(("output", "probs", "first_logit"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-4, err_msg=name)
