@@ -51,6 +51,8 @@ stage attention 100 python3 -m benchmarks.attention --common 4096,8192,16384,327
 stage decode_tuning 100 python3 -m benchmarks.decode_tuning --lengths 32768 --batches 1,8 --blocks 64,128,256 \
     --splits 16,32,64,128 --warps 4,8 --stages 1,2,3 --out "$r"
 stage quant 150 python3 -m benchmarks.quant --lengths 4096,16384,65536 --steps 32 --kernel --out "$r"
+stage quant_8b 240 python3 -m benchmarks.quant --lengths 4096,16384,65536 --steps 32 --kernel --shape llama-3.1-8b \
+    --batch 8 --no-variants --out "$r"
 fi
 if [ "$part" != kernels ]; then
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 stage e2e_1b 170 python3 -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 \
