@@ -12,10 +12,19 @@ between calls without a new compilation are arrays (lengths, counts, token ids);
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
+
+# Token counts that vary between calls are padded to buckets, so a new length compiles only at a new bucket.
+MIN_BUCKET = 16
+
+
+def bucket_length(n: int, min_bucket: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= n (and >= min_bucket)."""
+    return max(min_bucket, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable:

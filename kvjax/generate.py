@@ -20,15 +20,15 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from kvjax import engine, sharding
+from kvjax import engine, kvzip, sharding
 from kvjax.cache import Cache
-from kvjax.engine import compiled
+from kvjax.engine import MIN_BUCKET, bucket_length, compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.model import CachedLM
 from kvjax.policies.base import Policy
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.plan import Plan
 
-MIN_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +59,6 @@ def sample(logits: Float[Array, "b V"], key: PRNGKeyArray, sampling: Sampling) -
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def bucket_length(n: int, min_bucket: int = MIN_BUCKET) -> int:
-    """Smallest power of two >= n (and >= min_bucket)."""
-    return max(min_bucket, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def truncate_middle(ids: Sequence[int], max_len: int) -> list[int]:
@@ -445,6 +440,8 @@ def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, 
               k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket, progress, t0,
               shared_s) -> Generation:
     """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
+    if isinstance(policy, KVzip):  # its scores come from replaying the context through the model
+        cache = kvzip.compress(model, cache, model.plan(policy, bucket + room, bucket), prompts, policy)
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     plan = model.plan(policy, bucket + room, bucket)  # the decode key: after a gate's shrink, its new sizes
     ends = np.asarray([len(p) for p in prompts], np.int32)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention, quant
+from kvjax import attention, kvzip, quant
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache
 from kvjax.errors import InvalidInput
@@ -211,6 +211,17 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
         alibi=geom.alibi, window=geom.window, softcap=geom.softcap, impl=geom.impl,
     )
     return o
+
+
+def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, span):
+    """`extend` for KVzip's replay (`kvjax.kvzip`): the output, and each cached slot's reconstruction score
+    `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end)."""
+    if geom.softcap is not None or geom.alibi is not None or geom.window is not None:
+        raise InvalidInput("KVzip's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
+    o = extend(geom, plan, cache, q, k, v, pos)
+    cache = read(cache, pos)
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    return o, kvzip.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale)
 
 
 # ---- one chunk of a prompt, one token ------------------------------------------------------------------

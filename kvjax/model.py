@@ -75,4 +75,14 @@ class CachedLM(Protocol):
         """A chunk attending the read-only cache and itself (every position's logits); the cache is unchanged."""
 
 
-__all__ = ["CachedLM", "LMConfig"]
+@runtime_checkable
+class ReplayLM(CachedLM, Protocol):
+    """A `CachedLM` that KVzip (`kvjax.kvzip`) can replay a context through."""
+
+    def replay_scores(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
+                      span: Int[Array, "b 3"]) -> tuple[Float[Array, "b kvh c"], ...]:
+        """`extend` of a right-padded replay chunk over the read-only cache; per layer, each cached slot's
+        reconstruction score for the context chunk `span` = (sinks, start, end) (`kvjax.layer.replay`)."""
+
+
+__all__ = ["CachedLM", "LMConfig", "ReplayLM"]

@@ -310,6 +310,13 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x)
         return self._out(layer_fns.extend(self.geometry, plan, cache, q, k, v, pos, anchor_mask))
 
+    def replay(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], plan: LayerPlan, cache: LayerCache,
+               span: Int[Array, "b 3"]) -> tuple[Float[Array, "b t D"], Float[Array, "b kvh c"]]:
+        """`extend`, also returning KVzip's reconstruction scores of the cached slots (`kvjax.layer.replay`)."""
+        q, k, v = self.qkv(x)
+        o, scores = layer_fns.replay(self.geometry, plan, cache, q, k, v, pos, span)
+        return self._out(o), scores
+
     def chunk(
         self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], plan: LayerPlan, cache: AnyLayerCache,
         tokens: Int[Array, "b n"],
@@ -386,6 +393,10 @@ class DecoderLayer(nnx.Module):
 
     def extend(self, x, pos, plan, cache, anchor_mask=None):
         return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, plan, cache, anchor_mask))
+
+    def replay(self, x, pos, plan, cache, span):
+        a, scores = self.self_attn.replay(self.input_layernorm(x), pos, plan, cache, span)
+        return self._finish(x, a), scores
 
     def prefill_shared(self, x, pos, plans, caches, tokens):
         a, caches = self.self_attn.prefill_shared(self.input_layernorm(x), pos, plans, caches, tokens)
@@ -620,6 +631,22 @@ class Llama(nnx.Module):
         for layer, lp, c in zip(self.layers, plan.layers, cache):
             x = layer.extend(x, positions, lp, c, lp.rule.prompt_mask(Context(positions, tokens)))
         return self._logits(x)
+
+    def replay_scores(
+        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
+        span: Int[Array, "b 3"],
+    ) -> tuple[Float[Array, "b kvh c"], ...]:
+        """KVzip's replay (`kvjax.kvzip`): the tokens extend the read-only `cache` as in `extend` (right padded),
+        and each layer returns its cached slots' reconstruction scores for the chunk `span` (sinks, start, end)."""
+        x = self.embed(tokens)
+        out = []
+        for layer, lp, c in zip(self.layers, plan.layers, cache):
+            if lp.split or lp.position_mode != "absolute":
+                raise ValueError(f"KVzip's replay needs one cache array per layer in absolute positions; "
+                                 f"{plan.policy.describe()} has head groups or rolling positions in layer {lp.layer}")
+            x, scores = layer.replay(x, positions, lp, c, span)
+            out.append(scores)
+        return tuple(out)
 
     def stream(
         self,

@@ -23,6 +23,7 @@ from kvjax.policies.mat import (
     mat_with_anchor,
     mat_with_sink,
 )
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.quantized import Quantized
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
@@ -198,7 +199,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 __all__ = [
     "AdaKV", "AnchorCache", "ByHead", "ByLayer", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
-    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KeyDiff", "LayerPolicy", "LocalWindow",
+    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
     "mat_with_sink", "reduces_to",

@@ -1,0 +1,173 @@
+"""KVzip's replay (`kvjax.policies.KVzip`): the scores of a cached context, the eviction over all layers.
+
+    cache = kvzip.compress(model, cache, plan, prompts, policy)     # after the prompt pass (`generate` does it)
+
+The context's cache (the whole prompt, as `KVzip`'s rule caches it) is read, never written, by replays of the
+context: each is the repeat prompt, the chat template's suffix and `chunk_size` context tokens, teacher-forced
+at the positions after the context (`model.replay_scores`, the extend pass of `Llama.extend` whose attention
+layers also return `reconstruction_scores`). Then the lowest-scored slots over all layers and KV heads (or per
+layer, `layerwise`) are emptied, sinks never. One row at a time (kvpress's KVzip takes one); the replays of a
+row are one compiled program per replay length bucket.
+
+Cost: a row's replays read about `context + chunks x (prompt + suffix)` tokens against the cached context,
+so KVzip's prefill is about twice the prompt pass plus the replay's attention to the whole context (kvpress's
+warning: "2-3 times the initial prefilling cost"); `benchmarks/results/kvzip_cpu.md` measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kvjax.cache import Cache, LayerCache
+from kvjax.engine import bucket_length, compiled
+from kvjax.errors import InvalidInput
+from kvjax.policies.kvzip import KVzip
+
+POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
+
+
+def replay_prompts(tokenizer) -> dict:
+    """`KVzip`'s replay fields for a transformers tokenizer, as kvpress builds them: the repeat prompts'
+    ids, the chat template's suffix (its assistant header; "\\n" without a template) and the template's
+    prefix length (its tokens before the user's text)."""
+    def ids(text):
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        prefix_text, suffix_text = "", "\n"
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        context, suffix_text = text.split(separator)
+        prefix_text = context.split(dummy)[0]
+    return dict(repeat_ids=ids("\n\nRepeat the previous context exactly."),
+                continue_ids=ids("\n\nRepeat the part of the previous context exactly, starting with"),
+                suffix_ids=ids(suffix_text), prefix=len(ids(prefix_text)))
+
+
+def replays(context: list[int], policy: KVzip) -> list[tuple[int, int, list[int]]]:
+    """`(start, end, replay tokens)` per chunk of `context[prefix:]`: the chunk covers positions start..end-1."""
+    body = context[policy.prefix:]
+    out = []
+    for i in range(0, len(body), policy.chunk_size):
+        chunk = body[i:i + policy.chunk_size]
+        head = list(policy.repeat_ids) if i == 0 else (  # the previous chunk's last POSTFIX tokens
+            list(policy.continue_ids) + body[max(i - policy.chunk_size, i - POSTFIX):i])
+        start = policy.prefix + i
+        out.append((start, start + len(chunk), head + list(policy.suffix_ids) + chunk))
+    return out
+
+
+def reconstruction_scores(
+    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], pos: Int[Array, "b t"],
+    cache_k: Float[Array, "b kvh c d"], cache_pos: Int[Array, "b kvh c"], span: Int[Array, "b 3"], scale: float,
+) -> Float[Array, "b kvh c"]:
+    """Each cached slot's KVzip score in one layer: the largest probability any replay query of its KV group
+    gives it, the softmax running over the sinks (positions < span[:, 0]), the chunk (span[:, 1] <= position
+    < span[:, 2]) and the replay's own keys (causal); 0 outside the chunk. `q`, `k`: the replay's rotated
+    queries and keys, `pos` its positions (-1 on padding); `cache_k` rotated at absolute positions."""
+    b, h, t, d = q.shape
+    kvh = cache_k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, t, d).astype(jnp.float32)
+    sinks, start, end = (span[:, i][:, None, None] for i in range(3))
+    in_chunk = (cache_pos >= start) & (cache_pos < end)
+    seen = (cache_pos >= 0) & ((cache_pos < sinks) | in_chunk)  # [b, kvh, c]
+    s_cache = jnp.einsum("bkgtd,bkcd->bkgtc", qg, cache_k.astype(jnp.float32)) * scale
+    s_cache = jnp.where(seen[:, :, None, None, :], s_cache, -jnp.inf)
+    causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # [b, t(query), t(key)]
+    s_self = jnp.einsum("bkgtd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
+    s_self = jnp.where(causal[:, None, None], s_self, -jnp.inf)
+    top = jnp.maximum(jnp.max(s_cache, axis=-1, keepdims=True), jnp.max(s_self, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a padding query sees nothing: its row is dropped below
+    e_cache, e_self = jnp.exp(s_cache - top), jnp.exp(s_self - top)
+    total = jnp.sum(e_cache, axis=-1, keepdims=True) + jnp.sum(e_self, axis=-1, keepdims=True)
+    p = e_cache / jnp.where(total > 0, total, 1.0)
+    p = jnp.where((pos >= 0)[:, None, None, :, None], p, 0.0)
+    return jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)
+
+
+@compiled(static=("plan",))
+def replay_fn(model, tokens, positions, cache, span, *, plan):
+    return model.replay_scores(tokens, positions, cache, plan, span)
+
+
+def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: int = 0) -> np.ndarray:
+    """`[layers, kv_heads, len(context)]`: the KVzip score of each context position of batch row `row`, after
+    all replays (sinks not yet raised). The cache is read only."""
+    layers = _row_cache(cache, row)
+    graphdef, state = nnx.split(model)
+    total = None
+    for start, end, ids in replays(context, policy):
+        n = len(ids)
+        t = bucket_length(n)
+        tokens = np.zeros((1, t), np.int32)
+        positions = np.full((1, t), -1, np.int32)
+        tokens[0, :n] = ids
+        positions[0, :n] = len(context) + np.arange(n)  # right padded, as `extend` takes a chunk
+        span = np.asarray([[min(policy.sinks, start), start, end]], np.int32)
+        got = replay_fn.pure(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), layers,
+                             jnp.asarray(span), plan=plan)
+        got = np.stack([np.asarray(x[0], np.float32) for x in got])  # [L, kvh, c] by slot
+        total = got if total is None else total + got  # a slot belongs to one chunk: 0 elsewhere
+    out = np.zeros((len(layers), layers[0].pos.shape[1], len(context)), np.float32)
+    if total is None:
+        return out
+    for i, lc in enumerate(layers):
+        pos = np.asarray(lc.pos[0])
+        h, c = np.nonzero((pos >= 0) & (pos < len(context)))
+        out[i, h, pos[h, c]] = total[i, h, c]
+    return out
+
+
+def evicted(score: np.ndarray, policy: KVzip) -> np.ndarray:
+    """Bool `[layers, kv_heads, t]`: the positions KVzip evicts given `scores`: the sinks raised above every
+    score, then the `ratio` share with the lowest scores over all layers and heads (`layerwise`: per layer,
+    over its heads). Ties go to the earlier (layer, head, position), which kvpress's `topk` leaves open."""
+    score = score.copy()
+    score[..., :policy.sinks] = score.max() + 1.0
+    n_layers, kvh, t = score.shape
+    gone = np.zeros(score.shape, bool)
+    if policy.layerwise:
+        n = int(kvh * t * policy.ratio)
+        for i in range(n_layers):
+            gone[i].reshape(-1)[np.argsort(score[i].reshape(-1), kind="stable")[:n]] = True
+    else:
+        n = int(score.size * policy.ratio)
+        gone.reshape(-1)[np.argsort(score.reshape(-1), kind="stable")[:n]] = True
+    return gone
+
+
+def compress(model, cache: Cache, plan, prompts: list[list[int]], policy: KVzip) -> Cache:
+    """`cache` (the prompts cached whole under `policy`'s plan, one row per prompt) with KVzip's evicted slots
+    emptied; the layers' shapes are unchanged."""
+    if not isinstance(policy, KVzip):
+        raise InvalidInput(f"kvzip.compress: {policy.describe()} is not KVzip")
+    if any(not isinstance(lc, LayerCache) for lc in cache):
+        raise InvalidInput("KVzip: every layer must hold one cache array (no head groups, no quantized cache)")
+    if not hasattr(model, "replay_scores"):
+        raise InvalidInput(f"KVzip needs a model with replay_scores (kvjax.model.ReplayLM); "
+                           f"{type(model).__name__} has none")
+    pos = [np.array(lc.pos) for lc in cache]
+    for row, context in enumerate(prompts):
+        gone = evicted(scores(model, cache, plan, list(context), policy, row), policy)
+        for i, p in enumerate(pos):
+            r = p[row]
+            h, c = np.nonzero((r >= 0) & (r < len(context)))
+            drop = gone[i, h, r[h, c]]
+            r[h[drop], c[drop]] = -1
+    return tuple(dataclasses.replace(lc, pos=jnp.asarray(p)) for lc, p in zip(cache, pos))
+
+
+def _row_cache(cache: Cache, row: int) -> Cache:
+    return jax.tree.map(lambda x: x[row:row + 1], cache)
+
+
+__all__ = ["POSTFIX", "compress", "evicted", "reconstruction_scores", "replay_prompts", "replays", "scores"]

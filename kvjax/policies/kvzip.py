@@ -1,0 +1,82 @@
+"""KVzip (Kim et al. 2025, arXiv:2505.23416): query-agnostic eviction scored by context reconstruction.
+
+After the context is cached whole, the model is asked to repeat it ("Repeat the previous context exactly.",
+then the context again, teacher-forced, `chunk_size` context tokens per replay); each cached KV pair is scored
+by the largest attention any replay query of its group gives it (softmax over the attention sinks, the chunk
+being repeated and the replay tokens themselves), and the lowest-scored pairs over all layers and KV heads are
+evicted together (`layerwise=False`: layers keep different shares), the first `sinks` positions never. As
+kvpress 0.5.5's `KVzipPress`, whose conventions these are (its tests: `tests/test_kvpress.py`).
+
+The rule here only caches the prompt whole (like `AdaKV`'s, sized to the prompt); the replay needs the model,
+so `kvjax.kvzip.compress` runs it after the prompt pass (`kvjax.generate` does so for this policy). Evicted
+slots are emptied, not freed: a layer's cache stays `[b, kvh, prompt + new tokens]` (kvpress masks them).
+
+The replay prompts are token ids of the model's tokenizer (`kvjax.kvzip.replay_prompts`), part of the policy
+and so of a run's identity: `repeat_ids` opens the first chunk's replay, `continue_ids` (followed by the previous
+chunk's last 8 tokens) the others, `suffix_ids` (the chat template's assistant header, or "\\n") ends both.
+`prefix`: the chat template's tokens before the context, which are not replayed (their scores stay 0, as in
+kvpress, so they are evicted first after the sinks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.cache import LayerCache
+from kvjax.errors import InvalidInput
+from kvjax.policies.base import LayerPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVzip(LayerPolicy):
+    ratio: float
+    repeat_ids: tuple[int, ...]
+    continue_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+    sinks: int = 4
+    chunk_size: int = 2048
+    layerwise: bool = False
+    prefix: int = 0
+    step_reads_kv = False  # `step` only writes the new token
+    evicts_while_decoding = False
+    chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
+                     "prefill (a cache bounded while the prompt is read) never holds")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.ratio < 1:
+            raise InvalidInput(f"KVzip: ratio={self.ratio} must be in [0, 1)")
+        if self.sinks < 0 or self.prefix < 0:
+            raise InvalidInput(f"KVzip: sinks={self.sinks} and prefix={self.prefix} must be >= 0")
+        if self.chunk_size < 1:
+            raise InvalidInput(f"KVzip: chunk_size={self.chunk_size} must be >= 1")
+        if not self.repeat_ids or not self.continue_ids:
+            raise InvalidInput("KVzip: repeat_ids and continue_ids are the replay prompts' token ids "
+                               "(kvjax.kvzip.replay_prompts(tokenizer))")
+        for name in ("repeat_ids", "continue_ids", "suffix_ids"):
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+        if self.prefill_mode != "full":
+            raise InvalidInput(f"KVzip cannot run prefill_mode={self.prefill_mode!r}: {self.chunk_refusal}")
+        if self.positions != "absolute":
+            raise InvalidInput("KVzip: positions must be 'absolute' (the replay continues the context's positions)")
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return max_len  # the whole prompt, then the decoded tokens: eviction empties slots (see the docstring)
+
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        real = jnp.broadcast_to((ctx.pos >= 0)[:, None, :], k.shape[:3])
+        return kvcache.gather_prompt(cache, k, v, ctx.pos, kvcache.compact(real, cache.capacity))
+
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        return kvcache.append(cache, k, v, ctx.pos)
+
+    def describe(self) -> str:
+        return (f"KVzip(ratio={self.ratio!r}, sinks={self.sinks}, chunk_size={self.chunk_size}, "
+                f"layerwise={self.layerwise}, prefix={self.prefix}, repeat_ids={list(self.repeat_ids)}, "
+                f"continue_ids={list(self.continue_ids)}, suffix_ids={list(self.suffix_ids)})")
+
+
+__all__ = ["KVzip"]

@@ -1,0 +1,166 @@
+"""KVzip (`kvjax.kvzip`, `kvjax.policies.KVzip`): kept positions equal to kvpress 0.5.5's KVzipPress on a random
+GQA Llama, the replay prompts built as kvpress builds them, generation with questions, compile-once replays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax import kvzip
+from kvjax.cache import kept_sets
+from kvjax.errors import InvalidInput
+from kvjax.policies import KVzip
+from models import load
+from tests.conftest import compile_log, left_pad, stepper
+
+T = 100
+REPEAT, CONTINUE, SUFFIX = (5, 6, 7, 8), (9, 10, 11), (12,)  # stand-ins for the tokenizer's ids
+
+
+def policy(ratio, **kw):
+    return KVzip(ratio=ratio, repeat_ids=REPEAT, continue_ids=CONTINUE, suffix_ids=SUFFIX, **kw)
+
+
+@pytest.fixture(scope="module")
+def sdpa_pair(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
+                      attn_implementation="sdpa")  # kvpress's KVzip refuses eager attention
+    pt = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("kvzip")
+    pt.save_pretrained(path)
+    return pt, load(path).model
+
+
+def compressed(model, ids, pol, bucket=128):
+    prefill, _ = stepper(model, pol, bucket + 1)
+    _, cache = prefill(*left_pad(list(ids), bucket))
+    return kvzip.compress(model, cache, model.plan(pol, bucket + 1, bucket), [list(ids)], pol)
+
+
+@pytest.mark.parametrize("ratio, chunk, layerwise", [(0.5, 2048, False), (0.8, 32, False), (0.6, 40, True)],
+                         ids=["one-replay", "four-replays", "layerwise"])
+def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkeypatch, ratio, chunk, layerwise):
+    """Per layer and KV head, the positions KVzip keeps are those kvpress's KVzipPress leaves unmasked: one replay
+    of the whole context, four replays of 32 tokens (later ones opened by the previous chunk's last 8 tokens, with
+    the sinks in their softmax), and per-layer budgets; then the next token's logits agree. kvpress's tokenizer
+    (a hub download) is replaced by the same prompt ids; no chat template, as for a base model."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress
+    from kvpress.presses import kvzip_press
+
+    pt, model = sdpa_pair
+    texts = {"": [], "\n": SUFFIX, "\n\nRepeat the previous context exactly.": REPEAT,
+             "\n\nRepeat the part of the previous context exactly, starting with": CONTINUE}
+
+    class Tokenizer:
+        chat_template = None
+
+        def encode(self, text, return_tensors=None, add_special_tokens=False):
+            return torch.tensor([texts[text]], dtype=torch.long)
+
+    monkeypatch.setattr(kvzip_press.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    ids = np.random.RandomState(9).randint(13, 97, T + 1)
+    press = kvpress.KVzipPress(compression_ratio=ratio, chunk_size=chunk, layerwise=layerwise)
+    cache_pt = DynamicCache()
+    with torch.no_grad():
+        with press(pt):
+            pt.model(input_ids=torch.tensor(ids[None, :T]), past_key_values=cache_pt)
+        theirs = pt(torch.tensor([[ids[T]]]), past_key_values=cache_pt, position_ids=torch.tensor([[T]])).logits[0, -1]
+
+    pol = policy(ratio, chunk_size=chunk, layerwise=layerwise)
+    cache = compressed(model, ids[:T], pol)
+    kept = kept_sets(cache)
+    counts = []
+    for layer in range(3):
+        masked = pt.model.layers[layer].self_attn.masked_key_indices
+        for h in range(2):
+            gone = {int(s) for b, hh, s in zip(*masked) if int(hh) == h}
+            assert kept[layer][h] == sorted(set(range(T)) - gone), (layer, h)
+            counts.append(len(kept[layer][h]))
+    assert sum(counts) == 6 * T - int(6 * T * ratio) and len(set(counts)) > 1  # one global share, uneven heads
+    _, decode = stepper(model, pol, 129)
+    import jax.numpy as jnp
+
+    ours, _ = decode(jnp.asarray([ids[T]], jnp.int32), jnp.asarray([T], jnp.int32), cache)
+    np.testing.assert_allclose(np.asarray(ours[0]), theirs.numpy(), atol=1e-4, rtol=0)
+
+
+def test_replays_are_kvpress_prepare_by_hand():
+    """A 20-token context after a 2-token template prefix, chunks of 7: replays of positions 2-8, 9-15, 16-19,
+    each later one opened by the previous chunk's last tokens (at most 8, here all 7)."""
+    ctx = list(range(100, 120))
+    got = kvzip.replays(ctx, policy(0.5, chunk_size=7, prefix=2))
+    assert [(s, e) for s, e, _ in got] == [(2, 9), (9, 16), (16, 20)]
+    assert got[0][2] == [5, 6, 7, 8, 12] + list(range(102, 109))
+    assert got[1][2] == [9, 10, 11] + list(range(102, 109)) + [12] + list(range(109, 116))
+    assert got[2][2] == [9, 10, 11] + list(range(109, 116)) + [12] + list(range(116, 120))
+    wide = kvzip.replays(ctx, policy(0.5, chunk_size=10))
+    assert wide[1][2][:11] == [9, 10, 11] + list(range(102, 110))  # the last 8 of a 10-token chunk
+
+
+def test_evicted_share_sinks_and_layerwise_by_hand():
+    """Two layers, one head, five positions: the sinks are never evicted; 40 % of all ten slots (the four
+    lowest scores over both layers) go, or 40 % of each layer (two each) with `layerwise`."""
+    score = np.asarray([[[0.0, 0.9, 0.1, 0.5, 0.2]], [[0.0, 0.05, 0.8, 0.3, 0.6]]], np.float32)
+    gone = kvzip.evicted(score, policy(0.4, sinks=1))
+    assert [list(np.nonzero(g[0])[0]) for g in gone] == [[2, 4], [1, 3]]
+    gone = kvzip.evicted(score, policy(0.4, sinks=1, layerwise=True))
+    assert [list(np.nonzero(g[0])[0]) for g in gone] == [[2, 4], [1, 3]]
+    gone = kvzip.evicted(score, policy(0.6, sinks=1))  # six of ten: the 0.5 of layer 0 goes before the 0.6
+    assert [list(np.nonzero(g[0])[0]) for g in gone] == [[2, 3, 4], [1, 3, 4]]
+    gone = kvzip.evicted(score, policy(0.6, sinks=1, layerwise=True))  # three per layer
+    assert [list(np.nonzero(g[0])[0]) for g in gone] == [[2, 3, 4], [1, 3, 4]]
+
+
+def test_generation_with_questions_compresses_each_row_alone(sdpa_pair):
+    """Through `generate` (the question-agnostic protocol): a batch of two contexts of different lengths keeps,
+    row by row, what each keeps alone, and the questions and generated tokens follow in the emptied cache."""
+    from kvjax.generate import generate
+
+    _, model = sdpa_pair
+    pol = policy(0.7, chunk_size=24)
+    rng = np.random.RandomState(3)
+    contexts = [rng.randint(13, 97, n).tolist() for n in (90, 61)]
+    questions = [rng.randint(13, 97, 5).tolist() for _ in contexts]
+    both = generate(model, contexts, pol, questions=questions, max_new_tokens=4)
+    for row, (ctx, q) in enumerate(zip(contexts, questions)):
+        alone = generate(model, [ctx], pol, questions=[q], max_new_tokens=4)
+        assert [[[p for p in h if p < len(ctx)] for h in layer] for layer in kept_sets(both.cache, row)] == \
+               [[[p for p in h if p < len(ctx)] for h in layer] for layer in kept_sets(alone.cache)]
+        assert both.sequences()[row] == alone.sequences()[0]
+        kept = sum(len([p for p in h if p < len(ctx)]) for layer in kept_sets(alone.cache) for h in layer)
+        assert kept == 6 * len(ctx) - int(6 * len(ctx) * 0.7)
+        after = kept_sets(alone.cache)[0][0]
+        fed = len(q) + int(alone.lengths[0]) - 1  # the question, then each generated token but the last
+        assert [p for p in after if p >= len(ctx)] == list(range(len(ctx), len(ctx) + fed))
+
+
+def test_replays_compile_once_per_length_bucket(sdpa_pair):
+    """Context positions, chunk spans and token ids are arrays: another context of the same length compiles
+    no replay."""
+    _, model = sdpa_pair
+    pol = policy(0.5, chunk_size=32)
+    compressed(model, np.random.RandomState(1).randint(13, 97, T), pol)
+    prefill, _ = stepper(model, pol, 129)
+    _, cache = prefill(*left_pad(np.random.RandomState(2).randint(13, 97, T).tolist(), 128))
+    ids = np.random.RandomState(2).randint(13, 97, T).tolist()
+    with compile_log() as compiles:
+        kvzip.compress(model, cache, model.plan(pol, 129, 128), [ids], pol)
+    assert compiles == []
+
+
+def test_refusals():
+    """A chunked prefill, a ratio outside [0, 1), or no replay prompt are errors naming why."""
+    with pytest.raises(InvalidInput, match="replay attends every context token"):
+        policy(0.5, prefill_mode="chunked", chunk=16)
+    with pytest.raises(InvalidInput, match="ratio=1"):
+        policy(1)
+    with pytest.raises(InvalidInput, match="replay prompts"):
+        KVzip(ratio=0.5, repeat_ids=(), continue_ids=CONTINUE, suffix_ids=SUFFIX)
