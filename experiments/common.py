@@ -164,6 +164,10 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                    help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
     g.add_argument("--adakv-alpha", type=probability,
                    help="AdaKV: the share of its count each head keeps before the top-k over the layer; default 0.2")
+    g.add_argument("--kvzip-chunk", type=positive_int,
+                   help="KVzip: context tokens per replay; default 2048 (kvpress's chunk_size)")
+    g.add_argument("--kvzip-layerwise", action="store_const", const=True,
+                   help="KVzip: evict --ratio of each layer's slots instead of a share of all layers' together")
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
     g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
                                                        "this; default 64")
@@ -219,6 +223,7 @@ def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
 # Why a policy takes no --budget (said in the error, with what sizes it instead).
 NO_BUDGET_WHY = {
     "full": "full keeps every token",
+    "kvzip": "kvzip evicts --ratio of all layers' slots together",
     "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
     "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
     "duo": "duo's streaming heads keep --sinks + --recent tokens and its other heads everything",
@@ -244,6 +249,16 @@ def shipped_heads(args: argparse.Namespace, names: list[str], model_dir) -> None
         shipped = Path(model_dir) / "heads.json"
         if shipped.is_file():
             args.heads = str(shipped)
+
+
+def kvzip_replay(model_dir) -> dict | None:
+    """KVzip's replay prompts from the tokenizer at `model_dir` (a directory or a GGUF file); None without one.
+    kvjax's suites feed raw text (no chat template), so the replay is raw text too: "\\n" ends its prompt."""
+    from kvjax.kvzip import replay_prompts
+    from models.loading import tokenizer_at
+
+    tok = None if model_dir is None else tokenizer_at(Path(model_dir))
+    return None if tok is None else replay_prompts(tok)
 
 
 def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
@@ -290,6 +305,8 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
         kw = {k: getattr(args, k) for k in options if k in params}
         if num_layers is not None and "num_layers" in params:
             kw["num_layers"] = num_layers
+        if "replay" in params:
+            kw["replay"] = kvzip_replay(model_dir)
         try:
             out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
             if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
@@ -336,13 +353,13 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
             if k not in params:
                 setattr(own, k, None)
         if "ratio" not in params:
-            out.append((n, policies_from_args(own, [n], num_layers)[0]))
+            out.append((n, policies_from_args(own, [n], num_layers, model_dir=model_dir)[0]))
             continue
         for r in ratios:
             own.ratio, own.budget = r, None
             if "anchor_slots" in params and args.anchor_slots is None and room is not None:
                 own.anchor_slots = max(1, math.floor((1 - r) * room) // 4)
-            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers)[0]))
+            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers, model_dir=model_dir)[0]))
     given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
     unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
     if unused:

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
-from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, nonnegative_int, positive_int
+from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, kvzip_replay, nonnegative_int, positive_int
 from experiments.records import shown, write_atomic
 from experiments.longbench import __main__ as longbench
 from kvjax.policies import default_shallow_layers
@@ -67,8 +67,9 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
 SECTIONS = ("perplexity", "razor", "longbench", "ruler", "zeroshot", "passkey", "efficiency", "quantization")
 # The compression baselines of the RULER section (SlimKV Table 1's, with kvpress's TOVA and KNorm).
 RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "knorm")
-# The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff; DuoAttention from the model's own head scores) beside them
-RULER_2026 = ("adakv", "expected-attention", "keydiff")
+# The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff, KVzip; DuoAttention from the model's own head scores)
+# beside them
+RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
@@ -224,10 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
                        recent_size=256)
 
+        replay = kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
+
         def at_ratios(room):
             pols = {"full": driver.resolve_policies("full")["full"]}
             for r in args.ruler_ratios:
-                for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth).items():
+                for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth,
+                                                         replay=replay).items():
                     pols[f"{name}@{r:g}"] = pol
                 pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
             return pols
@@ -243,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
                f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
                f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
-               "score with its evicted slots emptied, not freed.", ""]
+               "score with its evicted slots emptied, not freed, as are KVzip's (its replay: raw text, chunks of "
+               "2048 tokens, kvpress's prompts).", ""]
         for r in args.ruler_ratios:
-            new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "duo")}
+            new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
+                                                          "duo")}
             claims.append(f"The 2026 baselines on RULER-{length} at ratio {r:g} (average %): "
                           + ", ".join(f"{k} {v}" for k, v in new.items()) + f"; full {scores['full']}")
         for r in args.ruler_ratios:

@@ -32,14 +32,15 @@ from kvjax.policies.kvzip import KVzip
 POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
 
 
-def replay_prompts(tokenizer) -> dict:
-    """`KVzip`'s replay fields for a transformers tokenizer, as kvpress builds them: the repeat prompts'
-    ids, the chat template's suffix (its assistant header; "\\n" without a template) and the template's
-    prefix length (its tokens before the user's text)."""
+def replay_prompts(tokenizer, chat: bool = False) -> dict:
+    """`KVzip`'s replay fields for a transformers tokenizer, as kvpress builds them: the repeat prompts' ids,
+    the suffix that ends a replay and the prefix length. `chat=True` (contexts wrapped in the tokenizer's chat
+    template, as kvpress's pipeline wraps them): the template's assistant header and its tokens before the
+    user's text; otherwise (raw text, as kvjax's suites feed it; kvpress without a template) "\\n" and 0."""
     def ids(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not chat or getattr(tokenizer, "chat_template", None) is None:
         prefix_text, suffix_text = "", "\n"
     else:
         dummy = "dummy context"

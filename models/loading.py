@@ -348,6 +348,18 @@ def load(
                                      "allow_nonfinite": allow_nonfinite})
 
 
+def tokenizer_at(path: Path):
+    """The tokenizer `load` would return for `path` (a GGUF file or a model directory), without the weights;
+    None when there is none."""
+    if path.is_file():
+        from models.gguf import GGUFFile
+
+        return GGUFFile(path).tokenizer()
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return load_tokenizer(path)
+    return None
+
+
 def load_tokenizer(path: Path):
     """transformers' AutoTokenizer for a local directory; a broken tokenizer file is an
     `InvalidInput` naming the directory (the tokenizers library's own message is cryptic)."""

@@ -48,7 +48,7 @@ from kvjax.errors import InvalidInput
 # kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
 LEADERBOARD_RATIOS = (0.25, 0.5, 0.75, 0.875)
 LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "knorm", "h2o-prefill", "mat", "slimkv",
-                        "h2o", "adakv", "expected-attention", "keydiff")
+                        "h2o", "adakv", "expected-attention", "keydiff", "kvzip")
 
 
 def parse(argv):

@@ -166,10 +166,24 @@ REGISTRY.update({
     "razor-table1": lambda budget, heads=None, buffer=None, prefill_mode="full", chunk=None: razor_from_heads(
         heads, compression=math.inf, buffer=buffer if buffer is not None else 4000, sinks=0, compensate=False,
         prefill_mode=prefill_mode, chunk=chunk),
+    # KVzip: --ratio of all layers' slots evicted together; its replay prompts are the model's tokenizer's ids
+    # (`replay`, given by the suites from the model's tokenizer: kvjax.kvzip.replay_prompts)
+    "kvzip": lambda budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None: _kvzip(
+        ratio, sinks, kvzip_chunk, kvzip_layerwise, replay),
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip"})
+
+
+def _kvzip(ratio, sinks, chunk, layerwise, replay) -> KVzip:
+    if ratio is None:
+        raise InvalidInput("KVzip evicts a share of all layers' slots together: give ratio (--ratio)")
+    if replay is None:
+        raise InvalidInput("KVzip's replay prompts are token ids of the model's tokenizer, and this model has none "
+                           "(or give replay=kvjax.kvzip.replay_prompts(tokenizer))")
+    kw = {k: v for k, v in dict(sinks=sinks, chunk_size=chunk, layerwise=layerwise).items() if v is not None}
+    return KVzip(ratio=ratio, **replay, **kw)
 
 
 def reduces_to(policy: Policy) -> str | None:
