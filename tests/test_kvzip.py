@@ -164,3 +164,28 @@ def test_refusals():
         policy(1)
     with pytest.raises(InvalidInput, match="replay prompts"):
         KVzip(ratio=0.5, repeat_ids=(), continue_ids=CONTINUE, suffix_ids=SUFFIX)
+
+
+def test_command_line_builds_the_replay_from_the_models_tokenizer(capsys, tmp_path):
+    """`--policy kvzip --ratio R` on the embedded model (which has a tokenizer): the policy's description carries the
+    tokenizer's ids of kvpress's repeat prompt; --budget, a missing --ratio and a model without a tokenizer are
+    one-line errors naming why."""
+    import shutil
+
+    from experiments import generate as gen_cli
+    from experiments.common import DEFAULT_MODEL_DIR
+    from models.loading import load_tokenizer
+
+    assert gen_cli.main(["--policy", "kvzip", "--ratio", "0.5", "--kvzip-chunk", "16", "--max-new-tokens", "2",
+                         "The sky is blue. The grass is green."]) == 0
+    out = capsys.readouterr().out
+    ids = load_tokenizer(DEFAULT_MODEL_DIR).encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
+    assert f"repeat_ids={ids}" in out and "chunk_size=16" in out
+    with pytest.raises(InvalidInput, match="--budget 8 does not apply to --policy kvzip"):
+        gen_cli.main(["--policy", "kvzip", "--budget", "8"])
+    with pytest.raises(InvalidInput, match=r"give ratio \(--ratio\)"):
+        gen_cli.main(["--policy", "kvzip"])
+    bare = tmp_path / "bare"
+    shutil.copytree(DEFAULT_MODEL_DIR, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(InvalidInput, match="this model has none"):
+        gen_cli.main(["--model", str(bare), "--policy", "kvzip", "--ratio", "0.5"])

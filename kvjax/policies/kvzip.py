@@ -32,6 +32,10 @@ from kvjax.policies.base import LayerPolicy
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVzip(LayerPolicy):
+    """KVzip at compression `ratio` (the share of all layers' and heads' context slots evicted; per layer with
+    `layerwise`), the first `sinks` positions kept, `chunk_size` context tokens per replay; the replay prompts'
+    token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length. See the module."""
+
     ratio: float
     repeat_ids: tuple[int, ...]
     continue_ids: tuple[int, ...]
