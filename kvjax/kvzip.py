@@ -7,7 +7,7 @@ context: each is the repeat prompt, the chat template's suffix and `chunk_size` 
 at the positions after the context (`model.replay_scores`, the extend pass of `Llama.extend` whose attention
 layers also return `reconstruction_scores`). Then the lowest-scored slots over all layers and KV heads (or per
 layer, `layerwise`) are emptied, sinks never. One row at a time (kvpress's KVzip takes one); the replays of a
-row are one compiled program per replay length bucket.
+row are one compiled program per replay length, rounded up to `REPLAY_ROUND` tokens.
 
 Cost: a row's replays read about `context + chunks x (prompt + suffix)` tokens against the cached context,
 so KVzip's prefill is about twice the prompt pass plus the replay's attention to the whole context (kvpress's
@@ -25,11 +25,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax.cache import Cache, LayerCache
-from kvjax.engine import bucket_length, compiled
+from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
 from kvjax.policies.kvzip import KVzip
 
 POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
+# Replays are padded to a multiple of this many tokens: a power-of-two bucket would double a 2048-token chunk's
+# replay (2048 + its prompt), and a context's replays are all one length but the last, so few programs compile.
+REPLAY_ROUND = 256
 
 
 def replay_prompts(tokenizer, chat: bool = False) -> dict:
@@ -108,7 +111,7 @@ def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: in
     total = None
     for start, end, ids in replays(context, policy):
         n = len(ids)
-        t = bucket_length(n)
+        t = -(-n // REPLAY_ROUND) * REPLAY_ROUND
         tokens = np.zeros((1, t), np.int32)
         positions = np.full((1, t), -1, np.int32)
         tokens[0, :n] = ids
@@ -171,4 +174,4 @@ def _row_cache(cache: Cache, row: int) -> Cache:
     return jax.tree.map(lambda x: x[row:row + 1], cache)
 
 
-__all__ = ["POSTFIX", "compress", "evicted", "reconstruction_scores", "replay_prompts", "replays", "scores"]
+__all__ = ["POSTFIX", "REPLAY_ROUND", "compress", "evicted", "reconstruction_scores", "replay_prompts", "replays", "scores"]
