@@ -3,9 +3,10 @@
     python -m benchmarks.adakv [--lengths 4096,16384] [--budget 256] [--new 64] [--out benchmarks/results]
 
 AdaKV (Feng et al. 2024) runs one top-k over all KV heads of a layer, so each head keeps a different number of
-tokens; its total per layer is SnapKV's (`kv_heads x budget`). kvjax's AdaKV is **masked**: the layer's arrays
-keep the prompt's length and the evicted slots are emptied (as kvpress masks them), so its bytes and its decode
-cost are the full cache's, not its budget's. This benchmark measures that gap on `benchmarks.decode`'s tiny Llama
+tokens; its total per layer is SnapKV's (`kv_heads x budget`). kvjax's AdaKV holds them in one pool per layer
+shared by its heads (`kvjax.cache.PooledLayerCache`), so its bytes are SnapKV's (a head index per slot in place
+of SnapKV's two per-slot statistics); its decode attends each head's own slots by masking the others in the jnp
+reference, so its work is the pool's times the KV heads. This benchmark measures both on `benchmarks.decode`'s tiny Llama
 (4 layers, 2 KV heads), batch 1, random weights, at the same budget for SnapKV(budget) and AdaKV(SnapKV(budget)),
 with the full cache beside them. Writes adakv_<platform>.json / .md / .png; numbers are for reading, never
 asserted in tests.
@@ -56,8 +57,8 @@ def main(argv=None):
     full = {r["prompt"]: r for r in rows if r["policy"] == "full"}
     lines = [f"# AdaKV vs SnapKV at equal total budget ({meta['device']}, jax {jax.__version__})", "",
              f"Tiny Llama {BENCH_CONFIG}, batch 1, float32, {args.new} new tokens, budget {args.budget} per KV head "
-             f"(AdaKV: {BENCH_CONFIG['num_kv_heads']} x {args.budget} per layer, shared by its heads). kvjax's AdaKV "
-             "masks: its arrays keep the prompt's length, so its bytes are the full cache's.", "",
+             f"(AdaKV: {BENCH_CONFIG['num_kv_heads']} x {args.budget} per layer, shared by its heads in one pool). "
+             "AdaKV's decode masks the other heads' slots of the pool (the jnp reference; no kernel yet).", "",
              "| prompt | policy | cache MiB | x full bytes | decode tok/s | x full speed | prefill s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
                f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
                f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
-               "score with its evicted slots emptied, not freed, as are KVzip's (its replay: raw text, chunks of "
-               "2048 tokens, kvpress's prompts).", ""]
+               "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
+               "replay: raw text, chunks of 2048 tokens, kvpress's prompts).", ""]
         for r in args.ruler_ratios:
             new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
                                                           "duo")}

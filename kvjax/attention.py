@@ -26,7 +26,7 @@ from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 __all__ = ["IMPLS", "PREFILL_BLOCK", "AnchorMask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
-           "prefill_attention", "prefill_route", "prefix_attention", "quantized_decode_attention"]
+           "prefill_attention", "prefill_route", "prefix_attention", "quantized_decode_attention", "warn_once"]
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
 IMPLS = ("xla", "pallas")
@@ -38,7 +38,9 @@ def check_impl(impl: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """A UserWarning the first time `message` is said in a process: an implementation that falls back to
+    another (same results, other speed) says so once, not at every traced call."""
     warnings.warn(message, stacklevel=3)
 
 
@@ -161,7 +163,7 @@ def prefix_attention(
     says so once (a warning), never silently."""
     check_impl(impl)
     if impl == "pallas":
-        _warn_once("attention_impl='pallas': a chunk attending a cache (chunked prefill, extend) runs in XLA; "
+        warn_once("attention_impl='pallas': a chunk attending a cache (chunked prefill, extend) runs in XLA; "
                    "kvjax.pallas has no kernel for it")
     return reference.prefix_attention(q, k, v, pos, cache_k, cache_v, slot_pos, log_w, **kwargs)
 
@@ -177,7 +179,7 @@ def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, 
         if variant == "gpu" and quant_decode.supported(qc, q.shape[-1], interpret):
             return quant_decode.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit,
                                        interpret=interpret)
-        _warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size {q.shape[-1]}) on "
+        warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size {q.shape[-1]}) on "
                    f"{variant} decodes through the jnp reference (kvjax.quant.attend): the kernel reading codes is "
                    "GPU-only and needs power-of-two tiles >= 16")
     return quant.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit)
@@ -208,7 +210,7 @@ def decode_attention(
     if stats.colsum or stats.windows:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     if impl == "pallas" and (alibi is not None or window is not None):
-        _warn_once("attention_impl='pallas': decoding with ALiBi or a sliding window runs in XLA; the Pallas decode "
+        warn_once("attention_impl='pallas': decoding with ALiBi or a sliding window runs in XLA; the Pallas decode "
                    "kernel takes neither")
     elif impl == "pallas":
         variant, interpret = kernels.platform_variant()

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 EMPTY = -1
 # A slot its row may not use: a ratio budget gives each row its own slot count inside one array
@@ -92,10 +92,86 @@ class HeadwiseCache:
 
 jax.tree_util.register_dataclass(HeadwiseCache, data_fields=["groups"], meta_fields=["heads"])
 
-AnyLayerCache = LayerCache | HeadwiseCache
+
+@dataclasses.dataclass(frozen=True)
+class PooledLayerCache:
+    """One layer's cache whose KV heads share one pool of slots, so each head holds its own number of tokens and
+    the layer's bytes are the sum of its heads' counts (AdaKV's per-head budgets, `kvjax.policies.AdaKV`),
+    not `kv_heads x` the largest count.
+
+    k, v:  [batch, P, head_dim]  keys (rotated at absolute positions) and values.
+    pos:   [batch, P] int32      position of each slot's token, -1 empty.
+    head:  [batch, P] int32      the KV head that owns the slot, -1 empty.
+    `num_kv_heads` (static): the layer's KV heads. A head's slots are anywhere in the pool; attention masks
+    the others (the jnp reference), and a decoded token takes the first empty slot."""
+
+    k: Float[Array, "b p d"]
+    v: Float[Array, "b p d"]
+    pos: Int[Array, "b p"]
+    head: Int[Array, "b p"]
+    num_kv_heads: int
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the pool (all heads together)."""
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return tree_nbytes(self)
+
+    def positions(self) -> np.ndarray:
+        """`[b, kvh, P]` each head's positions (-1 in the slots it does not own)."""
+        pos, head = np.asarray(self.pos), np.asarray(self.head)
+        return np.stack([np.where(head == h, pos, EMPTY) for h in range(self.num_kv_heads)], axis=1)
+
+
+jax.tree_util.register_dataclass(PooledLayerCache, data_fields=["k", "v", "pos", "head"],
+                                 meta_fields=["num_kv_heads"])
+
+
+def empty_pool(batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> PooledLayerCache:
+    return PooledLayerCache(k=jnp.zeros((batch, slots, head_dim), dtype), v=jnp.zeros((batch, slots, head_dim), dtype),
+                            pos=jnp.full((batch, slots), EMPTY, jnp.int32),
+                            head=jnp.full((batch, slots), EMPTY, jnp.int32), num_kv_heads=kv_heads)
+
+
+def pool_prompt(cache: PooledLayerCache, k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"],
+                pos: Int[Array, "b t"], keep: Bool[Array, "b kvh t"]) -> PooledLayerCache:
+    """The kept (head, token) pairs of a prompt in the empty pool, head by head in time order, the rest empty."""
+    b, kvh, t, d = k.shape
+    src = compact(keep.reshape(b, 1, kvh * t), cache.capacity)[:, 0]  # [b, P] flat (head, token) index, -1 empty
+    ok = src >= 0
+    idx = jnp.where(ok, src, 0)
+    take = lambda x: jnp.take_along_axis(x.reshape(b, kvh * t, d), idx[..., None], axis=1)  # noqa: E731
+    flat_pos = jnp.broadcast_to(pos[:, None, :], (b, kvh, t)).reshape(b, kvh * t)
+    return dataclasses.replace(
+        cache, k=jnp.where(ok[..., None], take(k), 0).astype(cache.k.dtype),
+        v=jnp.where(ok[..., None], take(v), 0).astype(cache.v.dtype),
+        pos=jnp.where(ok, jnp.take_along_axis(flat_pos, idx, axis=1), EMPTY),
+        head=jnp.where(ok, idx // t, EMPTY).astype(jnp.int32))
+
+
+def pool_append(cache: PooledLayerCache, k: Float[Array, "b kvh d"], v: Float[Array, "b kvh d"],
+                pos: Int[Array, "b"]) -> PooledLayerCache:
+    """One token per (row, KV head) into the pool's first `kvh` empty slots (head h the h-th); rows with
+    pos < 0 unchanged. The plan sized the pool with a slot per head for every token to decode."""
+    b, kvh = k.shape[:2]
+    free = jnp.argsort(cache.pos != EMPTY, axis=-1, stable=True)[:, :kvh]  # [b, kvh] the first empty slots
+    slot = jnp.where(pos[:, None] >= 0, free, cache.capacity)  # out of range -> dropped
+    rows = jnp.arange(b)[:, None]
+    return dataclasses.replace(
+        cache, k=cache.k.at[rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[rows, slot].set(v.astype(cache.v.dtype), mode="drop"),
+        pos=cache.pos.at[rows, slot].set(jnp.broadcast_to(pos[:, None], (b, kvh)), mode="drop"),
+        head=cache.head.at[rows, slot].set(jnp.broadcast_to(jnp.arange(kvh, dtype=jnp.int32), (b, kvh)), mode="drop"))
+
+
+AnyLayerCache = LayerCache | HeadwiseCache | PooledLayerCache
 Cache = tuple[AnyLayerCache, ...]
 """A model's cache: one layer cache per layer (a `LayerCache`, a `HeadwiseCache` when the plan splits the
-layer's KV heads into groups, or a quantized layer cache under `Quantized`), a pytree."""
+layer's KV heads into groups, a `PooledLayerCache` for AdaKV's per-head budgets, or a quantized layer cache under
+`Quantized`), a pytree."""
 
 
 def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:
@@ -275,7 +351,7 @@ def kept_positions(cache: Cache) -> list[np.ndarray]:
     """
     out = []
     for layer in cache:
-        p = layer.positions() if isinstance(layer, HeadwiseCache) else np.asarray(layer.pos)
+        p = layer.positions() if isinstance(layer, HeadwiseCache | PooledLayerCache) else np.asarray(layer.pos)
         out.append(np.sort(np.where(p < 0, np.iinfo(np.int32).max, p), axis=-1))
         out[-1] = np.where(out[-1] == np.iinfo(np.int32).max, EMPTY, out[-1])
     return out
@@ -293,7 +369,7 @@ def nbytes(cache: Cache) -> int:
 def num_slots(cache: Cache) -> int:
     """Slots per sequence, summed over layers and KV heads."""
     groups = [g for layer in cache for g in (layer.groups if isinstance(layer, HeadwiseCache) else (layer,))]
-    return sum(g.pos.shape[1] * g.capacity for g in groups)
+    return sum(g.capacity if isinstance(g, PooledLayerCache) else g.pos.shape[1] * g.capacity for g in groups)
 
 
 def equal_bytes_budget(model, policy, prompt_len: int, new_tokens: int) -> int:

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax import attention, kvzip, quant
 from kvjax import cache as kvcache
-from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache
+from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.plan import LayerPlan
@@ -73,6 +73,8 @@ def init_layer_cache(plan: LayerPlan, batch: int, num_kv_heads: int, head_dim: i
             return kvcache.empty(batch, heads, n, head_dim, dtype)
         return quant.empty(plan.quant, batch, heads, n, head_dim, dtype)
 
+    if plan.pooled:  # (`resolve` refuses to quantize a pool)
+        return kvcache.empty_pool(batch, num_kv_heads, num_kv_heads * plan.sizes[0], head_dim, dtype)
     if not plan.split:
         return empty(num_kv_heads, plan.sizes[0])
     return HeadwiseCache(tuple(empty(len(g.kv_heads), n) for g, n in zip(plan.groups, plan.sizes)),
@@ -203,6 +205,8 @@ def query_moments(geom: Geometry, q, pos, requests):
 
 def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
     """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
+    if isinstance(cache, PooledLayerCache):
+        raise InvalidInput(f"{plan.rule.describe()}: a pooled per-head cache cannot be extended by a chunk")
     cache = read(cache, pos)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     o, _ = attention.prefix_attention(
@@ -289,6 +293,8 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     observes what it asked for: `(output [b, h, d], cache)`."""
     if isinstance(cache, QuantizedLayerCache) and _reads_codes(geom, plan):
         return _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)
+    if isinstance(cache, PooledLayerCache):
+        return _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens)
     return _per_group(geom, plan, cache, q, k, v, pos,
                       lambda q, k, v, rule, c, slopes: _decode_heads(geom, q, k, v, pos, rule, c, slopes, tokens))
 
@@ -315,6 +321,29 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
         q_coord=q_coord, k_coord=k_coord, alibi=slopes, window=geom.window, impl=geom.impl, softcap=geom.softcap,
     )
     return o, policy.observe(geom.layer, cache, ctx, stats)
+
+
+def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, v, pos, tokens=None):
+    """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in the pool,
+    and each KV head's queries attend the slots it owns, the others masked: the reference's `[b, kvh, P]`
+    layout as a broadcast of the pool, which XLA reads without copying it per head."""
+    if rule.decode_stats(geom.layer):
+        raise InvalidInput(f"{rule.describe()}: a pooled cache's decode computes no statistics")
+    if geom.impl == "pallas":
+        attention.warn_once("attention_impl='pallas': a pooled per-head cache (AdaKV) decodes in XLA; no Pallas "
+                            "kernel reads a head's own slots of the pool yet")
+    b, kvh = k.shape[:2]
+    ctx = Context(pos, tokens)
+    cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v, ctx)
+    owned = cache.head[:, None, :] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None]
+    slot_pos = jnp.where(owned, cache.pos[:, None, :], kvcache.EMPTY)  # [b, kvh, P]
+    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kvh, *x.shape[1:]))  # noqa: E731
+    q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
+    o, _ = attention.decode_attention(
+        q_rot, per_head(cache.k), per_head(cache.v), slot_pos, jnp.zeros(slot_pos.shape, jnp.float32),
+        scale=geom.scale, q_coord=jnp.broadcast_to(pos[:, None], (b, kvh)), k_coord=slot_pos, alibi=geom.alibi,
+        window=geom.window, impl="xla", softcap=geom.softcap)
+    return o, cache
 
 
 def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:

@@ -545,7 +545,7 @@ def test_chunk_attention_says_it_has_no_pallas_kernel():
     cache = kvcache.empty(1, 1, 2, 4, jnp.float32)
     pos = jnp.arange(3, dtype=jnp.int32)[None]
     args = (q, k, v, pos, cache.k, cache.v, cache.pos, cache.log_w)
-    attention._warn_once.cache_clear()
+    attention.warn_once.cache_clear()
     with pytest.warns(UserWarning, match="has no kernel for it"):
         out, _ = attention.prefix_attention(*args, scale=0.5, impl="pallas")
     np.testing.assert_array_equal(out, attention.prefix_attention(*args, scale=0.5)[0])
@@ -561,7 +561,7 @@ def test_decode_with_alibi_or_a_window_says_it_has_no_pallas_kernel():
     coords = dict(q_coord=jnp.full((1, 1), 4, jnp.int32), k_coord=slot_pos)
     args = (q, k, v, slot_pos, jnp.zeros((1, 1, 5)))
     for extra in (dict(window=3), dict(alibi=attention.alibi_slopes(2))):
-        attention._warn_once.cache_clear()
+        attention.warn_once.cache_clear()
         with pytest.warns(UserWarning, match="the Pallas decode kernel takes neither"):
             out, _ = attention.decode_attention(*args, scale=0.5, impl="pallas", **coords, **extra)
         np.testing.assert_array_equal(out, attention.decode_attention(*args, scale=0.5, **coords, **extra)[0])

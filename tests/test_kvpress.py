@@ -175,23 +175,31 @@ def test_duo_scores_match_kvpress_on_the_fly(sdpa_pair, monkeypatch):
 def test_adakv_kept_positions_per_head_match_kvpress(sdpa_pair):
     """AdaKV(SnapKV): the positions each KV head keeps after the layer-wide top-k (each head first keeping
     its alpha share) are those kvpress's AdaKVPress leaves unmasked, at two ratios; the heads keep different
-    counts whose sum is the layer's budget."""
+    counts whose sum is the layer's budget; the next token's logits (each head attending its own slots of the
+    pooled cache) equal kvpress's."""
     from transformers import DynamicCache
 
     from kvjax.policies import AdaKV
 
     pt, model = sdpa_pair
-    ids = np.random.RandomState(9).randint(0, 97, T)
+    ids = np.random.RandomState(9).randint(0, 97, T + 1)
     varied = False
     for ratio in (0.5, 0.8):
         press = kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW,
                                                        kernel_size=KERNEL), alpha_safeguard=0.2)
-        with torch.no_grad(), press(pt):
-            pt(torch.tensor(ids[None]), past_key_values=DynamicCache())
+        cache_pt = DynamicCache()
+        with torch.no_grad():
+            with press(pt):
+                pt(torch.tensor(ids[None, :T]), past_key_values=cache_pt)
+            theirs = pt(torch.tensor([[ids[T]]]), past_key_values=cache_pt,
+                        position_ids=torch.tensor([[T]])).logits[0, -1].numpy()
         ours = AdaKV(scorer=SnapKV(ratio=ratio, observation_window=WINDOW, kernel=KERNEL, pool="avg",
                                    group_agg="mean"), alpha=0.2)
-        prefill, _ = stepper(model, ours, 128 + 1)
-        _, cache = prefill(*left_pad(ids.tolist(), 128))
+        prefill, decode = stepper(model, ours, 128 + 1)
+        _, cache = prefill(*left_pad(ids[:T].tolist(), 128))
+        # the next token attends each head's own slots of the pool: kvpress's masked attention
+        logits, _ = decode(jnp.asarray([ids[T]], jnp.int32), jnp.asarray([T], jnp.int32), cache)
+        np.testing.assert_allclose(np.asarray(logits[0]), theirs, atol=1e-4, rtol=0)
         kept = kept_sets(cache)
         n_kept = int(T * (1 - ratio))
         for layer in range(3):

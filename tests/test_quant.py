@@ -396,11 +396,14 @@ def test_a_prompt_compressed_whole_keeps_the_same_tokens_quantized(small):
     from kvjax.policies import AdaKV, KeyDiff, LocalWindow, PyramidKV, by_head
     from tests.conftest import left_pad
 
+    with pytest.raises(InvalidInput, match="share one pool of slots"):  # AdaKV's pool is not stored as codes
+        small.model.plan(Quantized(AdaKV(scorer=SnapKV(budget=48)), 2, 32, 16))
+
     cfg = small.config
     ids = random_ids(200, cfg.vocab_size, seed=5)
     tokens, positions = left_pad(ids, 256)
     split = by_head([[h % 2 == 0 for h in range(cfg.num_kv_heads)]] * cfg.num_layers, FullCache(), LocalWindow(size=16))
-    for policy in (PyramidKV(budget=48, observation_window=8, beta=2, num_layers=cfg.num_layers), AdaKV(scorer=SnapKV(budget=48)), KeyDiff(budget=48),
+    for policy in (PyramidKV(budget=48, observation_window=8, beta=2, num_layers=cfg.num_layers), KeyDiff(budget=48),
                    split):
         plain = engine.prefill(small.model, tokens, positions, plan=small.model.plan(policy, 264, 256))[1]
         q = Quantized(policy, 2, min(32, cfg.head_dim), 16)

@@ -249,3 +249,34 @@ def test_expected_attention_refuses_chunks_without_first_warning_they_change_it(
         with pytest.raises(InvalidInput, match="statistics of future queries are the whole prompt's"):
             ExpectedAttention(ratio=0.5, prefill_mode="chunked", chunk=32)
     assert not [w for w in seen if "chunk" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_adakv_pool_bytes_are_the_sum_of_its_per_head_budgets(sharp_dir):
+    """AdaKV(SnapKV(budget=B)) keeps, per layer, one pool of `kv_heads x (B + room)` slots: its bytes are that many
+    slots of (key, value, position, head index), by formula, while its heads keep different counts summing to
+    `kv_heads x B`; decoding fills each head's token into the pool, and every head then holds its prompt slots and
+    each decoded position."""
+    from kvjax.cache import PooledLayerCache
+    from kvjax.policies import AdaKV
+
+    lm = load(sharp_dir)
+    cfg = lm.config
+    budget, new, prompt = 12, 5, random_ids(60, cfg.vocab_size, seed=3)
+    out = generate(lm.model, [prompt], AdaKV(scorer=SnapKV(budget=budget, observation_window=4)),
+                   max_new_tokens=new, eos_ids=[])
+    room = out.room  # the generation buffer: a slot per head for every token decoded
+    d, kvh = cfg.head_dim, cfg.num_kv_heads
+    uneven = False
+    for layer, kept in zip(out.cache, kept_sets(out.cache)):
+        assert isinstance(layer, PooledLayerCache)
+        slots = kvh * (budget + room)
+        assert layer.capacity == slots
+        assert layer.nbytes == slots * (2 * d * 4 + 4 + 4)  # float32 key and value, int32 position and head
+        from_prompt = [[p for p in h if p < len(prompt)] for h in kept]
+        assert sum(map(len, from_prompt)) == kvh * budget
+        uneven |= len({len(h) for h in from_prompt}) > 1
+        for h in kept:
+            assert [p for p in h if p >= len(prompt)] == list(range(len(prompt), len(prompt) + new - 1))
+    assert uneven, "every head kept the same count: the test shows nothing about per-head budgets"
+    snap = generate(lm.model, [prompt], SnapKV(budget=budget, observation_window=4), max_new_tokens=new, eos_ids=[])
+    assert nbytes(out.cache) < nbytes(snap.cache)  # the same slots; a head index in place of two statistics

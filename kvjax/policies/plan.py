@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy, PositionMode
 from kvjax.policies.quantized import Quantized
 from kvjax.quant import KVQuant
@@ -48,6 +49,11 @@ class LayerPlan:
     @property
     def split(self) -> bool:
         return self.groups[0].kv_heads is not None
+
+    @property
+    def pooled(self) -> bool:
+        """The layer's KV heads share one pool of `kv_heads x sizes[0]` slots (`kvjax.cache.PooledLayerCache`)."""
+        return not self.split and getattr(self.groups[0].rule, "pools_heads", False)
 
     @property
     def position_mode(self) -> PositionMode:
@@ -124,4 +130,7 @@ def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) ->
         split = rule.head_split(i)
         groups = (Group(None, rule),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
         layers.append(LayerPlan(i, rule, groups, quant=quant))
+        if quant is not None and layers[-1].pooled:
+            raise InvalidInput(f"{rule.describe()}: its heads share one pool of slots (kvjax.cache.PooledLayerCache), "
+                               "which cannot be stored quantized")
     return Plan(policy, tuple(layers))

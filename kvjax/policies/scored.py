@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as kvcache
-from kvjax.cache import LayerCache
+from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, warn_chunked_method
 from kvjax.stats import StatsRequest
@@ -419,9 +419,13 @@ class AdaKV(LayerPolicy):
     `alpha` share of the count (at least 1), the paper's safeguard. The scorer's observation window is kept in
     every head. As kvpress's `AdaKVPress`.
 
-    Memory: the per-head counts are only known after the prompt, and this cache keeps kvjax's `[b, kvh, C]`
-    layout, so C is the prompt's length: evicted slots are emptied, not freed (kvpress masks them). A pooled
-    layout with per-head offsets, whose bytes are the sum of the per-head budgets, is not implemented."""
+    Memory: the per-head counts are only known after the prompt, so the layer's KV heads share one pool of
+    `kv_heads x` the scorer's capacity slots (`kvjax.cache.PooledLayerCache`): its bytes are the sum of the
+    per-head counts, SnapKV's at the same budget, plus a head index per slot (kvpress masks evicted keys in a
+    full-size cache). Decoding attends each head's own slots; the jnp reference masks the others, so its work
+    is the pool's times the KV heads (no kernel yet that reads only a head's slots)."""
+
+    pools_heads = True  # the plan allocates a `PooledLayerCache` (`kvjax.layer.init_layer_cache`)
 
     step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
 
@@ -446,9 +450,9 @@ class AdaKV(LayerPolicy):
         return self.scorer.prefill_stats(layer)
 
     def capacity(self, layer, max_len, prompt_len=0):
-        return max_len  # a head may keep up to its whole prompt (see the class docstring)
+        return self.scorer.capacity(layer, max_len, prompt_len)  # per head on average: the pool is kvh x this
 
-    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+    def prefill(self, layer, cache: PooledLayerCache, k, v, ctx, stats) -> PooledLayerCache:
         pos = ctx.pos
         sc = self.scorer
         length = jnp.max(pos, axis=1) + 1  # [b]
@@ -466,10 +470,10 @@ class AdaKV(LayerPolicy):
         flat = score.reshape(b, kvh * t)
         grank = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1).reshape(b, kvh, t)
         keep = real & (grank < (kvh * n_keep)[:, None, None])
-        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity))
+        return kvcache.pool_prompt(cache, k, v, pos, keep)
 
-    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
-        return kvcache.append(cache, k, v, ctx.pos)
+    def step(self, layer, cache: PooledLayerCache, k, v, ctx) -> PooledLayerCache:
+        return kvcache.pool_append(cache, k, v, ctx.pos)
 
     def check(self, num_layers, num_kv_heads=None):
         self.scorer.check(num_layers, num_kv_heads)

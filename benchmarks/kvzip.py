@@ -1,0 +1,111 @@
+"""What KVzip's replay costs: the prompt pass, and the replay after it, against SnapKV's prompt pass.
+
+    python -m benchmarks.kvzip [--model smollm2] [--lengths 1024,2048,4096] [--ratio 0.75] [--out benchmarks/results]
+
+KVzip (`kvjax.kvzip`) caches the context whole, then replays it through the model (the repeat prompt and the
+context again, 2048 tokens per replay, attending the cached context) to score every slot. Per context length, one
+row of batch 1 with random token ids: the prompt pass under KVzip's plan (the full cache's), the replay and
+eviction (`kvzip.compress`), and SnapKV's prompt pass at the same ratio, each the best of `--repeats` after a
+compiling call (compile times beside them). Writes kvzip_<platform>[_<model>].json / .md; numbers are for
+reading, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from kvjax import engine, kvzip
+from kvjax.engine import bucket_length
+from kvjax.policies import KVzip, SnapKV
+from models import load
+
+
+def best(fn, repeats: int) -> tuple[float, float]:
+    """(first call's seconds, compile included; best of `repeats` after it)."""
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return first, min(times)
+
+
+def measure(lm, length: int, ratio: float, repeats: int) -> dict:
+    model = lm.model
+    rng = np.random.RandomState(length)
+    ids = rng.randint(100, lm.config.vocab_size, length).tolist()
+    bucket = bucket_length(length)
+    tokens = np.zeros((1, bucket), np.int32)
+    pos = np.full((1, bucket), -1, np.int32)
+    tokens[0, bucket - length:], pos[0, bucket - length:] = ids, np.arange(length)
+    tokens, pos = jnp.asarray(tokens), jnp.asarray(pos)
+    zip_policy = KVzip(ratio=ratio, **kvzip.replay_prompts(lm.tokenizer))
+    zip_plan = model.plan(zip_policy, bucket + 16, bucket)
+    snap_plan = model.plan(SnapKV(ratio=ratio), bucket + 16, bucket)
+    row = dict(length=length)
+    row["prefill_first_s"], row["prefill_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=zip_plan), repeats)
+    _, cache = engine.prefill(model, tokens, pos, plan=zip_plan)
+    row["replay_first_s"], row["replay_s"] = best(lambda: kvzip.compress(model, cache, zip_plan, [ids], zip_policy),
+                                                  repeats)
+    row["snapkv_first_s"], row["snapkv_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=snap_plan), repeats)
+    row["replays"] = len(kvzip.replays(ids, zip_policy))
+    row["replay_tokens"] = sum(len(r[2]) for r in kvzip.replays(ids, zip_policy))
+    for k, v in row.items():
+        if isinstance(v, float) and not np.isfinite(v):
+            raise FloatingPointError(f"{k} at {length} tokens is {v}")
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="a model directory, GGUF file or alias (default: the embedded default model)")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--ratio", type=float, default=0.75)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    from experiments.common import DEFAULT_MODEL_DIR
+
+    lm = load(args.model or DEFAULT_MODEL_DIR)
+    name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
+    rows = [measure(lm, n, args.ratio, args.repeats) for n in tqdm([int(x) for x in args.lengths.split(",")],
+                                                                   desc="context lengths")]
+    plat = jax.devices()[0].platform
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+                model=str(args.model or DEFAULT_MODEL_DIR), ratio=args.ratio, repeats=args.repeats,
+                jax=jax.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"kvzip_{plat}" + ("" if args.model is None else f"_{name}")
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    lines = [f"# KVzip's replay cost ({meta['device']}, {name} model, jax {jax.__version__})", "",
+             f"Batch 1, random token ids, ratio {args.ratio}; seconds, best of {args.repeats} after a compiling call "
+             "(first call in brackets). Prompt pass: KVzip's (the full cache's); replay: `kvzip.compress` (every "
+             "replay and the eviction); SnapKV: its prompt pass at the same ratio. `python -m benchmarks.kvzip "
+             + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`.", "",
+             "| context | prompt pass s | replay s | replays (tokens) | KVzip total / prompt pass | SnapKV prompt pass s |"
+             " KVzip total / SnapKV |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        total = r["prefill_s"] + r["replay_s"]
+        lines.append(f"| {r['length']} | {r['prefill_s']:.3f} ({r['prefill_first_s']:.1f}) | {r['replay_s']:.3f} "
+                     f"({r['replay_first_s']:.1f}) | {r['replays']} ({r['replay_tokens']}) | "
+                     f"{total / r['prefill_s']:.2f} | {r['snapkv_s']:.3f} ({r['snapkv_first_s']:.1f}) | "
+                     f"{total / r['snapkv_s']:.2f} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
