@@ -415,6 +415,7 @@ def generate_many(
         for i, cache in zip(group, caches):
             prefilled[i] = (first, first_finite, cache, seconds)
     out = []
+    replays: dict = {}  # KVzip's replay scores per row, shared by KVzip policies that evict differently
     for i, policy in enumerate(policies):
         t0 = time.perf_counter()
         if i in prefilled:
@@ -432,16 +433,16 @@ def generate_many(
         first.block_until_ready()
         out.append(_continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions,
                              k_prefill, k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket,
-                             progress, t0, shared_s))
+                             progress, t0, shared_s, replays))
     return out
 
 
 def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions, k_prefill,
               k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket, progress, t0,
-              shared_s) -> Generation:
+              shared_s, replays) -> Generation:
     """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
     if isinstance(policy, KVzip):  # its scores come from replaying the context through the model
-        cache = kvzip.compress(model, cache, model.plan(policy, bucket + room, bucket), prompts, policy)
+        cache = kvzip.compress(model, cache, model.plan(policy, bucket + room, bucket), prompts, policy, replays)
     policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
     plan = model.plan(policy, bucket + room, bucket)  # the decode key: after a gate's shrink, its new sizes
     ends = np.asarray([len(p) for p in prompts], np.int32)

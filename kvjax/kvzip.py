@@ -149,9 +149,11 @@ def evicted(score: np.ndarray, policy: KVzip) -> np.ndarray:
     return gone
 
 
-def compress(model, cache: Cache, plan, prompts: list[list[int]], policy: KVzip) -> Cache:
+def compress(model, cache: Cache, plan, prompts: list[list[int]], policy: KVzip, memo: dict | None = None) -> Cache:
     """`cache` (the prompts cached whole under `policy`'s plan, one row per prompt) with KVzip's evicted slots
-    emptied; the layers' shapes are unchanged."""
+    emptied; the layers' shapes are unchanged. `memo`: a dict shared by the calls of one generation over the
+    same model and prompts (`kvjax.generate.generate_many`), where KVzip policies that differ only in how much
+    they evict (ratio, layerwise) reuse each row's replay scores instead of replaying again."""
     if not isinstance(policy, KVzip):
         raise InvalidInput(f"kvzip.compress: {policy.describe()} is not KVzip")
     if any(not isinstance(lc, LayerCache) for lc in cache):
@@ -159,9 +161,16 @@ def compress(model, cache: Cache, plan, prompts: list[list[int]], policy: KVzip)
     if not hasattr(model, "replay_scores"):
         raise InvalidInput(f"KVzip needs a model with replay_scores (kvjax.model.ReplayLM); "
                            f"{type(model).__name__} has none")
+    memo = {} if memo is None else memo
+    # what the scores depend on (the sinks are in each replay's softmax)
+    replay = (policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
+              policy.suffix_ids)
     pos = [np.array(lc.pos) for lc in cache]
     for row, context in enumerate(prompts):
-        gone = evicted(scores(model, cache, plan, list(context), policy, row), policy)
+        key = (replay, row, tuple(context))
+        if key not in memo:
+            memo[key] = scores(model, cache, plan, list(context), policy, row)
+        gone = evicted(memo[key], policy)
         for i, p in enumerate(pos):
             r = p[row]
             h, c = np.nonzero((r >= 0) & (r < len(context)))

@@ -189,3 +189,22 @@ def test_command_line_builds_the_replay_from_the_models_tokenizer(capsys, tmp_pa
     shutil.copytree(DEFAULT_MODEL_DIR, bare, ignore=shutil.ignore_patterns("tokenizer*"))
     with pytest.raises(InvalidInput, match="this model has none"):
         gen_cli.main(["--model", str(bare), "--policy", "kvzip", "--ratio", "0.5"])
+
+
+def test_a_sweep_of_ratios_replays_each_context_once(sdpa_pair, monkeypatch):
+    """`generate_many` over KVzip at two ratios (and layerwise) gives what separate calls give, and replays each
+    context once: the policies differ only in how much they evict."""
+    from kvjax.generate import generate, generate_many
+
+    _, model = sdpa_pair
+    contexts = [np.random.RandomState(s).randint(13, 97, n).tolist() for s, n in ((4, 80), (5, 50))]
+    pols = [policy(0.5, chunk_size=32), policy(0.8, chunk_size=32), policy(0.6, chunk_size=32, layerwise=True)]
+    calls = []
+    real = kvzip.scores
+    monkeypatch.setattr(kvzip, "scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    together = generate_many(model, contexts, pols, max_new_tokens=3)
+    assert len(calls) == len(contexts)
+    for pol, got in zip(pols, together):
+        alone = generate(model, contexts, pol, max_new_tokens=3)
+        assert kept_sets(got.cache, 1) == kept_sets(alone.cache, 1) and got.sequences() == alone.sequences()
+    assert len(calls) == len(contexts) * (1 + len(pols))
