@@ -20,13 +20,14 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
 from kvjax import quant, reference
-from kvjax.pallas import quant_decode
+from kvjax.pallas import pool_decode, quant_decode
 from kvjax.masks import AnchorMask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 __all__ = ["IMPLS", "PREFILL_BLOCK", "AnchorMask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
-           "prefill_attention", "prefill_route", "prefix_attention", "quantized_decode_attention", "warn_once"]
+           "pooled_decode_attention", "prefill_attention", "prefill_route", "prefix_attention",
+           "quantized_decode_attention", "warn_once"]
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
 IMPLS = ("xla", "pallas")
@@ -183,6 +184,32 @@ def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, 
                    f"{variant} decodes through the jnp reference (kvjax.quant.attend): the kernel reading codes is "
                    "GPU-only and needs power-of-two tiles >= 16")
     return quant.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit)
+
+
+def pooled_decode_attention(q: Float[Array, "b h d"], cache, pos: Int[Array, "b"], *, scale: float,
+                            alibi: np.ndarray | None = None, window: int | None = None, softcap: float | None = None,
+                            impl: str = "xla") -> Float[Array, "b h d"]:
+    """One query per row over a pool shared by the layer's KV heads (`kvjax.cache.PooledLayerCache`, the query's
+    token already placed), each KV head's queries seeing its own slots. "xla": the reference `decode_attention`
+    over the pool broadcast to every head, the other heads' slots masked (work: the pool's times the heads);
+    "pallas" on a GPU (interpreted on a CPU): `kvjax.pallas.pool_decode`, which reads only each head's runs of
+    slots; with ALiBi, a window or a soft-cap, or on a TPU, the reference, said once."""
+    check_impl(impl)
+    if impl == "pallas":
+        variant, interpret = kernels.platform_variant()
+        if variant == "gpu" and alibi is None and window is None and softcap is None:
+            return pool_decode.attend(q, cache, scale=scale, interpret=interpret)
+        warn_once(f"attention_impl='pallas': a pooled per-head cache (AdaKV) on {variant} decodes in XLA: the pool "
+                  "kernel is GPU-only and takes no ALiBi, window or soft-cap")
+    b, kvh = pos.shape[0], cache.num_kv_heads
+    owned = cache.head[:, None, :] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None]
+    slot_pos = jnp.where(owned, cache.pos[:, None, :], -1)  # [b, kvh, P]
+    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kvh, *x.shape[1:]))  # noqa: E731
+    o, _ = reference.decode_attention(q, per_head(cache.k), per_head(cache.v), slot_pos,
+                                      jnp.zeros(slot_pos.shape, jnp.float32), scale=scale,
+                                      q_coord=jnp.broadcast_to(pos[:, None], (b, kvh)), k_coord=slot_pos,
+                                      alibi=alibi, window=window, softcap=softcap)
+    return o
 
 
 def decode_attention(

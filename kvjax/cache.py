@@ -102,19 +102,25 @@ class PooledLayerCache:
     k, v:  [batch, P, head_dim]  keys (rotated at absolute positions) and values.
     pos:   [batch, P] int32      position of each slot's token, -1 empty.
     head:  [batch, P] int32      the KV head that owns the slot, -1 empty.
-    `num_kv_heads` (static): the layer's KV heads. A head's slots are anywhere in the pool; attention masks
-    the others (the jnp reference), and a decoded token takes the first empty slot."""
+    Two regions: the prompt's kept tokens in the first `P - num_kv_heads x room` slots, head by head in time
+    order (a head's slots are one run, so a kernel reads only its own), then `room` slots per head, head by head,
+    for the tokens decoded. `num_kv_heads` and `room` are static."""
 
     k: Float[Array, "b p d"]
     v: Float[Array, "b p d"]
     pos: Int[Array, "b p"]
     head: Int[Array, "b p"]
     num_kv_heads: int
+    room: int
 
     @property
     def capacity(self) -> int:
         """Slots of the pool (all heads together)."""
         return self.k.shape[1]
+
+    @property
+    def prompt_slots(self) -> int:
+        return self.capacity - self.num_kv_heads * self.room
 
     @property
     def nbytes(self) -> int:
@@ -125,22 +131,36 @@ class PooledLayerCache:
         pos, head = np.asarray(self.pos), np.asarray(self.head)
         return np.stack([np.where(head == h, pos, EMPTY) for h in range(self.num_kv_heads)], axis=1)
 
+    def runs(self) -> Int[Array, "b kvh 2 2"]:
+        """Each head's two runs of slots, `(start, length)`: its kept prompt tokens, then its decode slots (of
+        which the empty ones have pos -1)."""
+        b, kvh, p0 = self.pos.shape[0], self.num_kv_heads, self.prompt_slots
+        count = jnp.sum(self.head[:, None, :p0] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None], axis=-1)
+        start = jnp.cumsum(count, axis=-1) - count  # [b, kvh]
+        decode_start = jnp.broadcast_to(p0 + self.room * jnp.arange(kvh, dtype=jnp.int32), (b, kvh))
+        return jnp.stack([jnp.stack([start, count], -1),
+                          jnp.stack([decode_start, jnp.full((b, kvh), self.room, jnp.int32)], -1)], 2).astype(jnp.int32)
+
 
 jax.tree_util.register_dataclass(PooledLayerCache, data_fields=["k", "v", "pos", "head"],
-                                 meta_fields=["num_kv_heads"])
+                                 meta_fields=["num_kv_heads", "room"])
 
 
-def empty_pool(batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> PooledLayerCache:
+def empty_pool(batch: int, kv_heads: int, prompt_slots: int, room: int, head_dim: int, dtype) -> PooledLayerCache:
+    """An empty pool of `prompt_slots` (all heads' kept prompt tokens together) + `kv_heads x room` slots."""
+    slots = prompt_slots + kv_heads * room
     return PooledLayerCache(k=jnp.zeros((batch, slots, head_dim), dtype), v=jnp.zeros((batch, slots, head_dim), dtype),
                             pos=jnp.full((batch, slots), EMPTY, jnp.int32),
-                            head=jnp.full((batch, slots), EMPTY, jnp.int32), num_kv_heads=kv_heads)
+                            head=jnp.full((batch, slots), EMPTY, jnp.int32), num_kv_heads=kv_heads, room=room)
 
 
 def pool_prompt(cache: PooledLayerCache, k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"],
                 pos: Int[Array, "b t"], keep: Bool[Array, "b kvh t"]) -> PooledLayerCache:
-    """The kept (head, token) pairs of a prompt in the empty pool, head by head in time order, the rest empty."""
+    """The kept (head, token) pairs of a prompt in the empty pool's prompt region, head by head in time order;
+    the decode region empty."""
     b, kvh, t, d = k.shape
-    src = compact(keep.reshape(b, 1, kvh * t), cache.capacity)[:, 0]  # [b, P] flat (head, token) index, -1 empty
+    src = compact(keep.reshape(b, 1, kvh * t), cache.prompt_slots)[:, 0]  # flat (head, token) index, -1 empty
+    src = jnp.pad(src, ((0, 0), (0, cache.capacity - cache.prompt_slots)), constant_values=-1)
     ok = src >= 0
     idx = jnp.where(ok, src, 0)
     take = lambda x: jnp.take_along_axis(x.reshape(b, kvh * t, d), idx[..., None], axis=1)  # noqa: E731
@@ -154,11 +174,13 @@ def pool_prompt(cache: PooledLayerCache, k: Float[Array, "b kvh t d"], v: Float[
 
 def pool_append(cache: PooledLayerCache, k: Float[Array, "b kvh d"], v: Float[Array, "b kvh d"],
                 pos: Int[Array, "b"]) -> PooledLayerCache:
-    """One token per (row, KV head) into the pool's first `kvh` empty slots (head h the h-th); rows with
-    pos < 0 unchanged. The plan sized the pool with a slot per head for every token to decode."""
+    """One token per (row, KV head) into the head's next decode slot; rows with pos < 0 unchanged (as a token
+    beyond the plan's room, which sized the region for every token to decode)."""
     b, kvh = k.shape[:2]
-    free = jnp.argsort(cache.pos != EMPTY, axis=-1, stable=True)[:, :kvh]  # [b, kvh] the first empty slots
-    slot = jnp.where(pos[:, None] >= 0, free, cache.capacity)  # out of range -> dropped
+    p0, room = cache.prompt_slots, cache.room
+    filled = jnp.sum(cache.pos[:, p0:].reshape(b, kvh, room) >= 0, axis=-1)  # [b, kvh]
+    slot = p0 + room * jnp.arange(kvh)[None, :] + filled
+    slot = jnp.where((pos[:, None] >= 0) & (filled < room), slot, cache.capacity)  # out of range -> dropped
     rows = jnp.arange(b)[:, None]
     return dataclasses.replace(
         cache, k=cache.k.at[rows, slot].set(k.astype(cache.k.dtype), mode="drop"),

@@ -74,7 +74,7 @@ def init_layer_cache(plan: LayerPlan, batch: int, num_kv_heads: int, head_dim: i
         return quant.empty(plan.quant, batch, heads, n, head_dim, dtype)
 
     if plan.pooled:  # (`resolve` refuses to quantize a pool)
-        return kvcache.empty_pool(batch, num_kv_heads, num_kv_heads * plan.sizes[0], head_dim, dtype)
+        return kvcache.empty_pool(batch, num_kv_heads, num_kv_heads * plan.sizes[0], plan.sizes[1], head_dim, dtype)
     if not plan.split:
         return empty(num_kv_heads, plan.sizes[0])
     return HeadwiseCache(tuple(empty(len(g.kv_heads), n) for g, n in zip(plan.groups, plan.sizes)),
@@ -324,26 +324,15 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
 
 
 def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, v, pos, tokens=None):
-    """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in the pool,
-    and each KV head's queries attend the slots it owns, the others masked: the reference's `[b, kvh, P]`
-    layout as a broadcast of the pool, which XLA reads without copying it per head."""
+    """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in its decode
+    slots, and each KV head's queries attend the slots it owns (`attention.pooled_decode_attention`)."""
     if rule.decode_stats(geom.layer):
         raise InvalidInput(f"{rule.describe()}: a pooled cache's decode computes no statistics")
-    if geom.impl == "pallas":
-        attention.warn_once("attention_impl='pallas': a pooled per-head cache (AdaKV) decodes in XLA; no Pallas "
-                            "kernel reads a head's own slots of the pool yet")
-    b, kvh = k.shape[:2]
-    ctx = Context(pos, tokens)
-    cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v, ctx)
-    owned = cache.head[:, None, :] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None]
-    slot_pos = jnp.where(owned, cache.pos[:, None, :], kvcache.EMPTY)  # [b, kvh, P]
-    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kvh, *x.shape[1:]))  # noqa: E731
+    cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v,
+                      Context(pos, tokens))
     q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
-    o, _ = attention.decode_attention(
-        q_rot, per_head(cache.k), per_head(cache.v), slot_pos, jnp.zeros(slot_pos.shape, jnp.float32),
-        scale=geom.scale, q_coord=jnp.broadcast_to(pos[:, None], (b, kvh)), k_coord=slot_pos, alibi=geom.alibi,
-        window=geom.window, impl="xla", softcap=geom.softcap)
-    return o, cache
+    return attention.pooled_decode_attention(q_rot, cache, pos, scale=geom.scale, alibi=geom.alibi,
+                                             window=geom.window, softcap=geom.softcap, impl=geom.impl), cache
 
 
 def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:

@@ -65,7 +65,10 @@ class LayerPlan:
         return self.rule.prefill_stats(self.layer)
 
     def capacities(self, max_len: int, prompt_len: int = 0) -> tuple[int, ...]:
-        """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`)."""
+        """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`);
+        a pooled layer's `(prompt slots per head, decode slots per head)`."""
+        if self.pooled:
+            return self.rule.pool_capacity(self.layer, max_len, prompt_len)
         return tuple(g.rule.capacity(self.layer, max_len, prompt_len) for g in self.groups)
 
 
@@ -113,6 +116,8 @@ class Plan:
 
         def sizes(lp: LayerPlan) -> str:
             quant = "" if lp.quant is None else f", stored quantized ({lp.quant.describe()})"
+            if lp.sizes is not None and lp.pooled:
+                return f" [a pool of {lp.sizes[0]} prompt + {lp.sizes[1]} decode slots per KV head]"
             return ("" if lp.sizes is None else f" [{', '.join(map(str, lp.sizes))} slots]") + quant
 
         return "\n".join(f"layer {lp.layer}: {layer(lp)}{sizes(lp)}" for lp in self.layers)

@@ -452,6 +452,11 @@ class AdaKV(LayerPolicy):
     def capacity(self, layer, max_len, prompt_len=0):
         return self.scorer.capacity(layer, max_len, prompt_len)  # per head on average: the pool is kvh x this
 
+    def pool_capacity(self, layer, max_len, prompt_len=0) -> tuple[int, int]:
+        """(prompt slots, decode slots) per KV head: the pool holds `kv_heads x` each (`kvjax.cache.empty_pool`)."""
+        room = max_len - prompt_len
+        return self.scorer.capacity(layer, max_len, prompt_len) - room, room
+
     def prefill(self, layer, cache: PooledLayerCache, k, v, ctx, stats) -> PooledLayerCache:
         pos = ctx.pos
         sc = self.scorer
