@@ -1,6 +1,7 @@
 """AdaKV against SnapKV at equal total budget: cache bytes and decode speed.
 
-    python -m benchmarks.adakv [--lengths 4096,16384] [--budget 256] [--new 64] [--out benchmarks/results]
+    python -m benchmarks.adakv [--lengths 4096,16384] [--budget 256] [--new 64] [--attention-impl xla|pallas]
+                               [--out benchmarks/results]
 
 AdaKV (Feng et al. 2024) runs one top-k over all KV heads of a layer, so each head keeps a different number of
 tokens; its total per layer is SnapKV's (`kv_heads x budget`). kvjax's AdaKV holds them in one pool per layer
@@ -38,21 +39,24 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="pallas (a GPU): the decode kernels, AdaKV's pool read by kvjax.pallas.pool_decode")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     plat = jax.devices()[0].platform
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    model, _ = bench_model()
+    if args.attention_impl == "pallas" and plat != "gpu":
+        p.error("--attention-impl pallas times the GPU kernels; on a CPU they run interpreted")
+    model, _ = bench_model(attention_impl=args.attention_impl)
     rows = []
     for n in tqdm(lengths, desc="prompt lengths"):
         ids = np.random.RandomState(n).randint(4, BENCH_CONFIG["vocab_size"], n).tolist()
         for name, policy in policies(args.budget).items():
             rows.append(dict(policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new, args.repeats)))
 
-    meta = bench_meta(new_tokens=args.new, budget=args.budget)
+    meta = bench_meta(new_tokens=args.new, budget=args.budget, attention_impl=args.attention_impl)
     (out / f"adakv_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     full = {r["prompt"]: r for r in rows if r["policy"] == "full"}
     lines = [f"# AdaKV vs SnapKV at equal total budget ({meta['device']}, jax {jax.__version__})", "",

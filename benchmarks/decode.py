@@ -32,11 +32,11 @@ BENCH_CONFIG = dict(
 )
 
 
-def bench_model(seed: int = 0):
+def bench_model(seed: int = 0, attention_impl: str = "xla"):
     """The tiny Llama of BENCH_CONFIG with random weights, saved to a temp folder and loaded: (model, folder)."""
     tmp = Path(tempfile.mkdtemp())
     make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG), seed=seed)
-    return load(tmp).model, tmp
+    return load(tmp, attention_impl=attention_impl).model, tmp
 
 
 def bench_meta(**extra) -> dict:

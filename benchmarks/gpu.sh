@@ -58,7 +58,7 @@ if [ "$part" != kernels ]; then
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 stage e2e_1b 170 python3 -m benchmarks.e2e --shape llama-3.2-1b --dtype bfloat16 \
     --lengths 4096,32768 --batches 1 --max-batch-tokens 262144 --policies full,streaming,snapkv,'snapkv chunked 512' \
     --attention-impl pallas --compile-layers '' --new 32 --out "$r"
-stage adakv 70 python3 -m benchmarks.adakv --lengths 4096,16384 --out "$r"
+stage adakv 90 python3 -m benchmarks.adakv --lengths 4096,16384 --attention-impl pallas --out "$r"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 stage e2e_8b 240 python3 -m benchmarks.e2e --shape llama-3.1-8b --dtype bfloat16 \
     --lengths 4096,32768 --batches 1 --max-batch-tokens 262144 --policies full,snapkv --attention-impl pallas \
     --compile-layers '' --new 16 --repeats 1 --out "$r"
