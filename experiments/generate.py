@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from experiments import cli
@@ -29,7 +30,7 @@ from experiments.common import (
     probability,
 )
 from kvjax import FullCache, Sampling, generate
-from kvjax.cache import nbytes, num_slots
+from kvjax.cache import PooledLayerCache, kept_positions, nbytes, num_slots
 from models import load
 
 
@@ -102,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy   {policy.describe()}")
     for text, seq in zip(args.prompt, out.sequences()):
         print(f"\n>>> {text}\n{tok.decode(seq, skip_special_tokens=True)}")
-    caps = sorted({g.capacity for layer in out.cache for g in getattr(layer, "groups", (layer,))})
+    # a pool shared by a layer's KV heads (AdaKV) holds its heads' slots together: per head, its average
+    caps = sorted({g.capacity // getattr(g, "num_kv_heads", 1) if isinstance(g, PooledLayerCache) else g.capacity
+                   for layer in out.cache for g in getattr(layer, "groups", (layer,))})
+    held = sum(int(np.sum(p >= 0)) for p in kept_positions(out.cache)) / len(prompts)
     print(
         f"\ncache    {'/'.join(map(str, caps))} slots per KV head and layer; {num_slots(out.cache)} slots "
-        f"per sequence over layers x KV heads (full cache: {full_slots}); "
+        f"per sequence over layers x KV heads (full cache: {full_slots}), {held:.0f} holding a token; "
         f"{nbytes(out.cache) / 2**20:.3f} MiB for the batch of {len(prompts)}"
     )
     speed = progress.tokens_per_s()
