@@ -394,3 +394,49 @@ def test_smollm2_ruler_answers_under_snapkv_and_knorm_equal_kvpress():
         assert got == want[:len(got)] and len(got) >= 4, (ours.describe(), tok.decode(got), tok.decode(want))
         if press is None:
             assert sample.outputs[0] in tok.decode(got), tok.decode(got)
+
+
+@pytest.mark.slow
+def test_smollm2_kvzip_keeps_what_kvpress_keeps():
+    """The real model, a 1K-token RULER context: KVzip at ratio 0.75 (raw text, kvpress's repeat prompts) keeps, over
+    all 30 layers x 3 KV heads, the slots kvpress 0.5.5's KVzipPress leaves unmasked, to rounding: at least 99.5 %
+    of the evicted (layer, head, position) triples agree (the two frameworks' float32 scores differ in their last
+    bits, which can swap slots at the global threshold; on this sample all 65,880 agree)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpress
+    from experiments.ruler import tasks as T
+    from experiments.ruler.__main__ import encode
+    from kvjax import generate, kvzip
+    from kvjax.cache import kept_sets
+    from kvjax.policies import KVzip
+    from kvpress.presses import kvzip_press
+
+    path = _real()
+    lm = load(path)
+    tok = lm.tokenizer
+    sample = T.generate("niah_single_1", 1024, 1, T.token_counter(tok), tokens_to_generate=12)[0]
+    ctx, question = encode(tok, sample)
+    pt = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    raw = copy.copy(tok)
+    raw.chat_template = None  # kvjax's suites feed raw text; kvpress then replays without a template too
+    original = kvzip_press.AutoTokenizer.from_pretrained
+    kvzip_press.AutoTokenizer.from_pretrained = lambda *a, **k: raw
+    try:
+        press = kvpress.KVzipPress(compression_ratio=0.75)
+        with torch.no_grad():
+            with press(pt):
+                pt.model(input_ids=torch.tensor([ctx]), past_key_values=DynamicCache())
+    finally:
+        kvzip_press.AutoTokenizer.from_pretrained = original
+    theirs = {(layer, int(h), int(s)) for layer, m in enumerate(pt.model.layers)
+              for _, h, s in zip(*m.self_attn.masked_key_indices)}
+    pol = KVzip(ratio=0.75, **kvzip.replay_prompts(tok))
+    out = generate(lm.model, [ctx], pol, questions=[question], max_new_tokens=4)
+    kept = kept_sets(out.cache)
+    ours = {(layer, h, p) for layer, heads in enumerate(kept) for h, ps in enumerate(heads)
+            for p in set(range(len(ctx))) - set(ps)}
+    assert len(ours) == len(theirs) == int(30 * 3 * len(ctx) * 0.75)
+    assert len(ours & theirs) >= 0.995 * len(theirs), len(ours & theirs) / len(theirs)
