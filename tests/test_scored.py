@@ -280,3 +280,25 @@ def test_adakv_pool_bytes_are_the_sum_of_its_per_head_budgets(sharp_dir):
     assert uneven, "every head kept the same count: the test shows nothing about per-head budgets"
     snap = generate(lm.model, [prompt], SnapKV(budget=budget, observation_window=4), max_new_tokens=new, eos_ids=[])
     assert nbytes(out.cache) < nbytes(snap.cache)  # the same slots; a head index in place of two statistics
+
+
+def test_adakv_composes_with_by_layer_and_ratios_and_refuses_a_head_group(sharp_dir):
+    """AdaKV at a ratio in some layers (`by_layer`): those layers pool their heads, each row keeping
+    `kv_heads x floor(n (1 - ratio))` prompt tokens; inside a head split (`by_head`) it is refused by name."""
+    from kvjax.cache import PooledLayerCache
+    from kvjax.errors import InvalidInput
+    from kvjax.policies import AdaKV, FullCache, StreamingLLM, by_head, by_layer
+
+    lm = load(sharp_dir)
+    cfg = lm.config
+    prompts = [random_ids(90, cfg.vocab_size, seed=1), random_ids(61, cfg.vocab_size, seed=2)]
+    pol = by_layer(StreamingLLM(budget=40), AdaKV(scorer=SnapKV(ratio=0.5, observation_window=8)), 1)
+    out = generate(lm.model, prompts, pol, max_new_tokens=4, eos_ids=[])
+    assert [type(c).__name__ for c in out.cache] == ["LayerCache"] + ["PooledLayerCache"] * (cfg.num_layers - 1)
+    for row, p in enumerate(prompts):
+        kept = kept_sets(out.cache, row)[1]
+        assert sum(len([q for q in h if q < len(p)]) for h in kept) == cfg.num_kv_heads * math.floor(len(p) * 0.5)
+    split = by_head([[True] + [False] * (cfg.num_kv_heads - 1)] * cfg.num_layers, FullCache(),
+                    AdaKV(scorer=SnapKV(budget=40, observation_window=8)))
+    with pytest.raises(InvalidInput, match="cannot cache one head group"):
+        lm.model.plan(split)

@@ -134,6 +134,10 @@ def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) ->
         rule = rules_of.at_layer(i)
         split = rule.head_split(i)
         groups = (Group(None, rule),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
+        pooled_group = [g.rule for g in groups if g.kv_heads is not None and getattr(g.rule, "pools_heads", False)]
+        if pooled_group:
+            raise InvalidInput(f"{pooled_group[0].describe()} ranks all of a layer's KV heads together in one pool; "
+                               f"it cannot cache one head group of layer {i}")
         layers.append(LayerPlan(i, rule, groups, quant=quant))
         if quant is not None and layers[-1].pooled:
             raise InvalidInput(f"{rule.describe()}: its heads share one pool of slots (kvjax.cache.PooledLayerCache), "
