@@ -70,3 +70,19 @@ def test_adakv_benchmark_writes_its_tables_and_measures_the_pooled_bytes(tmp_pat
     assert rows["snapkv256"]["cache_bytes"] - rows["adakv256"]["cache_bytes"] == 4 * slots
     assert rows["adakv256"]["cache_bytes"] < rows["full"]["cache_bytes"] / 3
     assert (tmp_path / "adakv_cpu.md").is_file() and (tmp_path / "adakv_cpu.png").is_file()
+
+
+def test_kvzip_benchmark_writes_its_table_and_counts_the_replays(tmp_path):
+    """On the embedded model at 300 tokens: one replay of the 300 context tokens plus kvpress's prompt and the
+    suffix, and every time finite and positive."""
+    from benchmarks import kvzip as bench
+    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.kvzip import replay_prompts
+    from models.loading import load_tokenizer
+
+    bench.main(["--lengths", "300", "--repeats", "1", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "kvzip_cpu.json").read_text())["rows"]
+    prompts = replay_prompts(load_tokenizer(DEFAULT_MODEL_DIR))
+    assert row["replays"] == 1 and row["replay_tokens"] == 300 + len(prompts["repeat_ids"]) + len(prompts["suffix_ids"])
+    assert all(row[k] > 0 for k in ("prefill_s", "replay_s", "snapkv_s"))
+    assert "| 300 |" in (tmp_path / "kvzip_cpu.md").read_text()
