@@ -345,6 +345,21 @@ def test_smollm2_greedy_text_equals_transformers_and_finds_a_passkey():
     assert "48213" in tok.decode(out), tok.decode(out)
 
 
+def _ruler_sample_and_torch_model(length: int):
+    """The real model (kvjax), one RULER niah_single_1 sample of `length` tokens (its context and question ids),
+    and transformers' reading of the same GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    from experiments.ruler import tasks as T
+    from experiments.ruler.__main__ import encode
+
+    path = _real()
+    lm = load(path)
+    sample = T.generate("niah_single_1", length, 1, T.token_counter(lm.tokenizer), tokens_to_generate=12)[0]
+    ctx, question = encode(lm.tokenizer, sample)
+    return lm, sample, ctx, question, AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
 @pytest.mark.slow
 def test_smollm2_ruler_answers_under_snapkv_and_knorm_equal_kvpress():
     """The real model on a RULER niah_single_1 prompt at 2K tokens, question-agnostic as kvpress runs it (the
@@ -353,19 +368,13 @@ def test_smollm2_ruler_answers_under_snapkv_and_knorm_equal_kvpress():
     import contextlib
 
     from kvpress import KnormPress, SnapKVPress
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    from experiments.ruler import tasks as T
-    from experiments.ruler.__main__ import encode
     from kvjax import FullCache, generate
     from kvjax.policies import KNorm, SnapKV
 
-    path = _real()
-    lm = load(path)
+    lm, sample, ctx, question, pt = _ruler_sample_and_torch_model(2048)
     tok = lm.tokenizer
-    sample = T.generate("niah_single_1", 2048, 1, T.token_counter(tok), tokens_to_generate=12)[0]
-    ctx, question = encode(tok, sample)
-    pt = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
 
     def kvpress_tokens(press, new=8):
         cache = DynamicCache()
@@ -404,22 +413,16 @@ def test_smollm2_kvzip_keeps_what_kvpress_keeps():
     bits, which can swap slots at the global threshold; on this sample all 65,880 agree)."""
     import copy
 
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     import kvpress
-    from experiments.ruler import tasks as T
-    from experiments.ruler.__main__ import encode
     from kvjax import generate, kvzip
     from kvjax.cache import kept_sets
     from kvjax.policies import KVzip
     from kvpress.presses import kvzip_press
 
-    path = _real()
-    lm = load(path)
+    lm, sample, ctx, question, pt = _ruler_sample_and_torch_model(1024)
     tok = lm.tokenizer
-    sample = T.generate("niah_single_1", 1024, 1, T.token_counter(tok), tokens_to_generate=12)[0]
-    ctx, question = encode(tok, sample)
-    pt = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
     raw = copy.copy(tok)
     raw.chat_template = None  # kvjax's suites feed raw text; kvpress then replays without a template too
     original = kvzip_press.AutoTokenizer.from_pretrained
