@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.cache import Cache, LayerCache
 from kvjax.engine import compiled
-from kvjax.errors import InvalidInput
+from kvjax.errors import InvalidInput, NonFiniteError
 from kvjax.policies.kvzip import KVzip
 
 POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
@@ -121,6 +121,8 @@ def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: in
         got = replay_fn.pure(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), layers,
                              jnp.asarray(span), plan=plan)
         got = np.stack([np.asarray(x[0], np.float32) for x in got])  # [L, kvh, c] by slot
+        if not np.all(np.isfinite(got)):  # a NaN would sort anywhere and evict silently
+            raise NonFiniteError(f"KVzip: non-finite reconstruction scores in the replay of positions {start}-{end - 1}")
         total = got if total is None else total + got  # a slot belongs to one chunk: 0 elsewhere
     out = np.zeros((len(layers), layers[0].pos.shape[1], len(context)), np.float32)
     if total is None:

@@ -3,6 +3,7 @@ GQA Llama, the replay prompts built as kvpress builds them, generation with ques
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -205,3 +206,14 @@ def test_a_sweep_of_ratios_replays_each_context_once(sdpa_pair, monkeypatch):
         alone = generate(model, contexts, pol, max_new_tokens=3)
         assert kept_sets(got.cache, 1) == kept_sets(alone.cache, 1) and got.sequences() == alone.sequences()
     assert len(calls) == len(contexts) * (1 + len(pols))
+
+
+def test_non_finite_scores_are_an_error(sdpa_pair, monkeypatch):
+    """A NaN in the replay's scores stops the eviction with an error naming the replay, instead of sorting anywhere."""
+    from kvjax.errors import NonFiniteError
+
+    _, model = sdpa_pair
+    real = kvzip.reconstruction_scores
+    monkeypatch.setattr(kvzip, "reconstruction_scores", lambda *a: real(*a) * jnp.nan)
+    with pytest.raises(NonFiniteError, match="replay of positions 0-99"):
+        compressed(model, np.random.RandomState(1).randint(13, 97, T), policy(0.5, chunk_size=128))
