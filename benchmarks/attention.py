@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from kvjax import attention
 from kvjax import pallas as kernels
+from kvjax.masks import Mask
 
 # Peak HBM bandwidth (bytes/s) by device kind, for "% of peak".
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12, "TPU v5e": 0.82e12}
@@ -105,8 +106,8 @@ def bench_prefill(t, masked, masking, variant, interpret, h=32, kvh=8, d=128, dt
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     keep = gate_mask(t, kvh, masked, masking, rng) if masked > 0 else None
     scale = d**-0.5
-    ref = jax.jit(lambda q, k, v: attention.prefill_attention(q, k, v, pos, pos, scale=scale, key_keep=keep)[0])
-    ker = jax.jit(lambda q, k, v: kernels.prefill_attention(q, k, v, pos, pos, scale=scale, key_keep=keep,
+    ref = jax.jit(lambda q, k, v: attention.prefill_attention(q, k, v, pos, pos, scale=scale, mask=Mask(key_keep=keep))[0])
+    ker = jax.jit(lambda q, k, v: kernels.prefill_attention(q, k, v, pos, pos, scale=scale, mask=Mask(key_keep=keep),
                                                             variant=variant, interpret=interpret)[0])
     flops = 4 * h * t * t / 2 * d
     row = {"T": t, "masked": masked, "xla_ms": 1e3 * best_time(ref, q, k, v, repeats=3, inner=5)}
@@ -124,8 +125,7 @@ def bench_common(t, variant, interpret, h=32, kvh=8, d=128, dtype=jnp.bfloat16):
     k, v = (jnp.asarray(rng.normal(size=(1, kvh, t, d)), dtype) for _ in range(2))
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     scale = d**-0.5
-    route = attention.prefill_route("pallas", jax.default_backend(), stats=attention.NO_STATS, alibi=None,
-                                    window=None, anchor_mask=None, key_keep=None, softcap=None,
+    route = attention.prefill_route("pallas", jax.default_backend(), stats=attention.NO_STATS, mask=Mask(),
                                     self_attention=True, dtype=dtype, head_dim=d)
     dispatched = jax.jit(lambda q, k, v: attention.prefill_attention(q, k, v, pos, pos, scale=scale, impl="pallas",
                                                                      self_attention=True)[0])

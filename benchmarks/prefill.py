@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from kvjax import FullCache, attention, engine
 from kvjax.anllm_anchors import anchor_mask
+from kvjax.masks import Mask
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -79,10 +80,10 @@ def sparse_cases(t: int, kv_heads: int, block: int = attention.PREFILL_BLOCK) ->
     kept = (np.arange(t) // block) % 10 == 0
     flags = jnp.asarray(np.broadcast_to(kept, (1, kv_heads, t)))
     anchors = lambda every: anchor_mask(jnp.asarray(np.arange(t)[None] % every == every - 1))  # noqa: E731
-    return {"causal": {}, "gate, 90 % of key blocks evicted, bool flags": {"key_keep": flags},
-            "gate, the same flags as float (training)": {"key_keep": flags.astype(jnp.float32)},
-            "eq. 4, an anchor every 512 tokens": {"anchor_mask": anchors(512)},
-            "eq. 4, an anchor every 40 tokens": {"anchor_mask": anchors(40)}}
+    return {"causal": Mask(), "gate, 90 % of key blocks evicted, bool flags": Mask(key_keep=flags),
+            "gate, the same flags as float (training)": Mask(key_keep=flags.astype(jnp.float32)),
+            "eq. 4, an anchor every 512 tokens": Mask(anchors=anchors(512)),
+            "eq. 4, an anchor every 40 tokens": Mask(anchors=anchors(40))}
 
 
 def time_sparse(t: int, repeats: int) -> list[dict]:
@@ -95,7 +96,7 @@ def time_sparse(t: int, repeats: int) -> list[dict]:
         row = {"mask": name, "tokens": t}
         for key, skip in (("every_tile_s", False), ("skipping_s", True)):
             f = jax.jit(lambda q, k, v, m, skip=skip: attention.prefill_attention(
-                q, k, v, pos, pos, scale=d**-0.5, self_attention=skip, **m)[0])
+                q, k, v, pos, pos, scale=d**-0.5, self_attention=skip, mask=m)[0])
             row[key] = best_of(lambda f=f: jax.block_until_ready(f(q, k, v, masks)), repeats)
         row["speedup"] = row["every_tile_s"] / row["skipping_s"]
         rows.append(row)

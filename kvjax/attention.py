@@ -15,17 +15,16 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from kvjax import pallas as kernels
 from kvjax import quant, reference
 from kvjax.pallas import pool_decode, quant_decode
-from kvjax.masks import AnchorMask
+from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
-__all__ = ["IMPLS", "PREFILL_BLOCK", "AnchorMask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
+__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
            "pooled_decode_attention", "prefill_attention", "prefill_route", "prefix_attention",
            "quantized_decode_attention", "warn_once"]
 
@@ -45,10 +44,10 @@ def warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _no_softcap_kernel(softcap, impl):
-    if softcap is not None and impl == "pallas":
+def _no_softcap_kernel(mask: Mask, impl):
+    if mask.softcap is not None and impl == "pallas":
         raise ValueError(f"attention_impl='pallas': the kernels do not implement attention-logit soft-capping "
-                         f"(softcap={softcap}, Gemma 2); load the model with attention_impl='xla'")
+                         f"(softcap={mask.softcap}, Gemma 2); load the model with attention_impl='xla'")
 
 
 def _backend() -> str:
@@ -56,8 +55,7 @@ def _backend() -> str:
 
 
 def prefill_route(
-    impl: str, backend: str, *, stats: StatsRequest, alibi, window, anchor_mask, key_keep, softcap, self_attention: bool,
-    dtype, head_dim: int,
+    impl: str, backend: str, *, stats: StatsRequest, mask: Mask, self_attention: bool, dtype, head_dim: int,
 ) -> str:
     """Which code a prompt's attention runs: "xla" (the reference), "pallas" (kvjax.pallas), or "cudnn".
 
@@ -70,8 +68,7 @@ def prefill_route(
     too. Any other call keeps kvjax's kernels, which compute what the policy asked for."""
     if impl != "pallas":
         return "xla"
-    plain = (not stats.colsum and not stats.probs and alibi is None and window is None and anchor_mask is None
-             and key_keep is None and softcap is None)
+    plain = not stats.colsum and not stats.probs and mask.plain
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if backend == "gpu" and self_attention and plain and fits else "pallas"
 
@@ -106,13 +103,9 @@ def prefill_attention(
     *,
     scale: float,
     stats: StatsRequest = NO_STATS,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    anchor_mask: AnchorMask | None = None,
-    key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
+    mask: Mask = CAUSAL,
     block: int = PREFILL_BLOCK,
     impl: str = "xla",
-    softcap: float | None = None,
     self_attention: bool = False,
 ) -> tuple[Float[Array, "b h t d"], AttentionStats]:
     """`kvjax.reference.prefill_attention` (arguments and statistics), run by `impl`.
@@ -123,24 +116,22 @@ def prefill_attention(
     check_impl(impl)
     if stats.probs:
         raise ValueError("prefill_attention cannot compute statistics ['probs'] (a decode statistic)")
-    masks = dict(alibi=alibi, window=window, anchor_mask=anchor_mask, key_keep=key_keep)
-    route = prefill_route(impl, _backend(), stats=stats, softcap=softcap, self_attention=self_attention, dtype=q.dtype,
-                          head_dim=q.shape[-1], **masks)
+    route = prefill_route(impl, _backend(), stats=stats, mask=mask, self_attention=self_attention, dtype=q.dtype,
+                          head_dim=q.shape[-1])
     if route == "cudnn":
         first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
         return cudnn_prefill(q, k, v, q_pos, scale=scale), AttentionStats(first_logit=first_logit,
                                                                           window_probs=window_probs)
-    _no_softcap_kernel(softcap, impl)
+    _no_softcap_kernel(mask, impl)
     if route == "xla":
-        return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, block=block,
-                                           softcap=softcap, self_attention=self_attention, **masks)
+        return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, mask=mask, block=block,
+                                           self_attention=self_attention)
     variant, interpret = kernels.platform_variant()
-    kw = dict(scale=scale, variant=variant, interpret=interpret, **masks)
+    kw = dict(scale=scale, variant=variant, interpret=interpret, mask=mask)
     out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, **kw)
     out = out.astype(q.dtype)
     colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if stats.colsum else None
-    first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, softcap=softcap,
-                                                            **masks)
+    first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
     return out, AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
 
 
@@ -157,8 +148,8 @@ def prefix_attention(
     impl: str = "xla",
     **kwargs,
 ) -> tuple[Float[Array, "b h t d"], AttentionStats]:
-    """`kvjax.reference.prefix_attention` (its keyword arguments: masks, ALiBi, statistics, rolling sinks): a
-    chunk of new tokens attending a cache and, causally, itself.
+    """`kvjax.reference.prefix_attention` (its keyword arguments: the mask, the visibility of slots and chunk,
+    statistics, rolling sinks): a chunk of new tokens attending a cache and, causally, itself.
 
     There is no Pallas kernel for a chunk over a cache: with `impl="pallas"` the reference runs and
     says so once (a warning), never silently."""
@@ -187,17 +178,16 @@ def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, 
 
 
 def pooled_decode_attention(q: Float[Array, "b h d"], cache, pos: Int[Array, "b"], *, scale: float,
-                            alibi: np.ndarray | None = None, window: int | None = None, softcap: float | None = None,
-                            impl: str = "xla") -> Float[Array, "b h d"]:
+                            mask: Mask = CAUSAL, impl: str = "xla") -> Float[Array, "b h d"]:
     """One query per row over a pool shared by the layer's KV heads (`kvjax.cache.PooledLayerCache`, the query's
     token already placed), each KV head's queries seeing its own slots. "xla": the reference `decode_attention`
     over the pool broadcast to every head, the other heads' slots masked (work: the pool's times the heads);
     "pallas" on a GPU (interpreted on a CPU): `kvjax.pallas.pool_decode`, which reads only each head's runs of
-    slots; with ALiBi, a window or a soft-cap, or on a TPU, the reference, said once."""
+    slots; with ALiBi, a window or a soft-cap (`mask`), or on a TPU, the reference, said once."""
     check_impl(impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        if variant == "gpu" and alibi is None and window is None and softcap is None:
+        if variant == "gpu" and mask.plain:
             return pool_decode.attend(q, cache, scale=scale, interpret=interpret)
         warn_once(f"attention_impl='pallas': a pooled per-head cache (AdaKV) on {variant} decodes in XLA: the pool "
                   "kernel is GPU-only and takes no ALiBi, window or soft-cap")
@@ -207,8 +197,7 @@ def pooled_decode_attention(q: Float[Array, "b h d"], cache, pos: Int[Array, "b"
     per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kvh, *x.shape[1:]))  # noqa: E731
     o, _ = reference.decode_attention(q, per_head(cache.k), per_head(cache.v), slot_pos,
                                       jnp.zeros(slot_pos.shape, jnp.float32), scale=scale,
-                                      q_coord=jnp.broadcast_to(pos[:, None], (b, kvh)), k_coord=slot_pos,
-                                      alibi=alibi, window=window, softcap=softcap)
+                                      q_coord=jnp.broadcast_to(pos[:, None], (b, kvh)), k_coord=slot_pos, mask=mask)
     return o
 
 
@@ -223,20 +212,19 @@ def decode_attention(
     stats: StatsRequest = NO_STATS,
     q_coord: Int[Array, "b kvh"] | None = None,
     k_coord: Int[Array, "b kvh c"] | None = None,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
+    mask: Mask = CAUSAL,
     impl: str = "xla",
-    softcap: float | None = None,
 ) -> tuple[Float[Array, "b h d"], AttentionStats]:
     """`kvjax.reference.decode_attention`: one query per row against the cache slots, run by `impl`.
 
     `impl="pallas"` runs `kvjax.pallas.decode_attention`, except with ALiBi or a sliding window,
     which the kernel does not take: those models decode in the reference and say so once (a warning)."""
     check_impl(impl)
-    _no_softcap_kernel(softcap, impl)
+    _no_softcap_kernel(mask, impl)
     if stats.colsum or stats.windows:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
-    if impl == "pallas" and (alibi is not None or window is not None):
+    mask.only(("window", "softcap", "alibi"), "decode_attention")
+    if impl == "pallas" and (mask.alibi is not None or mask.window is not None):
         warn_once("attention_impl='pallas': decoding with ALiBi or a sliding window runs in XLA; the Pallas decode "
                    "kernel takes neither")
     elif impl == "pallas":
@@ -244,4 +232,4 @@ def decode_attention(
         return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
                                         interpret=interpret)
     return reference.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, q_coord=q_coord,
-                                      k_coord=k_coord, alibi=alibi, window=window, softcap=softcap)
+                                      k_coord=k_coord, mask=mask)

@@ -28,6 +28,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import reference
+from kvjax.masks import Mask
 
 # Score elements per query block: bounds the `[heads, block, T]` buffer of the probe.
 _BLOCK_ELEMENTS = 1 << 24
@@ -95,18 +96,15 @@ def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
     return total
 
 
-def _logits(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
+def _logits(q, k, q_pos, k_pos, scale, mask: Mask):
     """Scaled, soft-capped, biased attention logits `[b, kvh, g, tq, tk]` of query block `q`
-    `[b, h, tq, d]` (masked entries -inf), as the layer's attention computes them."""
-    qg = reference._group(q, k.shape[1])
-    s = reference._softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale,
-                           softcap)
-    return reference._bias_and_mask(s, q_pos[:, None], k_pos[:, None], slopes, window)
+    `[b, h, tq, d]` (masked entries MASKED), as the layer's attention computes them (float32 for half-precision inputs)."""
+    return reference.logits(q, k, q_pos, k_pos, scale=scale, mask=mask)
 
 
-def _probs(q, k, q_pos, k_pos, scale, slopes, window, softcap=None):
+def _probs(q, k, q_pos, k_pos, scale, mask: Mask):
     """Attention probabilities `[b, kvh, g, tq, tk]` of query block `q` `[b, h, tq, d]`."""
-    return jax.nn.softmax(_logits(q, k, q_pos, k_pos, scale, slopes, window, softcap), axis=-1)
+    return jax.nn.softmax(_logits(q, k, q_pos, k_pos, scale, mask), axis=-1)
 
 
 def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) -> list[Float[np.ndarray, "b h t t"]]:
@@ -117,7 +115,7 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     out = []
     for _, q, k, attn in _layers(model, tokens):
-        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn.geometry.alibi, attn.window, attn.softcap)
+        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn.geometry.mask())
         p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
         out.append(np.where(p <= reference._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
@@ -142,9 +140,9 @@ def _targets(tokens: Int[Array, "b t"]):
     return jnp.any(echo, -1), jnp.any(ind, -1)
 
 
-def _block_mass(q, k, tok_q, tok, q_pos, k_pos, scale, slopes, window, softcap):
+def _block_mass(q, k, tok_q, tok, q_pos, k_pos, scale, mask: Mask):
     """Echo and induction probability mass `[b, kvh, g, tq]` for one query block."""
-    p = _probs(q, k, q_pos, k_pos, scale, slopes, window, softcap)
+    p = _probs(q, k, q_pos, k_pos, scale, mask)
     before = k_pos[:, None, :] < q_pos[:, :, None]  # [b, tq, tk]
     prev = jnp.pad(tok, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
     echo = (tok[:, None, :] == tok_q[:, :, None]) & before
@@ -174,12 +172,12 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
     pad = lambda x, v: jnp.pad(x, ((0, 0), (0, n * block - t)), constant_values=v).reshape(b, n, block).transpose(1, 0, 2)
     tok_blocks, pos_blocks = pad(tokens, -2), pad(pos, -1)
 
-    @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
-    def layer_scores(q, k, slopes, scale, window, softcap):
+    @functools.partial(jax.jit, static_argnames=("scale",))
+    def layer_scores(q, k, mask, scale):
         qb = jnp.pad(q, ((0, 0), (0, 0), (0, n * block - t), (0, 0)))
         qb = qb.reshape(b, c.num_heads, n, block, -1).transpose(2, 0, 1, 3, 4)
         mass = jax.lax.map(
-            lambda xs: _block_mass(xs[0], k, xs[1], tokens, xs[2], pos, scale, slopes, window, softcap),
+            lambda xs: _block_mass(xs[0], k, xs[1], tokens, xs[2], pos, scale, mask),
             (qb, tok_blocks, pos_blocks),
         )
         # [n, b, kvh, g, block] -> [b, h, t]
@@ -195,8 +193,7 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
 
         layers = tqdm(layers, total=c.num_layers, desc="probe layers", unit="layer")
     for _, q, k, attn in layers:
-        slopes = attn.geometry.alibi
-        e, i = layer_scores(q, k, None if slopes is None else jnp.asarray(slopes), attn.scale, attn.window, attn.softcap)
+        e, i = layer_scores(q, k, attn.geometry.mask(), attn.scale)
         echo.append(np.asarray(e))
         ind.append(np.asarray(i))
     return HeadScores(echo=np.stack(echo), induction=np.stack(ind))

@@ -30,6 +30,7 @@ from kvjax import attention, kvzip, quant
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
+from kvjax.masks import Mask
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
@@ -59,6 +60,11 @@ class Geometry:
 
     def rotate(self, x, positions):
         return x if self.rope is None else self.rope(x, positions)
+
+    def mask(self, anchors=None, key_keep=None) -> Mask:
+        """The layer's `kvjax.masks.Mask` (its window, soft-cap and ALiBi), with a call's eq. 4 `anchors` and
+        gate `key_keep` flags."""
+        return Mask(window=self.window, softcap=self.softcap, alibi=self.alibi, anchors=anchors, key_keep=key_keep)
 
 
 # ---- caches ----------------------------------------------------------------------------------------
@@ -134,9 +140,8 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     wanted = NO_STATS if plan is None else plan.prefill_stats()
     o, stats = attention.prefill_attention(
-        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), alibi=geom.alibi,
-        window=geom.window, anchor_mask=anchor_mask, key_keep=key_keep, impl=geom.impl, softcap=geom.softcap,
-        self_attention=True,
+        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(),
+        mask=geom.mask(anchor_mask, key_keep), impl=geom.impl, self_attention=True,
     )
     if plan is None:
         return o, cache
@@ -155,8 +160,8 @@ def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v
     for lp in plans:
         wanted = wanted | lp.prefill_stats()
     o, stats = attention.prefill_attention(
-        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), alibi=geom.alibi,
-        window=geom.window, impl=geom.impl, softcap=geom.softcap, self_attention=True,
+        q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), mask=geom.mask(),
+        impl=geom.impl, self_attention=True,
     )
     if wanted.query_moments:
         stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
@@ -211,8 +216,8 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     o, _ = attention.prefix_attention(
         q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
-        slot_visible=plan.rule.prefix_visible(geom.layer, cache, anchor_mask), anchor_mask=anchor_mask,
-        alibi=geom.alibi, window=geom.window, softcap=geom.softcap, impl=geom.impl,
+        mask=geom.mask(anchor_mask), slot_visible=plan.rule.prefix_visible(geom.layer, cache, anchor_mask),
+        impl=geom.impl,
     )
     return o
 
@@ -220,7 +225,7 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
 def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, span):
     """`extend` for KVzip's replay (`kvjax.kvzip`): the output, and each cached slot's reconstruction score
     `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end)."""
-    if geom.softcap is not None or geom.alibi is not None or geom.window is not None:
+    if not geom.mask().plain:
         raise InvalidInput("KVzip's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
     o = extend(geom, plan, cache, q, k, v, pos)
     cache = read(cache, pos)
@@ -232,21 +237,21 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
 
 
 def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
-    """`run_rule(q, k, v, rule, cache, slopes)` once for the layer, or once per head group when the plan splits the
+    """`run_rule(q, k, v, rule, cache, mask)` once for the layer, or once per head group when the plan splits the
     KV heads, each with its query heads, KV heads, own rule, cache (read, and stored back, as the plan stores it)
-    and ALiBi slopes; the outputs (query heads on axis 1) return to head order."""
-    def run(q, k, v, rule, c, slopes):
-        o, c = run_rule(q, k, v, rule, read(c, pos), slopes)
+    and mask (its heads' ALiBi slopes); the outputs (query heads on axis 1) return to head order."""
+    def run(q, k, v, rule, c, mask):
+        o, c = run_rule(q, k, v, rule, read(c, pos), mask)
         return o, stored(plan, c, pos)
 
-    slopes = geom.alibi
+    mask = geom.mask()
     g = geom.num_heads // geom.num_kv_heads
     outs, caches, order = [], [], []
     for heads, sub, c in rule_groups(plan, cache):
         if heads is None:
-            return run(q, k, v, sub, c, slopes)
+            return run(q, k, v, sub, c, mask)
         qh = [h * g + j for h in heads for j in range(g)]
-        o, c = run(q[:, qh], k[:, heads], v[:, heads], sub, c, None if slopes is None else slopes[qh])
+        o, c = run(q[:, qh], k[:, heads], v[:, heads], sub, c, mask.heads(qh))
         outs.append(o)
         caches.append(c)
         order += qh
@@ -257,15 +262,15 @@ def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, t
     """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
     rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
     return _per_group(geom, plan, cache, q, k, v, pos,
-                      lambda q, k, v, rule, c, slopes: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, slopes))
+                      lambda q, k, v, rule, c, mask: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, mask))
 
 
-def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, slopes):
+def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, mask: Mask):
     ctx = Context(pos, tokens)
     cache = rule.make_room(geom.layer, cache, ctx)
     slot_visible, chunk_visible = rule.chunk_visible(geom.layer, cache, ctx)
-    kw = dict(scale=geom.scale, slot_visible=slot_visible, chunk_visible=chunk_visible, alibi=slopes,
-              window=geom.window, softcap=geom.softcap, stats=rule.chunk_stats(geom.layer), impl=geom.impl)
+    kw = dict(scale=geom.scale, mask=mask, slot_visible=slot_visible, chunk_visible=chunk_visible,
+              stats=rule.chunk_stats(geom.layer), impl=geom.impl)
     if rule.position_mode(geom.layer) == "absolute":
         k_rot = geom.rotate(k, pos[:, None, :])
         o, stats = attention.prefix_attention(geom.rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
@@ -274,7 +279,7 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, 
     # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at its true
     # distance (rotated relative to the chunk's last position, keeping angles small); a sink is ranked first,
     # so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
-    if slopes is not None or geom.rope is None:
+    if mask.alibi is not None or geom.rope is None:
         raise InvalidInput("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
     sinks = rule.rolling_sinks(geom.layer, cache.capacity)
     base = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]
@@ -296,10 +301,10 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     if isinstance(cache, PooledLayerCache):
         return _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens)
     return _per_group(geom, plan, cache, q, k, v, pos,
-                      lambda q, k, v, rule, c, slopes: _decode_heads(geom, q, k, v, pos, rule, c, slopes, tokens))
+                      lambda q, k, v, rule, c, mask: _decode_heads(geom, q, k, v, pos, rule, c, mask, tokens))
 
 
-def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCache, slopes, tokens=None):
+def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCache, mask: Mask, tokens=None):
     b, kvh = k.shape[:2]
     rolling = policy.position_mode(geom.layer) == "rolling"
     k_store = k if rolling else geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
@@ -318,7 +323,7 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
         q = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
     o, stats = attention.decode_attention(
         q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=policy.decode_stats(geom.layer),
-        q_coord=q_coord, k_coord=k_coord, alibi=slopes, window=geom.window, impl=geom.impl, softcap=geom.softcap,
+        q_coord=q_coord, k_coord=k_coord, mask=mask, impl=geom.impl,
     )
     return o, policy.observe(geom.layer, cache, ctx, stats)
 
@@ -331,8 +336,8 @@ def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, 
     cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v,
                       Context(pos, tokens))
     q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
-    return attention.pooled_decode_attention(q_rot, cache, pos, scale=geom.scale, alibi=geom.alibi,
-                                             window=geom.window, softcap=geom.softcap, impl=geom.impl), cache
+    return attention.pooled_decode_attention(q_rot, cache, pos, scale=geom.scale, mask=geom.mask(),
+                                             impl=geom.impl), cache
 
 
 def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
@@ -341,8 +346,7 @@ def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
     window or soft-cap, which the blockwise reader does not apply. Otherwise the cache is read as a view."""
     rule = plan.rule
     return (len(plan.groups) == 1 and not getattr(rule, "step_reads_kv", True)
-            and rule.position_mode(geom.layer) == "absolute" and geom.alibi is None and geom.window is None
-            and geom.softcap is None)
+            and rule.position_mode(geom.layer) == "absolute" and geom.mask().plain)
 
 
 def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):

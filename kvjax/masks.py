@@ -10,16 +10,21 @@ arrays that broadcast `[..., queries, 1]` against `[..., 1, keys]`: the referenc
 * ALiBi (Press et al. 2022): `slope * (k - q)` added to the logit;
 * AnLLM's eq. 4 (`AnchorMask`): a token sees its own sequence, a non-anchor also the earlier
   sequences' anchors, and every token the kept span;
-* Attention-Gate's eq. 7: a key the gate evicted is hidden from later queries, never from its own.
+* Attention-Gate's eq. 7: a key the gate evicted is hidden from later queries, never from its own;
+* Gemma 2's soft-cap, `cap * tanh(s / cap)` on the scaled logits, before any bias.
+
+`Mask` gathers what a call asks for beyond causality and padding into one value, which the reference,
+the kernels and `kvjax.layer` take as one argument (`mask=`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 # Finite, so a row with no visible key (a padding query) gives a uniform, finite softmax (and a
 # fully masked kernel tile an exp of 0) instead of NaN; such rows are never read.
@@ -93,3 +98,50 @@ class AnchorMask:
         qa = self.anchor if q_idx is None else self.anchor[:, q_idx]
         return eq4(qs[:, :, None], qa[:, :, None], self.segment[:, None, :], self.anchor[:, None, :],
                    self.keep[:, None, :])
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["alibi", "anchors", "key_keep"],
+                   meta_fields=["window", "softcap"])
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mask:
+    """What a query sees and the bias it adds, beyond causality by positions and padding (always applied).
+
+    `window`: a query sees only its `window` latest positions (Mistral, Gemma's local layers); `softcap`:
+    Gemma 2's logit cap; `alibi`: the query heads' ALiBi slopes `[h]`; `anchors`: AnLLM's eq. 4 over a prompt
+    (`AnchorMask`); `key_keep`: Attention-Gate's flags `[b, kvh, s]` per KV head, the keys later queries may
+    see (eq. 7), bool or the gate's float flags (differentiable). A pytree: `window` and `softcap` are static
+    (they shape the computation), the arrays are leaves. Where a call cannot apply a part (eq. 4 in a decode
+    step, say) it refuses it by name rather than dropping it.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    alibi: Float[Array, "h"] | None = None
+    anchors: AnchorMask | None = None
+    key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal attention and nothing else."""
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+    def given(self) -> list[str]:
+        """The names of the parts set."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def only(self, allowed: tuple[str, ...], where: str) -> Mask:
+        """Itself, or an error naming the parts `where` does not apply."""
+        extra = [n for n in self.given() if n not in allowed]
+        if extra:
+            raise ValueError(f"{where} cannot apply the mask's {extra}; it takes {list(allowed)}")
+        return self
+
+    def replace(self, **changes) -> Mask:
+        return dataclasses.replace(self, **changes)
+
+    def heads(self, query_heads) -> Mask:
+        """The mask of a subset of the query heads (a head group's): its ALiBi slopes only."""
+        return self if self.alibi is None else self.replace(alibi=self.alibi[query_heads])
+
+
+CAUSAL = Mask()

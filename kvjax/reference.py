@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import masks
-from kvjax.masks import AnchorMask
+from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 _MASKED = masks.MASKED
@@ -57,14 +57,26 @@ def _softcap(s, cap: float | None):
     return s if cap is None else cap * jnp.tanh(s / cap)
 
 
-def _bias_and_mask(s, q_pos, k_pos, alibi, window):
-    """Adds ALiBi (slope * (k - q)) and masks invisible keys. s: [b, kvh, g, tq, tk];
-    q_pos: [b, kvh | 1, tq]; k_pos: [b, kvh | 1, tk] (positions, or ranks in rolling mode)."""
+def _bias_and_mask(s, q_pos, k_pos, mask: Mask):
+    """Adds the mask's ALiBi (slope * (k - q)) and masks keys that are invisible by position (causality, the
+    window). s: [b, kvh, g, tq, tk]; q_pos: [b, kvh | 1, tq]; k_pos: [b, kvh | 1, tk] (positions, or ranks in
+    rolling mode)."""
     qp, kp = q_pos[:, :, None, :, None], k_pos[:, :, None, None, :]  # [b, kvh|1, 1, tq, tk] once broadcast
-    if alibi is not None:
+    if mask.alibi is not None:
         kvh, g = s.shape[1], s.shape[2]
-        s = s + masks.alibi_bias(jnp.asarray(alibi, s.dtype).reshape(1, kvh, g, 1, 1), qp, kp, s.dtype)
-    return jnp.where(masks.causal(qp, kp, window), s, _MASKED)
+        s = s + masks.alibi_bias(jnp.asarray(mask.alibi, s.dtype).reshape(1, kvh, g, 1, 1), qp, kp, s.dtype)
+    return jnp.where(masks.causal(qp, kp, mask.window), s, _MASKED)
+
+
+def logits(q: Float[Array, "b h tq d"], k: Float[Array, "b kvh tk d"], q_pos: Int[Array, "b tq"],
+           k_pos: Int[Array, "b tk"], *, scale: float, mask: Mask = CAUSAL) -> Float[Array, "b kvh g tq tk"]:
+    """Scaled, soft-capped, biased attention logits grouped by KV head, `MASKED` where the position mask hides
+    a key (causality, the window): what attention's softmax reads, for inspection and probes
+    (`kvjax.heads`). Takes the mask's window, soft-cap and ALiBi."""
+    mask.only(("window", "softcap", "alibi"), "reference.logits")
+    qg = _group(q, k.shape[1])
+    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=_acc(q.dtype)) * scale, mask.softcap)
+    return _bias_and_mask(s, q_pos[:, None], k_pos[:, None], mask)
 
 
 def _eq4(q_seg, q_anchor, k_seg, k_anchor, k_keep):
@@ -94,27 +106,26 @@ def _softmax(s, q_pos, k_pos, key_keep):
     return e / jnp.where(z > 0, z, 1.0)  # a padding query (no visible key) gets zeros
 
 
-def _prefill_block(q, k, v, q_pos, k_pos, scale, alibi, window, colsum, q_anc=None, anchor_mask=None, key_keep=None,
-                   softcap=None):
+def _prefill_block(q, k, v, q_pos, k_pos, scale, mask: Mask, colsum, q_anc=None):
     """One block of queries. q: [b, kvh, g, tq, d]; k, v: [b, kvh, tk, d]; q_pos: [b, tq]; k_pos: [b, tk].
 
     With `colsum`, also returns each key's probability mass summed over the block's real
-    queries, from the same probabilities (H2O's score costs no second pass). `anchor_mask`
+    queries, from the same probabilities (H2O's score costs no second pass). The mask's `anchors`
     (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
     restricts the keys to eq. 4."""
-    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
-    s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], alibi, window)
-    if anchor_mask is not None:
-        seen = _eq4(q_anc[0], q_anc[1], anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep)
+    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, mask.softcap)
+    s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], mask)
+    if mask.anchors is not None:
+        seen = _eq4(q_anc[0], q_anc[1], mask.anchors.segment, mask.anchors.anchor, mask.anchors.keep)
         s = jnp.where(seen[:, None, None], s, _MASKED)
-    p = _softmax(s, q_pos, k_pos, key_keep)
+    p = _softmax(s, q_pos, k_pos, mask.key_keep)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))
     if not colsum:
         return out, None
     return out, jnp.sum(jnp.where((q_pos >= 0)[:, None, None, :, None], p, 0.0), axis=3)
 
 
-def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, anchor_mask, key_keep, softcap, block):
+def _prefill_skipping(qg, k, v, pos, v_mean, scale, mask: Mask, want_colsum, block):
     """Self-attention over a prompt (queries and keys are the same `t` tokens, `pos` their positions) in
     `block x block` tiles, flash style: per query block, a running max and sum over the key blocks
     that can hold a visible key, so the tiles above the causal diagonal (and, with a window, those
@@ -137,9 +148,10 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     kb = k.reshape(b, kvh, n, block, d)
     vb = v.reshape(b, kvh, n, block, d)
     pb = pos.reshape(b, n, block)
+    window, softcap, anchor_mask = mask.window, mask.softcap, mask.anchors
     seg = None if anchor_mask is None else tuple(x.reshape(b, n, block) for x in
                                                  (anchor_mask.segment, anchor_mask.anchor, anchor_mask.keep))
-    keep = None if key_keep is None else key_keep.reshape(b, kvh, n, block)
+    keep = None if mask.key_keep is None else mask.key_keep.reshape(b, kvh, n, block)
     v_mean = v_mean[:, :, None, None, :]
 
     # Block-sparse skipping: tiles that eq. 4 or the gate hide wholly are dead too, decided from
@@ -166,7 +178,7 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
         """Logits, visibility and key weights of query block i against key block j."""
         kj, pj = kb[:, :, j], pb[:, j]
         s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=acc_t) * scale, softcap)
-        s = _bias_and_mask(s, pb[:, i][:, None], pj[:, None], alibi, window)
+        s = _bias_and_mask(s, pb[:, i][:, None], pj[:, None], mask)
         if seg is not None:
             seen = _eq4(seg[0][:, i], seg[1][:, i], seg[0][:, j], seg[1][:, j], seg[2][:, j])
             s = jnp.where(seen[:, None, None], s, _MASKED)
@@ -180,7 +192,7 @@ def _prefill_skipping(qg, k, v, pos, v_mean, scale, alibi, window, want_colsum, 
     # A tile below the diagonal whose keys are all real (not padding), with no window, ALiBi, eq. 4 or
     # gate, is wholly visible: it skips the masks (on a CPU, with a small head dim, the elementwise
     # passes over a tile cost as much as its two matmuls). The same numbers: every mask there is true.
-    plain = window is None and alibi is None and seg is None and keep is None
+    plain = window is None and mask.alibi is None and seg is None and keep is None
 
     def one(i, qi):
         def update(carry, j, e, m_new):
@@ -250,12 +262,8 @@ def prefill_attention(
     *,
     scale: float,
     stats: StatsRequest = NO_STATS,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    anchor_mask: AnchorMask | None = None,
-    key_keep: Bool[Array, "b kvh s"] | Float[Array, "b kvh s"] | None = None,
+    mask: Mask = CAUSAL,
     block: int = PREFILL_BLOCK,
-    softcap: float | None = None,
     self_attention: bool = False,
 ) -> tuple[Float[Array, "b h t d"], AttentionStats]:
     """Causal attention by positions; long prompts run in query blocks, never `[T, T]` at once.
@@ -265,10 +273,10 @@ def prefill_attention(
     every key block after the query block (and, with a window, those wholly before it; with eq. 4 or
     bool `key_keep`, those the mask hides from every query of the block).
 
-    `alibi`: per-query-head slopes, adding `slope * (k_pos - q_pos)`; `window`: a query sees
-    only its `window` latest keys (Mistral's sliding window); `anchor_mask`: AnLLM's eq. 4;
-    `key_keep`: per KV head, the keys later queries may see (Attention-Gate's eq. 7; a query
-    always sees its own key): bool, or the gate's float flags (differentiable, see `_softmax`).
+    `mask` (`kvjax.masks.Mask`), every part of it: ALiBi adds `slope * (k_pos - q_pos)`; `window`: a query
+    sees only its `window` latest keys (Mistral's sliding window); `anchors`: AnLLM's eq. 4; `key_keep`: per
+    KV head, the keys later queries may see (Attention-Gate's eq. 7; a query always sees its own key): bool,
+    or the gate's float flags (differentiable, see `_softmax`); `softcap`: Gemma 2's cap.
 
     Optional statistics (`stats`, an `AttentionStats` of the requested ones):
 
@@ -284,6 +292,7 @@ def prefill_attention(
     kvh = k.shape[1]
     qg = _group(q, kvh)
     want_colsum = stats.colsum
+    anchor_mask, key_keep = mask.anchors, mask.key_keep
     q_anc = None if anchor_mask is None else (anchor_mask.segment, anchor_mask.anchor)
     if self_attention and t > block:
         if k.shape[2] != t:
@@ -295,14 +304,13 @@ def prefill_attention(
         pos = pad_t(q_pos, 1, -1)
         anc = None if anchor_mask is None else AnchorMask(pad_t(anchor_mask.segment, 1), pad_t(anchor_mask.anchor, 1),
                                                       pad_t(anchor_mask.keep, 1))
-        out, colsum = _prefill_skipping(pad_t(qg, 3), pad_t(k, 2), pad_t(v, 2), pos, v_mean, scale, alibi, window,
-                                        want_colsum, anc, None if key_keep is None else pad_t(key_keep, 2), softcap,
-                                        block)
+        padded = mask.replace(anchors=anc, key_keep=None if key_keep is None else pad_t(key_keep, 2))
+        out, colsum = _prefill_skipping(pad_t(qg, 3), pad_t(k, 2), pad_t(v, 2), pos, v_mean, scale, padded,
+                                        want_colsum, block)
         out = out[:, :, :, :t]
         colsum = None if colsum is None else colsum[..., :t]
     elif t <= block:
-        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, alibi, window, want_colsum, q_anc, anchor_mask,
-                                     key_keep, softcap)
+        out, colsum = _prefill_block(qg, k, v, q_pos, k_pos, scale, mask, want_colsum, q_anc)
     else:
         n = -(-t // block)
         pad = n * block - t
@@ -313,14 +321,12 @@ def prefill_attention(
         blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, n, block).transpose(1, 0, 2)
         qa = None if anchor_mask is None else (blocks(anchor_mask.segment), blocks(anchor_mask.anchor))
         out, colsum = jax.lax.map(
-            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, alibi, window, want_colsum, xs[2], anchor_mask,
-                                      key_keep, softcap),
+            lambda xs: _prefill_block(xs[0], k, v, xs[1], k_pos, scale, mask, want_colsum, xs[2]),
             (qg, qp, qa),
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
         colsum = None if colsum is None else colsum.sum(axis=0)
-    first_logit, window_probs = prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, alibi=alibi, window=window,
-                                                  anchor_mask=anchor_mask, key_keep=key_keep, softcap=softcap)
+    first_logit, window_probs = prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
     out_stats = AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
     return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
@@ -333,11 +339,7 @@ def prompt_statistics(
     stats: StatsRequest,
     *,
     scale: float,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    anchor_mask: AnchorMask | None = None,
-    key_keep=None,
-    softcap: float | None = None,
+    mask: Mask = CAUSAL,
 ) -> tuple[Float[Array, "b kvh g t"] | None, dict[int, Float[Array, "b kvh g w s"]]]:
     """`(first_logit, window_probs)` of a prompt's attention as `prefill_attention` defines them: O(W x s),
     so computed here whatever code ran the attention itself (the kernels return only the output and `colsum`)."""
@@ -346,12 +348,13 @@ def prompt_statistics(
     for w in sorted(stats.windows):
         start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
         qw = _group(q[:, :, start:], kvh)
-        sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale, softcap)
-        sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], alibi, window)
-        if anchor_mask is not None:
-            sw = jnp.where(anchor_mask.visible(slice(start, None))[:, None, None], sw, _MASKED)
+        sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale,
+                      mask.softcap)
+        sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], mask)
+        if mask.anchors is not None:
+            sw = jnp.where(mask.anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-        window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, key_keep), 0.0)
+        window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, mask.key_keep), 0.0)
     first_logit = None
     if stats.first_logit:
         first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
@@ -371,12 +374,9 @@ def prefix_attention(
     log_w: Float[Array, "b kvh c"],
     *,
     scale: float,
+    mask: Mask = CAUSAL,
     slot_visible: Bool[Array, "b kvh t c"] | None = None,
     chunk_visible: Bool[Array, "b t t"] | None = None,
-    anchor_mask: AnchorMask | None = None,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
     stats: StatsRequest = NO_STATS,
     q_sinks: Float[Array, "b h t d"] | None = None,
     sinks: int = 0,
@@ -386,8 +386,9 @@ def prefix_attention(
     What prefix caching needs (AnLLM's cached demonstrations, Wang et al. 2023a) and what a
     chunked prefill runs: the cache slots are valid where `slot_pos >= 0`, carry the `log_w` bias,
     and may be further restricted per query by `slot_visible`; inside the chunk `chunk_visible`
-    (`[b, query, key]`) and `anchor_mask` (eq. 4) restrict the causal mask. One softmax over slots and
-    chunk. Masks and ALiBi use absolute positions.
+    (`[b, query, key]`) and the mask's `anchors` (eq. 4 over the chunk) restrict the causal mask. One softmax
+    over slots and chunk. The window and ALiBi use absolute positions. `mask.key_keep` is refused: the
+    gate's flags of cached slots are the cache's (evicted slots are gone).
 
     `q_sinks`, `sinks`: the queries rotated for keys at positions `< sinks` (slots or chunk), `q`
     being used for the others: a ring in rolling positions measures a sink's distance from the
@@ -399,29 +400,29 @@ def prefix_attention(
     `first_logit` `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
     chunk token), without bias or soft-cap, as `prefill_attention` returns it.
     """
+    mask.only(("window", "softcap", "alibi", "anchors"), "prefix_attention")
     kvh = k.shape[1]
     qg = _group(q, kvh)
     b, _, g, t, d = qg.shape
     acc = _acc(q.dtype)
 
     def logits(keys, key_pos):
-        s = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, keys, preferred_element_type=acc) * scale, softcap)
+        s = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", qg, keys, preferred_element_type=acc) * scale, mask.softcap)
         if q_sinks is None:
             return s
         s_sink = _softcap(jnp.einsum("bkgqd,bkcd->bkgqc", _group(q_sinks, kvh), keys, preferred_element_type=acc)
-                          * scale, softcap)
+                          * scale, mask.softcap)
         return jnp.where((key_pos < sinks)[:, :, None, None, :], s_sink, s)
 
     sc = _bias_and_mask(logits(cache_k, slot_pos) + log_w[:, :, None, None, :].astype(acc), pos[:, None], slot_pos,
-                        alibi, window)
+                        mask)
     if slot_visible is not None:
         sc = jnp.where(slot_visible[:, :, None], sc, _MASKED)
-    sx = _bias_and_mask(logits(k, jnp.broadcast_to(pos[:, None], (b, kvh, t))), pos[:, None], pos[:, None], alibi,
-                        window)
+    sx = _bias_and_mask(logits(k, jnp.broadcast_to(pos[:, None], (b, kvh, t))), pos[:, None], pos[:, None], mask)
     if chunk_visible is not None:
         sx = jnp.where(chunk_visible[:, None, None], sx, _MASKED)
-    if anchor_mask is not None:
-        sx = jnp.where(anchor_mask.visible()[:, None, None], sx, _MASKED)
+    if mask.anchors is not None:
+        sx = jnp.where(mask.anchors.visible()[:, None, None], sx, _MASKED)
     p = jax.nn.softmax(jnp.concatenate([sc, sx], axis=-1), axis=-1)
     c = cache_k.shape[2]
     out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
@@ -452,15 +453,14 @@ def decode_attention(
     stats: StatsRequest = NO_STATS,
     q_coord: Int[Array, "b kvh"] | None = None,
     k_coord: Int[Array, "b kvh c"] | None = None,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
+    mask: Mask = CAUSAL,
 ) -> tuple[Float[Array, "b h d"], AttentionStats]:
     """One query per row against `C` cache slots (the query's own token already inserted).
 
     Validity comes from `slot_pos >= 0`; `log_w` is added to each slot's logit
-    (RazorAttention's `log N_d` compensation weight). ALiBi and the sliding window use
-    `k_coord - q_coord`: absolute positions, or ranks in the cache in rolling mode.
+    (RazorAttention's `log N_d` compensation weight). The mask's ALiBi and sliding window use
+    `k_coord - q_coord`: absolute positions, or ranks in the cache in rolling mode; its soft-cap applies.
+    Eq. 4 and gate flags belong to a prompt (a cache holds what they kept) and are refused.
     Optional statistics:
 
     * `probs`: `[b, kvh, c]` attention probabilities summed over the group's query heads;
@@ -469,13 +469,15 @@ def decode_attention(
     """
     if stats.colsum or stats.windows:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
+    mask.only(("window", "softcap", "alibi"), "decode_attention")
     b, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, d)
     raw = jnp.einsum("bkgd,bkcd->bkgc", qg, k, preferred_element_type=_acc(q.dtype)) * scale
-    s = _softcap(raw, softcap) + log_w[:, :, None, :]
-    if alibi is not None or window is not None:
-        s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1), alibi, window)[:, :, :, 0]
+    s = _softcap(raw, mask.softcap) + log_w[:, :, None, :]
+    if mask.alibi is not None or mask.window is not None:
+        s = _bias_and_mask(s[:, :, :, None], q_coord[:, :, None], jnp.where(slot_pos >= 0, k_coord, -1),
+                           mask)[:, :, :, 0]
     s = jnp.where((slot_pos >= 0)[:, :, None, :], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=_acc(v.dtype))

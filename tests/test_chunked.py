@@ -12,6 +12,7 @@ from flax import nnx
 from kvjax import attention
 from kvjax import cache as kvcache
 from kvjax.errors import InvalidInput
+from kvjax.masks import Mask
 from kvjax.policies import (
     H2O,
     TOVA,
@@ -560,7 +561,7 @@ def test_decode_with_alibi_or_a_window_says_it_has_no_pallas_kernel():
     slot_pos = jnp.arange(5, dtype=jnp.int32)[None, None]
     coords = dict(q_coord=jnp.full((1, 1), 4, jnp.int32), k_coord=slot_pos)
     args = (q, k, v, slot_pos, jnp.zeros((1, 1, 5)))
-    for extra in (dict(window=3), dict(alibi=attention.alibi_slopes(2))):
+    for extra in (dict(mask=Mask(window=3)), dict(mask=Mask(alibi=attention.alibi_slopes(2)))):
         attention.warn_once.cache_clear()
         with pytest.warns(UserWarning, match="the Pallas decode kernel takes neither"):
             out, _ = attention.decode_attention(*args, scale=0.5, impl="pallas", **coords, **extra)

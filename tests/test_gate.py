@@ -14,6 +14,7 @@ from kvjax import attention
 from kvjax import cache as kvcache
 from kvjax.gate import PRESETS, GateConfig, attach_gates, eviction_loss, load_gates, save_gates, ste_flags
 from kvjax.generate import generate
+from kvjax.masks import Mask
 from kvjax.policies import FullCache, GateEviction, make_policy
 from models import load
 
@@ -47,7 +48,7 @@ def test_forward_mask_is_eq7():
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)] + [jnp.asarray(pos, jnp.int32)] * 2
     real = (pos >= 0)[:, None, :, None]
     for keep in (jnp.asarray(flags), jnp.asarray(flags, jnp.float32)):  # bool mask and the STE's float flags
-        out, _ = attention.prefill_attention(*args, scale=d**-0.5, key_keep=keep)
+        out, _ = attention.prefill_attention(*args, scale=d**-0.5, mask=Mask(key_keep=keep))
         np.testing.assert_allclose(np.where(real, out, 0), want, atol=1e-5)
 
 
@@ -57,7 +58,7 @@ def test_gradient_reaches_evicted_flags():
     q, k, v = (jnp.asarray(rng.normal(size=(1, 2, 9, 8)), jnp.float32) for _ in range(3))
     pos = jnp.arange(9, dtype=jnp.int32)[None]
     flags = jnp.asarray(rng.random((1, 2, 9)) < 0.5, jnp.float32)
-    grad = jax.grad(lambda f: jnp.sum(attention.prefill_attention(q, k, v, pos, pos, scale=0.3, key_keep=f)[0] ** 2))
+    grad = jax.grad(lambda f: jnp.sum(attention.prefill_attention(q, k, v, pos, pos, scale=0.3, mask=Mask(key_keep=f))[0] ** 2))
     g = np.asarray(grad(flags))
     assert np.all(np.abs(g[..., :-1]) > 0)  # every key but the last has later queries, evicted or not
 
@@ -103,7 +104,7 @@ def _eq7_forward(model, tokens, pos, n_prompt, gated=None):
         flags = attn.gate(h, pos) if gated is None or i in gated else jnp.ones(k.shape[:3])
         keep = jnp.where((pos >= n_prompt)[:, None, :], 1.0, flags)
         o, _ = attention.prefill_attention(attn._rotate(q, p), attn._rotate(k, p), v, pos, pos,
-                                           scale=attn.cfg.head_dim**-0.5, key_keep=keep)
+                                           scale=attn.cfg.head_dim**-0.5, mask=Mask(key_keep=keep))
         x = layer._finish(x, attn._out(o))
     return model._logits(x)
 

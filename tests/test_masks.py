@@ -6,10 +6,13 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from kvjax import masks, reference
+from kvjax import attention, masks, reference
+from kvjax.pallas import prefill as pprefill
 from kvjax.pallas import tiles
 from tests.test_anllm import eq4_reference
 
@@ -73,7 +76,7 @@ def test_reference_and_kernel_tiles_draw_the_same_mask():
     np.testing.assert_array_equal(kernel, hand)
 
     s = jnp.zeros((1, 1, 1, 10, 10))
-    ref = np.asarray(reference._bias_and_mask(s, pos[None, None], pos[None, None], None, 6))[0, 0, 0] > masks.MASKED
+    ref = np.asarray(reference._bias_and_mask(s, pos[None, None], pos[None, None], masks.Mask(window=6)))[0, 0, 0] > masks.MASKED
     ref &= np.asarray(masks.AnchorMask(seg[None], anchor[None], keep[None]).visible())[0]
     ref &= np.asarray(masks.gate(gate[None, :], pos[:, None], pos[None, :]))
     np.testing.assert_array_equal(ref, hand)
@@ -99,3 +102,67 @@ def test_the_reference_and_the_mask_spec_import_no_kernel_and_no_dispatch():
                if "kvjax/pallas" not in p.as_posix() and any(n.startswith("kvjax.pallas") or n == "kvjax.pallas"
                                                              for n in _imports(p))]
     assert callers == ["kvjax/attention.py"], callers
+
+
+# --- the one mask value (`kvjax.masks.Mask`) ---------------------------------------------------------------
+
+
+def test_one_mask_value_by_hand_window_and_alibi():
+    """`Mask(window=2, alibi=...)` through the reference's logits: hand-computed scores for one query head
+    (q.k = 1 for every key, scale 1) at position 3, keys 0..3: ALiBi's slope * (k - q), keys older than the
+    window hidden."""
+    q = jnp.ones((1, 1, 1, 1))
+    k = jnp.ones((1, 1, 4, 1))
+    pos = jnp.arange(4)[None]
+    got = np.asarray(reference.logits(q, k, pos[:, 3:], pos, scale=1.0, mask=masks.Mask(window=2, alibi=np.asarray(
+        [0.5], np.float32))))[0, 0, 0, 0]
+    hand = [masks.MASKED, masks.MASKED, 1 - 0.5, 1.0]  # keys 0, 1 outside the window of 2; key 2 one back
+    np.testing.assert_allclose(got, hand)
+
+
+def test_a_mask_is_one_pytree_argument_compiled_once_per_window():
+    """The flags and slopes are leaves (new values: no recompile); the window and soft-cap are static (a new
+    window compiles once more)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 2, 6, 4), (1, 1, 6, 4), (1, 1, 6, 4)])
+    pos = jnp.arange(6)[None]
+    traces = []
+
+    @jax.jit
+    def run(mask):
+        traces.append(mask.window)
+        return attention.prefill_attention(q, k, v, pos, pos, scale=0.5, mask=mask)[0]
+
+    for seed in range(3):
+        flags = jnp.asarray(np.random.default_rng(seed).random((1, 1, 6)) < 0.5)
+        run(masks.Mask(window=3, key_keep=flags, alibi=jnp.asarray([0.1, 0.2])))
+    assert traces == [3]
+    run(masks.Mask(window=4, key_keep=flags, alibi=jnp.asarray([0.1, 0.2])))
+    assert traces == [3, 4]
+
+
+def test_a_part_a_call_cannot_apply_is_refused_by_name():
+    """Eq. 4 and gate flags belong to a prompt: a decode step refuses them, a chunk over a cache refuses gate
+    flags, the Pallas prefill refuses soft-capping; nothing is dropped silently."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(1, 2, 4)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 1, 5, 4)), jnp.float32)
+    slot_pos = jnp.arange(5, dtype=jnp.int32)[None, None]
+    flags = jnp.ones((1, 1, 5), bool)
+    with pytest.raises(ValueError, match=r"decode_attention cannot apply the mask's \['key_keep'\]"):
+        attention.decode_attention(q, k, k, slot_pos, jnp.zeros((1, 1, 5)), scale=0.5, mask=masks.Mask(key_keep=flags))
+    chunk = jnp.asarray(rng.normal(size=(1, 2, 3, 4)), jnp.float32)
+    kc = jnp.asarray(rng.normal(size=(1, 1, 3, 4)), jnp.float32)
+    with pytest.raises(ValueError, match=r"prefix_attention cannot apply the mask's \['key_keep'\]"):
+        attention.prefix_attention(chunk, kc, kc, jnp.arange(5, 8)[None], k, k, slot_pos, jnp.zeros((1, 1, 5)),
+                                   scale=0.5, mask=masks.Mask(key_keep=flags))
+    with pytest.raises(ValueError, match=r"pallas prefill_attention cannot apply the mask's \['softcap'\]"):
+        pprefill.prefill_attention(chunk, kc, kc, jnp.arange(3)[None], jnp.arange(3)[None], scale=0.5,
+                                   mask=masks.Mask(softcap=30.0), variant="gpu", interpret=True)
+
+
+def test_a_head_groups_mask_keeps_its_query_heads_slopes():
+    """RazorAttention's head groups attend with their own query heads' ALiBi slopes: `Mask.heads`."""
+    slopes = reference.alibi_slopes(6)
+    np.testing.assert_array_equal(masks.Mask(alibi=slopes, window=9).heads([1, 4]).alibi, slopes[[1, 4]])
+    assert masks.Mask(alibi=slopes, window=9).heads([1, 4]).window == 9

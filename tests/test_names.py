@@ -14,6 +14,7 @@ import pytest
 from experiments import generate as gen_cli
 from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
+from kvjax.masks import Mask
 from kvjax.policies.anllm import AnchorReduction
 from kvjax.policies.mat import AnchorCache, grid_search_anchors, mat
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
@@ -42,11 +43,12 @@ def test_the_eq4_mask_is_anchor_mask_only():
     q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 2, 8, 4), (1, 1, 8, 4), (1, 1, 8, 4)])
     pos = jnp.arange(8)[None]
     mask = anchor_mask(jnp.asarray([[False, False, True, False, False, True, False, False]]))
-    new, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5, anchor_mask=mask)
+    new, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5, mask=Mask(anchors=mask))
     plain, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.5)
     assert not np.allclose(np.asarray(new), np.asarray(plain))  # the mask is applied, not dropped
-    with pytest.raises(TypeError, match="unexpected keyword argument 'anchors'"):
-        attention.prefill_attention(q, k, v, pos, pos, scale=0.5, anchors=mask)
+    for old in ("anchors", "anchor_mask"):  # eq. 4 travels in the one mask value only
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            attention.prefill_attention(q, k, v, pos, pos, scale=0.5, **{old: mask})
 
 
 def test_the_old_module_and_flags_are_gone(tiny_dir, capsys):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvjax import attention, reference
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.generate import generate
+from kvjax.masks import Mask
 from kvjax.pallas import decode as pdecode
 from kvjax.pallas import platform_variant, tiles
 from kvjax.pallas import prefill as pprefill
@@ -51,13 +52,14 @@ def _left_padded_positions(rng, b, t):
 
 def _check_prefill(variant, q, k, v, pos, tol, **kw):
     ref, stats = attention.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5,
-                                             stats=StatsRequest(colsum=True), **kw)
-    out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant), **SMALL, **kw)
+                                             stats=StatsRequest(colsum=True), mask=Mask(**kw))
+    out, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant), **SMALL,
+                                          mask=Mask(**kw))
     real = np.asarray(pos >= 0)[:, None, :, None]  # padding queries are never read
     diff = np.where(real, np.asarray(out, np.float32) - np.asarray(ref, np.float32), 0.0)
     assert np.abs(diff).max() <= tol, np.abs(diff).max()
     col = pprefill.colsum(q, k, lse, pos, pos, scale=q.shape[-1] ** -0.5, **_run(variant),
-                          **SMALL, **kw)
+                          **SMALL, mask=Mask(**kw))
     np.testing.assert_allclose(np.asarray(col), np.asarray(stats.colsum), atol=tol * 10, rtol=tol)
 
 
@@ -73,7 +75,7 @@ def _mask_kwargs(name, rng, pos, kvh):
     if name == "anchors":
         flags = jnp.asarray(rng.random((b, t)) < 0.15)
         keep = jnp.asarray(rng.random((b, t)) < 0.05)
-        return {"anchor_mask": anchor_mask(flags, pos >= 0, keep & (pos >= 0))}
+        return {"anchors": anchor_mask(flags, pos >= 0, keep & (pos >= 0))}
     if name == "gate":
         return {"key_keep": jnp.asarray(rng.random((b, kvh, t)) < 0.3)}
     return {}
@@ -124,7 +126,8 @@ def test_prefill_only_the_diagonal_visible(variant, g):
     pos = _left_padded_positions(rng, b, t)
     keep = jnp.zeros((b, kvh, t), bool)
     _check_prefill(variant, q, k, v, pos, 1e-5, key_keep=keep)
-    out, _ = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, key_keep=keep, **_run(variant), **SMALL)
+    out, _ = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, mask=Mask(key_keep=keep), **_run(variant),
+                                        **SMALL)
     own = jnp.repeat(v, g, axis=1)
     real = np.asarray(pos >= 0)[:, None, :, None]
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, own, 0), atol=1e-6)
@@ -287,8 +290,7 @@ def test_block_sizes_are_validated_and_shapes_quoted():
 # --- cuDNN dispatch (issue #25): the common case only ------------------------------------------
 
 def _route(**over):
-    kw = dict(stats=StatsRequest(), alibi=None, window=None, anchor_mask=None, key_keep=None, softcap=None,
-              self_attention=True, dtype=jnp.bfloat16, head_dim=64)
+    kw = dict(stats=StatsRequest(), mask=Mask(), self_attention=True, dtype=jnp.bfloat16, head_dim=64)
     impl, backend = over.pop("impl", "pallas"), over.pop("backend", "gpu")
     return attention.prefill_route(impl, backend, **{**kw, **over})
 
@@ -301,8 +303,9 @@ def test_cudnn_is_routed_only_plain_causal_prompts():
     assert _route(stats=StatsRequest.window(8)) == "cudnn"
     assert _route(stats=StatsRequest(first_logit=True, windows=frozenset({1, 32}))) == "cudnn"
     refused = [dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(colsum=True, windows=frozenset({8})))] + [
-        dict(alibi=np.ones(8)), dict(window=64), dict(anchor_mask=object()), dict(key_keep=jnp.ones((1, 1, 4), bool)),
-        dict(softcap=50.0), dict(dtype=jnp.float32), dict(head_dim=60), dict(head_dim=256),
+        dict(mask=Mask(alibi=np.ones(8))), dict(mask=Mask(window=64)), dict(mask=Mask(anchors=object())),
+        dict(mask=Mask(key_keep=jnp.ones((1, 1, 4), bool))), dict(mask=Mask(softcap=50.0)), dict(dtype=jnp.float32),
+        dict(head_dim=60), dict(head_dim=256),
         dict(self_attention=False)]
     for over in refused:
         assert _route(**over) == "pallas", over
@@ -328,8 +331,8 @@ def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
     kw = dict(scale=0.125, impl="pallas", self_attention=True)
     _, stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
     assert calls == ["cudnn"] and stats == AttentionStats()
-    for extra in (dict(stats=StatsRequest(colsum=True)), dict(alibi=attention.alibi_slopes(4)),
-                  dict(key_keep=jnp.ones((1, 2, 16), bool))):
+    for extra in (dict(stats=StatsRequest(colsum=True)), dict(mask=Mask(alibi=attention.alibi_slopes(4))),
+                  dict(mask=Mask(key_keep=jnp.ones((1, 2, 16), bool)))):
         calls.clear()
         attention.prefill_attention(q, k, v, pos, pos, **kw, **extra)
         assert calls == ["pallas"], extra

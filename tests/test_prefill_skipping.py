@@ -11,6 +11,7 @@ import pytest
 
 from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
+from kvjax.masks import Mask
 from kvjax.stats import StatsRequest
 
 STATS = StatsRequest(colsum=True, first_logit=True, windows=frozenset({8}))
@@ -40,14 +41,15 @@ CASES = {
 def test_skipping_equals_every_tile(case, dtype):
     opts = dict(CASES[case])
     rng, q, k, v, pos = _inputs(1, dtype)
-    kw = dict(scale=q.shape[-1] ** -0.5, stats=STATS, window=opts.get("window"), softcap=opts.get("softcap"),
-              block=64)  # 300 tokens: 5 query blocks, the last one partial
+    parts = dict(window=opts.get("window"), softcap=opts.get("softcap"))
     if opts.get("alibi"):
-        kw["alibi"] = attention.alibi_slopes(q.shape[1])
+        parts["alibi"] = attention.alibi_slopes(q.shape[1])
     if opts.get("anchors"):
-        kw["anchor_mask"] = anchor_mask(jnp.asarray(rng.random(pos.shape) < 0.1))
+        parts["anchors"] = anchor_mask(jnp.asarray(rng.random(pos.shape) < 0.1))
     if opts.get("gate"):
-        kw["key_keep"] = jnp.asarray(rng.random((k.shape[0], k.shape[1], k.shape[2])) < 0.6)
+        parts["key_keep"] = jnp.asarray(rng.random((k.shape[0], k.shape[1], k.shape[2])) < 0.6)
+    kw = dict(scale=q.shape[-1] ** -0.5, stats=STATS, mask=Mask(**parts),
+              block=64)  # 300 tokens: 5 query blocks, the last one partial
     ref, ref_stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
     out, stats = attention.prefill_attention(q, k, v, pos, pos, self_attention=True, **kw)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -66,10 +68,10 @@ def _hidden_blocks_case(kind):
     if kind == "anchors":
         flags = np.zeros((1, 320), bool)
         flags[0, [60, 250]] = True
-        return q, k, v, pos, dict(anchor_mask=anchor_mask(jnp.asarray(flags))), 256  # rows from 256 see none
+        return q, k, v, pos, Mask(anchors=anchor_mask(jnp.asarray(flags))), 256  # rows from 256 see none
     keep = rng.random((1, k.shape[1], 320)) < 0.6
     keep[:, :, 64:192] = False
-    return q, k, v, pos, dict(key_keep=jnp.asarray(keep)), 192  # rows from 192 see them only as evicted
+    return q, k, v, pos, Mask(key_keep=jnp.asarray(keep)), 192  # rows from 192 see them only as evicted
 
 
 @pytest.mark.parametrize("kind", ["anchors", "gate"])
@@ -77,9 +79,9 @@ def test_blocks_that_eq4_or_the_gate_hide_wholly_are_never_computed(kind):
     """NaN values in the hidden blocks: the skipping path never reads them for the queries that
     cannot see them (a computed tile would give 0 * NaN), and those rows and every statistic equal
     the every-tile reference on clean values."""
-    q, k, v, pos, masks_kw, first = _hidden_blocks_case(kind)
+    q, k, v, pos, mask, first = _hidden_blocks_case(kind)
     poisoned = v.at[:, :, 64:192].set(jnp.nan)
-    kw = dict(scale=0.25, stats=StatsRequest(colsum=True), block=64, **masks_kw)
+    kw = dict(scale=0.25, stats=StatsRequest(colsum=True), block=64, mask=mask)
     ref, ref_stats = attention.prefill_attention(q, k, v, pos, pos, **kw)
     out, stats = attention.prefill_attention(q, k, poisoned, pos, pos, self_attention=True, **kw)
     np.testing.assert_allclose(np.asarray(out[:, :, first:]), np.asarray(ref[:, :, first:]), atol=1e-5, rtol=1e-5)
@@ -90,10 +92,10 @@ def test_blocks_that_eq4_or_the_gate_hide_wholly_are_never_computed(kind):
 def test_float_gate_flags_keep_every_tile_for_their_gradient():
     """The straight-through flags (float) are not a skip mask: an evicted key's tile is computed,
     since the gates' gradient reaches its flag through it (so the NaN of the test above shows)."""
-    q, k, v, pos, masks_kw, first = _hidden_blocks_case("gate")
+    q, k, v, pos, mask, first = _hidden_blocks_case("gate")
     poisoned = v.at[:, :, 64:192].set(jnp.nan)
     out, _ = attention.prefill_attention(q, k, poisoned, pos, pos, scale=0.25, block=64, self_attention=True,
-                                         key_keep=masks_kw["key_keep"].astype(jnp.float32))
+                                         mask=Mask(key_keep=mask.key_keep.astype(jnp.float32)))
     assert np.isnan(np.asarray(out[:, :, first:])).all()
 
 
@@ -103,7 +105,8 @@ def test_skipping_has_the_references_gradients_gate_flags_included():
     flags = jnp.asarray(rng.random((1, k.shape[1], 150)) < 0.5, jnp.float32)
 
     def loss(q, k, v, f, skip):
-        out, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.3, key_keep=f, block=32, self_attention=skip)
+        out, _ = attention.prefill_attention(q, k, v, pos, pos, scale=0.3, mask=Mask(key_keep=f), block=32,
+                                             self_attention=skip)
         return jnp.sum(out**2)
 
     want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, flags, False)

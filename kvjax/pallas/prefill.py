@@ -31,11 +31,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
+from kvjax.masks import CAUSAL, Mask
 from kvjax.pallas import tiles
 from kvjax.pallas.blocks import PREFILL, check_shapes, resolve
 
@@ -182,21 +182,20 @@ def prefill_attention(
     k_pos: Int[Array, "b s"],
     *,
     scale: float,
-    alibi: np.ndarray | None = None,
-    window: int | None = None,
-    anchor_mask=None,
-    key_keep: Bool[Array, "b kvh s"] | None = None,
+    mask: Mask = CAUSAL,
     variant: str = "gpu",
     interpret: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Float[Array, "b h t d"], Float[Array, "b h t"]]:
-    """Attention output and each query's log-sum-exp (MASKED for padding queries)."""
+    """Attention output and each query's log-sum-exp (MASKED for padding queries), under `mask`'s window, ALiBi,
+    eq. 4 anchors and bool gate flags (no soft-cap: refused by name)."""
     blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
-    _check(q, k, v, q_pos, k_pos, key_keep, name="pallas prefill_attention")
-    return _forward(q, k, v, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchor_mask, key_keep,
-                    scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
-                    block_q=blocks.block_q, block_k=blocks.block_k)
+    mask.only(("window", "alibi", "anchors", "key_keep"), "pallas prefill_attention")
+    _check(q, k, v, q_pos, k_pos, mask.key_keep, name="pallas prefill_attention")
+    return _forward(q, k, v, q_pos, k_pos, None if mask.alibi is None else jnp.asarray(mask.alibi), mask.anchors,
+                    mask.key_keep, scale=scale, alibi_on=mask.alibi is not None, window=mask.window, variant=variant,
+                    interpret=interpret, block_q=blocks.block_q, block_k=blocks.block_k)
 
 
 def _check(q, k, v, q_pos, k_pos, key_keep, *, name, lse=None):
@@ -313,12 +312,14 @@ def _colsum(q, k, lse, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_o
     return col[:, :, :, 0, :s]
 
 
-def colsum(q, k, lse, q_pos, k_pos, *, scale, alibi=None, window=None, anchor_mask=None, key_keep=None, q_start=0,
-           variant="gpu", interpret=False, block_q=None, block_k=None) -> Float[Array, "b kvh g s"]:
+def colsum(q, k, lse, q_pos, k_pos, *, scale, mask: Mask = CAUSAL, q_start=0, variant="gpu", interpret=False,
+           block_q=None, block_k=None) -> Float[Array, "b kvh g s"]:
     """Each key's attention probability summed over the queries with index >= `q_start`, per
-    query head; `lse` from `prefill_attention`. Query blocks before `q_start` are skipped."""
+    query head, under `mask` (as `prefill_attention`'s); `lse` from `prefill_attention`. Query blocks before
+    `q_start` are skipped."""
     blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
-    _check(q, k, None, q_pos, k_pos, key_keep, name="pallas colsum", lse=lse)
-    return _colsum(q, k, lse, q_pos, k_pos, None if alibi is None else jnp.asarray(alibi), anchor_mask, key_keep,
-                   scale=scale, alibi_on=alibi is not None, window=window, variant=variant, interpret=interpret,
-                   q_start=q_start, block_q=blocks.block_q, block_k=blocks.block_k)
+    mask.only(("window", "alibi", "anchors", "key_keep"), "pallas colsum")
+    _check(q, k, None, q_pos, k_pos, mask.key_keep, name="pallas colsum", lse=lse)
+    return _colsum(q, k, lse, q_pos, k_pos, None if mask.alibi is None else jnp.asarray(mask.alibi), mask.anchors,
+                   mask.key_keep, scale=scale, alibi_on=mask.alibi is not None, window=mask.window, variant=variant,
+                   interpret=interpret, q_start=q_start, block_q=blocks.block_q, block_k=blocks.block_k)
