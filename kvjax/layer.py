@@ -216,7 +216,7 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     o, _ = attention.prefix_attention(
         q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
-        mask=geom.mask(anchor_mask), slot_visible=plan.rule.prefix_visible(geom.layer, cache, anchor_mask),
+        mask=geom.mask(anchor_mask), slot_visible=plan.prefix_visible(cache, anchor_mask),
         impl=geom.impl,
     )
     return o
@@ -278,7 +278,7 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, 
         return o, rule.absorb(geom.layer, cache, k_rot, v, ctx, stats)
     # Rolling: keys are cached unrotated. A ring ranks its window contiguously, so a window key is at its true
     # distance (rotated relative to the chunk's last position, keeping angles small); a sink is ranked first,
-    # so its distance runs from min(query, C - 1) (`Policy.rolling_sinks`).
+    # so its distance runs from min(query, C - 1) (`ChunkRule.rolling_sinks`).
     if mask.alibi is not None or geom.rope is None:
         raise InvalidInput("rolling positions in a chunked prefill need RoPE; this model uses ALiBi")
     sinks = rule.rolling_sinks(geom.layer, cache.capacity)

@@ -392,9 +392,9 @@ def prefix_attention(
 
     `q_sinks`, `sinks`: the queries rotated for keys at positions `< sinks` (slots or chunk), `q`
     being used for the others: a ring in rolling positions measures a sink's distance from the
-    query's rank, not its position (`Policy.rolling_sinks`).
+    query's rank, not its position (`ChunkRule.rolling_sinks`).
 
-    `stats`, over the keys `[cache slots; chunk]` (the candidates `Policy.absorb` chooses from):
+    `stats`, over the keys `[cache slots; chunk]` (the candidates `ChunkRule.absorb` chooses from):
     `window_probs[W]` `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
     (W <= t); `colsum` `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
     `first_logit` `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a

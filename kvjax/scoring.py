@@ -42,7 +42,7 @@ def stream_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.n
 
 def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy: Policy) -> list[np.ndarray]:
     """`stream_logprobs` of several texts in one batch, each row its own length: a ratio budget keeps
-    each row's share of its own text (`Policy.size_rows`)."""
+    each row's share of its own text (`Rule.size_rows`)."""
     check_policy(policy)
     rows = [token_ids(ids, model.cfg.vocab_size, "text" if len(rows) == 1 else f"text {r}") for r, ids in enumerate(rows)]
     if not model.plan(policy).evicts_while_decoding:

@@ -1,6 +1,6 @@
 """The attention statistics a cache policy reads: what it asks for, and what attention returns.
 
-A policy names what it needs per layer (`Policy.prefill_stats`, `chunk_stats`, `decode_stats`) as a
+A policy names what it needs per layer (`Rule.prefill_stats`, `ChunkRule.chunk_stats`, `Rule.decode_stats`) as a
 `StatsRequest`: frozen and hashable, so it is part of the static key of a jitted prefill or decode
 (a different request is a different program, never a silent one). Attention returns an
 `AttentionStats`: a registered pytree holding exactly the requested arrays, the others `None`, so a

@@ -545,7 +545,7 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         out = []
         for layer, lp, cache in zip(self.layers, plan.layers, caches):
-            anchor_mask = lp.rule.prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
+            anchor_mask = lp.prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
             x, cache, _ = layer.prefill(x, positions, lp, cache, anchor_mask, tokens)
             out.append(cache)
         return self._logits(x[:, -1]), tuple(out)
@@ -629,7 +629,7 @@ class Llama(nnx.Module):
                                  f"{plan.policy.describe()} has head groups or rolling positions in layer {lp.layer}")
         x = self.embed(tokens)
         for layer, lp, c in zip(self.layers, plan.layers, cache):
-            x = layer.extend(x, positions, lp, c, lp.rule.prompt_mask(Context(positions, tokens)))
+            x = layer.extend(x, positions, lp, c, lp.prompt_mask(Context(positions, tokens)))
         return self._logits(x)
 
     def replay_scores(

@@ -118,17 +118,18 @@ def test_a_head_split_nested_in_by_layer_caches_from_the_plan(tiny):
 
 
 def test_combinators_answer_no_rule_question_and_the_plan_answers_for_them(tiny):
-    """A combinator only says which rule caches what: asked a rule's question (capacity, position mode,
-    prefill) it refuses, naming the plan; the plan's whole-model answers are those of its rules."""
-    from kvjax.policies import SnapKV, resolve
+    """A combinator only says which rule caches what: it is no `Rule` and has none of a rule's members
+    (capacity, position mode, prefill, step, statistics), inherited or stubbed; the plan's whole-model answers
+    are those of its rules."""
+    from kvjax.policies import Rule, SnapKV, resolve
     from kvjax.scoring import stream_logprobs
 
     stream, rolling = StreamingLLM(budget=16, sinks=4), StreamingLLM(budget=16, sinks=4, positions="rolling")
     layers, heads = by_layer(stream, SnapKV(budget=64), split=1), by_head([[True, False]] * 2, rolling, rolling)
     for combinator in (layers, heads):
-        for ask in (lambda p: p.capacity(1, 100, 40), lambda p: p.position_mode(1)):
-            with pytest.raises(TypeError, match=r"caches nothing itself; ask the rule of layer 1: model.plan"):
-                ask(combinator)
+        assert not isinstance(combinator, Rule)
+        assert not [m for m in ("capacity", "position_mode", "prefill", "step", "observe", "absorb", "prefill_stats",
+                                "decode_stats") if hasattr(combinator, m)]
     # one layer of rolling positions among absolute ones: the plan is absolute; all rolling: not
     assert resolve(by_layer(rolling, stream, split=1), 2).absolute and not resolve(heads, 2, 2).absolute
     # SnapKV compresses a prompt once: one layer of it is enough for token-by-token scoring to refuse
@@ -136,6 +137,26 @@ def test_combinators_answer_no_rule_question_and_the_plan_answers_for_them(tiny)
     assert not resolve(layers, 2).evicts_while_decoding
     with pytest.raises(ValueError, match="compresses a whole prompt once"):
         stream_logprobs(tiny.model, list(range(4, 40)), layers)
+
+
+def test_the_rule_contract_is_small_and_apart_from_plan_building():
+    """The base rule class has at most 10 public members (it had 25 with the plan-building ones); a policy,
+    which builds plans, has none of a rule's; folding chunks (`ChunkRule`) and masking the prompt
+    (`PromptMasking`) are rules of their own kind, and a rule that cannot fold chunks refuses the mode by name."""
+    import abc
+
+    from kvjax.policies import ChunkRule, PromptMasking, Rule
+
+    def public(cls):
+        return {n for k in cls.__mro__ if k not in (object, abc.ABC) for n in vars(k) if not n.startswith("_")}
+
+    assert len(public(Rule)) <= 10, sorted(public(Rule))
+    assert public(Policy) & public(Rule) == {"describe"}
+    assert {"absorb", "make_room", "chunk_visible"} <= public(ChunkRule) - public(Rule)
+    assert {"prompt_mask", "prefix_visible"} <= public(PromptMasking) - public(Rule)
+    assert isinstance(KeepEvenIds(), Rule) and not isinstance(KeepEvenIds(), ChunkRule)
+    with pytest.raises(ValueError, match="KeepEvenIds cannot run prefill_mode='chunked'"):
+        KeepEvenIds(prefill_mode="chunked", chunk=4)
 
 
 def test_kvjax_never_imports_models_or_experiments():

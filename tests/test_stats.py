@@ -12,6 +12,7 @@ from kvjax import attention
 from kvjax.policies.compose import ByLayer, HeadSplit
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import mat
+from kvjax.policies.plan import resolve
 from kvjax.policies.scored import SnapKV
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
@@ -27,11 +28,12 @@ def test_requests_are_static_values_that_compose():
 
 
 def test_a_combinator_asks_for_what_its_members_ask():
-    """A layer split by heads asks the union of its groups' requests; a layer split resolves to its member's."""
+    """A layer split by heads asks the union of its groups' requests (its plan answers: the split is no rule);
+    a layer split resolves to its member's."""
     snap, h2o = SnapKV(budget=8, observation_window=4), H2O(budget=8, recent=4)
-    heads = HeadSplit(layers=((((0,), snap), ((1,), h2o)),))
-    assert heads.prefill_stats(0) == StatsRequest(colsum=True, windows=frozenset({4}))
-    assert heads.decode_stats(0) == StatsRequest(probs=True)
+    heads = resolve(HeadSplit(layers=((((0,), snap), ((1,), h2o)),)), 1, 2).layers[0]
+    assert heads.prefill_stats() == StatsRequest(colsum=True, windows=frozenset({4}))
+    assert heads.decode_stats() == StatsRequest(probs=True)
     layers = ByLayer(split=1, shallow=snap, deep=mat(8, 2, prefill_mode="full"))
     assert layers.at_layer(0).prefill_stats(0) == StatsRequest.window(4)
     assert layers.at_layer(3).prefill_stats(3) == layers.at_layer(3).decode_stats(3) == StatsRequest(first_logit=True)

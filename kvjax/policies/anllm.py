@@ -25,13 +25,13 @@ from kvjax import cache as kvcache
 from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy
+from kvjax.policies.base import ChunkRule, LayerPolicy, PromptMasking
 
 _HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AnchorReduction(LayerPolicy):
+class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
     """Algorithm 1 with capacities: `anchor_slots` anchor slots, `sequence` current-sequence slots and
     (keep source) the positions `span = (start, end)` of the prompt kept whole."""
 

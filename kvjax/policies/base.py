@@ -1,7 +1,11 @@
-"""The cache-policy interface.
+"""The cache-policy interface: `Policy` builds plans, `Rule` caches a layer.
 
-A policy is a frozen (hence hashable) dataclass, passed to `jax.jit` as a static
-argument. Its methods are pure functions of arrays; `layer` is a Python int, so
+A `Policy` is what a user passes; it says which `Rule` caches each layer and KV-head group
+(`kvjax.policies.plan.resolve`). A `Rule` is what the model calls, through `kvjax.layer`; a rule that folds
+a prompt chunk by chunk is also a `ChunkRule`, one that masks the prompt's attention a `PromptMasking`. A
+single rule is its own policy (`LayerPolicy`); combinators (`by_layer`, `by_head`, ...) are policies only.
+
+Both are frozen (hence hashable) dataclasses, passed to `jax.jit` as static arguments (in the sized plan). Its methods are pure functions of arrays; `layer` is a Python int, so
 a policy may behave differently per layer (MAT's shallow/deep split, PyramidKV's
 per-layer budgets) and still trace to static shapes.
 
@@ -37,7 +41,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import warnings
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -69,16 +73,14 @@ POSITION_MODES = ("absolute", "rolling")
 PREFILL_MODES = ("full", "stream", "chunked")
 
 
-class Policy(abc.ABC):
-    """What the model needs from a cache policy."""
+class Rule(abc.ABC):
+    """What caches one layer, or one KV-head group of it: the model calls only these (through `kvjax.layer`).
 
-    prefill_mode: PrefillMode
-    # Prompt tokens per chunk when prefill_mode == "chunked", else None.
-    chunk: int | None = None
-    # Why `absorb` is not implemented (said when prefill_mode="chunked" is asked of this policy).
-    chunk_refusal: str = "it has no rule to fold a chunk of the prompt into its cache"
-    # False for policies that compress a whole prompt once and then only append (SnapKV & co):
-    # fed token by token (kvjax.scoring), they would never compress.
+    A rule that can also fold a prompt chunk by chunk is a `ChunkRule`; one that masks the prompt's attention
+    is a `PromptMasking` too. Which rule caches which layer and heads is the `Policy`'s business (a plan)."""
+
+    # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
+    # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
 
     @abc.abstractmethod
@@ -113,7 +115,36 @@ class Policy(abc.ABC):
     ) -> LayerCache:
         """Inserts one token per row (`ctx.pos` `[b]`), evicting if full. Rows with pos < 0 are unchanged."""
 
-    # -- chunked prefill (prefill_mode == "chunked") ------------------------------------------
+    def observe(self, layer: int, cache: LayerCache, ctx: Context, stats: AttentionStats) -> LayerCache:
+        """Updates per-slot statistics after the decode attention of the token at `ctx.pos` `[b]`."""
+        del layer, ctx, stats
+        return cache
+
+    def size_rows(self, layer: int, cache: LayerCache, ctx: Context) -> LayerCache:
+        """Before a whole prompt at positions `ctx.pos` `[b, t]` (-1 on padding) is read token by token into the
+        fresh `cache` (prefill_mode "stream", or text scored token by token): a budget that depends on
+        each row's prompt (a ratio) is set here, since `step` sees one token at a time. Default: nothing."""
+        del layer, ctx
+        return cache
+
+    def prefill_stats(self, layer: int) -> StatsRequest:
+        """Statistics the prompt's attention must return to `prefill` (see `kvjax.attention`)."""
+        del layer
+        return NO_STATS
+
+    def decode_stats(self, layer: int) -> StatsRequest:
+        """Statistics each decode attention must return to `observe`."""
+        del layer
+        return NO_STATS
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """The rule and its parameters, as records and tables name it."""
+
+
+class ChunkRule(Rule):
+    """A rule that folds a prompt into its cache chunk by chunk (`prefill_mode="chunked"`)."""
+
     def chunk_stats(self, layer: int) -> StatsRequest:
         """Statistics a chunk's attention returns to `absorb`, over the keys `[cache slots; chunk]`."""
         return self.prefill_stats(layer)
@@ -140,6 +171,7 @@ class Policy(abc.ABC):
         raise InvalidInput(f"{self.describe()}: rolling positions cannot be computed for a chunk of the prompt "
                            "(they are ranks in a cache with gaps); use positions='absolute' or prefill_mode='stream'")
 
+    @abc.abstractmethod
     def absorb(
         self,
         layer: int,
@@ -150,43 +182,14 @@ class Policy(abc.ABC):
         stats: AttentionStats,
     ) -> LayerCache:
         """Takes a chunk (positions `ctx.pos` `[b, n]`, -1 on padding) into `cache`, evicting back to the budget."""
-        raise InvalidInput(f"{self.describe()} cannot run prefill_mode='chunked': {self.chunk_refusal}")
 
-    def size_rows(self, layer: int, cache: LayerCache, ctx: Context) -> LayerCache:
-        """Before a whole prompt at positions `ctx.pos` `[b, t]` (-1 on padding) is read token by token into the
-        fresh `cache` (prefill_mode "stream", or text scored token by token): a budget that depends on
-        each row's prompt (a ratio) is set here, since `step` sees one token at a time. Default: nothing."""
-        del layer, ctx
-        return cache
 
-    def observe(self, layer: int, cache: LayerCache, ctx: Context, stats: AttentionStats) -> LayerCache:
-        """Updates per-slot statistics after the decode attention of the token at `ctx.pos` `[b]`."""
-        del layer, ctx, stats
-        return cache
+class PromptMasking(Rule):
+    """A rule that restricts the prompt's attention itself (AnLLM's eq. 4), for every head of its layers."""
 
-    def prefill_stats(self, layer: int) -> StatsRequest:
-        """Statistics the prompt's attention must return to `prefill` (see `kvjax.attention`)."""
-        del layer
-        return NO_STATS
-
-    def decode_stats(self, layer: int) -> StatsRequest:
-        """Statistics each decode attention must return to `observe`."""
-        del layer
-        return NO_STATS
-
-    def at_layer(self, layer: int) -> "Policy":
-        """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.
-
-        The model resolves each layer's rule once, here, and then calls only that rule's methods; so
-        a combinator forwards nothing by hand, and a member's hooks (AnLLM's prompt mask, the gate)
-        act in its own layers only."""
-        del layer
-        return self
-
+    @abc.abstractmethod
     def prompt_mask(self, ctx: Context):
-        """A `kvjax.masks.AnchorMask` restricting the prompt's attention (AnLLM's eq. 4), or None."""
-        del ctx
-        return None
+        """A `kvjax.masks.AnchorMask` over the prompt at `ctx` (None: no restriction)."""
 
     def prefix_visible(self, layer: int, cache: LayerCache, anchor_mask) -> Bool[Array, "b kvh t c"] | None:
         """Which slots of `cache` each query of a chunk that extends it may see (`Llama.extend`),
@@ -194,22 +197,34 @@ class Policy(abc.ABC):
         del layer, cache, anchor_mask
         return None
 
-    def shrink(self, cache, room: int) -> tuple["Policy", object]:
-        """After prefill (on the host): a policy whose cache size is only known once the prompt is
-        compressed returns itself sized to `cache` plus `room` decode slots, and the cache moved
-        into it (Attention-Gate). Default: unchanged."""
-        del room
-        return self, cache
 
-    def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
-        """Raises ValueError if the policy cannot run on a model of `num_layers` layers
-        (and `num_kv_heads` KV heads per layer, for policies that name heads)."""
+class Policy(abc.ABC):
+    """What a user passes: it builds a plan, saying which `Rule` caches each layer and KV-head group
+    (`kvjax.policies.plan.resolve`). A single rule is its own policy (`LayerPolicy`); combinators
+    (`by_layer`, `by_head`, MAT, RazorAttention, DuoAttention, `Quantized`) only build plans."""
+
+    prefill_mode: PrefillMode
+    # Prompt tokens per chunk when prefill_mode == "chunked", else None.
+    chunk: int | None = None
+
+    def at_layer(self, layer: int) -> "Policy":
+        """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.
+
+        The plan resolves each layer's rule once, here, and the model then calls only that rule's methods;
+        so a combinator forwards nothing, and a member's hooks (AnLLM's prompt mask, the gate) act in its
+        own layers only."""
+        del layer
+        return self
 
     def head_split(self, layer: int) -> tuple[tuple[tuple[int, ...], "Policy"], ...] | None:
         """`((kv_heads, policy), ...)` when `layer`'s KV heads are cached in separate groups of
         different capacity (`kvjax.cache.HeadwiseCache`); None for one array over all heads."""
         del layer
         return None
+
+    def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
+        """Raises ValueError if the policy cannot run on a model of `num_layers` layers
+        (and `num_kv_heads` KV heads per layer, for policies that name heads)."""
 
     def on_sliding_window(self, window: int) -> "Policy":
         """This policy on a model whose attention never looks back more than `window` tokens (Mistral's
@@ -222,6 +237,13 @@ class Policy(abc.ABC):
         del window
         return self
 
+    def shrink(self, cache, room: int) -> tuple["Policy", object]:
+        """After prefill (on the host): a policy whose cache size is only known once the prompt is
+        compressed returns itself sized to `cache` plus `room` decode slots, and the cache moved
+        into it (Attention-Gate). Default: unchanged."""
+        del room
+        return self, cache
+
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
         fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode", "chunk"))
@@ -231,12 +253,14 @@ class Policy(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerPolicy(Policy):
+class LayerPolicy(Policy, Rule):
     """A policy applying one rule to every layer, with its position and prefill modes."""
 
     positions: PositionMode = "absolute"
     prefill_mode: PrefillMode = "full"
     chunk: int | None = None
+    # Why prefill_mode="chunked" is refused: a rule that is no `ChunkRule`, or one that is but refuses it.
+    chunk_refusal: ClassVar[str] = "it has no rule to fold a chunk of the prompt into its cache"
 
     def __post_init__(self):
         name = type(self).__name__
@@ -249,10 +273,10 @@ class LayerPolicy(Policy):
                                "given exactly when prefill_mode='chunked' (--prefill-mode chunked --chunk N)")
         if self.chunk is not None and self.chunk < 1:
             raise InvalidInput(f"{name}: chunk={self.chunk} must be >= 1")
-        if self.prefill_mode == "chunked" and type(self).absorb is Policy.absorb:
+        if self.prefill_mode == "chunked" and not isinstance(self, ChunkRule):
             raise InvalidInput(f"{name} cannot run prefill_mode='chunked': {self.chunk_refusal}")
         if self.prefill_mode == "chunked" and self.positions == "rolling" and type(self).rolling_sinks is \
-                Policy.rolling_sinks:
+                ChunkRule.rolling_sinks:
             raise InvalidInput(f"{name}: rolling positions cannot be computed for a chunk of the prompt (they are "
                                "ranks in a cache with gaps); use positions='absolute' or prefill_mode='stream'")
 

@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy
-from kvjax.stats import NO_STATS
+from kvjax.policies.base import Policy, PromptMasking
 
 # `split` meaning "every layer is shallow", whatever the model's depth.
 EVERY_LAYER = 2**31 - 1
 """`ByLayer(split=EVERY_LAYER, ...)`: every layer uses the shallow policy, whatever the model's depth."""
-
-
-def _for_the_plan(name: str):
-    """A rule method a combinator does not have: it only says which rule caches what (`at_layer`,
-    `head_split`), and the model asks the rules themselves, through its plan."""
-
-    def refuse(self, layer, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__}.{name}: a combinator builds a plan and caches nothing itself; ask "
-                        f"the rule of layer {layer}: model.plan(policy).layers[{layer}] (kvjax.policies.plan)")
-
-    refuse.__name__ = name
-    return refuse
 
 
 class LayerDispatch(Policy):
@@ -57,12 +42,6 @@ class LayerDispatch(Policy):
     @property
     def chunk(self):
         return self._members()[0].chunk
-
-    position_mode = _for_the_plan("position_mode")
-    capacity = _for_the_plan("capacity")
-    head_split = _for_the_plan("head_split")
-    prefill = _for_the_plan("prefill")
-    step = _for_the_plan("step")
 
     def shrink(self, cache, room: int):
         """Each member that sizes its cache after prefill (the gate) shrinks its own layers."""
@@ -213,7 +192,7 @@ class ByHead(Policy):
                 raise InvalidInput(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
                                  f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
             for _, sub in split:
-                if type(sub).prompt_mask is not Policy.prompt_mask or sub.prefill_stats(layer).gate_keep:
+                if isinstance(sub, PromptMasking) or sub.prefill_stats(layer).gate_keep:
                     # AnLLM's eq. 4 mask and the gate's keep flags shape the whole layer's prompt attention
                     # (every head of it): one head group cannot have them while its neighbours do not.
                     raise InvalidInput(f"{type(self).__name__}: {sub.describe()} cannot cache a head group of layer "
@@ -221,19 +200,6 @@ class ByHead(Policy):
                                        "it whole layers (by_layer / PerLayer)")
                 sub.check(num_layers)
 
-    # Each group is cached by its own rule, in its own array, with its own capacity (the plan's groups).
-    position_mode = _for_the_plan("position_mode")
-    capacity = _for_the_plan("capacity")
-    prefill = _for_the_plan("prefill")
-    step = _for_the_plan("step")
-
-    def prefill_stats(self, layer):
-        """What the layer's prompt attention must return for all groups: their requests, combined (it is
-        attended once for every head)."""
-        return functools.reduce(operator.or_, (sub.prefill_stats(layer) for sub in self._subs(layer)), NO_STATS)
-
-    def decode_stats(self, layer):
-        return functools.reduce(operator.or_, (sub.decode_stats(layer) for sub in self._subs(layer)), NO_STATS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

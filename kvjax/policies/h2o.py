@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio, warn_chunked_method
+from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, check_ratio, warn_chunked_method
 from kvjax.stats import StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class H2O(RatioBudget, LayerPolicy):
+class H2O(RatioBudget, LayerPolicy, ChunkRule):
     """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
     prompt tokens keeps `max(recent + 1, floor(n (1 - ratio)))` slots, decoding included, as
     kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted.

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
 from kvjax.policies.ring import StreamingLLM
 from kvjax.stats import StatsRequest
@@ -44,7 +44,7 @@ GROUP_AGGREGATIONS = ("mean", "max")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AnchorCache(RatioBudget, LayerPolicy):
+class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
     """Eq. 4 in every layer ("MAT (w. anchor)"): β anchors (position 0 + the lowest π) + a window.
 
     `prefill_mode="stream"` (default) compresses as the prompt is read, token by token, as the

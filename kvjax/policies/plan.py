@@ -18,12 +18,14 @@ policy's capacities do not grow with `max_len`) share one compilation.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy, PositionMode
+from kvjax.policies.base import Context, Policy, PositionMode, PromptMasking, Rule
 from kvjax.policies.quantized import Quantized
 from kvjax.quant import KVQuant
-from kvjax.stats import StatsRequest
+from kvjax.stats import NO_STATS, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +33,14 @@ class Group:
     """KV heads cached together under one rule; `kv_heads` None: all of the layer's, in one array."""
 
     kv_heads: tuple[int, ...] | None
-    rule: Policy
+    rule: Rule
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """Layer `layer`: `rule` (`policy.at_layer(layer)`) masks its prompt (AnLLM's eq. 4) and decides what
-    a chunk may see of the cache; `groups` cache its KV heads. `split`: the heads are in groups, each
-    in its own cache array (`kvjax.cache.HeadwiseCache`)."""
+    """Layer `layer`: `rule` (`policy.at_layer(layer)`, the layer's rule, or the head split whose `groups` cache
+    its KV heads); `groups` cache its KV heads, each under its own rule. `split`: the heads are in groups,
+    each in its own cache array (`kvjax.cache.HeadwiseCache`)."""
 
     layer: int
     rule: Policy
@@ -61,8 +63,28 @@ class LayerPlan:
         return self.groups[0].rule.position_mode(self.layer)
 
     def prefill_stats(self) -> StatsRequest:
-        """What the layer's prompt attention must return (a head split's: every group's request, combined)."""
-        return self.rule.prefill_stats(self.layer)
+        """What the layer's prompt attention must return: every group's request, combined (the prompt is
+        attended once for all heads)."""
+        return functools.reduce(operator.or_, (g.rule.prefill_stats(self.layer) for g in self.groups), NO_STATS)
+
+    def decode_stats(self) -> StatsRequest:
+        """What the layer's decode attention returns, over all groups (each group's rule reads its own)."""
+        return functools.reduce(operator.or_, (g.rule.decode_stats(self.layer) for g in self.groups), NO_STATS)
+
+    @property
+    def masking(self) -> PromptMasking | None:
+        """The rule that masks the layer's prompt attention (AnLLM's eq. 4), if any: only a whole layer's
+        (`ByHead.check` refuses one in a head group)."""
+        rule = self.groups[0].rule
+        return rule if not self.split and isinstance(rule, PromptMasking) else None
+
+    def prompt_mask(self, ctx: Context):
+        """The layer's eq. 4 `AnchorMask` over the prompt at `ctx`, or None."""
+        return None if self.masking is None else self.masking.prompt_mask(ctx)
+
+    def prefix_visible(self, cache, anchor_mask):
+        """Which slots of `cache` a chunk extending it sees (`kvjax.layer.extend`); None: every valid slot."""
+        return None if self.masking is None else self.masking.prefix_visible(self.layer, cache, anchor_mask)
 
     def capacities(self, max_len: int, prompt_len: int = 0) -> tuple[int, ...]:
         """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`);
@@ -81,7 +103,7 @@ class Plan:
     policy: Policy
     layers: tuple[LayerPlan, ...]
 
-    def rules(self) -> tuple[Policy, ...]:
+    def rules(self) -> tuple[Rule, ...]:
         """Every group's rule, layer by layer."""
         return tuple(g.rule for lp in self.layers for g in lp.groups)
 
@@ -90,7 +112,7 @@ class Plan:
         """Whether the prompt is attended as a plain causal pass (the whole prompt at once, no AnLLM eq. 4
         mask, no Attention-Gates), so one pass serves several such plans (`kvjax.generate.generate_many`)."""
         return self.policy.prefill_mode == "full" and all(
-            type(lp.rule).prompt_mask is Policy.prompt_mask and not lp.prefill_stats().gate_keep for lp in self.layers)
+            lp.masking is None and not lp.prefill_stats().gate_keep for lp in self.layers)
 
     def sized(self, max_len: int, prompt_len: int = 0) -> "Plan":
         """The plan with each group's slot count fixed for sequences of at most `max_len` tokens whose

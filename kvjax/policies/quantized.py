@@ -47,10 +47,6 @@ class Quantized(Policy):
     def chunk(self):
         return self.policy.chunk
 
-    @property
-    def evicts_while_decoding(self):
-        return self.policy.evicts_while_decoding
-
     def describe(self) -> str:
         return f"Quantized({self.policy.describe()}, {self.kv_quant.describe()})"
 
@@ -63,17 +59,5 @@ class Quantized(Policy):
     def check(self, num_layers, num_kv_heads=None):
         self.policy.check(num_layers, num_kv_heads)
 
-    def position_mode(self, layer):
-        return self.policy.position_mode(layer)
-
-    def capacity(self, layer, max_len, prompt_len=0):
-        return self.policy.capacity(layer, max_len, prompt_len)
-
     def on_sliding_window(self, window):
         return dataclasses.replace(self, policy=self.policy.on_sliding_window(window))
-
-    def prefill(self, layer, cache, k, v, ctx, stats):
-        raise TypeError("Quantized is not a rule: resolve() gives the model the wrapped policy's rules")
-
-    def step(self, layer, cache, k, v, ctx):
-        raise TypeError("Quantized is not a rule: resolve() gives the model the wrapped policy's rules")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, PrefillMode, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, LayerPolicy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
 
@@ -48,7 +48,7 @@ def buffer_length(n, buffer: int, compression: float):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompensatedWindow(RatioBudget, LayerPolicy):
+class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
     """A non-retrieval head group: `sinks` + a window of `L` recent tokens + one compensation slot.
 
     `L` is `max(buffer, ceil(n / compression))` for a row whose prompt has `n` tokens (RoPE),

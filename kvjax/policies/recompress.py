@@ -33,13 +33,13 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy
+from kvjax.policies.base import ChunkRule, Policy
 from kvjax.policies.scored import ScoredPolicy
 from kvjax.stats import AttentionStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Recompress(Policy):
+class Recompress(Policy, ChunkRule):
     """`scorer` compresses the prompt, then re-scores the cache and evicts back to its budget every `every`
     generated tokens (the module docstring says how, and where it differs from kvpress)."""
 

@@ -17,7 +17,7 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, check_ratio
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -46,7 +46,7 @@ def ring_holder(length: Int[Array, "b"], sinks: int, capacity, slots: int | None
     return jnp.where(j < sinks, sink_pos, win_pos).astype(jnp.int32)
 
 
-class RingPolicy(RatioBudget, LayerPolicy):
+class RingPolicy(RatioBudget, LayerPolicy, ChunkRule):
     """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`.
 
     With a `ratio` (`RatioBudget`) a row whose prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))`

@@ -47,7 +47,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, warn_chunked_method
+from kvjax.policies.base import ChunkRule, LayerPolicy, warn_chunked_method
 from kvjax.stats import StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -73,7 +73,7 @@ def aggregate(x: jax.Array, how: str, axis: int = 2) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScoredPolicy(LayerPolicy):
+class ScoredPolicy(LayerPolicy, ChunkRule):
     """Shared budget, selection and decode-append for the prefill compressors."""
 
     budget: int | None = None
