@@ -47,7 +47,7 @@ def filled(plan, length: int, dtype, shape=SHAPE, batch: int = 1):
     pos = np.where(np.arange(c) < length, np.arange(c), -1).astype(np.int32)
     b = batch
     lc = kvcache.LayerCache(k=jnp.asarray(rng.randn(b, h, c, d), dtype), v=jnp.asarray(rng.randn(b, h, c, d), dtype),
-                            pos=jnp.broadcast_to(jnp.asarray(pos), (b, h, c)), score=jnp.zeros((b, h, c)),
+                            pos=jnp.broadcast_to(jnp.asarray(pos), (b, h, c)),
                             log_w=jnp.zeros((b, h, c)))
     return layer.stored(plan, lc, jnp.full((b,), length - 1))
 

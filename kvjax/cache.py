@@ -10,6 +10,8 @@ evict anywhere, and ALiBi / rolling RoPE stay right after eviction.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +32,19 @@ class LayerCache:
     k, v:  [batch, kv_heads, C, head_dim]  keys (rotated or not, see the policy's
            `positions` mode) and values.
     pos:   [batch, kv_heads, C] int32  absolute position of each slot's token, -1 empty.
-    score: [batch, kv_heads, C] f32    the policy's per-slot statistic (H2O mass, MAT logit, ...).
     log_w: [batch, kv_heads, C] f32    additive logit bias (log N_d for a compensation slot).
-    (score and log_w are float64 in a float64 model.)
+    state: the caching rule's own statistics, each named for what it holds (`Rule.cache_state`): per
+           slot `[batch, kv_heads, C]` (H2O's "mass", MAT's "pi"), moving with its slot, or per KV head
+           `[batch, kv_heads]` (RazorAttention's window length and folded-token count), which slot
+           operations leave alone. A rule with none carries none.
+    (log_w and the state are float64 in a float64 model.)
     """
 
     k: Float[Array, "b kvh c d"]
     v: Float[Array, "b kvh c d"]
     pos: Int[Array, "b kvh c"]
-    score: Float[Array, "b kvh c"]
     log_w: Float[Array, "b kvh c"]
+    state: dict[str, Float[Array, "b kvh *c"]] = dataclasses.field(default_factory=dict)
 
     @property
     def capacity(self) -> int:
@@ -196,16 +201,43 @@ layer's KV heads into groups, a `PooledLayerCache` for AdaKV's per-head budgets,
 `Quantized`), a pytree."""
 
 
-def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> LayerCache:
+# The two kinds of a rule's named statistics (`Rule.cache_state`): one value per slot, or per KV head.
+SLOT, HEAD = "slot", "head"
+
+
+def empty(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype,
+          state: Mapping[str, str] = MappingProxyType({})) -> LayerCache:
+    """An empty layer cache with the statistics `state` names (`{name: SLOT | HEAD}`, a rule's `cache_state`),
+    zero."""
     shape = (batch, kv_heads, capacity)
     stat = jnp.promote_types(dtype, jnp.float32)  # float32, or float64 for float64 models
+    for name, kind in state.items():
+        if kind not in (SLOT, HEAD):
+            raise ValueError(f"cache state {name!r}: kind {kind!r}; expected {SLOT!r} or {HEAD!r}")
     return LayerCache(
         k=jnp.zeros((*shape, head_dim), dtype),
         v=jnp.zeros((*shape, head_dim), dtype),
         pos=jnp.full(shape, EMPTY, jnp.int32),
-        score=jnp.zeros(shape, stat),
         log_w=jnp.zeros(shape, stat),
+        state={name: jnp.zeros(shape if kind == SLOT else shape[:2], stat) for name, kind in state.items()},
     )
+
+
+def with_state(cache: LayerCache, **values: Array) -> LayerCache:
+    """`cache` with the named statistics of its rule replaced (each cast to its own dtype and shape); a name the
+    cache does not hold is an error, not a new array (its pytree is fixed when the engine allocates it)."""
+    missing = sorted(set(values) - set(cache.state))
+    if missing:
+        raise KeyError(f"state {missing} is not in this cache (it holds {sorted(cache.state)}: the rule's "
+                       "cache_state names what it keeps)")
+    state = {n: jnp.broadcast_to(values[n], x.shape).astype(x.dtype) if n in values else x
+             for n, x in cache.state.items()}
+    return dataclasses.replace(cache, state=state)
+
+
+def per_slot(x: Array) -> bool:
+    """Whether a state array is per slot (`[b, kvh, C]`) rather than per KV head (`[b, kvh]`)."""
+    return x.ndim == 3
 
 
 def gather_prompt(
@@ -214,15 +246,15 @@ def gather_prompt(
     v: Float[Array, "b kvh t d"],
     pos: Int[Array, "b t"],
     src: Int[Array, "b kvh c"],
-    score: Float[Array, "b kvh t"] | None = None,
+    state: Mapping[str, Float[Array, "b kvh t"]] | None = None,
 ) -> LayerCache:
     """Fills every slot of the (empty) `cache` from prompt index `src` (a time index into k/v), or
     empties it (src < 0).
 
     The one gather every prefill compression shares: a policy only decides `src`
-    (and, optionally, the per-token `score` its slots start with).
+    (and, optionally, per-token values of its per-slot `state` that its slots start with).
     """
-    return take_slots(as_slots(cache, k, v, pos, score), src)
+    return take_slots(as_slots(cache, k, v, pos, state), src)
 
 
 def keep_top(score: Array, real: Array, always: Array, n_keep: Array) -> Array:
@@ -233,11 +265,13 @@ def keep_top(score: Array, real: Array, always: Array, n_keep: Array) -> Array:
     return real & (rank < n_keep)
 
 
-def victim_slot(cache: LayerCache, candidate: Array, evict_highest: bool) -> Int[Array, "b kvh"]:
+def victim_slot(cache: LayerCache, by: Float[Array, "b kvh c"], candidate: Array,
+                evict_highest: bool) -> Int[Array, "b kvh"]:
     """The slot a new token takes: the first empty one, else the `candidate` slot with the highest
-    (or lowest) `score`, ties going to the oldest token. Shared by the evicting policies."""
+    (or lowest) statistic `by` (H2O's mass, MAT's pi), ties going to the oldest token. Shared by the
+    evicting policies."""
     fill = -jnp.inf if evict_highest else jnp.inf
-    key = jnp.where(candidate, cache.score, fill)
+    key = jnp.where(candidate, by, fill)
     best = jnp.max(key, axis=-1, keepdims=True) if evict_highest else jnp.min(key, axis=-1, keepdims=True)
     victim = jnp.argmin(jnp.where(candidate & (key == best), cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
     empty = cache.pos == EMPTY  # a DISABLED slot is not free: its row's budget excludes it
@@ -245,8 +279,8 @@ def victim_slot(cache: LayerCache, candidate: Array, evict_highest: bool) -> Int
 
 
 def concat_slots(a: LayerCache, b: LayerCache) -> LayerCache:
-    """`a`'s slots followed by `b`'s (same batch, heads and head_dim)."""
-    return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), a, b)
+    """`a`'s slots followed by `b`'s (same batch, heads, head_dim and state names); per-head state is `a`'s."""
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2) if x.ndim > 2 else x, a, b)
 
 
 def compact(keep: Array, capacity: int, *, right: bool = False) -> Int[Array, "b kvh c"]:
@@ -271,24 +305,29 @@ def as_slots(
     k: Float[Array, "b kvh n d"],
     v: Float[Array, "b kvh n d"],
     pos: Int[Array, "b n"],
-    score: Float[Array, "b kvh n"] | None = None,
+    state: Mapping[str, Float[Array, "b kvh n"]] | None = None,
 ) -> LayerCache:
-    """Tokens as cache slots of `like`'s dtypes: their positions, `score` (or 0), no bias."""
+    """Tokens as cache slots of `like`'s dtypes and state names: their positions, the per-slot `state` given
+    (else 0; a name `like` lacks is an error), `like`'s per-head state, no bias."""
     shape = k.shape[:3]
-    stat = like.score.dtype
+    given = dict(state or {})
+    if set(given) - set(like.state):
+        raise KeyError(f"state {sorted(set(given) - set(like.state))} is not in this cache (it holds "
+                       f"{sorted(like.state)}: the rule's cache_state names what it keeps)")
     return LayerCache(
         k=k.astype(like.k.dtype),
         v=v.astype(like.v.dtype),
         pos=jnp.broadcast_to(pos[:, None, :], shape).astype(jnp.int32),
-        score=jnp.zeros(shape, stat) if score is None else jnp.broadcast_to(score, shape).astype(stat),
         log_w=jnp.zeros(shape, like.log_w.dtype),
+        state={n: (jnp.broadcast_to(given[n], shape).astype(x.dtype) if n in given else jnp.zeros(shape, x.dtype))
+               if per_slot(x) else x for n, x in like.state.items()},
     )
 
 
 def chunk_slots(
     cache: LayerCache, k: Float[Array, "b kvh n d"], v: Float[Array, "b kvh n d"], pos: Int[Array, "b n"]
 ) -> LayerCache:
-    """`cache`'s slots followed by a chunk's tokens as slots (score 0, no bias): the candidates a
+    """`cache`'s slots followed by a chunk's tokens as slots (state 0, no bias): the candidates a
     chunked prefill folds back into `cache.capacity` slots, in the key order of the chunk's attention."""
     return concat_slots(cache, as_slots(cache, k, v, pos))
 
@@ -302,8 +341,8 @@ def take_slots(cache: LayerCache, src: Int[Array, "b kvh c"]) -> LayerCache:
         k=jnp.where(keep[..., None], pick(cache.k), 0).astype(cache.k.dtype),
         v=jnp.where(keep[..., None], pick(cache.v), 0).astype(cache.v.dtype),
         pos=jnp.where(keep, pick(cache.pos), EMPTY).astype(jnp.int32),
-        score=jnp.where(keep, pick(cache.score), 0.0).astype(cache.score.dtype),
         log_w=jnp.where(keep, pick(cache.log_w), 0.0).astype(cache.log_w.dtype),
+        state={n: jnp.where(keep, pick(x), 0.0).astype(x.dtype) if per_slot(x) else x for n, x in cache.state.items()},
     )
 
 
@@ -317,8 +356,8 @@ def limit_rows(cache: LayerCache, rows: Int[Array, "b"] | Int[Array, "b kvh"]) -
 
 
 def select(which: Array, a: LayerCache, b: LayerCache) -> LayerCache:
-    """Per (row, KV head) (`which`: bool `[b, kvh, 1]`), `a`'s slots where true, else `b`'s."""
-    return jax.tree.map(lambda x, y: jnp.where(which if x.ndim == 3 else which[..., None], x, y), a, b)
+    """Per (row, KV head) (`which`: bool `[b, kvh, 1]`), `a`'s slots (and per-head state) where true, else `b`'s."""
+    return jax.tree.map(lambda x, y: jnp.where(which.reshape(which.shape[:2] + (1,) * (x.ndim - 2)), x, y), a, b)
 
 
 def write(
@@ -327,22 +366,26 @@ def write(
     k: Float[Array, "b kvh d"],
     v: Float[Array, "b kvh d"],
     pos: Int[Array, "b"],
-    score: Float[Array, "b kvh"] | float = 0.0,
+    state: Mapping[str, Float[Array, "b kvh"] | float] | None = None,
 ) -> LayerCache:
-    """Writes one token per (row, KV head) into `slot`; rows with pos < 0 are left unchanged.
+    """Writes one token per (row, KV head) into `slot`, its per-slot state the values given (else 0; per-head
+    state is left alone); rows with pos < 0 are left unchanged.
 
     A scatter (O(head_dim) per head), so a donated cache is updated in place.
     """
     b, h = slot.shape
     slot = jnp.where(pos[:, None] >= 0, slot, cache.capacity)  # out of range -> dropped
     idx = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)
-    score = jnp.broadcast_to(jnp.asarray(score, cache.score.dtype), (b, h))
+    given = dict(state or {})
+    if set(given) - {n for n, x in cache.state.items() if per_slot(x)}:
+        raise KeyError(f"write: {sorted(given)} are not per-slot state of this cache ({sorted(cache.state)})")
+    value = lambda n, x: jnp.broadcast_to(jnp.asarray(given.get(n, 0.0), x.dtype), (b, h))  # noqa: E731
     return LayerCache(
         k=cache.k.at[idx].set(k.astype(cache.k.dtype), mode="drop"),
         v=cache.v.at[idx].set(v.astype(cache.v.dtype), mode="drop"),
         pos=cache.pos.at[idx].set(jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32), mode="drop"),
-        score=cache.score.at[idx].set(score, mode="drop"),
         log_w=cache.log_w.at[idx].set(0.0, mode="drop"),
+        state={n: x.at[idx].set(value(n, x), mode="drop") if per_slot(x) else x for n, x in cache.state.items()},
     )
 
 
@@ -397,8 +440,8 @@ def num_slots(cache: Cache) -> int:
 def equal_bytes_budget(model, policy, prompt_len: int, new_tokens: int) -> int:
     """The token budget per (layer, KV head) at which a one-array-per-layer policy (StreamingLLM, H2O,
     SnapKV, ...) holds as many slots as `policy` does for one `prompt_len`-token prompt and
-    `new_tokens` generated; every slot of every policy has the same fields, so equal slots are equal
-    bytes. This is how RazorAttention, whose retrieval heads keep the whole prompt, is compared with
+    `new_tokens` generated: equal slots are equal key and value bytes (a rule's own statistics add a few
+    bytes per slot or head, `Rule.cache_state`, not counted here). This is how RazorAttention, whose retrieval heads keep the whole prompt, is compared with
     the token-budget policies at the same memory. Shapes only: nothing is allocated."""
     cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len + new_tokens, prompt_len))
     return max(1, num_slots(cache) // (model.cfg.num_layers * model.cfg.num_kv_heads))

@@ -74,16 +74,16 @@ def init_layer_cache(plan: LayerPlan, batch: int, num_kv_heads: int, head_dim: i
     """Empty arrays of a sized layer plan's slot counts (one array, or one per head group)."""
     if plan.sizes is None:
         raise ValueError("init_layer_cache needs a sized plan (Plan.sized(max_len, prompt_len))")
-    def empty(heads, n):
+    def empty(heads, n, rule):
         if plan.quant is None:
-            return kvcache.empty(batch, heads, n, head_dim, dtype)
-        return quant.empty(plan.quant, batch, heads, n, head_dim, dtype)
+            return kvcache.empty(batch, heads, n, head_dim, dtype, rule.cache_state)
+        return quant.empty(plan.quant, batch, heads, n, head_dim, dtype, rule.cache_state)
 
     if plan.pooled:  # (`resolve` refuses to quantize a pool)
         return kvcache.empty_pool(batch, num_kv_heads, num_kv_heads * plan.sizes[0], plan.sizes[1], head_dim, dtype)
     if not plan.split:
-        return empty(num_kv_heads, plan.sizes[0])
-    return HeadwiseCache(tuple(empty(len(g.kv_heads), n) for g, n in zip(plan.groups, plan.sizes)),
+        return empty(num_kv_heads, plan.sizes[0], plan.groups[0].rule)
+    return HeadwiseCache(tuple(empty(len(g.kv_heads), n, g.rule) for g, n in zip(plan.groups, plan.sizes)),
                          tuple(g.kv_heads for g in plan.groups))
 
 
@@ -270,7 +270,7 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, 
     cache = rule.make_room(geom.layer, cache, ctx)
     slot_visible, chunk_visible = rule.chunk_visible(geom.layer, cache, ctx)
     kw = dict(scale=geom.scale, mask=mask, slot_visible=slot_visible, chunk_visible=chunk_visible,
-              stats=rule.chunk_stats(geom.layer), impl=geom.impl)
+              stats=rule.stats(geom.layer).prefill, impl=geom.impl)
     if rule.position_mode(geom.layer) == "absolute":
         k_rot = geom.rotate(k, pos[:, None, :])
         o, stats = attention.prefix_attention(geom.rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v,
@@ -322,7 +322,7 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
         keys = cache.k
         q = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
     o, stats = attention.decode_attention(
-        q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=policy.decode_stats(geom.layer),
+        q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=policy.stats(geom.layer).decode,
         q_coord=q_coord, k_coord=k_coord, mask=mask, impl=geom.impl,
     )
     return o, policy.observe(geom.layer, cache, ctx, stats)
@@ -331,7 +331,7 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
 def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, v, pos, tokens=None):
     """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in its decode
     slots, and each KV head's queries attend the slots it owns (`attention.pooled_decode_attention`)."""
-    if rule.decode_stats(geom.layer):
+    if rule.stats(geom.layer).decode:
         raise InvalidInput(f"{rule.describe()}: a pooled cache's decode computes no statistics")
     cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v,
                       Context(pos, tokens))
@@ -357,20 +357,20 @@ def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v
     ctx = Context(pos, tokens)
     k_store = geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
     shape = (*qc.pos.shape, geom.head_dim)
-    meta = LayerCache(k=jnp.zeros(shape, k_store.dtype), v=jnp.zeros(shape, v.dtype), pos=qc.pos, score=qc.score,
-                      log_w=qc.log_w)
+    meta = LayerCache(k=jnp.zeros(shape, k_store.dtype), v=jnp.zeros(shape, v.dtype), pos=qc.pos, log_w=qc.log_w,
+                      state=qc.state)
     stepped = rule.step(geom.layer, meta, k_store, v, ctx)
-    want = rule.decode_stats(geom.layer)
+    want = rule.stats(geom.layer).decode
     q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
     # attention reads the codes as they were before this token, the token itself in full precision (the
     # view the rule wrote it into); the token's key group is requantized after
-    placed = dataclasses.replace(qc, pos=stepped.pos, score=stepped.score, log_w=stepped.log_w)
+    placed = dataclasses.replace(qc, pos=stepped.pos, log_w=stepped.log_w, state=stepped.state)
     o, probs, first = attention.quantized_decode_attention(q_rot, placed, pos, (k_store, v), scale=geom.scale,
                                                            probs=want.probs, first_logit=want.first_logit,
                                                            impl=geom.impl)
     seen = rule.observe(geom.layer, stepped, ctx, AttentionStats(first_logit=first, probs=probs))
     qc = quant.write_token(qc, stepped, k_store, v, pos)
-    return o, dataclasses.replace(qc, pos=seen.pos, score=seen.score, log_w=seen.log_w)
+    return o, dataclasses.replace(qc, pos=seen.pos, log_w=seen.log_w, state=seen.state)
 
 
 __all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",

@@ -1,7 +1,7 @@
 """A quantized KV cache: a policy's kept slots stored as int8 or KIVI's 4 / 2-bit codes, in real bytes.
 
 Eviction decides which tokens stay; quantization shrinks each one. `QuantizedLayerCache` holds the same
-slots as a `kvjax.cache.LayerCache` (positions, scores and logit biases unchanged) with the keys and values
+slots as a `kvjax.cache.LayerCache` (positions, logit biases and the rule's state unchanged) with the keys and values
 replaced by codes:
 
 * `KVQuant(bits=8)`: int8, symmetric, one scale per (KV head, slot) for keys and for values.
@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +205,7 @@ class QuantizedLayerCache:
     k_codes, v_codes: int8 `[b, kvh, C, d]` (8 bits) or uint8 `[b, kvh, C, d bits / 8]` (KIVI).
     k_scale (and k_zero): `[b, kvh, C]` (int8) or `[b, kvh, ceil(C / G), d]` (KIVI, per channel per G slots).
     v_scale (and v_zero): `[b, kvh, C]` (int8) or `[b, kvh, C, d / G]` (KIVI, per G channels per slot).
-    pos, score, log_w: as in LayerCache.
+    pos, log_w, state: as in LayerCache.
     res_k, res_v `[b, kvh, R, d]`, res_pos `[b, kvh, R]`: the residual, a ring of the R most recent held
     tokens in full precision (slot `pos % R`), -1 where empty; None when R = 0.
     """
@@ -215,8 +217,8 @@ class QuantizedLayerCache:
     v_scale: Array
     v_zero: Array | None
     pos: Int[Array, "b kvh c"]
-    score: Float[Array, "b kvh c"]
     log_w: Float[Array, "b kvh c"]
+    state: dict[str, Float[Array, "b kvh *c"]]
     res_k: Array | None
     res_v: Array | None
     res_pos: Array | None
@@ -234,14 +236,16 @@ class QuantizedLayerCache:
 
 jax.tree_util.register_dataclass(
     QuantizedLayerCache,
-    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "pos", "score", "log_w", "res_k",
+    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "pos", "log_w", "state", "res_k",
                  "res_v", "res_pos"],
     meta_fields=["spec", "dtype"])
 
 
-def empty(spec: KVQuant, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> QuantizedLayerCache:
+def empty(spec: KVQuant, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype,
+          state: Mapping[str, str] = MappingProxyType({})) -> QuantizedLayerCache:
+    """An empty quantized cache (`state`: the rule's statistics, as `kvjax.cache.empty`'s, kept unquantized)."""
     spec.check_head_dim(head_dim)
-    plain = kvcache.empty(batch, kv_heads, capacity, head_dim, dtype)
+    plain = kvcache.empty(batch, kv_heads, capacity, head_dim, dtype, state)
     return store(spec, plain, jnp.full((batch,), EMPTY, jnp.int32))
 
 
@@ -263,7 +267,7 @@ def view(qc: QuantizedLayerCache, newest: Int[Array, "b"] | None = None) -> Laye
         hit = hit[..., None]
         k = jnp.where(hit, jnp.take_along_axis(qc.res_k, ring[..., None], axis=2), k)
         v = jnp.where(hit, jnp.take_along_axis(qc.res_v, ring[..., None], axis=2), v)
-    return LayerCache(k=k, v=v, pos=qc.pos, score=qc.score, log_w=qc.log_w)
+    return LayerCache(k=k, v=v, pos=qc.pos, log_w=qc.log_w, state=qc.state)
 
 
 def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLayerCache:
@@ -288,7 +292,7 @@ def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLa
         res_v = jnp.zeros((b, h, r, lc.v.shape[-1]), dtype).at[idx].set(lc.v, mode="drop")
         res_pos = jnp.full((b, h, r), EMPTY, jnp.int32).at[idx].set(lc.pos, mode="drop")
     return QuantizedLayerCache(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz, pos=lc.pos,
-                               score=lc.score, log_w=lc.log_w, res_k=res_k, res_v=res_v, res_pos=res_pos, spec=spec,
+                               log_w=lc.log_w, state=lc.state, res_k=res_k, res_v=res_v, res_pos=res_pos, spec=spec,
                                dtype=jnp.dtype(dtype).name)
 
 
@@ -344,14 +348,14 @@ def write_token(qc: QuantizedLayerCache, stepped: LayerCache, k: Float[Array, "b
     """The token a rule's `step` placed (the slot whose position changed in `stepped`, whose keys and values are
     not read) stored into the codes: its value (and int8 key) alone, its KIVI key group requantized from its
     members as `view` reads them plus the new key, as `store` would; the residual ring takes it in full
-    precision. Positions, scores and biases are `stepped`'s."""
+    precision. Positions, biases and the rule's state are `stepped`'s."""
     s, dtype = qc.spec, jnp.dtype(qc.dtype)
     b, h, c = qc.pos.shape
     written = stepped.pos != qc.pos
     slot = jnp.where(jnp.any(written, axis=-1), jnp.argmax(written, axis=-1), c)  # [b, kvh]; c: none, dropped
     at = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)
     put = lambda x, new: x.at[at].set(new.astype(x.dtype), mode="drop")  # noqa: E731
-    out = dict(pos=stepped.pos, score=stepped.score, log_w=stepped.log_w)
+    out = dict(pos=stepped.pos, log_w=stepped.log_w, state=stepped.state)
     if s.kivi:
         vc, vs, vz = quantize_values(v[:, :, None], s.bits, s.group, dtype)
         out.update(v_codes=put(qc.v_codes, vc[:, :, 0]), v_scale=put(qc.v_scale, vs[:, :, 0]),

@@ -1,7 +1,7 @@
 """The attention statistics a cache policy reads: what it asks for, and what attention returns.
 
-A policy names what it needs per layer (`Rule.prefill_stats`, `ChunkRule.chunk_stats`, `Rule.decode_stats`) as a
-`StatsRequest`: frozen and hashable, so it is part of the static key of a jitted prefill or decode
+A rule names what it needs per layer (`Rule.stats`: a `RuleStats` of a prompt's and a decode step's) as a
+`StatsRequest` each: frozen and hashable, so it is part of the static key of a jitted prefill or decode
 (a different request is a different program, never a silent one). Attention returns an
 `AttentionStats`: a registered pytree holding exactly the requested arrays, the others `None`, so a
 policy that reads a statistic it did not ask for fails at trace time, naming it.
@@ -104,3 +104,12 @@ class AttentionStats:
     def map(self, f: Callable[[Array], Array]) -> AttentionStats:
         """`f` on every array (e.g. a head group's slice)."""
         return jax.tree.map(f, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleStats:
+    """What attention returns to one rule (`Rule.stats`): over a prompt (to `prefill`, and over each chunk of a
+    chunked one, to `absorb`) and at each decode step (to `observe`)."""
+
+    prefill: StatsRequest = NO_STATS
+    decode: StatsRequest = NO_STATS

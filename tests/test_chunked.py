@@ -189,7 +189,7 @@ def test_chunked_snapkv_matches_numpy_reference():
         sl = slice(s, s + chunk)
         _, stats = attention.prefix_attention(
             jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
-            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.chunk_stats(0))
+            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.stats(0).prefill)
         cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]),
                               Context(jnp.asarray(pos[:, sl])), stats)
         ours.append(kvcache.kept_sets((cache,))[0])
@@ -298,13 +298,13 @@ def test_chunked_score_policies_match_the_stated_rule(name, make):
     with pytest.warns(UserWarning, match="chunk"):
         policy = make(prefill_mode="chunked", chunk=chunk)
     cap = policy.capacity(layer, t, t)
-    cache = kvcache.empty(b, kvh, cap, d, jnp.float32)
+    cache = kvcache.empty(b, kvh, cap, d, jnp.float32, policy.cache_state)
     ours = []
     for s in range(0, t, chunk):
         sl = slice(s, s + chunk)
         _, stats = attention.prefix_attention(
             jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]), jnp.asarray(pos[:, sl]),
-            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.chunk_stats(layer))
+            cache.k, cache.v, cache.pos, cache.log_w, scale=d**-0.5, stats=policy.stats(layer).prefill)
         cache = policy.absorb(layer, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(v[:, :, sl]),
                               Context(jnp.asarray(pos[:, sl])), stats)
         ours.append(kvcache.kept_sets((cache,))[0])
@@ -414,7 +414,7 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
     assert policy.capacity(0, 1000) == B + N
     q = rng.normal(size=(steps, kvh * g, d)).astype(np.float32) * 2
     k = rng.normal(size=(steps, kvh, d)).astype(np.float32)
-    cache = kvcache.empty(b, kvh, B + N, d, jnp.float32)
+    cache = kvcache.empty(b, kvh, B + N, d, jnp.float32, policy.cache_state)
     kept = [[] for _ in range(kvh)]
     acc = [dict() for _ in range(kvh)]
     checked = 0
@@ -424,7 +424,7 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
         p_ = Context(t)
         cache = policy.step(0, cache, k_t, k_t, p_)
         _, stats = attention.decode_attention(q_t, cache.k, cache.v, cache.pos, cache.log_w,
-                                              scale=d**-0.5, stats=policy.decode_stats(0))
+                                              scale=d**-0.5, stats=policy.stats(0).decode)
         return policy.observe(0, cache, p_, stats)
 
     for t in range(steps):

@@ -128,8 +128,8 @@ def test_combinators_answer_no_rule_question_and_the_plan_answers_for_them(tiny)
     layers, heads = by_layer(stream, SnapKV(budget=64), split=1), by_head([[True, False]] * 2, rolling, rolling)
     for combinator in (layers, heads):
         assert not isinstance(combinator, Rule)
-        assert not [m for m in ("capacity", "position_mode", "prefill", "step", "observe", "absorb", "prefill_stats",
-                                "decode_stats") if hasattr(combinator, m)]
+        assert not [m for m in ("capacity", "position_mode", "prefill", "step", "observe", "absorb", "stats",
+                                "cache_state") if hasattr(combinator, m)]
     # one layer of rolling positions among absolute ones: the plan is absolute; all rolling: not
     assert resolve(by_layer(rolling, stream, split=1), 2).absolute and not resolve(heads, 2, 2).absolute
     # SnapKV compresses a prompt once: one layer of it is enough for token-by-token scoring to refuse
@@ -261,3 +261,25 @@ def test_the_model_contract_is_what_generation_calls(tiny):
         setattr(NoDecode, m, lambda self, *a, **k: None)
     assert not isinstance(NoDecode(), CachedLM)
     assert "decode" in inspect.getsource(CachedLM)
+
+
+def test_each_rule_keeps_its_own_state_named_for_what_it_holds(tiny):
+    """No shared `score` field: a ring keeps no statistic, H2O each slot's attention `mass`, MAT's deep layers
+    each slot's `pi`, RazorAttention's local heads a `window` length and `folded` count per KV head (per-head
+    state survives slot moves); a statistic the cache does not hold is an error, not a new array."""
+    from kvjax.cache import with_state
+    from kvjax.policies import H2O, RazorAttention, mat
+
+    cfg = tiny.model.cfg
+    b, kvh = 2, cfg.num_kv_heads
+    state = lambda policy: [{n: x.shape for n, x in g.state.items()}  # noqa: E731
+                            for layer in tiny.model.init_cache(policy, b, 64, 32)
+                            for g in getattr(layer, "groups", (layer,))]
+    assert state(StreamingLLM(budget=8, sinks=2)) == [{}] * cfg.num_layers
+    assert state(H2O(budget=8, recent=2)) == [{"mass": (b, kvh, 8)}] * cfg.num_layers
+    assert state(mat(8, 3, shallow_layers=1, sinks=2)) == [{}] + [{"pi": (b, kvh, 8)}] * (cfg.num_layers - 1)
+    razor = RazorAttention(retrieval=((True, False),) * cfg.num_layers, buffer=4, compression=8, sinks=2)
+    assert state(razor)[1] == {"window": (b, 1), "folded": (b, 1)}  # layer 0's local head group
+    cache = tiny.model.init_cache(H2O(budget=8, recent=2), b, 64, 32)[0]
+    with pytest.raises(KeyError, match=r"state \['pi'\] is not in this cache \(it holds \['mass'\]"):
+        with_state(cache, pi=0.0)

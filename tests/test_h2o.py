@@ -53,13 +53,13 @@ def test_h2o_full_prefill_keeps_top_observed_attention_and_recent():
     colsum = rng.rand(b, kvh, g, t).astype(np.float32)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
     p = H2O(budget=10, recent=3)
-    cache = p.prefill(0, kvcache.empty(b, kvh, 10, d, jnp.float32), k, k, Context(pos), AttentionStats(colsum=jnp.asarray(colsum)))
+    cache = p.prefill(0, kvcache.empty(b, kvh, 10, d, jnp.float32, p.cache_state), k, k, Context(pos), AttentionStats(colsum=jnp.asarray(colsum)))
     for h in range(kvh):
         acc = colsum[0, h].sum(0)
         heavy = np.argsort(-acc[: t - 3], kind="stable")[:7]
         assert kept_sets((cache,))[0][h] == sorted(set(heavy.tolist()) | {27, 28, 29})
         held = np.asarray(cache.pos[0, h])
-        np.testing.assert_allclose(np.asarray(cache.score[0, h]), acc[held], rtol=1e-6)  # scores carried over
+        np.testing.assert_allclose(np.asarray(cache.state["mass"][0, h]), acc[held], rtol=1e-6)  # scores carried over
 
 
 def test_h2o_errors():
@@ -184,7 +184,7 @@ def test_h2o_chunked_matches_the_stated_rule(chunk):
     pos = np.arange(t, dtype=np.int32)[None]
     with pytest.warns(UserWarning, match="different method"):
         policy = H2OPolicy(budget=budget, recent=recent, prefill_mode="chunked", chunk=chunk)
-    cache = kvcache.empty(b, kvh, budget, d, jnp.float32)
+    cache = kvcache.empty(b, kvh, budget, d, jnp.float32, policy.cache_state)
     ref = _numpy_h2o_chunks(q.astype(np.float64), k.astype(np.float64), budget, recent, chunk)
     for step, s in enumerate(range(0, t, chunk)):
         sl = slice(s, s + chunk)
@@ -193,11 +193,11 @@ def test_h2o_chunked_matches_the_stated_rule(chunk):
         visible, _ = policy.chunk_visible(0, cache, ctx)
         _, stats = attention.prefix_attention(
             jnp.asarray(q[:, :, sl]), jnp.asarray(k[:, :, sl]), jnp.asarray(k[:, :, sl]), ctx.pos, cache.k, cache.v,
-            cache.pos, cache.log_w, scale=d**-0.5, slot_visible=visible, stats=policy.chunk_stats(0))
+            cache.pos, cache.log_w, scale=d**-0.5, slot_visible=visible, stats=policy.stats(0).prefill)
         cache = policy.absorb(0, cache, jnp.asarray(k[:, :, sl]), jnp.asarray(k[:, :, sl]), ctx, stats)
         kept, scores = ref[step]
         assert kept_sets((cache,))[0] == kept, f"chunk {step}"
-        held, score = np.asarray(cache.pos[0]), np.asarray(cache.score[0])
+        held, score = np.asarray(cache.pos[0]), np.asarray(cache.state["mass"][0])
         for j in range(kvh):
             got = {int(p): float(x) for p, x in zip(held[j], score[j]) if p >= 0}
             np.testing.assert_allclose([got[p] for p in kept[j]], [scores[j][p] for p in kept[j]], rtol=1e-4)

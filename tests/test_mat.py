@@ -135,7 +135,7 @@ def test_anchor_prefill_closed_form_with_ties():
         pos[r, t - n :] = np.arange(n)
     pi_heads = rng.choice([-1.0, 0.0, 2.5], size=(b, kvh, 1, t)).astype(np.float32)
     policy = AnchorCache(budget=C, anchor_slots=BETA, prefill_mode="full")
-    empty = kvcache.empty(b, kvh, C, d, jnp.float32)
+    empty = kvcache.empty(b, kvh, C, d, jnp.float32, policy.cache_state)
     k = jnp.asarray(rng.randn(b, kvh, t, d), jnp.float32)
     cache = policy.prefill(1, empty, k, k, Context(jnp.asarray(pos)), AttentionStats(first_logit=jnp.asarray(pi_heads)))
     update = mat_update(C, BETA, shallow_layers=0, sinks=0)
@@ -146,7 +146,7 @@ def test_anchor_prefill_closed_form_with_ties():
                 entries = update(1, entries, {"pos": p, "pi": float(pi_heads[r, h, 0, t - n + p])})
             assert kept_sets((cache,), row=r)[0][h] == sorted(e["pos"] for e in entries)
             # each slot carries its token's π
-            slot_pi = {int(p): float(s) for p, s in zip(cache.pos[r, h], cache.score[r, h]) if p >= 0}
+            slot_pi = {int(p): float(s) for p, s in zip(cache.pos[r, h], cache.state["pi"][r, h]) if p >= 0}
             assert all(slot_pi[e["pos"]] == e["pi"] for e in entries)
 
 
@@ -181,7 +181,9 @@ def test_decode_compiles_once_and_cache_is_c_slots(sharp_dir):
     for layer in g2.cache:
         assert layer.k.shape == (1, cfg.num_kv_heads, C, cfg.head_dim)
         assert (np.asarray(layer.pos) >= 0).all()  # full: exactly c tokens held
-    assert kvcache.nbytes(g2.cache) == cfg.num_layers * cfg.num_kv_heads * C * (2 * cfg.head_dim * 4 + 3 * 4)
+    # k, v float32, pos and log_w per slot; the deep layers' AnchorCache also keeps each slot's pi
+    per_slot = [2 * cfg.head_dim * 4 + 2 * 4 + (4 if i >= L_S else 0) for i in range(cfg.num_layers)]
+    assert kvcache.nbytes(g2.cache) == sum(cfg.num_kv_heads * C * n for n in per_slot)
 
 
 def test_errors(sharp_dir):
@@ -239,7 +241,7 @@ def test_pi_is_the_same_in_stream_and_full_prefill_on_an_alibi_model(impl):
         for layer in cache:
             order = np.argsort(np.asarray(layer.pos), axis=-1)
             out.append((np.take_along_axis(np.asarray(layer.pos), order, -1),
-                        np.take_along_axis(np.asarray(layer.score), order, -1)))
+                        np.take_along_axis(np.asarray(layer.state["pi"]), order, -1)))
         return out
 
     # A budget that holds the prompt: both modes see the same hidden states, so pi must agree everywhere.

@@ -131,9 +131,9 @@ def test_gemma3_policy_compresses_the_global_layers_only(checkpoint):
             assert held == list(range(total - 8, total))  # the window's latest tokens
         else:
             assert held == [0, 1] + list(range(total - 14, total))  # 2 sinks + 14 recent
-    # Bytes: per layer k and v [b, kvh, C, d] in float32, plus pos (int32), score and log_w (float32).
+    # Bytes: per layer k and v [b, kvh, C, d] in float32, plus pos (int32) and log_w (float32); rings keep no state.
     b, kvh, d = 1, c.num_kv_heads, c.head_dim
-    assert nbytes(out.cache) == sum(b * kvh * cap * (2 * d * 4 + 3 * 4) for cap in caps)
+    assert nbytes(out.cache) == sum(b * kvh * cap * (2 * d * 4 + 2 * 4) for cap in caps)
     # A scored policy on Gemma 3: the same split, kept positions inspectable in both kinds of layer.
     snap = generate(lm.model, [prompt], SnapKV(budget=20, observation_window=4), max_new_tokens=new)
     assert [layer.capacity for layer in snap.cache] == [8, 8, 20 + snap.room, 8]  # budget + the new tokens' buffer

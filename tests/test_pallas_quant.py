@@ -22,8 +22,7 @@ def _cache(spec: KVQuant, b, kvh, c, d, seed):
     pos[rng.random((b, kvh, c)) < 0.25] = -1
     pos[:, :, 0] = np.arange(b)[:, None] + c  # the newest token: beyond every other position
     log_w = np.where(rng.random((b, kvh, c)) < 0.1, np.log(3.0), 0.0).astype(np.float32)
-    lc = LayerCache(k=jnp.asarray(k), v=jnp.asarray(v), pos=jnp.asarray(pos), score=jnp.zeros((b, kvh, c)),
-                    log_w=jnp.asarray(log_w))
+    lc = LayerCache(k=jnp.asarray(k), v=jnp.asarray(v), pos=jnp.asarray(pos), log_w=jnp.asarray(log_w))
     newest = jnp.asarray(np.arange(b) + c, jnp.int32)
     current = tuple(jnp.asarray(rng.normal(size=(b, kvh, d)), jnp.float32) for _ in range(2))
     return quant.store(spec, lc, newest), newest, current

@@ -37,7 +37,9 @@ def test_mat_table_6_streaming_throughput_with_rolling_positions(tiny_dir, tmp_p
     assert len(by) == 4 and all("positions='rolling'" in c["policy"] for c in by.values())
     for name in ("StreamingLLM", "ByLayer"):  # MAT is ByLayer(shallow=StreamingLLM, deep=AnchorCache)
         assert by[(name, 48)]["cache_bytes"] == by[(name, 96)]["cache_bytes"]  # bounded by the budget
-    assert by[("StreamingLLM", 96)]["cache_bytes"] == by[("ByLayer", 96)]["cache_bytes"]  # c slots either way
+    # c = 16 slots per KV head either way; MAT's deep layer (1 of the tiny model's 2) also keeps each slot's pi
+    pi_bytes = 1 * 2 * 16 * 4  # deep layers x KV heads x slots x float32
+    assert by[("ByLayer", 96)]["cache_bytes"] - by[("StreamingLLM", 96)]["cache_bytes"] == pi_bytes
     assert efficiency.main(argv) == 0
     assert _lines(out / "cells.jsonl") == cells  # resumed: nothing re-timed
     with pytest.raises(ValueError, match="--new"):

@@ -114,7 +114,7 @@ def test_storing_a_view_again_changes_no_code(spec):
     scales to a rounding of float32)."""
     lc = kvcache.LayerCache(k=jnp.asarray(rand(1, 2, 16, 16)), v=jnp.asarray(rand(1, 2, 16, 16, seed=1)),
                             pos=jnp.broadcast_to(jnp.arange(16), (1, 2, 16)).astype(jnp.int32),
-                            score=jnp.zeros((1, 2, 16)), log_w=jnp.zeros((1, 2, 16)))
+                            log_w=jnp.zeros((1, 2, 16)))
     once = quant.store(spec, lc, jnp.asarray([15]))
     again = quant.store(spec, quant.view(once), jnp.asarray([15]))
     for name in ("k_codes", "v_codes", "pos", "res_k", "res_pos"):
@@ -266,7 +266,7 @@ def test_bytes_by_formula():
     """Codes, scales, zeros, positions, scores, biases and the residual, counted by hand."""
     b, kvh, c, d, g, r = 1, 2, 64, 32, 16, 16
     f = 4  # float32 scales
-    meta = 3 * b * kvh * c * 4  # pos (int32), score, log_w (float32)
+    meta = 2 * b * kvh * c * 4  # pos (int32), log_w (float32); no rule state
     residual = 2 * b * kvh * r * d * f + b * kvh * r * 4
     two = quant.empty(KVQuant(2, g, r), b, kvh, c, d, jnp.float32)
     assert two.nbytes == (2 * b * kvh * c * d // 4  # codes, 4 per byte, keys and values

@@ -133,13 +133,14 @@ def _ours_snapshot(policy, cache, row):
     for layer, lc in enumerate(cache):
         heads = {}
         for (hs, sub), g in zip(policy.head_split(layer), lc.groups):
-            pos, score, k = np.asarray(g.pos[row]), np.asarray(g.score[row]), np.asarray(g.k[row])
+            pos, k = np.asarray(g.pos[row]), np.asarray(g.k[row])
             comp_slot = isinstance(sub, CompensatedWindow) and sub.compensate
+            folded = np.asarray(g.state["folded"][row]) if comp_slot else None  # [kvh]: N_d per head
             for local, h in enumerate(hs):
                 p = pos[local, :-1] if comp_slot else pos[local]
                 comp = None
                 if comp_slot and pos[local, -1] >= 0:
-                    comp = (int(pos[local, -1]), int(score[local, -1]), k[local, -1])
+                    comp = (int(pos[local, -1]), int(folded[local]), k[local, -1])
                 heads[h] = (sorted(int(x) for x in p if x >= 0), comp)
         out.append([heads[h] for h in range(len(heads))])
     return out
@@ -191,8 +192,10 @@ def test_kept_positions_and_logits_match_reference(sharp_dir, fold):
     # Bytes: retrieval heads keep max_len slots; local heads sinks + L_max + 1 (+ room to append).
     l_max = _window(bucket, buffer, compression)
     local = sinks + l_max + 1 + (steps if fold == "prefill" else 0)
-    hd, per_slot = lm.config.head_dim, 2 * lm.config.head_dim * 4 + 3 * 4  # k, v float32; pos, score, log_w
-    expect = sum(2 * (sum(row) * max_len + (len(row) - sum(row)) * local) * per_slot for row in RETRIEVAL)
+    hd, per_slot = lm.config.head_dim, 2 * lm.config.head_dim * 4 + 2 * 4  # k, v float32; pos, log_w
+    per_local_head = 2 * 4  # the local heads' own state per KV head: window length L and folded count N_d
+    expect = sum(2 * ((sum(row) * max_len + (len(row) - sum(row)) * local) * per_slot
+                      + (len(row) - sum(row)) * per_local_head) for row in RETRIEVAL)
     assert all(isinstance(c, HeadwiseCache) for c in cache)
     assert sum(c.nbytes for c in cache) == expect
     assert [[g.capacity for g in c.groups] for c in cache] == [[max_len, local]] * 2
@@ -366,7 +369,7 @@ def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
         # the retrieval ring, then the local heads' sinks + max(S0, N / C) + compensation (as without a window)
         assert [g.capacity for g in layer.groups] == [w, 2 + math.ceil(900 / 8) + 1]
         k = layer.groups[0].k
-        assert layer.groups[0].nbytes == k.dtype.itemsize * k.shape[0] * k.shape[1] * w * (2 * k.shape[3] + 3)
+        assert layer.groups[0].nbytes == k.dtype.itemsize * k.shape[0] * k.shape[1] * w * (2 * k.shape[3] + 2)
 
 
 def test_equal_bytes_budget_matches_razors_bytes_and_names_its_heads(tiny):

@@ -35,8 +35,8 @@ def test_a_combinator_asks_for_what_its_members_ask():
     assert heads.prefill_stats() == StatsRequest(colsum=True, windows=frozenset({4}))
     assert heads.decode_stats() == StatsRequest(probs=True)
     layers = ByLayer(split=1, shallow=snap, deep=mat(8, 2, prefill_mode="full"))
-    assert layers.at_layer(0).prefill_stats(0) == StatsRequest.window(4)
-    assert layers.at_layer(3).prefill_stats(3) == layers.at_layer(3).decode_stats(3) == StatsRequest(first_logit=True)
+    assert layers.at_layer(0).stats(0).prefill == StatsRequest.window(4)
+    assert layers.at_layer(3).stats(3).prefill == layers.at_layer(3).stats(3).decode == StatsRequest(first_logit=True)
 
 
 def test_attention_returns_exactly_the_request_and_jit_carries_it():

@@ -10,8 +10,8 @@ Static layout per layer: `anchor_slots` slots for anchor tokens (oldest overwrit
 when full), `sequence` slots for the current sequence (oldest non-anchor dropped
 when full), and `span` slots for the "keep source" mode (paper §6.2: one span of
 the prompt, e.g. the source sentence, kept whole and visible to every later token).
-`score` marks the newest token of the sequence region as an anchor (1.0) between
-`step` and `observe`.
+The cache's per-slot state `anchor` marks the newest token of the sequence region as an anchor (1.0)
+between `step` and `observe`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
     anchor_slots: int = 256
     sequence: int = 256
     span: tuple[int, int] | None = None
+
+    cache_state = {"anchor": kvcache.SLOT}  # 1.0 on a just-written anchor token, until `observe` moves it
 
     def __post_init__(self):
         super().__post_init__()
@@ -135,7 +137,7 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
         kept_span = joined(cached(slots >= a + s), span)
         src = jnp.concatenate([_newest(anchors, a), _newest(current, s), _newest(kept_span, self._span_len())], axis=-1)
         out = kvcache.take_slots(both, src)
-        return dataclasses.replace(out, score=jnp.zeros_like(out.score), log_w=jnp.zeros_like(out.log_w))
+        return kvcache.with_state(dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w)), anchor=0.0)
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos, tokens = ctx.pos, ctx.tokens
@@ -146,7 +148,7 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
         empty = seq & (cache.pos < 0)
         slot = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), jnp.argmin(seq_pos, -1))
         is_anchor = anchor_flags(tokens, self.anchor_ids)  # [b]
-        cache = kvcache.write(cache, slot, k, v, pos, jnp.where(is_anchor, 1.0, 0.0)[:, None])
+        cache = kvcache.write(cache, slot, k, v, pos, {"anchor": jnp.where(is_anchor, 1.0, 0.0)[:, None]})
         # An anchor attends only its own sequence (eq. 4): hide the anchor slots for this query.
         hide = is_anchor[:, None, None] & (slots < a)
         return dataclasses.replace(cache, log_w=jnp.where(hide, _HIDE, 0.0).astype(cache.log_w.dtype))
@@ -159,7 +161,7 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
         seq = (slots >= a) & (slots < a + s)
         newest = jnp.argmax(jnp.where(seq, cache.pos, -1), axis=-1)  # [b, kvh]
         take = lambda x: jnp.take_along_axis(x, newest[..., None] if x.ndim == 3 else newest[..., None, None], axis=2)
-        reduce = (take(cache.score)[..., 0] > 0) & (pos[:, None] >= 0)  # [b, kvh]
+        reduce = (take(cache.state["anchor"])[..., 0] > 0) & (pos[:, None] >= 0)  # [b, kvh]
         anchor_slots = slots < a
         anchor_pos = jnp.where(anchor_slots, cache.pos, -1)
         empty = anchor_slots & (cache.pos < 0)
@@ -167,13 +169,10 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
         dest = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), oldest)
         moved = kvcache.write(cache, dest, take(cache.k)[:, :, 0], take(cache.v)[:, :, 0],
                               jnp.where(jnp.any(reduce, -1), pos, -1))
-        cleared = dataclasses.replace(
-            moved,
-            pos=jnp.where(seq, kvcache.EMPTY, moved.pos),
-            score=jnp.where(seq, 0.0, moved.score).astype(moved.score.dtype),
-        )
+        cleared = kvcache.with_state(dataclasses.replace(moved, pos=jnp.where(seq, kvcache.EMPTY, moved.pos)),
+                                     anchor=jnp.where(seq, 0.0, moved.state["anchor"]))
         out = _where(reduce, cleared, cache)
-        return dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w), score=jnp.zeros_like(out.score))
+        return kvcache.with_state(dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w)), anchor=0.0)
 
 
 def _where(cond, a: LayerCache, b: LayerCache) -> LayerCache:

@@ -26,13 +26,13 @@ tokens' positions and ids, and the `stats` attention returned. Per layer:
   StreamingLLM's perplexity protocol and MAT's evaluation.
 * prefill (`prefill_mode == "chunked"`, `chunk = n`): the prompt goes `n` tokens at a time. Per
   chunk, `cache = rule.make_room(layer, cache, ctx)`, then the chunk attends the cache (the
-  slots `chunk_visible` allows each query) and itself causally, returning `chunk_stats` over
+  slots `chunk_visible` allows each query) and itself causally, returning the prompt's statistics over
   `[cache slots; chunk]`, then `cache = rule.absorb(layer, cache, k, v, ctx, stats)` takes the
   chunk in and evicts back to the budget. Memory is O(budget + chunk) whatever the prompt's length.
 
-`prefill_stats(layer)` / `chunk_stats(layer)` / `decode_stats(layer)` name the statistics attention
-must return, as a `kvjax.stats.StatsRequest`; attention hands them over as an `AttentionStats`. The
-default is none, so attention computes none. A rule that asks for `gate_keep` has the prompt attended
+`stats(layer)` names the statistics attention must return, a `kvjax.stats.RuleStats` of a prompt's and a
+decode step's `StatsRequest`; attention hands them over as an `AttentionStats`. The default is none, so
+attention computes none. A rule that asks for `gate_keep` has the prompt attended
 under the model's Attention-Gates (eq. 7) and gets their flags in `stats.gate_keep`.
 """
 
@@ -41,6 +41,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 import jax
@@ -51,7 +53,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
+from kvjax.stats import AttentionStats, RuleStats
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +84,10 @@ class Rule(abc.ABC):
     # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
+    # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
+    # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "window"); see
+    # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
+    cache_state: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod
     def position_mode(self, layer: int) -> PositionMode:
@@ -127,15 +133,11 @@ class Rule(abc.ABC):
         del layer, ctx
         return cache
 
-    def prefill_stats(self, layer: int) -> StatsRequest:
-        """Statistics the prompt's attention must return to `prefill` (see `kvjax.attention`)."""
+    def stats(self, layer: int) -> RuleStats:
+        """Statistics attention must return to this rule (see `kvjax.attention`): the prompt's (to `prefill`, and
+        a chunk's to `absorb`) and each decode step's (to `observe`). Default: none."""
         del layer
-        return NO_STATS
-
-    def decode_stats(self, layer: int) -> StatsRequest:
-        """Statistics each decode attention must return to `observe`."""
-        del layer
-        return NO_STATS
+        return RuleStats()
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -144,10 +146,6 @@ class Rule(abc.ABC):
 
 class ChunkRule(Rule):
     """A rule that folds a prompt into its cache chunk by chunk (`prefill_mode="chunked"`)."""
-
-    def chunk_stats(self, layer: int) -> StatsRequest:
-        """Statistics a chunk's attention returns to `absorb`, over the keys `[cache slots; chunk]`."""
-        return self.prefill_stats(layer)
 
     def make_room(self, layer: int, cache: LayerCache, ctx: Context) -> LayerCache:
         """Before a chunk at positions `ctx.pos` `[b, n]` attends: evicts what the chunk's tokens will replace

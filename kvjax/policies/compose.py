@@ -192,7 +192,7 @@ class ByHead(Policy):
                 raise InvalidInput(f"{type(self).__name__}: the groups of layer {layer} differ in position or "
                                  f"prefill mode ({sorted(modes)}); a layer's prompt is attended once for all heads")
             for _, sub in split:
-                if isinstance(sub, PromptMasking) or sub.prefill_stats(layer).gate_keep:
+                if isinstance(sub, PromptMasking) or sub.stats(layer).prefill.gate_keep:
                     # AnLLM's eq. 4 mask and the gate's keep flags shape the whole layer's prompt attention
                     # (every head of it): one head group cannot have them while its neighbours do not.
                     raise InvalidInput(f"{type(self).__name__}: {sub.describe()} cannot cache a head group of layer "

@@ -20,7 +20,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy
-from kvjax.stats import StatsRequest
+from kvjax.stats import RuleStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +51,9 @@ class GateEviction(LayerPolicy):
         if self.kept is not None and len(self.kept) != num_layers:
             raise InvalidInput(f"GateEviction: kept has {len(self.kept)} layers, the model has {num_layers}")
 
-    def prefill_stats(self, layer):
+    def stats(self, layer):
         # The gates' flags mask the prompt's attention (eq. 7) and decide what is kept.
-        return StatsRequest(gate_keep=True)
+        return RuleStats(prefill=StatsRequest(gate_keep=True))
 
     def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos

@@ -27,7 +27,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, check_ratio, warn_chunked_method
-from kvjax.stats import StatsRequest
+from kvjax.stats import RuleStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,7 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
     keep 6 and 20 recent tokens, not the same count."""
 
     step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
+    cache_state = {"mass": kvcache.SLOT}  # each slot's accumulated attention, the heavy-hitter score
 
     budget: int | None = None
     recent: int | None = None
@@ -86,11 +87,8 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
     def capacity(self, layer, max_len, prompt_len=0):
         return min(self.budget, max_len) if self.ratio is None else self.ratio_capacity(max_len, prompt_len)
 
-    def prefill_stats(self, layer):
-        return StatsRequest(colsum=True)
-
-    def decode_stats(self, layer):
-        return StatsRequest(probs=True)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest(colsum=True), decode=StatsRequest(probs=True))
 
     def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
@@ -102,7 +100,7 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
         window = self.recent if self.recent is not None else jnp.maximum(1, rows // 2)
         recent = real & (p >= length - window)
         keep = kvcache.keep_top(acc, real, recent, jnp.minimum(length, rows))
-        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=acc)
+        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), {"mass": acc})
         return self.size_rows(layer, out, ctx)
 
     # Chunked (`chunk = n`): the stream evicts one victim per token, each chosen by the scores the tokens
@@ -122,7 +120,7 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
         candidate = (cache.pos >= 0) & (cache.pos <= first[:, None, None] - self.recent_of(cache))
         # Victims in `step`'s order: the lowest score, ties going to the oldest token.
         by_pos = jnp.argsort(jnp.where(candidate, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
-        key = jnp.take_along_axis(jnp.where(candidate, cache.score, jnp.inf), by_pos, axis=-1)
+        key = jnp.take_along_axis(jnp.where(candidate, cache.state["mass"], jnp.inf), by_pos, axis=-1)
         order = jnp.take_along_axis(by_pos, jnp.argsort(key, axis=-1, stable=True), axis=-1)
         rank = jnp.where(candidate, jnp.argsort(order, axis=-1), jnp.iinfo(jnp.int32).max)
         return rank, need
@@ -135,7 +133,7 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
         pos = ctx.pos
         rank, need = self._victims(cache, ctx)
         both = kvcache.chunk_slots(cache, k, v, pos)
-        both = dataclasses.replace(both, score=(both.score + stats.colsum.sum(axis=2)).astype(both.score.dtype))
+        both = kvcache.with_state(both, mass=both.state["mass"] + stats.colsum.sum(axis=2))
         chunk = jnp.ones(both.pos.shape[:2] + (k.shape[2],), bool)
         stay = jnp.concatenate([rank >= need[..., -1:], chunk], axis=-1) & (both.pos >= 0)
         return kvcache.take_slots(both, kvcache.compact(stay, cache.capacity))
@@ -143,11 +141,11 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
         candidate = (cache.pos >= 0) & (cache.pos <= pos[:, None, None] - self.recent_of(cache))
-        slot = kvcache.victim_slot(cache, candidate, evict_highest=False)  # the lightest hitter
+        slot = kvcache.victim_slot(cache, cache.state["mass"], candidate, evict_highest=False)  # the lightest hitter
         return kvcache.write(cache, slot, k, v, pos)  # the new token starts at 0
 
     def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
         pos = ctx.pos
         live = (pos >= 0)[:, None, None]  # padding steps add nothing
         add = jnp.where(live & (cache.pos >= 0), stats.probs, 0.0)
-        return dataclasses.replace(cache, score=(cache.score + add).astype(cache.score.dtype))
+        return kvcache.with_state(cache, mass=cache.state["mass"] + add)

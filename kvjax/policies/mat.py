@@ -38,7 +38,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies.base import ChunkRule, LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
 from kvjax.policies.ring import StreamingLLM
-from kvjax.stats import StatsRequest
+from kvjax.stats import RuleStats, StatsRequest
 
 GROUP_AGGREGATIONS = ("mean", "max")
 
@@ -53,6 +53,8 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
     `max(β + 1, floor(n (1 - ratio)))` for its `n` prompt tokens (`RatioBudget`): β is a count, the
     window `c - β` what the row's budget leaves.
     """
+
+    cache_state = {"pi": kvcache.SLOT}  # each slot's anchor score pi = q.k_0 / sqrt(d), eq. 3
 
     budget: int | None = None
     anchor_slots: int  # β: the slots of anchor tokens (position 0 + the lowest π)
@@ -96,11 +98,8 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
             return jnp.full(cache.pos.shape[:2], self.budget, jnp.int32)
         return cache.capacity - jnp.sum(cache.pos == kvcache.DISABLED, axis=-1)
 
-    def prefill_stats(self, layer):
-        return StatsRequest(first_logit=True)
-
-    def decode_stats(self, layer):
-        return StatsRequest(first_logit=True)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest(first_logit=True), decode=StatsRequest(first_logit=True))
 
     def _pi(self, first_logit):
         # first_logit: [b, kvh, g, ...] per query head -> [b, kvh, ...]
@@ -127,7 +126,7 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
         length = (jnp.max(pos, axis=1) + 1)[:, None, None]
         budget = self.budget if self.ratio is None else self.prompt_rows(cache, pos)[:, None, None]
         keep = jnp.broadcast_to(self._closed_form(pos[:, None, :], pi, length, budget), pi.shape)
-        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), score=pi)
+        out = kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), {"pi": pi})
         return self.size_rows(layer, out, ctx)
 
     # Chunked, exactly the stream at any chunk size: every token of a chunk stays in the window to the chunk's
@@ -142,7 +141,7 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
     def chunk_visible(self, layer, cache: LayerCache, ctx):
         order = self._time_order(cache)
         p = jnp.take_along_axis(cache.pos, order, axis=-1)[:, :, None, :]  # [b, kvh, 1, c], time order
-        pi = jnp.take_along_axis(cache.score, order, axis=-1)[:, :, None, :]
+        pi = jnp.take_along_axis(cache.state["pi"], order, axis=-1)[:, :, None, :]
         length = (ctx.pos + 1)[:, None, :, None]  # [b, 1, n, 1]: after query i's own insertion
         keep = self._closed_form(p, pi, length, self.budget)  # [b, kvh, n, c] (chunked: a token budget)
         inverse = jnp.argsort(order, axis=-1)[:, :, None, :]
@@ -152,12 +151,12 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
         pos = ctx.pos
         both = kvcache.chunk_slots(cache, k, v, pos)
         n = k.shape[2]
-        pi = jnp.concatenate([both.score[..., :-n], self._pi(stats.first_logit)], axis=-1)  # the chunk's own pi
-        both = dataclasses.replace(both, score=pi.astype(both.score.dtype))
+        pi = jnp.concatenate([both.state["pi"][..., :-n], self._pi(stats.first_logit)], axis=-1)  # the chunk's own pi
+        both = kvcache.with_state(both, pi=pi)
         length = jnp.maximum(jnp.max(both.pos, axis=(1, 2)) + 1, 0)[:, None, None]
         order = self._time_order(both)
         c = kvcache.take_slots(both, order)  # time order, as the closed form ranks ties by it
-        keep = self._closed_form(c.pos, c.score, length, self.budget)
+        keep = self._closed_form(c.pos, c.state["pi"], length, self.budget)
         return kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
@@ -165,14 +164,14 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
         window = self._row_budget(cache) - self.anchor_slots  # [b, kvh]
         leaving = pos[:, None, None] - window[..., None]  # the window's oldest token after this insert
         candidate = (cache.pos >= 1) & (cache.pos <= leaving)
-        slot = kvcache.victim_slot(cache, candidate, evict_highest=True)  # highest pi (eq. 4)
+        slot = kvcache.victim_slot(cache, cache.state["pi"], candidate, evict_highest=True)  # highest pi (eq. 4)
         return kvcache.write(cache, slot, k, v, pos)
 
     def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
         pos = ctx.pos
         pi = self._pi(stats.first_logit)  # [b, kvh]
         mine = (cache.pos == pos[:, None, None]) & (pos[:, None, None] >= 0)
-        return dataclasses.replace(cache, score=jnp.where(mine, pi[..., None], cache.score).astype(cache.score.dtype))
+        return kvcache.with_state(cache, pi=jnp.where(mine, pi[..., None], cache.state["pi"]))
 
 
 def mat(

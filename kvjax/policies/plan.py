@@ -65,11 +65,11 @@ class LayerPlan:
     def prefill_stats(self) -> StatsRequest:
         """What the layer's prompt attention must return: every group's request, combined (the prompt is
         attended once for all heads)."""
-        return functools.reduce(operator.or_, (g.rule.prefill_stats(self.layer) for g in self.groups), NO_STATS)
+        return functools.reduce(operator.or_, (g.rule.stats(self.layer).prefill for g in self.groups), NO_STATS)
 
     def decode_stats(self) -> StatsRequest:
         """What the layer's decode attention returns, over all groups (each group's rule reads its own)."""
-        return functools.reduce(operator.or_, (g.rule.decode_stats(self.layer) for g in self.groups), NO_STATS)
+        return functools.reduce(operator.or_, (g.rule.stats(self.layer).decode for g in self.groups), NO_STATS)
 
     @property
     def masking(self) -> PromptMasking | None:

@@ -55,9 +55,10 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
     `scopes[h]` per head (ALiBi), or with `ratio` what is left of the row's share of its prompt,
     `max(sinks + 2, floor(n (1 - ratio)))` slots in all, the compensation slot included
     (`RatioBudget`). Slot layout: sinks in slots `0..sinks-1`, the window after them, the
-    compensation slot last (when `compensate`). Per-slot statistics: the compensation slot's `score`
-    is `N_d` (its `log_w` is `log N_d`); every other slot's `score` is its row's window length `L`, so
-    rows of one batch with different prompt lengths each keep their own `L` under one static capacity.
+    compensation slot last (when `compensate`). Its state, per row and KV head: `window`, the row's window
+    length `L` (so rows of one batch with different prompt lengths each keep their own `L` under one static
+    capacity; 0 until a prompt sets it: S0), and `folded`, the compensation slot's count `N_d` of tokens
+    folded into it (its `log_w` is `log N_d`).
     """
 
     sinks: int = 4
@@ -102,6 +103,10 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
             raise InvalidInput("RazorAttention: fold='prefill' compresses a whole prompt once: prefill_mode must be "
                                "'full'")
 
+    @property
+    def cache_state(self):
+        return {"window": kvcache.HEAD, **({"folded": kvcache.HEAD} if self.compensate else {})}
+
     def least_slots(self) -> int:
         return self.sinks + 1 + int(self.compensate)  # the sinks, one window slot, the compensation slot
 
@@ -136,12 +141,11 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
     def size_rows(self, layer, cache: LayerCache, ctx) -> LayerCache:
         pos = ctx.pos
         # Before a prompt is read token by token or in chunks: each row's window, L = max(S0, N / C) of its
-        # own N (or its ratio's share), rides in the slots' score, as after a full prefill.
+        # own N (or its ratio's share), is set in the cache's state, as after a full prefill.
         if self.scopes is not None:
             return cache
-        win = self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1], pos.shape[1])[..., None]
-        window_slots = jnp.arange(cache.capacity) < self._layout(cache.capacity)[1]  # not the compensation slot
-        return dataclasses.replace(cache, score=jnp.where(window_slots, win, cache.score).astype(cache.score.dtype))
+        return kvcache.with_state(cache, window=self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1],
+                                                                  pos.shape[1]))
 
     def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
@@ -156,21 +160,19 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         src = kvcache.compact(keep, end)
         if self.compensate:
             src = jnp.pad(src, ((0, 0), (0, 0), (0, 1)), constant_values=-1)
-        cache = kvcache.gather_prompt(cache, k, v, pos, src)
-        cache = dataclasses.replace(cache, score=jnp.broadcast_to(win[:, :, None], cache.score.shape).astype(cache.score.dtype))
+        cache = kvcache.with_state(kvcache.gather_prompt(cache, k, v, pos, src), window=win)
         if not self.compensate:
             return cache
         count = jnp.sum(dropped, axis=-1)  # [b, kvh]
-        w = dropped.astype(cache.score.dtype)
+        w = dropped.astype(cache.log_w.dtype)
         mean = lambda x: jnp.einsum("bht,bhtd->bhd", w, x.astype(w.dtype)) / jnp.maximum(count, 1)[..., None]
         last = jnp.max(jnp.where(dropped, p, kvcache.EMPTY), axis=-1)  # the newest dropped position
         return _set_compensation(cache, mean(k), mean(v), count, last)
 
     def _decode_window(self, cache: LayerCache, start: int, end: int):
-        """`[b, kvh]` window length while tokens arrive one by one: the prompt's `L` kept in the slots'
-        score, each head's scope (ALiBi), or `S0` for a row that had no prompt (N unknown)."""
-        slots = jnp.arange(cache.capacity)
-        win = jnp.max(jnp.where(slots < end, cache.score, 0), axis=-1)
+        """`[b, kvh]` window length while tokens arrive one by one: the prompt's `L` kept in the cache's state,
+        each head's scope (ALiBi), or `S0` for a row that had no prompt (N unknown)."""
+        win = cache.state["window"]
         if self.scopes is not None:
             win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
         # A ratio's window is always set (by prefill or `size_rows`); S0 is the window of an unknown N.
@@ -196,12 +198,9 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         pos = ctx.pos
         start, end = self._layout(cache.capacity)
         c = cache.capacity
-        win = self._decode_window(cache, start, end)
-        both = kvcache.chunk_slots(cache, k, v, pos)
+        both = kvcache.chunk_slots(cache, k, v, pos)  # the window length (per-head state) stays the cache's
         slots = jnp.arange(c)
         chunk_pos = both.pos[..., c:]  # [b, kvh, n]
-        both = dataclasses.replace(both, score=jnp.concatenate(
-            [both.score[..., :c], jnp.broadcast_to(win[..., None], chunk_pos.shape).astype(both.score.dtype)], -1))
         # Sinks: slot j holds position j, from the cache or from the chunk.
         from_chunk = jnp.argmax(chunk_pos[..., None, :] == slots[:start, None], axis=-1)  # [b, kvh, sinks]
         has = jnp.any(chunk_pos[..., None, :] == slots[:start, None], axis=-1)
@@ -211,11 +210,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         src = [sink_src, kvcache.compact(window, end - start)]
         if self.compensate:
             src.append(jnp.full(sink_src.shape[:2] + (1,), c - 1, jnp.int32))
-        out = kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
-        # The window length rides in the scores of the slots below `end`, empty ones included: a chunk that leaves
-        # window slots empty (a left-padded prompt's padding chunks) must not reset it to S0.
-        return dataclasses.replace(out, score=jnp.where((slots < end) & (out.pos < 0), win[..., None].astype(
-            out.score.dtype), out.score))
+        return kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
@@ -226,8 +221,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         if self.fold == "prefill":
             # Appending: the first empty window slot (capacity has room for every generated token).
             slot = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
-            win = jnp.max(jnp.where(in_window, cache.score, 0), axis=-1)
-            return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos, win)
+            return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos)
         win = self._decode_window(cache, start, end)
         full = jnp.sum(held, axis=-1) >= win  # [b, kvh]
         oldest = jnp.argmin(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
@@ -236,7 +230,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         evicting = full & (pos[:, None] >= self.sinks)
         if self.compensate:
             cache = _fold(cache, slot, evicting)
-        return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos, win)
+        return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos)
 
 
 def _sink_or(pos, sinks, slot):
@@ -247,21 +241,21 @@ def _sink_or(pos, sinks, slot):
 def _set_compensation(cache: LayerCache, k_hat, v_hat, count, last) -> LayerCache:
     """Writes eq. 4's mean key/value with weight `count` (`log_w = log N_d`) into the last slot."""
     some = count > 0
-    dt = cache.score.dtype
-    return LayerCache(
+    dt = cache.log_w.dtype
+    return kvcache.with_state(dataclasses.replace(
+        cache,
         k=cache.k.at[:, :, -1].set(jnp.where(some[..., None], k_hat, 0).astype(cache.k.dtype)),
         v=cache.v.at[:, :, -1].set(jnp.where(some[..., None], v_hat, 0).astype(cache.v.dtype)),
         pos=cache.pos.at[:, :, -1].set(jnp.where(some, last, kvcache.EMPTY).astype(jnp.int32)),
-        score=cache.score.at[:, :, -1].set(count.astype(dt)),
         log_w=cache.log_w.at[:, :, -1].set(jnp.where(some, jnp.log(jnp.maximum(count, 1).astype(dt)), 0.0)),
-    )
+    ), folded=count)
 
 
 def _fold_all(cache: LayerCache, leaving) -> LayerCache:
     """Folds every slot where `leaving` (`[b, kvh, C]`) into the compensation slot: the count-weighted
     mean of the old mean and the leaving tokens, `_fold` for several tokens at once."""
-    dt = cache.score.dtype
-    count = cache.score[:, :, -1]
+    dt = cache.log_w.dtype
+    count = cache.state["folded"]
     w = leaving.astype(dt)
     new = count + jnp.sum(w, axis=-1)
     mix = lambda old, x: (old.astype(dt) * count[..., None] + jnp.einsum("bhc,bhcd->bhd", w, x.astype(dt))) / \
@@ -273,8 +267,8 @@ def _fold_all(cache: LayerCache, leaving) -> LayerCache:
 def _fold(cache: LayerCache, slot, evicting) -> LayerCache:
     """Folds the token in `slot` into the compensation slot where `evicting`: a count-weighted running mean."""
     idx = (jnp.arange(slot.shape[0])[:, None], jnp.arange(slot.shape[1])[None, :], slot)
-    dt = cache.score.dtype
-    count = cache.score[:, :, -1]
+    dt = cache.log_w.dtype
+    count = cache.state["folded"]
     new = count + evicting
     mix = lambda old, x: (old.astype(dt) * count[..., None] + x.astype(dt) * evicting[..., None]) / jnp.maximum(new, 1)[..., None]
     k_hat, v_hat = mix(cache.k[:, :, -1], cache.k[idx]), mix(cache.v[:, :, -1], cache.v[idx])

@@ -9,7 +9,7 @@ scorer's own rule and evicts back to the scorer's keep count (B), always keeping
 
 What "the last window's queries" means while decoding: each decode attention returns its query's
 probabilities over the slots (`probs`, summed over the KV group's query heads); the wrapper adds them
-into each slot's score for the last W queries before the cache fills (every query for the observed
+into each slot's `attention` state for the last W queries before the cache fills (every query for the observed
 attention, whose score is all queries). Nothing is evicted between two re-compressions, so those W
 queries saw exactly the slots they would in a prompt's observation window, causally. The scorer
 then ranks the slots in position order (its pooling runs over neighbours in time), as it ranks a
@@ -35,7 +35,7 @@ from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import ChunkRule, Policy
 from kvjax.policies.scored import ScoredPolicy
-from kvjax.stats import AttentionStats, StatsRequest
+from kvjax.stats import AttentionStats, RuleStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,11 @@ class Recompress(Policy, ChunkRule):
     evicts_while_decoding = True
 
     @property
+    def cache_state(self):
+        # the scorer's own state, and each slot's attention summed over the decode queries of the window
+        return {**self.scorer.cache_state, "attention": kvcache.SLOT}
+
+    @property
     def prefill_mode(self):
         return self.scorer.prefill_mode
 
@@ -85,11 +90,9 @@ class Recompress(Policy, ChunkRule):
         return min(max_len, self._kept(layer, max_len) + self.every)
 
     # The prompt: the scorer's own compression (whole, or chunked), into the larger cache.
-    def prefill_stats(self, layer):
-        return self.scorer.prefill_stats(layer)
-
-    def chunk_stats(self, layer):
-        return self.scorer.chunk_stats(layer)
+    def stats(self, layer):
+        # the prompt: the scorer's request; decoding accumulates the window's attention
+        return RuleStats(prefill=self.scorer.stats(layer).prefill, decode=StatsRequest(probs=True))
 
     def prefill(self, layer, cache, k, v, ctx, stats):
         return self.scorer.prefill(layer, cache, k, v, ctx, stats)
@@ -98,16 +101,13 @@ class Recompress(Policy, ChunkRule):
         return self.scorer.absorb(layer, cache, k, v, ctx, stats)
 
     # Decoding: append, accumulate the window's attention, re-compress when full.
-    def decode_stats(self, layer):
-        return StatsRequest(probs=True)
-
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
         return kvcache.append(cache, k, v, pos)  # a re-compression always leaves `every` free slots
 
     def _window(self, layer) -> int | None:
         """How many queries before a re-compression count; None: all of them (the observed attention)."""
-        wanted = self.scorer.prefill_stats(layer)
+        wanted = self.scorer.stats(layer).prefill
         return None if wanted.colsum else self.scorer.observation_window
 
     def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
@@ -115,7 +115,7 @@ class Recompress(Policy, ChunkRule):
         free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
         w = self._window(layer)
         counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)
-        cache = dataclasses.replace(cache, score=cache.score + jnp.where(counts, stats.probs, 0.0))
+        cache = kvcache.with_state(cache, attention=cache.state["attention"] + jnp.where(counts, stats.probs, 0.0))
         full = (free == 0) & (pos >= 0)[:, None, None]
         # The sort runs only on the steps where some row filled up (one in `every`), not on every step.
         return jax.lax.cond(jnp.any(full), lambda c: kvcache.select(full, self._recompress(layer, c, pos), c),
@@ -125,11 +125,11 @@ class Recompress(Policy, ChunkRule):
         order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         c = kvcache.take_slots(cache, order)  # position order, empty slots last
         real = c.pos >= 0
-        acc = c.score[:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
+        acc = c.state["attention"][:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
         stats = AttentionStats(colsum=acc[:, :, :, 0], window_probs={self.scorer.observation_window: acc, 1: acc})
         score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
         in_window = real & (c.pos > (pos - self.scorer.observation_window)[:, None, None])
         length = (pos + 1)[:, None, None]
         keep = kvcache.keep_top(score, real, in_window, self.scorer.keep_count(layer, length))
         kept = kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
-        return dataclasses.replace(kept, score=jnp.zeros_like(kept.score))  # the next window starts afresh
+        return kvcache.with_state(kept, attention=0.0)  # the next window starts afresh

@@ -112,7 +112,6 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule):
             k=jnp.where(new[..., None], take(k), cache.k).astype(cache.k.dtype),
             v=jnp.where(new[..., None], take(v), cache.v).astype(cache.v.dtype),
             pos=jnp.where(new, held, cache.pos).astype(jnp.int32),
-            score=jnp.where(new, 0.0, cache.score).astype(cache.score.dtype),
             log_w=jnp.where(new, 0.0, cache.log_w).astype(cache.log_w.dtype),
         )
 

@@ -48,7 +48,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import ChunkRule, LayerPolicy, warn_chunked_method
-from kvjax.stats import StatsRequest
+from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
 GROUP_AGGREGATIONS = ("mean", "max", "sum")
@@ -155,12 +155,13 @@ class ScoredPolicy(LayerPolicy, ChunkRule):
         rank, stored = self._chunk_scores(layer, both, stats)
         # (a token budget: chunked prefill takes no ratio, so min(length, budget) is exact in any precision)
         keep = kvcache.keep_top(rank, real, in_window, self.keep_count(layer, length)[:, None, None])
-        both = dataclasses.replace(both, score=stored.astype(both.score.dtype))
+        both = kvcache.with_state(both, **stored)
         return kvcache.take_slots(both, kvcache.compact(keep, cache.capacity, right=True))
 
     def _chunk_scores(self, layer, both: LayerCache, stats):
-        """(the score a chunked prefill ranks by, the per-slot score it stores) over cache ∪ chunk."""
-        return self.score(layer, both.k, both.v, both.pos, stats), both.score
+        """(the score a chunked prefill ranks by, the per-slot state it stores, by name) over cache ∪ chunk:
+        a score of the slots' keys and the chunk's attention alone stores nothing."""
+        return self.score(layer, both.k, both.v, both.pos, stats), {}
 
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
@@ -192,8 +193,8 @@ class SnapKV(ScoredPolicy):
         if self.observation_window < 1:
             raise InvalidInput(f"{type(self).__name__}: observation_window={self.observation_window} must be >= 1")
 
-    def prefill_stats(self, layer):
-        return StatsRequest.window(self.observation_window)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest.window(self.observation_window))
 
     def score(self, layer, k, v, pos, stats):
         probs = stats.window(self.observation_window)  # [b, kvh, g, w, t]
@@ -277,8 +278,8 @@ class SlimKV(ScoredPolicy):
         if self.observation_window < 1:
             raise InvalidInput(f"SlimKV: observation_window={self.observation_window} must be >= 1")
 
-    def prefill_stats(self, layer):
-        return StatsRequest.window(self.observation_window)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest.window(self.observation_window))
 
     def score(self, layer, k, v, pos, stats):
         s1 = stats.window(self.observation_window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
@@ -291,6 +292,12 @@ class SlimKV(ScoredPolicy):
 class ObservedAttention(ScoredPolicy):
     """H2O's score at prefill: attention each key received, summed over all prompt queries."""
 
+    @property
+    def cache_state(self):
+        # a chunked prefill's running sum of each slot's attention over the chunks read so far; a whole prompt's
+        # attention is summed at once, and nothing is kept
+        return {"mass": kvcache.SLOT} if self.prefill_mode == "chunked" else {}
+
     observation_window: int = 0
     normalize: bool = False
     group_agg: str = "mean"
@@ -299,8 +306,8 @@ class ObservedAttention(ScoredPolicy):
         super().__post_init__()
         _check(self, group_agg=self.group_agg)
 
-    def prefill_stats(self, layer):
-        return StatsRequest(colsum=True)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest(colsum=True))
 
     def score(self, layer, k, v, pos, stats):
         return self._normalized(aggregate(stats.colsum, self.group_agg), pos)  # colsum: [b, kvh, g, t]
@@ -314,8 +321,8 @@ class ObservedAttention(ScoredPolicy):
 
     def _chunk_scores(self, layer, both, stats):
         # The observed attention accumulates over chunks: each slot stores its sum so far.
-        total = both.score + aggregate(stats.colsum, self.group_agg)
-        return self._normalized(total, both.pos), total
+        total = both.state["mass"] + aggregate(stats.colsum, self.group_agg)
+        return self._normalized(total, both.pos), {"mass": total}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -325,8 +332,8 @@ class TOVA(ScoredPolicy):
 
     observation_window: int = 1
 
-    def prefill_stats(self, layer):
-        return StatsRequest.window(1)
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest.window(1))
 
     def score(self, layer, k, v, pos, stats):
         probs = stats.window(1)[:, :, :, 0]  # [b, kvh, g, t]: the last query
@@ -370,8 +377,8 @@ class ExpectedAttention(ScoredPolicy):
         if self.sinks < 0 or self.future < 1:
             raise InvalidInput(f"ExpectedAttention: sinks={self.sinks} must be >= 0 and future={self.future} >= 1")
 
-    def prefill_stats(self, layer):
-        return StatsRequest(query_moments=frozenset({(self.sinks, self.future)}))
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest(query_moments=frozenset({(self.sinks, self.future)})))
 
     def score(self, layer, k, v, pos, stats):
         mean, cov = stats.query_moments[(self.sinks, self.future)]  # [b, kvh, g, d], [b, kvh, g, d, d]
@@ -446,8 +453,8 @@ class AdaKV(LayerPolicy):
         object.__setattr__(self, "prefill_mode", "full")
         super().__post_init__()
 
-    def prefill_stats(self, layer):
-        return self.scorer.prefill_stats(layer)
+    def stats(self, layer):
+        return self.scorer.stats(layer)
 
     def capacity(self, layer, max_len, prompt_len=0):
         return self.scorer.capacity(layer, max_len, prompt_len)  # per head on average: the pool is kvh x this
