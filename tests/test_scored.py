@@ -222,8 +222,6 @@ def test_ratio_counts_under_jit_are_kvpress_float64_counts(sharp_dir):
     """A ratio's count is kvpress's `int(n * (1 - ratio))` in float64, also under jit: 100 tokens at ratio 0.8
     keep 19 (float32 rounds 100 * 0.2 up to 20, one slot more than kvpress), for a prompt compressor and for a
     ring policy's per-row budget."""
-    import jax.numpy as jnp
-
     from kvjax.cache import kept_sets
     from kvjax.policies import StreamingLLM
     from models import load
@@ -287,7 +285,6 @@ def test_adakv_pool_bytes_are_the_sum_of_its_per_head_budgets(sharp_dir):
 def test_adakv_composes_with_by_layer_and_ratios_and_refuses_a_head_group(sharp_dir):
     """AdaKV at a ratio in some layers (`by_layer`): those layers pool their heads, each row keeping
     `kv_heads x floor(n (1 - ratio))` prompt tokens; inside a head split (`by_head`) it is refused by name."""
-    from kvjax.cache import PooledLayerCache
     from kvjax.errors import InvalidInput
     from kvjax.policies import AdaKV, FullCache, StreamingLLM, by_head, by_layer
 
