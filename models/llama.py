@@ -31,10 +31,8 @@ from kvjax import attention
 from kvjax import layer as layer_fns
 from kvjax.cache import AnyLayerCache, Cache, LayerCache
 from kvjax.policies.base import Context, Policy
-from kvjax.policies.compose import PerLayer
+from kvjax.policies.compose import on_windows
 from kvjax.policies.plan import LayerPlan, Plan, resolve
-from kvjax.policies.quantized import Quantized
-from kvjax.policies.ring import FullCache
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 from kvjax.stats import NO_STATS
 
@@ -475,26 +473,13 @@ class Llama(nnx.Module):
         return self._logits(x), (flags if flags[0] is not None else None)
 
     def native_policy(self, policy: Policy) -> Policy:
-        """The policy as this model runs it: with a sliding window W, FullCache keeps a W-slot ring.
-
-        With per-layer windows (Gemma 2/3's `layer_types`), the policy compresses the global layers
-        only, while each sliding layer keeps its W-slot ring, as kvpress does on Gemma 3: a local
-        layer never sees more than W tokens, so there is nothing there to compress. To choose every
+        """The policy as this model runs it (`kvjax.policies.on_windows`): with one sliding window W, FullCache
+        keeps a W-slot ring; with per-layer windows (Gemma 2/3's `layer_types`), the policy compresses the global
+        layers only while each sliding layer keeps its W-slot ring, as kvpress does on Gemma 3. To choose every
         layer's policy yourself, pass a `PerLayer` (its sliding layers are still bounded by W)."""
         c = self.cfg
-        if isinstance(policy, Quantized):  # the wrapped policy made native, its cache stored as before
-            return dataclasses.replace(policy, policy=self.native_policy(policy.policy))
-        if c.layer_types is None:
-            return policy if c.sliding_window is None else policy.on_sliding_window(c.sliding_window)
-        if isinstance(policy, PerLayer):
-            return PerLayer(layers=tuple(p if c.window_of(i) is None else p.on_sliding_window(c.window_of(i))
-                                         for i, p in enumerate(policy.layers)))
-        modes = resolve(policy, c.num_layers, c.num_kv_heads).layers  # the global layers' position modes
-        return PerLayer(layers=tuple(
-            policy if c.window_of(i) is None else
-            FullCache(positions=modes[i].position_mode, prefill_mode=policy.prefill_mode, chunk=policy.chunk
-                      ).on_sliding_window(c.window_of(i))
-            for i in range(c.num_layers)))
+        windows = c.sliding_window if c.layer_types is None else tuple(c.window_of(i) for i in range(c.num_layers))
+        return on_windows(policy, windows, c.num_layers, c.num_kv_heads)
 
     def plan(self, policy: Policy, max_len: int | None = None, prompt_len: int = 0) -> Plan:
         """`policy` as this model runs it (`native_policy`), checked and resolved into each layer's

@@ -283,3 +283,24 @@ def test_each_rule_keeps_its_own_state_named_for_what_it_holds(tiny):
     cache = tiny.model.init_cache(H2O(budget=8, recent=2), b, 64, 32)[0]
     with pytest.raises(KeyError, match=r"state \['pi'\] is not in this cache \(it holds \['mass'\]"):
         with_state(cache, pi=0.0)
+
+
+def test_a_policy_fits_any_models_windows_without_the_model():
+    """`on_windows` (what kvjax's Llama calls for Mistral and Gemma): per-layer windows give the sliding layers a
+    W-slot ring and leave the global ones to the policy, inside `Quantized` too; one window for all layers is the
+    policy's own `on_sliding_window`; a window count that is not the model's depth is refused by name."""
+    from kvjax.policies import PerLayer, Quantized, SnapKV, on_windows
+
+    snap = SnapKV(budget=16, observation_window=4)
+    fitted = on_windows(snap, (None, 8), 2, 2)
+    assert isinstance(fitted, PerLayer) and fitted.layers[0] == snap
+    assert fitted.layers[1].describe().startswith("LocalWindow(size=8")
+    wrapped = on_windows(Quantized(snap, bits=8), (None, 8), 2, 2)
+    assert isinstance(wrapped, Quantized) and wrapped.policy == fitted
+    assert on_windows(FullCache(), 8, 2).describe().startswith("LocalWindow(size=8")
+    assert on_windows(snap, None, 2) == snap
+    with pytest.raises(ValueError, match="on_windows: 3 windows for a model of 2 layers"):
+        on_windows(snap, (None, 8, 8), 2)
+    # a quantized per-layer policy is refused only when a member really moves its cache after the prompt (the gate)
+    with pytest.raises(ValueError, match=r"GateEviction\(.*moves its cache on the host"):
+        Quantized(by_layer(StreamingLLM(budget=8, sinks=2), GateEviction(), split=1), bits=8)

@@ -12,6 +12,7 @@ from kvjax.policies.compose import (
     PerLayer,
     by_head,
     by_layer,
+    on_windows,
 )
 from kvjax.policies.duo import DuoAttention, duo_from_pattern, streaming_heads
 from kvjax.policies.gate import GateEviction
@@ -215,6 +216,6 @@ __all__ = [
     "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
-    "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor",
+    "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",
 ]

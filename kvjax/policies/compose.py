@@ -6,6 +6,9 @@ import dataclasses
 
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import Policy, PromptMasking
+from kvjax.policies.plan import resolve
+from kvjax.policies.quantized import Quantized
+from kvjax.policies.ring import FullCache
 
 # `split` meaning "every layer is shallow", whatever the model's depth.
 EVERY_LAYER = 2**31 - 1
@@ -108,7 +111,7 @@ class ByLayer(LayerDispatch):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerLayer(LayerDispatch):
     """`layers[l]` caches layer `l`: one policy per layer (e.g. Gemma's sliding-window layers keep a
-    window ring while the global layers are compressed; see `models.llama.Llama.native_policy`)."""
+    window ring while the global layers are compressed; see `on_windows`)."""
 
     layers: tuple[Policy, ...]
 
@@ -247,3 +250,30 @@ def by_head(mask, selected: Policy, rest: Policy) -> HeadSplit:
         no = tuple(i for i, m in enumerate(row) if not m)
         layers.append(tuple((h, p) for h, p in ((yes, selected), (no, rest)) if h))
     return HeadSplit(layers=tuple(layers))
+
+
+def on_windows(policy: Policy, windows: int | None | tuple[int | None, ...], num_layers: int,
+               num_kv_heads: int | None = None) -> Policy:
+    """`policy` as a model with sliding-window attention runs it. `windows`: how far back every layer's queries see
+    (an int: Mistral's one window; None: the whole context), or each layer's (Gemma 2 / 3's local and global
+    layers, None for a global one).
+
+    One window for all layers: the policy's own `on_sliding_window` (FullCache becomes a W-slot ring). Per-layer
+    windows: the policy compresses the global layers only while each sliding layer keeps a W-slot ring, as
+    kvpress does on Gemma 3 (a local layer never sees more than W tokens, so there is nothing there to compress);
+    a `PerLayer` keeps its own choice per layer, each sliding layer still bounded by its W. A `Quantized` policy
+    is fitted inside, its cache stored as before."""
+    if isinstance(policy, Quantized):
+        return dataclasses.replace(policy, policy=on_windows(policy.policy, windows, num_layers, num_kv_heads))
+    if not isinstance(windows, tuple):
+        return policy if windows is None else policy.on_sliding_window(windows)
+    if len(windows) != num_layers:
+        raise InvalidInput(f"on_windows: {len(windows)} windows for a model of {num_layers} layers")
+    if isinstance(policy, PerLayer):
+        return PerLayer(layers=tuple(p if w is None else p.on_sliding_window(w) for p, w in zip(policy.layers, windows)))
+    modes = resolve(policy, num_layers, num_kv_heads).layers  # the global layers' position modes
+    return PerLayer(layers=tuple(
+        policy if w is None else
+        FullCache(positions=modes[i].position_mode, prefill_mode=policy.prefill_mode, chunk=policy.chunk
+                  ).on_sliding_window(w)
+        for i, w in enumerate(windows)))

@@ -30,9 +30,10 @@ class Quantized(Policy):
         self.kv_quant  # noqa: B018  (checks the width, group and residual)
         if isinstance(self.policy, Quantized):
             raise InvalidInput("Quantized(Quantized(...)): a cache is quantized once")
-        if type(self.policy).shrink is not Policy.shrink:
-            raise InvalidInput(f"{self.policy.describe()} moves its cache on the host after the prompt (shrink); it is "
-                               "not combined with a quantized cache")
+        shrinking = [p for p in _members(self.policy) if type(p).shrink is not Policy.shrink]
+        if shrinking:
+            raise InvalidInput(f"{shrinking[0].describe()} moves its cache on the host after the prompt (shrink); it "
+                               "is not combined with a quantized cache")
 
     @property
     def kv_quant(self) -> KVQuant:
@@ -61,3 +62,12 @@ class Quantized(Policy):
 
     def on_sliding_window(self, window):
         return dataclasses.replace(self, policy=self.policy.on_sliding_window(window))
+
+
+def _members(policy: Policy) -> list[Policy]:
+    """The policies a layer dispatch (`by_layer`, `PerLayer`) hands its layers to, recursively; else the policy."""
+    from kvjax.policies.compose import LayerDispatch  # compose fits Quantized policies to windows: imported late
+
+    if isinstance(policy, LayerDispatch):
+        return [m for member in dict.fromkeys(policy._members()) for m in _members(member)]
+    return [policy]
