@@ -62,7 +62,7 @@ def main(argv=None):
     lines = [f"# AdaKV vs SnapKV at equal total budget ({meta['device']}, jax {jax.__version__})", "",
              f"Tiny Llama {BENCH_CONFIG}, batch 1, float32, {args.new} new tokens, budget {args.budget} per KV head "
              f"(AdaKV: {BENCH_CONFIG['num_kv_heads']} x {args.budget} per layer, shared by its heads in one pool). "
-             "AdaKV's decode masks the other heads' slots of the pool (the jnp reference; no kernel yet).", "",
+             "AdaKV's decode masks the other heads' slots of the pool (the jnp reference; the Pallas pool kernel, `--attention-impl pallas`, is GPU-only).", "",
              "| prompt | policy | cache MiB | x full bytes | decode tok/s | x full speed | prefill s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
