@@ -74,8 +74,13 @@ def logits(q: Float[Array, "b h tq d"], k: Float[Array, "b kvh tk d"], q_pos: In
     a key (causality, the window): what attention's softmax reads, for inspection and probes
     (`kvjax.heads`). Takes the mask's window, soft-cap and ALiBi."""
     mask.only(("window", "softcap", "alibi"), "reference.logits")
-    qg = _group(q, k.shape[1])
-    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=_acc(q.dtype)) * scale, mask.softcap)
+    return _grouped_logits(_group(q, k.shape[1]), k, q_pos, k_pos, scale, mask)
+
+
+def _grouped_logits(qg, k, q_pos, k_pos, scale, mask: Mask):
+    """`logits` of grouped queries `[b, kvh, g, tq, d]` (eq. 4 and gate flags are the caller's): the one place the
+    reference scales, soft-caps, biases and position-masks a block of scores."""
+    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=_acc(qg.dtype)) * scale, mask.softcap)
     return _bias_and_mask(s, q_pos[:, None], k_pos[:, None], mask)
 
 
@@ -113,8 +118,7 @@ def _prefill_block(q, k, v, q_pos, k_pos, scale, mask: Mask, colsum, q_anc=None)
     queries, from the same probabilities (H2O's score costs no second pass). The mask's `anchors`
     (an AnchorMask over the keys) with `q_anc` = (segment, anchor) of the block's queries
     restricts the keys to eq. 4."""
-    s = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=_acc(q.dtype)) * scale, mask.softcap)
-    s = _bias_and_mask(s, q_pos[:, None], k_pos[:, None], mask)
+    s = _grouped_logits(q, k, q_pos, k_pos, scale, mask)
     if mask.anchors is not None:
         seen = _eq4(q_anc[0], q_anc[1], mask.anchors.segment, mask.anchors.anchor, mask.anchors.keep)
         s = jnp.where(seen[:, None, None], s, _MASKED)
@@ -347,10 +351,7 @@ def prompt_statistics(
     window_probs = {}
     for w in sorted(stats.windows):
         start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
-        qw = _group(q[:, :, start:], kvh)
-        sw = _softcap(jnp.einsum("bkgqd,bksd->bkgqs", qw, k, preferred_element_type=_acc(q.dtype)) * scale,
-                      mask.softcap)
-        sw = _bias_and_mask(sw, q_pos[:, None, start:], k_pos[:, None], mask)
+        sw = _grouped_logits(_group(q[:, :, start:], kvh), k, q_pos[:, start:], k_pos, scale, mask)
         if mask.anchors is not None:
             sw = jnp.where(mask.anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing

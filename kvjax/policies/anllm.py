@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from kvjax import cache as kvcache
@@ -171,13 +170,8 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
                               jnp.where(jnp.any(reduce, -1), pos, -1))
         cleared = kvcache.with_state(dataclasses.replace(moved, pos=jnp.where(seq, kvcache.EMPTY, moved.pos)),
                                      anchor=jnp.where(seq, 0.0, moved.state["anchor"]))
-        out = _where(reduce, cleared, cache)
+        out = kvcache.select(reduce[..., None], cleared, cache)
         return kvcache.with_state(dataclasses.replace(out, log_w=jnp.zeros_like(out.log_w)), anchor=0.0)
-
-
-def _where(cond, a: LayerCache, b: LayerCache) -> LayerCache:
-    """Per (row, head) choice between two caches."""
-    return jax.tree.map(lambda x, y: jnp.where(cond.reshape(cond.shape + (1,) * (x.ndim - 2)), x, y), a, b)
 
 
 def _newest(mask, n: int):
