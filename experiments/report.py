@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="section 4's compression ratios (share of each prompt removed)")
     p.add_argument("--zeroshot-ratios", type=float_list,
                    help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
+    p.add_argument("--zeroshot-facts", type=positive_int, default=4,
+                   help="section 5's built-in task: facts hidden per passage, 1 to 4 (1 for a model that cannot "
+                        "bind four: SmolLM2-135M is at chance with 4)")
     p.add_argument("--quant-ppl-length", type=positive_int,
                    help="the quantization section's text length (default: the shortest --ppl-lengths)")
     p.add_argument("--anllm", help="an experiments.eval_anllm output directory to include")
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if skip - set(SECTIONS):
         p.error(f"--skip {args.skip}: {','.join(sorted(skip - set(SECTIONS)))} is not a section "
                 f"(the sections: {','.join(SECTIONS)})")
+    if not 1 <= args.zeroshot_facts <= 4:  # checked before hours of other sections, as the directories below
+        p.error(f"--zeroshot-facts {args.zeroshot_facts}: the built-in task hides 1 to 4 facts")
     for flag, d in (("--anllm", args.anllm), ("--gate", args.gate)):  # checked before hours of other sections
         for name in ("results.md", "results.json"):
             if d and not (Path(d) / name).is_file():
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if "zeroshot" not in skip:
         pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
                                        num_layers=depth, **window)
-        zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot")
+        zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot", facts=args.zeroshot_facts)
         res = zs.summary["results"]
         md += ["## 5. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
         if args.zeroshot_ratios:
@@ -274,13 +279,14 @@ def main(argv: list[str] | None = None) -> int:
 
             sweep = {"full": pols["full"]}
             # MAT's beta is a count, one per policy: a quarter of the kept share of the median context
-            ctx = sorted(len(lm.tokenizer(row["context"])["input_ids"]) for row in builtin_task(40, 0))
+            ctx = sorted(len(lm.tokenizer(row["context"])["input_ids"])
+                         for row in builtin_task(40, 0, args.zeroshot_facts))
             for r in args.zeroshot_ratios:
                 room = max(1, int((1 - r) * ctx[len(ctx) // 2]) // 4)
                 for name, pol in driver.resolve_policies("streaming,mat,snapkv", ratio=r, num_layers=depth,
                                                          shallow_layers=shallow, anchor_slots=room).items():
                     sweep[f"{name}@{r:g}"] = pol
-            sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep")
+            sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep", facts=args.zeroshot_facts)
             md += ["MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
                    "MAT's beta is a quarter of the kept share of the median context, one value per ratio (the paper "
                    "grid-searches beta per budget; this sweep does not).", "", sw.table, "",

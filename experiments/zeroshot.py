@@ -15,7 +15,8 @@ give the share of the full cache each policy held, measured (RazorAttention's re
 `acc`: the highest sum is the gold choice; `acc_norm`: the sum divided by the choice's length in
 characters (lm-eval's definition). `--data` reads JSON lines {"context", "query", "choices", "gold"};
 without it, a built-in task needing no download: made-up facts hidden in held-out reference text,
-one asked, the four facts' values as choices. Scores per item go to OUT/items.jsonl (resumable);
+one asked, four values as choices (`--facts 4`, the default: the four hidden facts' values; `--facts 1`:
+one fact, and three values the passage does not hold). Scores per item go to OUT/items.jsonl (resumable);
 OUT/results.{md,json} hold acc / acc_norm per policy, and with --ratios OUT/accuracy_vs_kv.png.
 """
 
@@ -47,22 +48,36 @@ from kvjax.fewshot import Item
 FIELDS = ("context", "query", "choices", "gold")
 
 
-def builtin_task(n: int = 40, seed: int = 0) -> list[dict]:
-    """Four made-up facts in held-out reference text; the question asks one, the four values are the choices."""
+def builtin_task(n: int = 40, seed: int = 0, facts: int = 4) -> list[dict]:
+    """`facts` made-up facts (1 to 4) in held-out reference text; the question asks one; the choices are four
+    values: the hidden facts' and, with fewer than 4 facts, made-up values found nowhere in the text.
+
+    With 4 facts the model must bind the asked subject to its value (associative recall, which
+    SmolLM2-135M does at chance); with 1 it must find the one value the passage holds, as a passkey
+    task does, so the full cache scores far above chance and a cache that lost the fact cannot."""
     from experiments.longbench.suite import _doc_sentences, _window
     from experiments.tasks import ATTRIBUTES, fact_question, fact_sentence, made_up_name
 
+    if not 1 <= facts <= 4:
+        raise driver.ArgumentError(f"facts={facts}: the built-in task hides 1 to 4 facts")
     rng = np.random.default_rng(seed)
     sentences, items = _doc_sentences(), []
     attr = ATTRIBUTES[0]
     for _ in range(n):
         text = _window(rng, sentences, 700)
-        facts = [(made_up_name(rng), made_up_name(rng)) for _ in range(4)]
-        for subj, value in facts:
+        hidden = [(made_up_name(rng), made_up_name(rng)) for _ in range(facts)]
+        for subj, value in hidden:
             text.insert(int(rng.integers(0, len(text) + 1)), fact_sentence(attr, subj, value).strip())
-        gold = int(rng.integers(4))
-        items.append({"context": " ".join(text), "query": fact_question(attr, facts[gold][0]),
-                      "choices": [" " + v for _, v in facts], "gold": gold})
+        asked = int(rng.integers(facts))
+        values = [v for _, v in hidden]
+        if facts < 4:  # the absent values, then an order in which the asked value's place is random
+            values += [made_up_name(rng) for _ in range(4 - facts)]
+            order = rng.permutation(4)
+            values, gold = [values[i] for i in order], int(np.argmax(order == asked))
+        else:  # the order the 4-fact task always had (its items stay the same)
+            gold = asked
+        items.append({"context": " ".join(text), "query": fact_question(attr, hidden[asked][0]),
+                      "choices": [" " + v for v in values], "gold": gold})
     return items
 
 
@@ -164,20 +179,22 @@ def plot_vs_kv(path: Path, summary: dict) -> None:
     plt.close(fig)
 
 
-def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: int = 0, scoring: str = "prefix",
-          progress: bool = True) -> driver.SuiteResult:
+def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: int = 0, facts: int = 4,
+          scoring: str = "prefix", progress: bool = True) -> driver.SuiteResult:
     """Zero-shot multiple-choice accuracy of each policy (`{label: policy}`, a list or one) on `data`
-    (JSON lines) or the built-in task of `items` items, into `out`; summary `{"task", "scoring",
+    (JSON lines) or the built-in task of `items` items hiding `facts` facts each, into `out`; summary `{"task", "scoring",
     "results": {label: {"acc", "acc_norm", ...}}}`. Labels `name@r` (from `--ratios`) are also
     plotted against the KV budget."""
     if scoring not in SCORINGS:
         raise driver.ArgumentError(f"scoring={scoring!r} is not one of {list(SCORINGS)}")
-    rows = read_items(data) if data else builtin_task(items, seed)
-    task = data or f"builtin(items={items}, seed={seed})"
+    if data and facts != 4:
+        raise driver.ArgumentError(f"facts={facts} shapes the built-in task; --data {data} brings its own items")
+    rows = read_items(data) if data else builtin_task(items, seed, facts)
+    task = data or f"builtin(items={items}, seed={seed}" + (f", facts={facts})" if facts != 4 else ")")
     policies = driver.labelled(policies)
     # records are keyed by policy, so the policies (and --ratios) may grow across reruns
     log = driver.open_records(out, lm, "items.jsonl", {"data": data, "items": items, "seed": seed,
-                                                       "scoring": scoring}, files=("data",))
+                                                       "facts": facts, "scoring": scoring}, files=("data",))
     summary = {}
     for lab, pol in policies.items():
         ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
     p.add_argument("--items", type=positive_int, default=40, help="built-in task: number of items")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--facts", type=positive_int, default=4,
+                   help="built-in task: facts hidden per passage, 1 to 4 (fewer than 4: the other choices are "
+                        "values found nowhere in the passage; 1 is a passkey-like task, 4 associative recall)")
     p.add_argument("--scoring", choices=SCORINGS, default="prefix",
                    help="prefix: compress the context, then extend it with each choice; stream: read each whole "
                         "sequence, choice included, token by token under the policy (MAT's protocol)")
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         labelled = dict(zip(*chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)))
     res = driver.call(p, suite, lm, labelled, args.out, data=args.data, items=args.items, seed=args.seed,
-                      scoring=args.scoring)
+                      facts=args.facts, scoring=args.scoring)
     print(res.table)
     return 0
 

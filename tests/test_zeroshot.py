@@ -55,7 +55,7 @@ def test_policy_is_applied_to_the_context(sharp_dir):
     assert np.abs(np.asarray(full) - np.asarray(small)).max() > 1e-3
 
 
-def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir):
+def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir, capsys):
     data = tmp_path / "task.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
     out = tmp_path / "out"
@@ -80,6 +80,9 @@ def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir):
     bad.write_text(json.dumps({"context": "", "query": "q", "choices": ["a", "b"], "gold": 2}) + "\n")
     with pytest.raises(ValueError, match="gold=2 is not an index into 2 choices"):
         zeroshot.read_items(str(bad))
+    with pytest.raises(SystemExit):  # --facts shapes the built-in task only: refused with --data
+        zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--facts", "1", "--out", str(tmp_path / "o2")])
+    assert "--facts 1 shapes the built-in task" in capsys.readouterr().err
 
 
 def test_builtin_task_is_deterministic():
@@ -87,6 +90,22 @@ def test_builtin_task_is_deterministic():
     assert a == b and all(len(r["choices"]) == 4 and r["query"].startswith("\nQuestion:") for r in a)
     for r in a:
         assert r["choices"][r["gold"]].strip() in r["context"]
+
+
+def test_builtin_task_with_one_fact_holds_only_the_gold_value():
+    """`facts=1` (the task a model too small for associative recall can do): the passage holds the gold
+    value and none of the three others, the question names the hidden subject, and the gold's place
+    varies; the default 4-fact items are unchanged by the option (the same seed, the same items)."""
+    rows = zeroshot.builtin_task(40, seed=0, facts=1)
+    for r in rows:
+        held = [c.strip() in r["context"] for c in r["choices"]]
+        assert held == [i == r["gold"] for i in range(4)], held
+        subject = r["query"].split("capital of ")[1].split("?")[0]
+        assert f"The capital of {subject} is {r['choices'][r['gold']].strip()}." in r["context"]
+    assert len({r["gold"] for r in rows}) == 4
+    assert zeroshot.builtin_task(3, seed=0, facts=4) == zeroshot.builtin_task(3, seed=0)
+    with pytest.raises(ValueError, match="facts=5"):
+        zeroshot.builtin_task(3, facts=5)
 
 
 def test_stream_scoring_reads_every_token_under_the_policy(sharp_dir):
