@@ -9,8 +9,9 @@ the anchors); `--anchor-tokens` overrides. Items come from `--data` (JSON lines 
 is scored with its own demonstrations, and a line without `demos` takes the last ones
 given above it), or from the built-in offline task:
 `--shots` facts "The code of NAME is NUMBER." as demonstrations, a query "The code of
-NAME is" for one of them and the numbers of `--options` facts as options (retrieval
-from the demonstrations: what the anchors must carry). AnLLM-AC models get `<AC>`
+NAME is" for one of them and `--options` numbers as options: other facts' (`--distractors demos`,
+associative recall) or ones no fact holds (`--distractors absent`); either way the demonstrations'
+numbers are what the anchors must carry. AnLLM-AC models get `<AC>`
 after every demonstration, as in the paper's five-shot setting; `--placement every:10` or
 `random:0.1` puts them where AnLLM's Table 3 does instead, in the demonstrations of the
 same model ("All the experiments are conducted with the AnLLM-AC model in Table 1"): the
@@ -45,20 +46,38 @@ NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances
          "Niklaus", "Tony", "Leslie", "Margaret", "Robin", "Dana", "Michael", "Fran", "Butler"]
 
 
-def fact_task(n_items: int, shots: int, options: int, seed: int) -> tuple[list[str], list[dict]]:
-    """Demonstrations (facts) and items asking for one fact's number among `options` of them."""
-    if not 2 <= options <= shots <= len(NAMES):
-        raise InvalidInput(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}")
+DISTRACTORS = ("demos", "absent")
+
+
+def fact_task(n_items: int, shots: int, options: int, seed: int, distractors: str = "demos"
+              ) -> tuple[list[str], list[dict]]:
+    """Demonstrations (facts) and items asking for one fact's number among `options` numbers: the numbers of
+    other demonstrations (`distractors="demos"`: the model must bind the name to its number, associative
+    recall), or numbers no demonstration holds (`"absent"`: it must find which option it has read, as a
+    passkey task does; SmolLM2-135M's full attention is at chance on the first and not on the second)."""
+    if distractors not in DISTRACTORS:
+        raise InvalidInput(f"distractors={distractors!r} is not one of {list(DISTRACTORS)}")
+    if not 2 <= options or not shots <= len(NAMES) or (distractors == "demos" and options > shots):
+        raise InvalidInput(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}"
+                           if distractors == "demos" else f"need 2 <= options ({options}), shots ({shots}) <= "
+                                                          f"{len(NAMES)}")
     rng = np.random.default_rng(seed)
     names = list(rng.choice(NAMES, shots, replace=False))
     codes = [str(c) for c in rng.choice(np.arange(100, 1000), shots, replace=False)]
     demos = [f"The code of {n} is {c}." for n, c in zip(names, codes)]
+    unused = np.setdiff1d(np.arange(100, 1000), np.asarray(codes, dtype=int))
     items = []
     for _ in range(n_items):
-        picks = rng.choice(shots, options, replace=False)
-        answer = int(rng.integers(options))
-        items.append({"query": f" The code of {names[picks[answer]]} is",
-                      "options": [f" {codes[p]}" for p in picks], "answer": answer})
+        if distractors == "demos":
+            picks = rng.choice(shots, options, replace=False)
+            answer = int(rng.integers(options))
+            asked, numbers = picks[answer], [codes[p] for p in picks]
+        else:  # the asked fact's number among options - 1 that no demonstration holds
+            asked, answer = int(rng.integers(shots)), int(rng.integers(options))
+            numbers = [str(c) for c in rng.choice(unused, options - 1, replace=False)]
+            numbers.insert(answer, codes[asked])
+        items.append({"query": f" The code of {names[asked]} is",
+                      "options": [f" {c}" for c in numbers], "answer": answer})
     return demos, items
 
 
@@ -140,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=positive_int, default=100)
     p.add_argument("--shots", type=positive_int, default=5)
     p.add_argument("--options", type=positive_int, default=4)
+    p.add_argument("--distractors", choices=DISTRACTORS, default="demos",
+                   help="built-in task: the wrong options are other demonstrations' numbers (demos: associative "
+                        "recall) or numbers no demonstration holds (absent: finding the one read)")
     p.add_argument("--time-items", type=nonnegative_int, default=20, help="items timed for T⇑ (0: no timing)")
     p.add_argument("--placement", help="AnLLM-AC: where <AC> goes in the demonstrations: sentence, every:N or "
                                        "random:P (Table 3; default: where the model was trained with it)")
@@ -164,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data:
         rows = read_items(Path(args.data))
     else:
-        demos, rows = fact_task(args.items, args.shots, args.options, args.seed)
+        demos, rows = fact_task(args.items, args.shots, args.options, args.seed, args.distractors)
         rows = [{**r, "demos": demos} for r in rows]
     encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     sentence_ac = variant == "ac" and placement == "sentence"
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every option shapes the items or the anchors: no resuming over another configuration's records.
     log = driver.call(p, driver.open_records, out, lm, "items.jsonl", {
         "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
-        "options": args.options, "seed": args.seed, "placement": args.placement}, files=("data",), key="i")
+        "options": args.options, "distractors": args.distractors, "seed": args.seed, "placement": args.placement}, files=("data",), key="i")
     for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
         if i not in log:
             it = items[i]
@@ -220,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         full_cache_s = fewshot.time_caching(model, demo_ids, timed, FullCache()).caching_s
     summary = summarise(records, l_d, l_kv, timing, full_cache_s)
     summary |= {"model": shown(lm.path), "variant": variant, "placement": placement, "anchor_ids": list(anchor_ids),
-                "data": args.data or f"facts(shots={args.shots}, options={args.options}, seed={args.seed})"}
+                "data": args.data or (f"facts(shots={args.shots}, options={args.options}, seed={args.seed}"
+                                     + (f", distractors={args.distractors})" if args.distractors != "demos" else ")"))}
     write_report(out, summary, f"AnLLM-{variant.upper()} {lm.path.name}: {summary['data']}")
     print((out / "results.md").read_text())
     return 0

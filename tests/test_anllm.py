@@ -120,6 +120,26 @@ def test_sentences_and_ac():
     assert with_ac(text) == "One sentence.<AC> Another one!<AC> A question?<AC> Trailing<AC>"
 
 
+def test_fact_task_with_absent_distractors_holds_only_the_answer():
+    """`--distractors absent` (the task SmolLM2-135M's full attention does): of each item's options only the
+    answer is a demonstration's number, and it is the asked name's; the answer's place varies; the
+    default task (other demonstrations' numbers) is unchanged by the option."""
+    from experiments import eval_anllm
+
+    demos, items = eval_anllm.fact_task(40, 5, 4, 0, "absent")
+    code = {d.split()[3]: d.split()[5].rstrip(".") for d in demos}
+    for it in items:
+        numbers = [o.strip() for o in it["options"]]
+        assert [n in code.values() for n in numbers] == [i == it["answer"] for i in range(4)]
+        assert numbers[it["answer"]] == code[it["query"].split()[3]] and len(set(numbers)) == 4
+    assert {it["answer"] for it in items} == {0, 1, 2, 3}
+    assert eval_anllm.fact_task(6, 5, 4, 0, "demos") == eval_anllm.fact_task(6, 5, 4, 0)
+    demos_1, items_1 = eval_anllm.fact_task(3, 1, 4, 0, "absent")  # one fact, three numbers never read
+    assert len(demos_1) == 1 and all(len(it["options"]) == 4 for it in items_1)
+    with pytest.raises(ValueError, match=r"options \(5\) <= shots \(4\)"):
+        eval_anllm.fact_task(3, 4, 5, 0)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="anchor_ids is empty"):
         AnchorReduction(anchor_ids=())
