@@ -66,3 +66,11 @@ def test_ruler_batch_reaches_the_ruler_suite(tmp_path, monkeypatch):
         report.main(["--model", str(model), "--skip", skip, "--ruler-batch", "2", "--ruler-samples", "1",
                      "--out", str(tmp_path / "rep")])
     assert seen["batch"] == 2
+
+
+def test_a_zero_shot_table_where_no_policy_evicted_is_no_evidence():
+    # SmolLM2's one-fact passages (142-218 tokens) under the report's budget of 256: every share 1.0
+    fits = {"full": {"kv_share": 1.0}, "streaming": {"kv_share": 1.0}, "mat": {"kv_share": 1.0}}
+    assert not report._evicted(fits)
+    assert report._evicted(fits | {"snapkv": {"kv_share": 0.498}})
+    assert report._evicted(fits | {"mat": {"kv_share": None}})  # stream scoring measures no share
