@@ -57,10 +57,10 @@ def fact_task(n_items: int, shots: int, options: int, seed: int, distractors: st
     passkey task does; SmolLM2-135M's full attention is at chance on the first and not on the second)."""
     if distractors not in DISTRACTORS:
         raise InvalidInput(f"distractors={distractors!r} is not one of {list(DISTRACTORS)}")
-    if not 2 <= options or not shots <= len(NAMES) or (distractors == "demos" and options > shots):
-        raise InvalidInput(f"need 2 <= options ({options}) <= shots ({shots}) <= {len(NAMES)}"
-                           if distractors == "demos" else f"need 2 <= options ({options}), shots ({shots}) <= "
-                                                          f"{len(NAMES)}")
+    # other demonstrations' numbers as options need as many demonstrations; absent numbers do not
+    if options < 2 or shots > len(NAMES) or (distractors == "demos" and options > shots):
+        at_most = f" <= shots ({shots})" if distractors == "demos" else f", shots ({shots})"
+        raise InvalidInput(f"need 2 <= options ({options}){at_most} <= {len(NAMES)}")
     rng = np.random.default_rng(seed)
     names = list(rng.choice(NAMES, shots, replace=False))
     codes = [str(c) for c in rng.choice(np.arange(100, 1000), shots, replace=False)]
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every option shapes the items or the anchors: no resuming over another configuration's records.
     log = driver.call(p, driver.open_records, out, lm, "items.jsonl", {
         "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
-        "options": args.options, "distractors": args.distractors, "seed": args.seed, "placement": args.placement}, files=("data",), key="i")
+        "options": args.options, "distractors": args.distractors, "seed": args.seed, "placement": args.placement},
+        files=("data",), key="i")
     for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
         if i not in log:
             it = items[i]

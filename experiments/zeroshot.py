@@ -71,7 +71,10 @@ def builtin_task(n: int = 40, seed: int = 0, facts: int = 4) -> list[dict]:
         asked = int(rng.integers(facts))
         values = [v for _, v in hidden]
         if facts < 4:  # the absent values, then an order in which the asked value's place is random
-            values += [made_up_name(rng) for _ in range(4 - facts)]
+            while len(values) < 4:  # a value the passage holds nowhere, not even by chance
+                value = made_up_name(rng)
+                if value not in values and value not in " ".join(text):
+                    values.append(value)
             order = rng.permutation(4)
             values, gold = [values[i] for i in order], int(np.argmax(order == asked))
         else:  # the order the 4-fact task always had (its items stay the same)
