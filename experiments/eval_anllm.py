@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=nonnegative_int, default=0)
     add_run_args(p)
     args = p.parse_args(argv)
+    if args.data and args.distractors != "demos":  # an option the items from --data would silently ignore
+        p.error(f"--distractors {args.distractors} shapes the built-in task; --data {args.data} brings its own options")
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer

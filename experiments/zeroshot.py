@@ -185,8 +185,8 @@ def plot_vs_kv(path: Path, summary: dict) -> None:
 def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: int = 0, facts: int = 4,
           scoring: str = "prefix", progress: bool = True) -> driver.SuiteResult:
     """Zero-shot multiple-choice accuracy of each policy (`{label: policy}`, a list or one) on `data`
-    (JSON lines) or the built-in task of `items` items hiding `facts` facts each, into `out`; summary `{"task", "scoring",
-    "results": {label: {"acc", "acc_norm", ...}}}`. Labels `name@r` (from `--ratios`) are also
+    (JSON lines) or the built-in task of `items` items hiding `facts` facts each, into `out`; summary
+    `{"task", "scoring", "results": {label: {"acc", "acc_norm", ...}}}`. Labels `name@r` (from `--ratios`) are also
     plotted against the KV budget."""
     if scoring not in SCORINGS:
         raise driver.ArgumentError(f"scoring={scoring!r} is not one of {list(SCORINGS)}")

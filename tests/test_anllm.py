@@ -120,7 +120,7 @@ def test_sentences_and_ac():
     assert with_ac(text) == "One sentence.<AC> Another one!<AC> A question?<AC> Trailing<AC>"
 
 
-def test_fact_task_with_absent_distractors_holds_only_the_answer():
+def test_fact_task_with_absent_distractors_holds_only_the_answer(capsys):
     """`--distractors absent` (the task SmolLM2-135M's full attention does): of each item's options only the
     answer is a demonstration's number, and it is the asked name's; the answer's place varies; the
     default task (other demonstrations' numbers) is unchanged by the option."""
@@ -138,6 +138,9 @@ def test_fact_task_with_absent_distractors_holds_only_the_answer():
     assert len(demos_1) == 1 and all(len(it["options"]) == 4 for it in items_1)
     with pytest.raises(ValueError, match=r"options \(5\) <= shots \(4\)"):
         eval_anllm.fact_task(3, 4, 5, 0)
+    with pytest.raises(SystemExit):  # the built-in task's option, refused with items of one's own
+        eval_anllm.main(["--model", "m", "--out", "o", "--data", "items.jsonl", "--distractors", "absent"])
+    assert "--distractors absent shapes the built-in task" in capsys.readouterr().err
 
 
 def test_errors():
