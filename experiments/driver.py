@@ -69,6 +69,20 @@ def call(parser: argparse.ArgumentParser, suite, *args, **kwargs) -> SuiteResult
         raise InvalidInput(message) from None
 
 
+def builtin_task(data: str | None, defaults: Mapping[str, Any], **given: Any) -> dict[str, Any]:
+    """The options that shape a built-in task (`given`, None where the user gave none). Items from `data`
+    bring their own, so there a given one would be silently ignored: it is refused, and the options are
+    None (the run's identity says the task did not use them). Without `data`, each missing one takes its
+    default from `defaults`."""
+    if data:
+        ignored = [f"{k}={v}" for k, v in given.items() if v is not None]
+        if ignored:
+            raise ArgumentError(f"{' '.join(ignored)} {'shapes' if len(ignored) == 1 else 'shape'} the built-in task; "
+                                f"data={data} brings its own items")
+        return dict.fromkeys(given)
+    return {k: defaults[k] if v is None else v for k, v in given.items()}
+
+
 def as_flags(message: str, dests: set[str]) -> str:
     """`lengths=[9] + new=8` -> `--lengths [9] + --new 8`, and a bare `tasks=` -> `--tasks`, for the
     names in `dests` (a parser's options); every other `name=` stays."""

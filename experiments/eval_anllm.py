@@ -47,6 +47,7 @@ NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances
 
 
 DISTRACTORS = ("demos", "absent")
+BUILTIN = {"items": 100, "shots": 5, "options": 4, "distractors": "demos"}  # the built-in task's defaults
 
 
 def fact_task(n_items: int, shots: int, options: int, seed: int, distractors: str = "demos"
@@ -156,20 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
     p.add_argument("--anchor-tokens", nargs="*", help="anchor token strings (default: from config.json)")
-    p.add_argument("--items", type=positive_int, default=100)
-    p.add_argument("--shots", type=positive_int, default=5)
-    p.add_argument("--options", type=positive_int, default=4)
-    p.add_argument("--distractors", choices=DISTRACTORS, default="demos",
-                   help="built-in task: the wrong options are other demonstrations' numbers (demos: associative "
-                        "recall) or numbers no demonstration holds (absent: finding the one read)")
+    p.add_argument("--items", type=positive_int, help=f"built-in task: items (default {BUILTIN['items']})")
+    p.add_argument("--shots", type=positive_int, help=f"built-in task: demonstrations (default {BUILTIN['shots']})")
+    p.add_argument("--options", type=positive_int, help=f"built-in task: options an item (default {BUILTIN['options']})")
+    p.add_argument("--distractors", choices=DISTRACTORS,
+                   help="built-in task: the wrong options are other demonstrations' numbers (demos, the default: "
+                        "associative recall) or numbers no demonstration holds (absent: finding the one read)")
     p.add_argument("--time-items", type=nonnegative_int, default=20, help="items timed for T⇑ (0: no timing)")
     p.add_argument("--placement", help="AnLLM-AC: where <AC> goes in the demonstrations: sentence, every:N or "
                                        "random:P (Table 3; default: where the model was trained with it)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     add_run_args(p)
     args = p.parse_args(argv)
-    if args.data and args.distractors != "demos":  # an option the items from --data would silently ignore
-        p.error(f"--distractors {args.distractors} shapes the built-in task; --data {args.data} brings its own options")
+    # the options the items from --data would silently ignore are refused
+    task = driver.call(p, driver.builtin_task, args.data, BUILTIN, items=args.items, shots=args.shots,
+                       options=args.options, distractors=args.distractors)
+    args.items, args.shots, args.options, args.distractors = (task[k] for k in ("items", "shots", "options",
+                                                                                 "distractors"))
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer

@@ -182,16 +182,19 @@ def plot_vs_kv(path: Path, summary: dict) -> None:
     plt.close(fig)
 
 
-def suite(lm, policies, out, *, data: str | None = None, items: int = 40, seed: int = 0, facts: int = 4,
-          scoring: str = "prefix", progress: bool = True) -> driver.SuiteResult:
+BUILTIN = {"items": 40, "seed": 0, "facts": 4}  # the built-in task's defaults
+
+
+def suite(lm, policies, out, *, data: str | None = None, items: int | None = None, seed: int | None = None,
+          facts: int | None = None, scoring: str = "prefix", progress: bool = True) -> driver.SuiteResult:
     """Zero-shot multiple-choice accuracy of each policy (`{label: policy}`, a list or one) on `data`
-    (JSON lines) or the built-in task of `items` items hiding `facts` facts each, into `out`; summary
-    `{"task", "scoring", "results": {label: {"acc", "acc_norm", ...}}}`. Labels `name@r` (from `--ratios`) are also
-    plotted against the KV budget."""
+    (JSON lines) or the built-in task of `items` items hiding `facts` facts each (defaults `BUILTIN`;
+    refused with `data`), into `out`; summary `{"task", "scoring", "results": {label: {"acc", "acc_norm",
+    ...}}}`. Labels `name@r` (from `--ratios`) are also plotted against the KV budget."""
     if scoring not in SCORINGS:
         raise driver.ArgumentError(f"scoring={scoring!r} is not one of {list(SCORINGS)}")
-    if data and facts != 4:
-        raise driver.ArgumentError(f"facts={facts} shapes the built-in task; --data {data} brings its own items")
+    task_options = driver.builtin_task(data, BUILTIN, items=items, seed=seed, facts=facts)
+    items, seed, facts = task_options["items"], task_options["seed"], task_options["facts"]
     rows = read_items(data) if data else builtin_task(items, seed, facts)
     task = data or f"builtin(items={items}, seed={seed}" + (f", facts={facts})" if facts != 4 else ")")
     policies = driver.labelled(policies)
@@ -232,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
-    p.add_argument("--items", type=positive_int, default=40, help="built-in task: number of items")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--facts", type=positive_int, default=4,
-                   help="built-in task: facts hidden per passage, 1 to 4 (fewer than 4: the other choices are "
+    p.add_argument("--items", type=positive_int, help=f"built-in task: number of items (default {BUILTIN['items']})")
+    p.add_argument("--seed", type=nonnegative_int, help=f"built-in task: its seed (default {BUILTIN['seed']})")
+    p.add_argument("--facts", type=positive_int,
+                   help="built-in task: facts hidden per passage, 1 to 4 (default 4; fewer: the other choices are "
                         "values found nowhere in the passage; 1 is a passkey-like task, 4 associative recall)")
     p.add_argument("--scoring", choices=SCORINGS, default="prefix",
                    help="prefix: compress the context, then extend it with each choice; stream: read each whole "

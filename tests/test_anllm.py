@@ -141,6 +141,9 @@ def test_fact_task_with_absent_distractors_holds_only_the_answer(capsys):
     with pytest.raises(SystemExit):  # the built-in task's option, refused with items of one's own
         eval_anllm.main(["--model", "m", "--out", "o", "--data", "items.jsonl", "--distractors", "absent"])
     assert "--distractors absent shapes the built-in task" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # so do --items, --shots and --options, which the items would silently ignore
+        eval_anllm.main(["--model", "m", "--out", "o", "--data", "items.jsonl", "--items", "7", "--options", "3"])
+    assert "--items 7 --options 3 shape the built-in task; --data items.jsonl brings" in capsys.readouterr().err
 
 
 def test_errors():

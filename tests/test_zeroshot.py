@@ -83,6 +83,10 @@ def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir, capsys):
     with pytest.raises(SystemExit):  # --facts shapes the built-in task only: refused with --data
         zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--facts", "1", "--out", str(tmp_path / "o2")])
     assert "--facts 1 shapes the built-in task" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # so do --items and --seed, which the items of --data would silently ignore
+        zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--items", "5", "--seed", "3",
+                       "--out", str(tmp_path / "o3")])
+    assert f"--items 5 --seed 3 shape the built-in task; --data {data} brings its own items" in capsys.readouterr().err
 
 
 def test_builtin_task_is_deterministic():
