@@ -63,8 +63,8 @@ def _losses(model, tokens):
 
 @compiled(static=("policy",))
 def _cont_nll(model, prefix, cont, *, policy):
-    """(mean NLL of `cont` given `prefix` compressed by `policy`, the share of the prefix's tokens its cache
-    holds, averaged over layers, KV heads and rows): the continuation reads the cache."""
+    """(each row's mean NLL of `cont` given `prefix` compressed by `policy` `[b]`, the share of the prefix's
+    tokens its cache holds, averaged over layers, KV heads and rows): the continuation reads the cache."""
     b, p = prefix.shape
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
     last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
@@ -73,7 +73,7 @@ def _cont_nll(model, prefix, cont, *, policy):
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     held = [c.pos if isinstance(c, LayerCache) else jnp.concatenate([g.pos for g in c.groups], axis=1) for c in cache]
     kept = jnp.mean(jnp.stack([jnp.mean(jnp.sum((h >= 0) & (h < p), axis=-1) / p) for h in held]))
-    return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1)), kept
+    return -jnp.mean(jnp.take_along_axis(lp, cont[..., None], axis=-1)[..., 0], axis=1), kept
 
 
 def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int = 8, sinks: int = 4,
@@ -125,19 +125,36 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
         "streaming": (make_policy("streaming", budget, sinks=sinks), base_graph, base_state),
         "h2o": (make_policy("h2o", budget), base_graph, base_state),
     }
-    cont, kept = {}, {}
+    cont, kept, per_window = {}, {}, {}
     for name, (policy, g, s) in tqdm(policies.items(), desc="continuations"):
         def compute(policy=policy, g=g, s=s):
             runs = [_cont_nll.pure(g, s, t[:, :p], t[:, p:], policy=policy) for t in batches]
-            return {"nll": float(np.mean([float(r[0]) for r in runs])),
+            rows = np.concatenate([np.asarray(r[0]) for r in runs])
+            return {"nll": float(rows.mean()), "nll_windows": rows.tolist(),
                     "kept_prefix": float(np.mean([float(r[1]) for r in runs]))}
         rec = part(f"continuation|{policy.describe()}", compute)
         cont[name], kept[name] = rec["nll"], rec.get("kept_prefix")
+        per_window[name] = rec.get("nll_windows")  # absent in records written before 2026-11-26
     return {"windows": int(len(tokens)), "seq_len": int(tokens.shape[1]), "prefix": p,
             "heldout_loss": {"base": held["base"], "gated": held["gated"]},
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
             "baseline_eviction": evicted, "baseline_eviction_source": "gates" if baseline_eviction is None else "fixed",
-            "baseline_budget": budget, "continuation_nll": cont, "kept_prefix": kept}
+            "baseline_budget": budget, "continuation_nll": cont, "kept_prefix": kept,
+            "nll_windows": per_window, "delta_se": paired_se(per_window)}
+
+
+def paired_se(per_window: dict[str, list[float] | None]) -> dict[str, float | None]:
+    """The standard error of each policy's NLL difference from the full cache's, paired over windows (every
+    policy reads the same windows, so the windows' own difficulty cancels); None without per-window NLLs."""
+    full = per_window.get("full")
+    out = {}
+    for name, rows in per_window.items():
+        if full is None or rows is None or len(rows) < 2:
+            out[name] = None
+            continue
+        d = np.asarray(rows) - np.asarray(full)
+        out[name] = float(d.std(ddof=1) / np.sqrt(len(d)))
+    return out
 
 
 def write_report(out: Path, r: dict) -> None:
@@ -165,8 +182,10 @@ def write_report(out: Path, r: dict) -> None:
              f"{r['eviction']['prefix']:.1%} of it; baselines keep {r['baseline_budget']} tokens, evicting "
              f"{r['baseline_eviction']:.1%}, {'as the gates do' if r['baseline_eviction_source'] == 'gates' else 'fixed'}):",
              "",
-             "| policy | NLL | Δ vs full |", "|---|---|---|"]
-    lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} |" for k, v in c.items()]
+             "| policy | NLL | Δ vs full | s.e. of Δ (paired over windows) |", "|---|---|---|---|"]
+    se = r.get("delta_se", {})
+    lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} | " + ("—" if k == "full" or se.get(k) is None
+                                                               else f"{se[k]:.4f}") + " |" for k, v in c.items()]
     lines += ["", "Eviction per layer (mean over KV heads): "
               + ", ".join(f"L{i} {x:.0%}" for i, x in enumerate(ev.mean(1)))]
     write_atomic(out / "results.md", "\n".join(lines) + "\n")

@@ -12,7 +12,8 @@ from flax import nnx
 
 from kvjax import attention
 from kvjax import cache as kvcache
-from kvjax.gate import PRESETS, GateConfig, attach_gates, eviction_loss, load_gates, save_gates, ste_flags
+from kvjax.gate import (PRESETS, GateConfig, attach_gates, eviction_loss, load_gates, save_gates, ste_flags,
+                        without_gates)
 from kvjax.generate import generate
 from kvjax.masks import Mask
 from kvjax.policies import FullCache, GateEviction, make_policy
@@ -357,6 +358,22 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     assert fixed["kept_prefix"]["full"] == 1.0 and fixed["baseline_eviction"] == 0.5
     assert fixed["continuation_nll"]["full"] == pytest.approx(matched["continuation_nll"]["full"])
     assert 0 < matched["eviction"]["prefix"] < 1
+    # each window's NLL is its own: the full cache's equals the uncached forward's loss on the continuation
+    with without_gates(model):
+        logits, _ = model.forward(jnp.asarray(tokens))
+    lp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:, p - 1 : -1], axis=-1)
+    ref = -np.take_along_axis(np.asarray(lp), tokens[:, p:, None], axis=-1)[..., 0].mean(axis=1)
+    np.testing.assert_allclose(matched["nll_windows"]["full"], ref, rtol=1e-4)
+    assert matched["delta_se"]["full"] == 0.0 and matched["delta_se"]["h2o"] > 0
+
+
+def test_paired_standard_error_by_hand():
+    """s.e. of the per-window difference from the full cache: d = (0.5, 0, 0.4), mean 0.3, sample s.d.
+    sqrt(0.14 / 2), so s.e. sqrt(0.07 / 3); None where windows are missing (records of an older run)."""
+    from experiments.eval_gate import paired_se
+
+    se = paired_se({"full": [1.0, 2.0, 3.0], "x": [1.5, 2.0, 3.4], "old": None})
+    assert se["x"] == pytest.approx(np.sqrt(0.07 / 3)) and se["full"] == 0.0 and se["old"] is None
 
 
 def _rotate_half(x, pos, theta):
