@@ -12,7 +12,8 @@ does not train on):
   policy (the cache is compressed), the rest is scored reading that cache
   (`Llama.extend`); its NLL under FullCache, the gates, and LocalWindow / StreamingLLM /
   H2O with the budget that evicts the gates' measured share of the prefix (matched eviction),
-  or a fixed share with `--baseline-eviction 0.5` (the paper's Table 1 protocol).
+  or a fixed share with `--baseline-eviction 0.5` (the paper's Table 1 protocol). Each policy's
+  difference from the full cache comes with its standard error, paired over windows.
 
 Writes results.json and results.md in --out; each part is kept in parts.jsonl as it is computed, so
 a killed run resumes.
