@@ -141,19 +141,22 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
             "eviction": {"mean": float(per_head.mean()), "prefix": prefix_evicted, "per_layer_head": per_head.tolist()},
             "baseline_eviction": evicted, "baseline_eviction_source": "gates" if baseline_eviction is None else "fixed",
             "baseline_budget": budget, "continuation_nll": cont, "kept_prefix": kept,
-            "nll_windows": per_window, "delta_se": paired_se(per_window)}
+            "nll_windows": per_window, "delta_se": paired_se(per_window),
+            # the claim itself: the gates against each baseline at the same eviction (or Table 1's fixed one)
+            "gate_minus_baseline": {k: {"diff": cont["gate"] - cont[k], "se": v}
+                                    for k, v in paired_se(per_window, ref="gate").items() if k not in ("full", "gate")}}
 
 
-def paired_se(per_window: dict[str, list[float] | None]) -> dict[str, float | None]:
-    """The standard error of each policy's NLL difference from the full cache's, paired over windows (every
+def paired_se(per_window: dict[str, list[float] | None], ref: str = "full") -> dict[str, float | None]:
+    """The standard error of each policy's mean NLL difference from `ref`'s, paired over windows (every
     policy reads the same windows, so the windows' own difficulty cancels); None without per-window NLLs."""
-    full = per_window.get("full")
+    base = per_window.get(ref)
     out = {}
     for name, rows in per_window.items():
-        if full is None or rows is None or len(rows) < 2:
+        if base is None or rows is None or len(rows) < 2:
             out[name] = None
             continue
-        d = np.asarray(rows) - np.asarray(full)
+        d = np.asarray(rows) - np.asarray(base)
         out[name] = float(d.std(ddof=1) / np.sqrt(len(d)))
     return out
 
@@ -187,6 +190,11 @@ def write_report(out: Path, r: dict) -> None:
     se = r.get("delta_se", {})
     lines += [f"| {k} | {v:.4f} | {v - c['full']:+.4f} | " + ("—" if k == "full" or se.get(k) is None
                                                                else f"{se[k]:.4f}") + " |" for k, v in c.items()]
+    vs = r.get("gate_minus_baseline", {})
+    if any(d["se"] is not None for d in vs.values()):
+        lines += ["", "The gates' NLL minus each baseline's (paired over windows; positive: the gates lose more):", "",
+                  "| baseline | gate − baseline | s.e. |", "|---|---|---|"]
+        lines += [f"| {k} | {d['diff']:+.4f} | {d['se']:.4f} |" for k, d in vs.items() if d["se"] is not None]
     lines += ["", "Eviction per layer (mean over KV heads): "
               + ", ".join(f"L{i} {x:.0%}" for i, x in enumerate(ev.mean(1)))]
     write_atomic(out / "results.md", "\n".join(lines) + "\n")

@@ -365,6 +365,9 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     ref = -np.take_along_axis(np.asarray(lp), tokens[:, p:, None], axis=-1)[..., 0].mean(axis=1)
     np.testing.assert_allclose(matched["nll_windows"]["full"], ref, rtol=1e-4)
     assert matched["delta_se"]["full"] == 0.0 and matched["delta_se"]["h2o"] > 0
+    gap = matched["continuation_nll"]["gate"] - matched["continuation_nll"]["h2o"]
+    assert matched["gate_minus_baseline"]["h2o"]["diff"] == pytest.approx(gap)
+    assert set(matched["gate_minus_baseline"]) == {"local", "streaming", "h2o"}
 
 
 def test_paired_standard_error_by_hand():
@@ -374,6 +377,9 @@ def test_paired_standard_error_by_hand():
 
     se = paired_se({"full": [1.0, 2.0, 3.0], "x": [1.5, 2.0, 3.4], "old": None})
     assert se["x"] == pytest.approx(np.sqrt(0.07 / 3)) and se["full"] == 0.0 and se["old"] is None
+    # against another reference: x - y = (0.5, -1, 0.4), mean -0.0333, s.d. sqrt(1.4467 / 2)
+    se = paired_se({"x": [1.5, 2.0, 3.4], "y": [1.0, 3.0, 3.0]}, ref="y")
+    assert se["x"] == pytest.approx(np.sqrt((0.5333 ** 2 + 0.9667 ** 2 + 0.4333 ** 2) / 2 / 3), rel=1e-3)
 
 
 def _rotate_half(x, pos, theta):
