@@ -64,6 +64,15 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
         if full <= floor + margin else ")"
 
 
+def _slimkv_claim(where: str, slim: float, snap: float, full: float, n: int) -> str:
+    """SlimKV's claim (SlimKV >= SnapKV) from average scores in % over n items. Equal scores are a tie, said as
+    one: "holds" there would read as evidence for SlimKV where both may have lost everything."""
+    verdict = "**holds only as a tie**" if slim == snap else _verdict(slim > snap)
+    return (f"SlimKV >= SnapKV on {where}: {verdict} (average {slim} vs {snap}, full {full}; {n} items, binomial "
+            f"s.e. about {100 * math.sqrt(0.25 / n):.1f} points"
+            + _evidence(full / 100, max(slim, snap) / 100, "the compressed caches", n))
+
+
 def _evicted(results: dict) -> bool:
     """Whether a compressed cache of a zero-shot table held less than the full cache (an unmeasured share, None,
     may have): where none did, every policy is the full cache and a comparison of them is no evidence."""
@@ -268,11 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.ruler_ratios:
             slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
             n_items = args.ruler_samples * len(tasks)
-            claims.append(f"SlimKV >= SnapKV on RULER-{length} at ratio {r:g}: {_verdict(slim >= snap)} "
-                          f"(average {slim} vs {snap}, full {scores['full']}; {n_items} items, binomial s.e. "
-                          f"about {100 * math.sqrt(0.25 / n_items):.1f} points"
-                          + _evidence(scores["full"] / 100, max(slim, snap) / 100, "the compressed caches",
-                                      n_items))
+            claims.append(_slimkv_claim(f"RULER-{length} at ratio {r:g}", slim, snap, scores["full"], n_items))
 
     if "zeroshot" not in skip:
         pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,

@@ -74,3 +74,13 @@ def test_a_zero_shot_table_where_no_policy_evicted_is_no_evidence():
     assert not report._evicted(fits)
     assert report._evicted(fits | {"snapkv": {"kv_share": 0.498}})
     assert report._evicted(fits | {"mat": {"kv_share": None}})  # stream scoring measures no share
+
+
+def test_slimkv_claim_says_a_tie_is_a_tie():
+    """Equal averages (on SmolLM2's RULER both SlimKV and SnapKV find nothing, 0 vs 0) are a tie, not "holds";
+    a higher SlimKV holds, a lower one does not; a full cache no better than both is no evidence."""
+    tie = report._slimkv_claim("RULER-4096 at ratio 0.875", 0.0, 0.0, 63.33, 30)
+    assert "**holds only as a tie** (average 0.0 vs 0.0, full 63.33; 30 items" in tie and "no evidence" not in tie
+    assert "**holds** (average 40 vs 30" in report._slimkv_claim("x", 40, 30, 90, 30)
+    assert "**does not hold** (average 30 vs 40" in report._slimkv_claim("x", 30, 40, 90, 30)
+    assert "no evidence either way" in report._slimkv_claim("x", 30, 40, 45, 30)
