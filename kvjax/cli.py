@@ -1,0 +1,55 @@
+"""How every entry point (`python -m experiments.<name>`, `models.fetch`, `benchmarks.*`) ends: a user error as one line, a bug with its traceback.
+
+    if __name__ == "__main__":
+        sys.exit(cli.run(main))
+
+A `kvjax.errors.UserError` (a missing or corrupt file, a bad value, a non-finite result) prints
+`error: <message>` on stderr and exits with status 2, as argparse does for a bad option. Every
+other exception is a bug in kvjax and keeps its traceback. `--debug` (or `KVJAX_DEBUG=1`) shows the
+traceback of user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from kvjax.errors import UserError
+
+
+def debugging(argv: Sequence[str]) -> bool:
+    return "--debug" in argv or os.environ.get("KVJAX_DEBUG", "") not in ("", "0")
+
+
+def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return main(argv)
+    except UserError as err:
+        if debugging(argv):
+            raise
+        print(f"error: {err.cli_message()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debugging(argv):
+            raise
+        # every finished record was appended and fsynced as it finished (experiments.records.ResultLog)
+        print("interrupted: the records finished so far are kept; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    except RecursionError:
+        if debugging(argv):
+            raise
+        print("error: an input nests too deeply to be read (a JSON file nested thousands of levels?)", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if debugging(argv) or err.errno not in _USER_ERRNOS:
+            raise
+        # a full disk or a read-only place: the environment's to fix, not kvjax's (records written so far are whole)
+        print(f"error: {err.strerror}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+
+
+_USER_ERRNOS = {__import__("errno").ENOSPC, __import__("errno").EROFS, __import__("errno").EACCES,
+                __import__("errno").EDQUOT}
