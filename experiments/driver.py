@@ -42,7 +42,7 @@ from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
 __all__ = [
     "ArgumentError", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "call", "cells", "claim", "finish",
-    "labelled", "load_model", "open_records", "policy_options", "positive", "resolve_policies",
+    "labelled", "load_model", "open_records", "policy_options", "positive", "resolve_policies", "width_label",
 ]
 
 
@@ -178,12 +178,23 @@ def positive(value, name: str, *, optional: bool = False) -> None:
 
 
 def labelled(policies: Mapping[str, Policy] | Sequence[Policy] | Policy) -> dict[str, Policy]:
-    """`{label: policy}`: a mapping as given, or a policy (or list) labelled by its description."""
+    """`{label: policy}`: a mapping's labels naming each quantized cache's width (`width_label`), or a policy (or
+    list) labelled by its description (which names the width)."""
     if isinstance(policies, Policy):
         policies = [policies]
     if isinstance(policies, Mapping):
-        return dict(policies)
+        return {width_label(label, p): p for label, p in policies.items()}
     return {p.describe(): p for p in policies}
+
+
+def width_label(label: str, policy: Policy) -> str:
+    """`label` with the width of a quantized cache (`full (2-bit KV)`): every table, plot legend and record
+    label of a quantized run says so, so that it never reads as the full-precision cache of the same name."""
+    spec = getattr(policy, "kv_quant", None)  # `kvjax.policies.Quantized`'s
+    if spec is None:
+        return label
+    tag = f"({spec.bits}-bit KV)"
+    return label if label.endswith(tag) else f"{label} {tag}"
 
 
 def claim(out: str | Path, lm, options: Mapping[str, Any], *, files: Iterable[str] = (),

@@ -336,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         widths = {16: None, 8: dict(bits=8), 4: dict(bits=4, group=group, residual=128),
                   2: dict(bits=2, group=group, residual=128)}
 
-        def at_widths(base):
-            return {f"{lab}@{w}": pol if q is None else Quantized(pol, **q)
-                    for lab, pol in base.items() for w, q in widths.items()}
+        def at_widths(base):  # labelled `full`, `full (8-bit KV)`, ... as every suite labels a quantized cache
+            return driver.labelled({f"{lab}@{w}": pol if q is None else Quantized(pol, **q)
+                                    for lab, pol in base.items() for w, q in widths.items()})
 
         length = args.quant_ppl_length or min(ppl_lengths)
         ppl = driver.call(p, perplexity.suite, lm, at_widths(
@@ -349,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             d / "passkey", lengths=args.razor_lengths, samples=args.razor_samples)
         md += ["## 8. A quantized cache (KIVI), alone and under eviction", "",
                f"16: the model's dtype; 8: int8 per token; 4 and 2: KIVI (keys per channel, values per token, group "
-               f"{group}, the 128 most recent tokens in full precision). StreamingLLM and SnapKV at budget "
+               f"{group}, the 128 most recent tokens in full precision, fewer where that would make the cache larger than "
+               f"16-bit). StreamingLLM and SnapKV at budget "
                f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({length} tokens):",
                "", ppl.table, "", "Passkey accuracy %: the prompt is attended in full precision and then stored, as KIVI "
                "prefills, so the width acts on the answer's tokens:", "", keys.table, ""]
         full_ppl = ppl.summary["ppl"]
-        two, sixteen = full_ppl["full@2"][str(length)], full_ppl["full@16"][str(length)]
+        two, sixteen = full_ppl["full@2 (2-bit KV)"][str(length)], full_ppl["full@16"][str(length)]
         if two is None or sixteen is None:  # a length past the window at absolute positions is not run
             claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: **not run** ({length} "
                           "tokens is past the model's window)")

@@ -44,7 +44,9 @@ full-precision keys than the same tokens streamed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -95,6 +97,42 @@ class KVQuant:
         group = "" if self.group is None else f", group={self.group}"
         return f"bits={self.bits}{group}, residual={self.residual}"
 
+    def code_bytes(self, capacity: int, head_dim: int, scale_bytes: int) -> int:
+        """Exact bytes of the codes, scales and zeros of one (row, KV head) of `capacity` slots (`empty`'s arrays):
+        KIVI's key scales cover whole groups of G slots, so a short cache pays for a whole group."""
+        if not self.kivi:
+            return 2 * capacity * (head_dim + scale_bytes)
+        groups = -(-capacity // self.group)
+        return 2 * capacity * head_dim * self.bits // 8 + 2 * groups * head_dim * scale_bytes \
+            + 2 * capacity * (head_dim // self.group) * scale_bytes
+
+    def largest_residual(self, capacity: int, head_dim: int, scale_bytes: int) -> int:
+        """The most full-precision tokens (keys, values and a position each) a quantized cache of `capacity` slots can
+        hold besides its codes and stay no larger than the same slots unquantized (keys and values at
+        `scale_bytes`, the model's dtype; positions, biases and the rule's state are the same in both). Never more
+        than the cache holds: a larger residual holds nothing more, and would make a 'compressed' cache larger."""
+        plain = 2 * capacity * head_dim * scale_bytes
+        per_token = 2 * head_dim * scale_bytes + 4
+        return max(0, min(capacity, (plain - self.code_bytes(capacity, head_dim, scale_bytes)) // per_token))
+
+    def fitted(self, capacity: int, head_dim: int, dtype) -> "KVQuant":
+        """This spec for a cache of `capacity` slots of `dtype`: the residual cut to `largest_residual` (said once,
+        as a warning naming both values), or refused when the codes alone outweigh the unquantized cache (a
+        cache of fewer slots than one KIVI key group pays for the whole group's scales)."""
+        size = jnp.dtype(dtype).itemsize
+        if self.code_bytes(capacity, head_dim, size) > 2 * capacity * head_dim * size:
+            raise InvalidInput(f"kv {self.describe()}: a cache of {capacity} slots at head size {head_dim} takes more "
+                               f"bytes quantized ({self.code_bytes(capacity, head_dim, size)} per KV head) than "
+                               f"unquantized ({2 * capacity * head_dim * size}); give it more slots, a smaller group, "
+                               "or leave it unquantized")
+        most = self.largest_residual(capacity, head_dim, size)
+        if self.residual <= most:
+            return self
+        _say_once(f"kv {self.describe()}: residual={self.residual} cut to {most} for a cache of {capacity} slots (head "
+                  f"size {head_dim}, {jnp.dtype(dtype).name}): more full-precision tokens besides the codes would make the quantized "
+                  "cache larger than the unquantized one")
+        return dataclasses.replace(self, residual=most)
+
     def bytes_per_slot(self, head_dim: int, scale_bytes: int) -> float:
         """Bytes of keys and values per (KV head, slot) by formula, the residual aside (`nbytes` counts it):
         int8 `2 (d + s)`; KIVI `2 d bits / 8` of codes, `2 s d / G` for the keys' per-channel scale and zero
@@ -102,6 +140,12 @@ class KVQuant:
         if not self.kivi:
             return 2 * (head_dim + scale_bytes)
         return 2 * head_dim * self.bits / 8 + 4 * scale_bytes * head_dim / self.group
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message: str) -> None:
+    """A UserWarning the first time `message` is said in a process (a cache is built at every trace)."""
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 # ---- codes ------------------------------------------------------------------------------------------
@@ -272,8 +316,10 @@ def view(qc: QuantizedLayerCache, newest: Int[Array, "b"] | None = None) -> Laye
 
 def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLayerCache:
     """`lc` quantized; the residual holds its slots at positions within `residual` of each row's newest token
-    (the larger of `newest` and the newest position `lc` holds)."""
+    (the larger of `newest` and the newest position `lc` holds). Every quantized cache is made here, so its
+    residual is `spec`'s fitted to `lc` (`KVQuant.fitted`): never larger than the cache unquantized."""
     dtype = lc.k.dtype
+    spec = spec.fitted(lc.capacity, lc.k.shape[-1], dtype)
     valid = lc.pos >= 0
     if spec.kivi:
         kc, ks, kz = quantize_keys(lc.k, valid, spec.bits, spec.group, dtype)

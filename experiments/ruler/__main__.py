@@ -257,7 +257,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
     too_long = [n for n in lengths if n > n_pos]
     if too_long:
         raise driver.ArgumentError(f"lengths={too_long} exceed the model's max_position_embeddings={n_pos}")
-    per_cell = policies if callable(policies) else (lambda room, fixed=driver.labelled(policies): fixed)
+    per_cell = (lambda room: driver.labelled(policies(room))) if callable(policies) else (
+        lambda room, fixed=driver.labelled(policies): fixed)
     out = Path(out)
     # lengths, tasks and samples only select records
     not_run = [f"{n} (its {T.TASKS[n].arg('dataset')} file: data_dir= / --data-dir)" for n in tasks

@@ -1,0 +1,92 @@
+"""No silent wrong results, round 4 (issue #61), the library's and the benchmarks' part: the quantized cache's
+bytes, the width in every label, the policies' numeric options, the layer API's plan sizes, sampling at any
+temperature, the results directory's own record, and one-line errors from every entry point.
+
+Test names carry `reliability`, `identity`, `nonfinite`, `cli_error`, `atomic` or `lock`
+(`pytest -k "reliability or identity or nonfinite or cli_error or atomic or lock"`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kvcache
+from kvjax import layer, quant
+from kvjax.errors import InvalidInput
+from kvjax.policies import FullCache, Quantized, StreamingLLM, resolve
+from kvjax.quant import KVQuant
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("\r", "usage:", " "))]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---- item 3: a quantized cache is never larger than the unquantized one -----------------------------------
+
+
+def test_reliability_quantized_residual_never_outgrows_the_cache():
+    """`--kv-bits 2 --kv-residual 1000 --budget 32` allocated 1000 full-precision slots beside 32 slots of codes.
+    By hand, for 32 slots of head size 16 in float32 at 2 bits, G = 8: unquantized 2*32*16*4 = 4096 bytes per KV
+    head; codes 2*32*16/4 = 256, key scales and zeros 2*4*16*4 = 512, value scales and zeros 2*32*2*4 = 512, so
+    (4096 - 1280) // (2*16*4 + 4) = 21 full-precision tokens fit. The residual is cut to 21 (and said so), and
+    the cache, built and after a prompt and decode steps, is no larger than the unquantized one."""
+    kvh, h, d, budget = 2, 4, 16, 32
+    assert KVQuant(2, 8, 1000).largest_residual(budget, d, 4) == 21
+    for spec in (KVQuant(2, 8, 1000), KVQuant(4, 8, 128), KVQuant(8, None, 1000)):
+        policy = Quantized(StreamingLLM(budget=budget), spec.bits, spec.group, spec.residual)
+        plan = resolve(policy, 1, kvh).sized(4096, 48).layers[0]
+        plain_plan = resolve(StreamingLLM(budget=budget), 1, kvh).sized(4096, 48).layers[0]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            cache = layer.init_layer_cache(plan, 1, kvh, d, jnp.float32)
+        plain = layer.init_layer_cache(plain_plan, 1, kvh, d, jnp.float32)
+        most = spec.largest_residual(budget, d, 4)
+        assert cache.spec.residual == most < budget and cache.res_k.shape[2] == most
+        assert any(f"residual={spec.residual} cut to {most} for a cache of {budget} slots" in str(w.message)
+                   for w in said), [str(w.message) for w in said]
+        assert cache.nbytes <= plain.nbytes, (spec, cache.nbytes, plain.nbytes)
+        geom = layer.Geometry(layer=0, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5)
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.normal(size=(1, n, 48, d)), jnp.float32) for n in (h, kvh, kvh))
+        _, cache = layer.prefill(geom, plan, cache, q, k, v, jnp.arange(48)[None])
+        o, cache = layer.decode(geom, plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0], jnp.asarray([48]))
+        assert cache.spec.residual == most and cache.nbytes <= plain.nbytes
+        assert np.isfinite(np.asarray(o)).all()
+    assert KVQuant(4, 8, 8).fitted(64, d, jnp.float32) == KVQuant(4, 8, 8)  # a residual that fits is kept
+    with pytest.raises(InvalidInput, match="takes more bytes quantized"):  # 1 slot pays a whole key group's scales
+        quant.empty(KVQuant(4, 16), 1, 1, 1, d, jnp.bfloat16)
+
+
+# ---- item 4: a quantized run's tables, legends and records name its width --------------------------------
+
+
+def test_identity_a_quantized_run_names_its_width_in_every_table(tiny_dir, tmp_path, capsys):
+    """`perplexity --policy full --kv-bits 2` wrote `| full | 7.221 |`, the full cache's name for a 2-bit cache:
+    results.md, results.csv, the JSON summary and every record now say `full (2-bit KV)`, and the record's key (its
+    identity) is the quantized policy's description. A plain run of the same name keeps `full`."""
+    import json
+
+    from experiments import cli, perplexity
+
+    for bits, label in ((2, "full (2-bit KV)"), (None, "full")):
+        out = tmp_path / f"ppl{bits}"
+        quant_args = ["--kv-bits", str(bits), "--kv-group", "8"] if bits else []
+        code = cli.run(perplexity.main, ["--model", str(tiny_dir), "--policy", "full", *quant_args, "--lengths", "16",
+                                         "--out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        rows = [line.split("|")[1].strip() for line in (out / "results.md").read_text().splitlines()
+                if line.startswith("| ") and not line.startswith("| policy")]
+        assert rows == [label]
+        assert (out / "results.csv").read_text().splitlines()[1].split(",")[0] == label
+        assert list(json.loads((out / "results.json").read_text())["ppl"]) == [label]
+        records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+        assert [r["label"] for r in records] == [label]
+        assert ("bits=2" in records[0]["id"]) == (bits == 2)
