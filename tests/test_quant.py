@@ -370,21 +370,27 @@ def test_compressed_and_quantized_generation_compiles_once(small):
 
 
 @pytest.mark.slow
-def test_a_residual_holding_the_whole_window_changes_nothing_chunked_or_streamed(small):
-    """LocalWindow(32) holds only tokens within 32 + chunk of the newest: a residual of 64 holds them all in full
-    precision, so scoring a text in chunks or token by token equals the unquantized cache; with R = 0 it does not."""
+def test_a_residual_larger_than_fits_runs_as_the_largest_that_fits_chunked_or_streamed(small):
+    """LocalWindow(32) holds 32 slots: a residual of 64 would hold them all in full precision beside their codes, a
+    "compressed" cache larger than the unquantized one (issue 61). It is cut to the most that fits
+    (`KVQuant.largest_residual`), so scoring a text in chunks or token by token gives exactly the numbers of that
+    residual, closer to the unquantized cache than with R = 0."""
     from experiments.common import default_text
     from kvjax.policies import LocalWindow
     from kvjax.scoring import logprobs
 
     ids = small.tokenizer.encode(default_text())[:160]
     g = min(32, small.config.head_dim)
+    most = KVQuant(2, g, 64).largest_residual(32, small.config.head_dim, jnp.dtype(small.model.dtype).itemsize)
+    assert 0 < most < 32
     for mode in (dict(prefill_mode="chunked", chunk=16), dict(prefill_mode="stream")):
         plain = logprobs(small.model, ids, LocalWindow(size=32, **mode))
-        whole = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 64))
-        np.testing.assert_allclose(whole, plain, atol=1e-5)
+        asked = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 64))
+        np.testing.assert_array_equal(asked, logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g,
+                                                                                   most)))
         bare = logprobs(small.model, ids, Quantized(LocalWindow(size=32, **mode), 2, g, 0))
         assert np.abs(bare - plain).max() > 1e-2
+        assert np.abs(asked - plain).mean() < np.abs(bare - plain).mean()
 
 
 @pytest.mark.slow

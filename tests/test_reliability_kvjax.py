@@ -8,6 +8,7 @@ Test names carry `reliability`, `identity`, `nonfinite`, `cli_error`, `atomic` o
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -90,3 +91,77 @@ def test_identity_a_quantized_run_names_its_width_in_every_table(tiny_dir, tmp_p
         records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
         assert [r["label"] for r in records] == [label]
         assert ("bits=2" in records[0]["id"]) == (bits == 2)
+
+
+# ---- item 5: every numeric option of every policy is checked, by one check ---------------------------------
+
+
+def _one_of_each_policy():
+    """A valid instance of every policy class of kvjax.policies (the test below fails on a class missing here)."""
+    from kvjax.policies import (
+        H2O, KNorm, KVzip, PyramidKV, RazorAttention, SlimKV, SnapKV, TOVA, AdaKV, AnchorCache, ExpectedAttention,
+        GateEviction, KeyDiff, LocalWindow, ObservedAttention, Recompress)
+    from kvjax.policies.anllm import AnchorReduction
+    from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
+    from kvjax.policies.duo import DuoAttention
+    from kvjax.policies.razor import CompensatedWindow
+
+    snap = SnapKV(budget=64)
+    return [AnchorReduction(anchor_ids=(5,)), ByLayer(split=1, shallow=StreamingLLM(budget=16), deep=FullCache()),
+            PerLayer(layers=(FullCache(), FullCache())), HeadSplit(layers=((((0,), FullCache()), ((1,), snap)),)),
+            DuoAttention(streaming=((True, False),)), GateEviction(), H2O(budget=16, recent=4),
+            KVzip(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()), AnchorCache(budget=16, anchor_slots=4),
+            Quantized(FullCache(), bits=2, group=8, residual=4), CompensatedWindow(),
+            RazorAttention(retrieval=((True, False),)), Recompress(scorer=snap, every=32), FullCache(),
+            LocalWindow(size=16), StreamingLLM(budget=16), snap,
+            PyramidKV(budget=64, observation_window=4, beta=2, num_layers=2), SlimKV(budget=64),
+            ObservedAttention(budget=16), TOVA(budget=16), KNorm(budget=16), ExpectedAttention(budget=16),
+            KeyDiff(budget=16), AdaKV(scorer=snap)]
+
+
+def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
+    """`ExpectedAttention(epsilon=nan)` kept a prefix and blanked the output and `PyramidKV(beta=nan)` passed its
+    `beta < 1` check. Every numeric field of every policy class, set to NaN, is refused naming the class, the
+    field and the value; inf too, except RazorAttention's compression (Table 1: the buffer alone); a ratio, alpha
+    and epsilon out of their ranges are refused by the same check."""
+    import dataclasses
+    import importlib
+    import inspect
+    import math
+    import pkgutil
+    import warnings
+
+    import kvjax.policies as pkg
+    from kvjax.policies import AdaKV, ExpectedAttention, PyramidKV, SnapKV
+    from kvjax.policies.base import Policy
+    from kvjax.policies.razor import CompensatedWindow
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyramidKV says when it reduces to SnapKV
+        samples = _one_of_each_policy()
+    classes = {c for m in pkgutil.iter_modules(pkg.__path__) for c in vars(importlib.import_module(
+        f"kvjax.policies.{m.name}")).values() if inspect.isclass(c) and issubclass(c, Policy)
+        and dataclasses.is_dataclass(c) and c.__module__.startswith("kvjax.policies.")}
+    abstract = {c for c in classes if not any(isinstance(s, c) for s in samples)}
+    assert {c.__name__ for c in abstract} <= {"RingPolicy", "ScoredPolicy"}, abstract  # base classes only
+    checked = 0
+    for policy in samples:
+        for field in dataclasses.fields(policy):
+            value = getattr(policy, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for bad in (math.nan, math.inf, -math.inf):
+                if bad == math.inf and field.name == "compression":
+                    continue
+                with pytest.raises(InvalidInput, match=re.escape(f"{type(policy).__name__}: {field.name}={bad} must be ")):
+                    dataclasses.replace(policy, **{field.name: bad})
+                checked += 1
+    assert checked > 60
+    assert CompensatedWindow(compression=math.inf).compression == math.inf
+    for make, message in ((lambda: ExpectedAttention(budget=8, epsilon=-1.0), "epsilon=-1.0 must be a finite number >= 0"),
+                          (lambda: PyramidKV(budget=64, observation_window=4, beta=float("nan"), num_layers=2),
+                           "beta=nan must be a finite number"),
+                          (lambda: AdaKV(scorer=SnapKV(budget=64), alpha=1.5), "alpha=1.5 must be in"),
+                          (lambda: SnapKV(ratio=float("nan")), "ratio=nan must be in [0, 1)")):
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            make()

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -250,6 +252,30 @@ class Policy(abc.ABC):
         return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
 
+# Every numeric option's valid values, by name: an option means the same in every policy that takes it. A range
+# states what is valid, as NaN fails every comparison; any other numeric option must be finite (NaN, inf: refused).
+OPTION_RANGES = {
+    "ratio": (lambda x: 0 <= x < 1, "in [0, 1) (the fraction of each prompt removed)"),
+    "alpha": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "epsilon": (lambda x: 0 <= x < math.inf, "a finite number >= 0"),
+    "compression": (lambda x: x >= 1, ">= 1 (inf: the buffer alone)"),  # RazorAttention's Table 1: C = inf
+}
+
+
+def check_numbers(policy) -> None:
+    """The one check of every numeric option of every policy (a dataclass field holding a number, bools aside): in
+    its `OPTION_RANGES` range, or finite, or `InvalidInput` naming the policy, the option and its value. Each
+    policy's `__post_init__` calls it first, so a NaN never reaches a comparison that it would pass
+    (`beta < 1` is False for NaN) or a score that it would turn to NaN."""
+    for field in dataclasses.fields(policy):
+        value = getattr(policy, field.name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue
+        ok, what = OPTION_RANGES.get(field.name, (math.isfinite, "a finite number"))
+        if not ok(value):
+            raise InvalidInput(f"{type(policy).__name__}: {field.name}={value} must be {what}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerPolicy(Policy, Rule):
     """A policy applying one rule to every layer, with its position and prefill modes."""
@@ -261,6 +287,7 @@ class LayerPolicy(Policy, Rule):
     chunk_refusal: ClassVar[str] = "it has no rule to fold a chunk of the prompt into its cache"
 
     def __post_init__(self):
+        check_numbers(self)
         name = type(self).__name__
         if self.positions not in POSITION_MODES:
             raise InvalidInput(f"positions={self.positions!r}; expected one of {POSITION_MODES}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy, PromptMasking
+from kvjax.policies.base import Policy, PromptMasking, check_numbers
 from kvjax.policies.plan import resolve
 from kvjax.policies.quantized import Quantized
 from kvjax.policies.ring import FullCache
@@ -72,6 +72,7 @@ class ByLayer(LayerDispatch):
     deep: Policy
 
     def __post_init__(self):
+        check_numbers(self)
         if self.split < 0:
             raise InvalidInput(f"ByLayer: split={self.split} must be >= 0")
         self._check_modes("ByLayer")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import InvalidInput, MissingFile
-from kvjax.policies.base import PrefillMode
+from kvjax.policies.base import PrefillMode, check_numbers
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache, StreamingLLM
 
@@ -43,6 +43,7 @@ class DuoAttention(ByHead):
     chunk: int | None = None
 
     def __post_init__(self):
+        check_numbers(self)
         rows = self.streaming
         if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
             raise InvalidInput("DuoAttention: the head table must have the same non-zero number of KV heads per layer")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy
+from kvjax.policies.base import Policy, check_numbers
 from kvjax.quant import KVQuant
 
 
@@ -27,6 +27,7 @@ class Quantized(Policy):
     residual: int = 0
 
     def __post_init__(self):
+        check_numbers(self)
         self.kv_quant  # noqa: B018  (checks the width, group and residual)
         if isinstance(self.policy, Quantized):
             raise InvalidInput("Quantized(Quantized(...)): a cache is quantized once")

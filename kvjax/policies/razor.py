@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, PrefillMode, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, LayerPolicy, PrefillMode, RatioBudget, check_numbers, check_ratio
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
 
@@ -305,6 +305,7 @@ class RazorAttention(ByHead):
     chunk: int | None = None
 
     def __post_init__(self):
+        check_numbers(self)
         if self.ratio is None:  # the paper's Table 2 sizes, unless a ratio replaces them
             object.__setattr__(self, "compression", 5.0 if self.compression is None else self.compression)
             object.__setattr__(self, "buffer", 4000 if self.buffer is None else self.buffer)

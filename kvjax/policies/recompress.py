@@ -33,7 +33,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, Policy
+from kvjax.policies.base import ChunkRule, Policy, check_numbers
 from kvjax.policies.scored import ScoredPolicy
 from kvjax.stats import AttentionStats, RuleStats, StatsRequest
 
@@ -47,6 +47,7 @@ class Recompress(Policy, ChunkRule):
     every: int
 
     def __post_init__(self):
+        check_numbers(self)
         if not isinstance(self.scorer, ScoredPolicy):
             raise InvalidInput(f"Recompress: scorer={self.scorer.describe()} is not a prompt compressor (SnapKV, "
                                "PyramidKV, SlimKV, TOVA, KNorm, ObservedAttention)")

@@ -47,7 +47,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, warn_chunked_method
+from kvjax.policies.base import ChunkRule, LayerPolicy, check_numbers, warn_chunked_method
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -441,6 +441,7 @@ class AdaKV(LayerPolicy):
     evicts_while_decoding = False
 
     def __post_init__(self):
+        check_numbers(self)
         if not isinstance(self.scorer, ScoredPolicy):
             raise InvalidInput(f"AdaKV: scorer={self.scorer!r} is not a prompt compressor (SnapKV, PyramidKV, SlimKV, "
                                "TOVA, KNorm, KeyDiff, ExpectedAttention, ObservedAttention)")
