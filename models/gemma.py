@@ -6,6 +6,7 @@ approximation of gelu; scores scaled by `query_pre_attn_scalar ** -0.5`; tied em
 alternating sliding-window ("sliding_attention") and global attention as `layer_types` says.
 Gemma 2 also soft-caps attention and final logits; Gemma 3 normalises q and k per head and gives
 sliding layers their own RoPE (`rope_parameters["sliding_attention"]`, the old `rope_local_base_freq`).
+A Gemma 3 config that sets `attn_logit_softcapping` is refused: transformers' Gemma 3 ignores the field.
 
 Under a cache policy, the sliding layers keep a `sliding_window`-slot ring and the policy
 compresses the global layers (`Llama.native_policy`), as kvpress does on Gemma 3.
@@ -23,6 +24,14 @@ def config_from_hf(hf) -> LlamaConfig:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise InvalidInput(f"hidden_activation={act!r}: kvjax's Gemma supports gelu_pytorch_tanh")
     model_type = hf.model_type
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if model_type == "gemma3_text" and cap is not None:
+        # transformers' Gemma 3 reads the field and never applies it (Gemma 3 replaced Gemma 2's cap by
+        # q/k norms), so a checkpoint that sets it ran uncapped there; applying it gave logits 1.45 off,
+        # ignoring it would run another model than the config says. Neither silently: refuse.
+        raise InvalidInput(f"a gemma3_text config with attn_logit_softcapping={cap!r}: Gemma 3 has no attention "
+                           "soft-capping (transformers ignores the field, so kvjax cannot tell which model was "
+                           "meant); set it to null in config.json to run the model as transformers does")
     rope = getattr(hf, "rope_parameters", None) or {}
     # the same RoPE-parameter path as every family (LongRoPE's default factor from the context extension)
     ctx = (hf.max_position_embeddings, getattr(hf, "original_max_position_embeddings", None))
