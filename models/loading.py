@@ -236,8 +236,22 @@ def _torch_load(f: Path) -> dict:
     # Memory mapping needs the zip format of torch >= 1.6; legacy pickled files load whole.
     try:
         return torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
-        raise InvalidInput(f"{f} is not a readable PyTorch checkpoint ({err})") from None
+    except pickle.UnpicklingError as err:
+        raise InvalidInput(f"{f} cannot be read as plain tensors ({_torch_reason(err)}); kvjax never runs code pickled "
+                           "in a checkpoint: use a safetensors copy of the model") from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise InvalidInput(f"{f} is not a readable PyTorch checkpoint ({_torch_reason(err)})") from None
+
+
+def _torch_reason(err: Exception) -> str:
+    """torch.load's error in one line, without its advice: it suggests `weights_only=False`, which
+    runs whatever code the file pickled; kvjax never does that and never tells a user to."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    chunks = [c for c in text.split("\n\n") if c.strip()] or [type(err).__name__]
+    reason = " ".join(chunks[0].split()).split(". ")[0].rstrip(".")
+    return type(err).__name__ if "weights_only" in reason else reason
 
 
 def _torch_to_numpy(t) -> np.ndarray:
