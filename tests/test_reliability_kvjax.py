@@ -153,7 +153,8 @@ def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
             for bad in (math.nan, math.inf, -math.inf):
                 if bad == math.inf and field.name == "compression":
                     continue
-                with pytest.raises(InvalidInput, match=re.escape(f"{type(policy).__name__}: {field.name}={bad} must be ")):
+                shown = "compression (C)" if field.name == "compression" else field.name  # RazorAttention's symbol
+                with pytest.raises(InvalidInput, match=re.escape(f"{type(policy).__name__}: {shown}={bad} must be ")):
                     dataclasses.replace(policy, **{field.name: bad})
                 checked += 1
     assert checked > 60
@@ -165,3 +166,44 @@ def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
                           (lambda: SnapKV(ratio=float("nan")), "ratio=nan must be in [0, 1)")):
         with pytest.raises(InvalidInput, match=re.escape(message)):
             make()
+
+
+# ---- item 6: the layer API never overruns a plan that keeps every token -----------------------------------
+
+
+def test_reliability_layer_api_refuses_to_overrun_a_full_cache():
+    """A FullCache sized for 20 tokens kept the last 20 of a 40-token prompt in `layer.prefill` (a window) and
+    decoding past 20 overwrote positions 0-3. The prompt is refused at trace time (under jit too: its length is
+    a shape); a decode step past the size is refused when its positions are concrete, and under jit (positions
+    traced) returns NaN for that row, never attention over a wrapped cache. A window policy of the same size still
+    evicts, as it should, and a step inside the size is untouched (the NumPy attention over the 21 tokens)."""
+    kvh, h, d = 2, 4, 16
+    geom = layer.Geometry(layer=0, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, n, 40, d)), jnp.float32) for n in (h, kvh, kvh))
+    plan = resolve(FullCache(), 1, kvh).sized(21, 20).layers[0]
+    empty = layer.init_layer_cache(plan, 1, kvh, d, jnp.float32)
+    prefill = lambda c, q, k, v, p: layer.prefill(geom, plan, c, q, k, v, p)  # noqa: E731
+    for run in (prefill, jax.jit(prefill)):
+        with pytest.raises(InvalidInput, match=re.escape("FullCache(positions='absolute', prefill_mode='full') keeps "
+                                                         "every token, and its cache was sized for 21; a prompt of 40 "
+                                                         "tokens does not fit")):
+            run(empty, q, k, v, jnp.arange(40)[None])
+    _, cache = layer.prefill(geom, plan, empty, q[:, :, :20], k[:, :, :20], v[:, :, :20], jnp.arange(20)[None])
+    step = lambda c, i: layer.decode(geom, plan, c, q[:, :, i], k[:, :, i], v[:, :, i], jnp.asarray([i]))  # noqa: E731
+    o, full = step(cache, 20)
+    keys, values = np.asarray(k[0, :, :21]), np.asarray(v[0, :, :21])
+    logits = np.einsum("kgd,ktd->kgt", np.asarray(q[0, :, 20]).reshape(kvh, h // kvh, d), keys) * d ** -0.5
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("kgt,ktd->kgd", p / p.sum(-1, keepdims=True), values).reshape(h, d)
+    np.testing.assert_allclose(np.asarray(o[0]), want, atol=1e-5)
+    with pytest.raises(InvalidInput, match="a token at position 21 is past it"):
+        step(full, 21)
+    o, _ = jax.jit(step, static_argnums=())(full, jnp.asarray(21))
+    assert np.isnan(np.asarray(o)).all()
+    o, _ = jax.jit(step)(cache, jnp.asarray(20))
+    np.testing.assert_allclose(np.asarray(o[0]), want, atol=1e-5)
+    window = resolve(StreamingLLM(budget=21), 1, kvh).sized(64, 40).layers[0]  # evicting is its method
+    o, _ = layer.prefill(geom, window, layer.init_layer_cache(window, 1, kvh, d, jnp.float32), q, k, v,
+                         jnp.arange(40)[None])
+    assert np.isfinite(np.asarray(o)).all()

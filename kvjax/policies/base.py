@@ -86,6 +86,9 @@ class Rule(abc.ABC):
     # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
+    # True for a rule that never evicts (FullCache): its cache must hold every token of the sequence, so a prompt
+    # longer than its slots, or a token past them, is refused (`kvjax.layer`) rather than evicting silently.
+    keeps_every_token: bool = False
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
     # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "window"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
@@ -260,6 +263,7 @@ OPTION_RANGES = {
     "epsilon": (lambda x: 0 <= x < math.inf, "a finite number >= 0"),
     "compression": (lambda x: x >= 1, ">= 1 (inf: the buffer alone)"),  # RazorAttention's Table 1: C = inf
 }
+OPTION_SYMBOLS = {"compression": "compression (C)"}  # the paper's symbol, said with the option
 
 
 def check_numbers(policy) -> None:
@@ -273,7 +277,8 @@ def check_numbers(policy) -> None:
             continue
         ok, what = OPTION_RANGES.get(field.name, (math.isfinite, "a finite number"))
         if not ok(value):
-            raise InvalidInput(f"{type(policy).__name__}: {field.name}={value} must be {what}")
+            raise InvalidInput(f"{type(policy).__name__}: {OPTION_SYMBOLS.get(field.name, field.name)}={value} must be "
+                               f"{what}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
