@@ -5,8 +5,8 @@ Only the `gguf` package (llama.cpp's own reader) touches the file: it memory-map
 `gguf.quants.dequantize` turns one tensor at a time into float32, which `models.load` casts to the
 requested dtype and drops before reading the next, so peak memory stays near one dequantized copy
 of the model. No code from the file runs; the tokenizer is rebuilt from the metadata's vocabulary
-by transformers' GGUF converter, and saved once under `$KVJAX_HOME/tokenizers/` (converting a
-49K-token vocabulary takes ~15 s).
+by transformers' GGUF converter (never from files beside it), and saved once under
+`$KVJAX_HOME/tokenizers/<digest of that metadata>` (converting a 49K-token vocabulary takes ~15 s).
 
 llama.cpp's conventions that differ from Hugging Face's, undone here:
 
