@@ -334,9 +334,10 @@ def lock_results_dir(out: Path) -> None:
     key = out.resolve()
     if key in _LOCKS:
         return
-    # kvjax's directories carry an identity.json (a report's, in its sections' folders); one with files and none
-    # anywhere is the user's
-    if out.is_dir() and not any(out.rglob("identity.json")) and any(p.name != LOCK_NAME for p in out.iterdir()):
+    # kvjax's directories carry their own identity.json (a report's too: it claims its folder before its sections
+    # claim theirs); one with files and none of its own is the user's, whatever its subfolders hold (an old run's
+    # folder copied into the user's notes does not make the notes kvjax's)
+    if out.is_dir() and not (out / "identity.json").is_file() and any(p.name != LOCK_NAME for p in out.iterdir()):
         names = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
         raise InvalidInput(f"--out {out} holds files kvjax did not write ({', '.join(names[:4])}"
                            f"{', ...' if len(names) > 4 else ''}) and no identity.json: kvjax never writes into a "

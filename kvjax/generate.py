@@ -46,10 +46,21 @@ class Sampling:
             raise InvalidInput(f"top_p={self.top_p} must be in (0, 1]")
 
 
+def tempered(logits: Float[Array, "b V"], temperature: float) -> Float[Array, "b V"]:
+    """`logits / temperature` shifted by each row's maximum (which sampling ignores), so it never overflows: every
+    entry is in [-inf, 0] and the maximum is 0, for any finite temperature > 0. `logits / 1e-38` is inf in float32
+    (and `inf - inf` NaN), where the limit is greedy: a tiny temperature here leaves the row's maximum at 0 and the
+    rest at -inf (or hugely negative), so sampling is the argmax, ties shared."""
+    x = logits.astype(jnp.float32)
+    gap = x - jnp.max(x, axis=-1, keepdims=True)  # <= 0, exactly 0 at the maximum
+    # a temperature flushed to 0 in float32 would make 0 / 0 at the maximum: its scaled gap is 0 whatever T is
+    return jnp.where(gap == 0, 0.0, gap / jnp.float32(temperature))
+
+
 def sample(logits: Float[Array, "b V"], key: PRNGKeyArray, sampling: Sampling) -> Int[Array, "b"]:
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
+    logits = tempered(logits, sampling.temperature)
     if sampling.top_p < 1:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)

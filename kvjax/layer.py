@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -171,6 +172,7 @@ def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v
 def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats):
     """Each head group of `plan` builds its cache from the attended prompt (`stats` hold at least what its rule
     asked for); rolling positions cache the keys unrotated."""
+    check_prompt_fits(plan, cache, k.shape[2])
     k_store = k if plan.position_mode == "rolling" else k_rot
     ctx = Context(pos, tokens)
     return regroup(cache, [
@@ -233,6 +235,44 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
     return o, kvzip.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale)
 
 
+# ---- a plan's sizes: a rule that keeps every token never evicts one ------------------------------------
+
+
+def check_prompt_fits(plan: LayerPlan, cache: AnyLayerCache, length: int) -> None:
+    """Refuses, at trace time (shapes are static), a prompt of `length` tokens (padding included) longer than the
+    cache of a rule that keeps every token (FullCache): it would keep only the prompt's last slots, a window."""
+    for _, rule, c in rule_groups(plan, cache):
+        if rule.keeps_every_token and length > c.capacity:
+            raise InvalidInput(f"layer {plan.layer}: {rule.describe()} keeps every token, and its cache was sized for "
+                               f"{c.capacity}; a prompt of {length} tokens does not fit: size the plan for the whole "
+                               f"sequence (plan.sized(max_len >= {length} + the tokens to decode, prompt_len))")
+
+
+def past_the_plan(plan: LayerPlan, cache: AnyLayerCache, newest: Int[Array, "b"]):
+    """Rows whose token at position `newest` falls past the cache of a rule that keeps every token (which would
+    overwrite its oldest slots): a `[b]` bool array, or None when no rule of the plan keeps every token. With
+    concrete positions (a step called eagerly) such a step is refused here; under `jit` the positions are
+    traced, and the callers return NaN for those rows (a compiled step cannot raise), never another window's
+    attention."""
+    caps = [c.capacity for _, rule, c in rule_groups(plan, cache) if rule.keeps_every_token]
+    if not caps:
+        return None
+    if not isinstance(newest, jax.core.Tracer):
+        last = int(np.max(np.asarray(newest)))
+        if last >= min(caps):
+            raise InvalidInput(f"layer {plan.layer}: {plan.rule.describe()} keeps every token, and its cache was "
+                               f"sized for {min(caps)}; a token at position {last} is past it: size the plan for the "
+                               f"whole sequence (plan.sized(max_len >= {last + 1}, prompt_len))")
+    return newest >= min(caps)
+
+
+def _poisoned(o, past):
+    """`o` `[b, h, ...]` with NaN in the rows `past` says overran the plan (`past_the_plan`)."""
+    if past is None:
+        return o
+    return jnp.where(past.reshape(-1, *([1] * (o.ndim - 1))), jnp.nan, o).astype(o.dtype)
+
+
 # ---- one chunk of a prompt, one token ------------------------------------------------------------------
 
 
@@ -261,8 +301,10 @@ def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
 def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens):
     """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
     rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
-    return _per_group(geom, plan, cache, q, k, v, pos,
-                      lambda q, k, v, rule, c, mask: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, mask))
+    past = past_the_plan(plan, cache, jnp.max(pos, axis=1))
+    o, cache = _per_group(geom, plan, cache, q, k, v, pos,
+                          lambda q, k, v, rule, c, mask: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, mask))
+    return _poisoned(o, past), cache
 
 
 def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, mask: Mask):
@@ -295,13 +337,17 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, 
 def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None):
     """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
-    observes what it asked for: `(output [b, h, d], cache)`."""
+    observes what it asked for: `(output [b, h, d], cache)`. A token past the cache of a rule that keeps every
+    token is refused (`past_the_plan`)."""
+    past = past_the_plan(plan, cache, pos)
     if isinstance(cache, QuantizedLayerCache) and _reads_codes(geom, plan):
-        return _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)
-    if isinstance(cache, PooledLayerCache):
-        return _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens)
-    return _per_group(geom, plan, cache, q, k, v, pos,
-                      lambda q, k, v, rule, c, mask: _decode_heads(geom, q, k, v, pos, rule, c, mask, tokens))
+        o, cache = _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)
+    elif isinstance(cache, PooledLayerCache):
+        o, cache = _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens)
+    else:
+        o, cache = _per_group(geom, plan, cache, q, k, v, pos,
+                              lambda q, k, v, rule, c, mask: _decode_heads(geom, q, k, v, pos, rule, c, mask, tokens))
+    return _poisoned(o, past), cache
 
 
 def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCache, mask: Mask, tokens=None):

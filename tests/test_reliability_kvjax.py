@@ -207,3 +207,61 @@ def test_reliability_layer_api_refuses_to_overrun_a_full_cache():
     o, _ = layer.prefill(geom, window, layer.init_layer_cache(window, 1, kvh, d, jnp.float32), q, k, v,
                          jnp.arange(40)[None])
     assert np.isfinite(np.asarray(o)).all()
+
+
+# ---- item 7: sampling is right at every finite temperature > 0 ---------------------------------------------
+
+
+def test_nonfinite_sampling_at_any_temperature_is_never_overflowed():
+    """`--temperature 1e-38` gave garbage: `logits / T` overflowed to inf and `categorical` took the first inf.
+    At temperatures that overflow float32 (1e-38, 1e-45, 5e-324: the last flushes to 0) sampling is the limit,
+    greedy: the argmax of every row, with or without top-p; at ordinary temperatures it draws exactly what
+    `jax.random.categorical(key, logits / T)` draws (the shift by the maximum changes no draw); at a huge one,
+    finite tokens spread over the vocabulary."""
+    from kvjax.generate import Sampling, sample
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 50)) * 5, jnp.float32)
+    logits = logits.at[1, 7].set(3e38)  # a row whose maximum is near float32's largest
+    greedy = np.asarray(jnp.argmax(logits, axis=-1))
+    for t in (1e-38, 1e-45, 5e-324, 1e-30):
+        for top_p in (1.0, 0.9):
+            for seed in range(5):
+                got = sample(logits, jax.random.key(seed), Sampling(temperature=t, top_p=top_p))
+                np.testing.assert_array_equal(np.asarray(got), greedy, err_msg=f"T={t}, top_p={top_p}")
+    ordinary = logits.at[1, 7].set(0.0)
+    for t in (1.0, 0.7, 2.5):
+        for seed in range(5):
+            want = jax.random.categorical(jax.random.key(seed), ordinary / t, axis=-1)
+            np.testing.assert_array_equal(np.asarray(sample(ordinary, jax.random.key(seed), Sampling(temperature=t))),
+                                          np.asarray(want))
+    spread = {int(sample(ordinary, jax.random.key(s), Sampling(temperature=1e30))[0]) for s in range(200)}
+    assert len(spread) > 30 and all(0 <= x < 50 for x in spread)
+
+
+# ---- item 9: only a folder's own record makes it kvjax's ---------------------------------------------------
+
+
+def test_lock_a_folder_is_kvjax_only_by_its_own_record(tiny_dir, tmp_path):
+    """A folder of the user's files holding an old run's folder (with its identity.json) counted as kvjax's, and
+    its results.md was overwritten. Only OUT/identity.json makes OUT kvjax's: the folder is refused and left as
+    it was; a folder with its own record is still resumed."""
+    import json
+
+    from experiments.records import claim_results_dir
+    from models import load
+
+    lm = load(tiny_dir)
+    mine = tmp_path / "notes"
+    (mine / "old_run").mkdir(parents=True)
+    (mine / "results.md").write_text("my notes\n")
+    (mine / "old_run" / "identity.json").write_text(json.dumps({"kvjax": "0"}))
+    before = {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()}
+    with pytest.raises(InvalidInput, match=re.escape(f"--out {mine} holds files kvjax did not write (old_run, "
+                                                     "results.md) and no identity.json")):
+        claim_results_dir(mine, lm, {})
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before
+    ours = tmp_path / "ours"
+    claim_results_dir(ours, lm, {"--seed": 0})
+    (ours / "runs.jsonl").write_text("{}\n")
+    assert claim_results_dir(ours, lm, {"--seed": 0})["--seed"] == 0

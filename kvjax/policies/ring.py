@@ -131,6 +131,8 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule):
 class FullCache(RingPolicy):
     """Keeps every token: capacity = the longest sequence, slot = position."""
 
+    keeps_every_token = True  # a class attribute, not a field
+
     def _layout(self, max_len):
         return 0, max_len
 
