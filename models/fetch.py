@@ -203,11 +203,14 @@ def pip_failure(output: str, log: str) -> str:
     "Could not fetch URL ...: connection error", so an unreachable index is told apart and named."""
     import re
 
-    unreachable = re.search(r"Could not fetch URL (\S+?): connection error: (.*)", log)
+    unreachable = re.search(r"Could not fetch URL (\S+?): (?:connection error|There was a problem confirming the "
+                            r"ssl certificate): (.*)", log)
     if unreachable:
         url, cause = unreachable.groups()
-        errno = re.search(r"\[Errno -?\d+\] [^'\")]+|NameResolutionError|timed out|SSLError|ProxyError", cause)
-        why = errno.group(0).strip() if errno else cause.split("(Caused by")[0].strip()[:120]
+        # the most telling words first: the OS's own ("[Errno 111] Connection refused"), then urllib3's class
+        found = [m for pat in (r"\[Errno -?\d+\] [^'\")]+", r"\[SSL: [^]]+\][^'\")]*", r"timed out",
+                               r"\w+Error(?=\()") if (m := re.search(pat, cause))]
+        why = found[0].group(0).strip() if found else cause.split("(Caused by")[0].strip()[:120]
         return f"the network or package index is unreachable: {url} ({why})"
     last = [line.strip() for line in output.strip().splitlines() if line.strip()][-1:] or ["printed nothing"]
     return "pip: " + last[0].removeprefix("ERROR: ")

