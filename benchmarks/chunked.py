@@ -200,4 +200,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
+
+    raise SystemExit(cli.run(main))

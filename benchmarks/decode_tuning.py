@@ -132,4 +132,6 @@ def write(out: Path, info: dict, rows: list, platform: str | None = None) -> str
 
 
 if __name__ == "__main__":
-    main()
+    from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
+
+    raise SystemExit(cli.run(main))

@@ -235,4 +235,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
+
+    raise SystemExit(cli.run(main))

@@ -265,3 +265,43 @@ def test_lock_a_folder_is_kvjax_only_by_its_own_record(tiny_dir, tmp_path):
     claim_results_dir(ours, lm, {"--seed": 0})
     (ours / "runs.jsonl").write_text("{}\n")
     assert claim_results_dir(ours, lm, {"--seed": 0})["--seed"] == 0
+
+
+# ---- item 10: every benchmark's entry point goes through the one handler ----------------------------------
+
+
+def _main_block_calls(path) -> set[str]:
+    """The dotted names of the calls in a script's `if __name__ == "__main__":` block."""
+    import ast
+
+    calls = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            calls |= {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+    return calls
+
+
+def test_cli_error_every_benchmark_ends_through_the_cli_handler(tmp_path):
+    """`benchmarks.e2e --model smollm2` before a fetch was a traceback: no benchmark went through `kvjax.cli.run`.
+    Every benchmarks/*.py and experiments suite with a `__main__` block ends through it, and a user error is one
+    line on stderr with exit status 2 (the model not fetched; a missing model directory)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    scripts = [p for d in ("benchmarks", "experiments") for p in sorted((repo / d).rglob("*.py"))
+               if '__name__ == "__main__"' in p.read_text()]
+    assert len([p for p in scripts if p.parent.name == "benchmarks"]) >= 10
+    missing = [str(p.relative_to(repo)) for p in scripts if "cli.run" not in _main_block_calls(p)]
+    assert missing == [], missing
+    env = dict(os.environ, KVJAX_HOME=str(tmp_path / "home"), JAX_PLATFORMS="cpu")
+    for argv, line in ((["benchmarks.e2e", "--model", "smollm2", "--no-torch", "--out", str(tmp_path / "e2e")],
+                        "error: model 'smollm2' is not fetched yet ("),
+                       (["benchmarks.kvzip", "--model", str(tmp_path / "nowhere")],
+                        f"error: model directory '{tmp_path / 'nowhere'}' does not exist")):
+        res = subprocess.run([sys.executable, "-m", *argv], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert one_error_line(res.stderr).startswith(line), res.stderr
