@@ -305,3 +305,43 @@ def test_cli_error_every_benchmark_ends_through_the_cli_handler(tmp_path):
                              timeout=120)
         assert res.returncode == 2, res.stderr
         assert one_error_line(res.stderr).startswith(line), res.stderr
+
+
+# ---- item 13: --duo-pattern files are read or refused in one line ------------------------------------------
+
+
+def test_cli_error_duo_pattern_faults_end_in_one_line(tiny_dir, tmp_path, capsys):
+    """--duo-pattern with bad JSON, a ragged score table, or a pattern folder whose config.json has no sink_size or
+    a non-number was a traceback (JSONDecodeError, ValueError, KeyError); `int(1.5)` silently made 1 sink. Each is
+    one line naming the file (and key), exit 2; a good pattern still runs."""
+    import json
+
+    from experiments import cli
+    from experiments import generate as gen_cli
+
+    def folder(name, config, tsv="1\t0\n0\t1\n"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "full_attention_heads.tsv").write_text(tsv)
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    bad_json, ragged = tmp_path / "bad.json", tmp_path / "ragged.json"
+    bad_json.write_text('{"duo_scores": [[0.1, 0.2], [')
+    ragged.write_text(json.dumps({"duo_scores": [[0.1, 0.2], [0.3]]}))
+    cases = [(bad_json, f"{bad_json} is not a JSON file (Expecting value: line 1 column 30 (char 29))"),
+             (ragged, f"{ragged}: duo_scores is not a [layers, kv_heads] table of numbers"),
+             (folder("nosink", {"recent_size": 8}), "config.json has no 'sink_size' (a whole number of tokens)"),
+             (folder("text", {"sink_size": "many", "recent_size": 8}), "sink_size='many' must be a whole number"),
+             (folder("half", {"sink_size": 1.5, "recent_size": 8}), "sink_size=1.5 must be a whole number"),
+             (folder("tsv", {"sink_size": 4, "recent_size": 8}, tsv="1\t0\n0\n"), "unreadable DuoAttention head table")]
+    for pattern, message in cases:
+        code = cli.run(gen_cli.main, ["--model", str(tiny_dir), "--policy", "duo", "--duo-pattern", str(pattern),
+                                      "--max-new-tokens", "1", "hi"])
+        err = capsys.readouterr().err
+        assert code == 2 and one_error_line(err).startswith("error: --policy duo: "), err
+        assert message in err, err
+    good = folder("good", {"sink_size": 4, "recent_size": 8})
+    assert cli.run(gen_cli.main, ["--model", str(tiny_dir), "--policy", "duo", "--duo-pattern", str(good),
+                                  "--max-new-tokens", "1", "hi"]) == 0
+    assert "DuoAttention" in capsys.readouterr().out

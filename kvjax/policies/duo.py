@@ -98,14 +98,16 @@ def streaming_heads(scores, head_compression: float) -> tuple[tuple[bool, ...], 
 
 def load_pattern(path) -> tuple[np.ndarray, int, int]:
     """(head scores `[layers, kv_heads]` clipped to [0, 1], sink size, recent size) from a DuoAttention pattern
-    directory (`full_attention_heads.tsv`, `config.json`), or a kvjax heads file with `duo_scores`."""
+    directory (`full_attention_heads.tsv`, `config.json`), or a kvjax heads file with `duo_scores`. A file that is
+    not what it should be (not JSON, a ragged table, a size missing or not a whole number) is one error naming it."""
     path = Path(path)
     if path.is_file():
-        data = json.loads(path.read_text())
+        data = _json_object(path)
         if "duo_scores" not in data:
             raise InvalidInput(f"{path} has no 'duo_scores' table (write one with python -m experiments.find_heads "
                                "--duo)")
-        return np.asarray(data["duo_scores"], np.float64), int(data.get("sink_size", 128)), int(data.get("recent_size", 256))
+        return (_score_table(data["duo_scores"], f"{path}: duo_scores"), _size(data, "sink_size", path, 128),
+                _size(data, "recent_size", path, 256))
     tsv, cfg = path / "full_attention_heads.tsv", path / "config.json"
     for f in (tsv, cfg):
         if not f.is_file():
@@ -113,10 +115,43 @@ def load_pattern(path) -> tuple[np.ndarray, int, int]:
                               "config.json (the attn_patterns folders of mit-han-lab/duo-attention)")
     try:
         scores = np.loadtxt(tsv, dtype=float, delimiter="\t", ndmin=2)
-        meta = json.loads(cfg.read_text())
-    except ValueError as err:
-        raise InvalidInput(f"{path}: unreadable DuoAttention pattern ({err})") from None
-    return np.clip(scores, 0, 1), int(meta["sink_size"]), int(meta["recent_size"])
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidInput(f"{tsv}: unreadable DuoAttention head table ({err})") from None
+    meta = _json_object(cfg)
+    return np.clip(scores, 0, 1), _size(meta, "sink_size", cfg), _size(meta, "recent_size", cfg)
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in `path`, or `InvalidInput` naming the file (not UTF-8, not JSON, not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise InvalidInput(f"{path} is not a JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _score_table(values, where: str) -> np.ndarray:
+    """A `[layers, kv_heads]` table of numbers, or `InvalidInput` naming `where` (ragged rows, text)."""
+    try:
+        return np.asarray(values, np.float64)
+    except (ValueError, TypeError):
+        raise InvalidInput(f"{where} is not a [layers, kv_heads] table of numbers (rows of different lengths, or "
+                           "values that are not numbers)") from None
+
+
+def _size(meta: dict, key: str, path: Path, default: int | None = None) -> int:
+    """`meta[key]`, a whole number of tokens (>= 0), or its `default`; else `InvalidInput` naming the file and key
+    (`int()` would turn 1.5 into 1 and refuse "128" with a traceback)."""
+    if key not in meta:
+        if default is None:
+            raise InvalidInput(f"{path} has no {key!r} (a whole number of tokens)")
+        return default
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 0:
+        raise InvalidInput(f"{path}: {key}={value!r} must be a whole number of tokens >= 0")
+    return int(value)
 
 
 def duo_from_pattern(path, head_compression: float = 0.5, *, sinks: int | None = None, recent: int | None = None,
