@@ -1,5 +1,6 @@
 """kvjax: KV-cache compression for JAX/Flax language models."""
 
+from kvjax import backends  # noqa: F401  (first: before any jax backend starts; see kvjax/backends.py)
 from kvjax.cache import Cache, LayerCache, kept_positions
 from kvjax.generate import Generation, Sampling, generate, generate_many
 from kvjax.policies import FullCache, LocalWindow, Policy, StreamingLLM, make_policy

@@ -51,7 +51,7 @@ def _no_softcap_kernel(mask: Mask, impl):
 
 
 def _backend() -> str:
-    return jax.default_backend()
+    return kernels.platform()
 
 
 def prefill_route(
@@ -128,7 +128,7 @@ def prefill_attention(
                                            self_attention=self_attention)
     variant, interpret = kernels.platform_variant()
     kw = dict(scale=scale, variant=variant, interpret=interpret, mask=mask)
-    out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, **kw)
+    out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, with_lse=stats.colsum, **kw)
     out = out.astype(q.dtype)
     colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if stats.colsum else None
     first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
@@ -162,18 +162,18 @@ def prefix_attention(
 
 def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, "b"], current, *, scale: float,
                                probs: bool = False, first_logit: bool = False, impl: str = "xla"):
-    """`kvjax.quant.attend` (a decode step over a quantized cache's codes), run by `impl`: under "pallas" on a GPU
-    (interpreted on a CPU) the kernel `kvjax.pallas.quant_decode` where its tiles fit (`quant_decode.supported`),
-    else the jnp reference, said once where the kernel was asked for."""
+    """`kvjax.quant.attend` (a decode step over a quantized cache's codes), run by `impl`: under "pallas" the
+    kernel `kvjax.pallas.quant_decode` (the platform's variant; interpreted on a CPU) where its tiles fit
+    (`quant_decode.supported`), else the jnp reference, said once where the kernel was asked for."""
     check_impl(impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        if variant == "gpu" and quant_decode.supported(qc, q.shape[-1], interpret):
+        if quant_decode.supported(qc, q.shape[-1], interpret, variant):
             return quant_decode.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit,
-                                       interpret=interpret)
+                                       variant=variant, interpret=interpret)
         warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size {q.shape[-1]}) on "
-                   f"{variant} decodes through the jnp reference (kvjax.quant.attend): the kernel reading codes is "
-                   "GPU-only and needs power-of-two tiles >= 16")
+                   f"{variant} decodes through the jnp reference (kvjax.quant.attend): its tiles do not fit the "
+                   "kernel reading codes (kvjax.pallas.quant_decode.supported)")
     return quant.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit)
 
 
@@ -182,15 +182,15 @@ def pooled_decode_attention(q: Float[Array, "b h d"], cache, pos: Int[Array, "b"
     """One query per row over a pool shared by the layer's KV heads (`kvjax.cache.PooledLayerCache`, the query's
     token already placed), each KV head's queries seeing its own slots. "xla": the reference `decode_attention`
     over the pool broadcast to every head, the other heads' slots masked (work: the pool's times the heads);
-    "pallas" on a GPU (interpreted on a CPU): `kvjax.pallas.pool_decode`, which reads only each head's runs of
-    slots; with ALiBi, a window or a soft-cap (`mask`), or on a TPU, the reference, said once."""
+    "pallas": `kvjax.pallas.pool_decode` (the platform's variant; interpreted on a CPU), which reads only each
+    head's runs of slots; with ALiBi, a window or a soft-cap (`mask`), the reference, said once."""
     check_impl(impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        if variant == "gpu" and mask.plain:
-            return pool_decode.attend(q, cache, scale=scale, interpret=interpret)
-        warn_once(f"attention_impl='pallas': a pooled per-head cache (AdaKV) on {variant} decodes in XLA: the pool "
-                  "kernel is GPU-only and takes no ALiBi, window or soft-cap")
+        if mask.plain:
+            return pool_decode.attend(q, cache, scale=scale, variant=variant, interpret=interpret)
+        warn_once("attention_impl='pallas': a pooled per-head cache (AdaKV) with ALiBi, a window or a soft-cap "
+                  "decodes in XLA: the pool kernel takes none of them")
     b, kvh = pos.shape[0], cache.num_kv_heads
     owned = cache.head[:, None, :] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None]
     slot_pos = jnp.where(owned, cache.pos[:, None, :], -1)  # [b, kvh, P]

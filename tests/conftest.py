@@ -14,6 +14,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+import kvjax.backends  # noqa: E402, F401  (the CPU only on a machine without accelerator: libtpu is installed)
 import pytest
 from hypothesis import Phase, settings
 

@@ -42,6 +42,19 @@ def test_kernel_equals_the_masked_reference(g, splits):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("g", [1, 4])
+def test_tpu_variant_equals_the_masked_reference(g):
+    """The TPU variant (aligned 128-slot tiles listed per head, interpreted by the TPU interpreter) on runs that
+    start and end inside tiles, share a tile with another head's run, and a head with no prompt slot."""
+    b, kvh, t, d = 2, 3, 300, 16
+    cache = _pool(b, kvh, t, d, room=150, steps=4, seed=g)
+    q = jnp.asarray(np.random.default_rng(20 + g).normal(size=(b, kvh * g, d)), jnp.float32)
+    pos = jnp.full((b,), t + 3, jnp.int32)
+    want = attention.pooled_decode_attention(q, cache, pos, scale=d ** -0.5)
+    got = pool_decode.attend(q, cache, scale=d ** -0.5, variant="tpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_runs_are_each_heads_slots():
     """`PooledLayerCache.runs` covers exactly the slots each head owns (prompt run) and its decode region."""
     cache = _pool(2, 3, 60, 8, room=5, steps=2, seed=4)

@@ -51,6 +51,20 @@ def test_kernel_equals_the_blockwise_reference(spec, g):
     assert none_p is None and none_f is None
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe().replace(" ", ""))
+def test_tpu_variant_equals_the_blockwise_reference(spec):
+    """The TPU variant (tiles of lcm(128, G) slots, key scales laid out tile by tile, interpreted by the TPU
+    interpreter) against `quant.attend`, on a slot count that leaves a partial last tile."""
+    b, kvh, c, d, g = 2, 2, 300, 16, 3
+    qc, newest, current = _cache(spec, b, kvh, c, d, seed=4)
+    q = jnp.asarray(np.random.default_rng(8).normal(size=(b, kvh * g, d)), jnp.float32)
+    want = quant.attend(q, qc, newest, current, scale=d ** -0.5, probs=True, first_logit=True)
+    got = quant_decode.attend(q, qc, newest, current, scale=d ** -0.5, probs=True, first_logit=True, variant="tpu",
+                              interpret=True)
+    for name, a, w in zip(("output", "probs", "first_logit"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def test_supported_tiles():
     """Triton's tiles are powers of two >= 16: int8 at head size 64, KIVI 2-bit at 64 (16-column planes) with
     G = 32 qualify; 2-bit at head size 32 (8-column planes) or G = 24 do not; a value group that is not whole

@@ -15,9 +15,10 @@ Layout: the `g` query heads of a KV head are stacked along the query axis,
   Mosaic GPU because Triton lowers the dynamic trip count and scalar table reads this
   needs on A100 and H100 alike (Mosaic GPU targets Hopper+ warpgroup code).
 * TPU (`variant="tpu"`, Mosaic): grid `(b, kvh, g * nq, nk)`, the key axis sequential
-  with VMEM scratch accumulators; the tables are scalar-prefetched into SMEM and the
-  K/V index maps read them, so dead blocks are neither copied nor computed (the block
-  index repeats, so the pipeline skips the DMA).
+  with VMEM scratch accumulators; each query block's span of live key blocks (`tiles.block_range`:
+  the first, and how many to the last) is scalar-prefetched into SMEM and the K/V index maps
+  read it, so blocks outside the span are neither copied nor computed (the block index
+  repeats, so the pipeline skips the DMA).
 
 Also `colsum`: every key's probability summed over the queries at or after `q_start`
 (H2O's accumulated attention), a second pass that reuses the forward's log-sum-exp.
@@ -40,7 +41,7 @@ from kvjax.pallas import tiles
 from kvjax.pallas.blocks import PREFILL, check_shapes, resolve
 
 
-def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, lse_ref, *,
+def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, *lse_ref,
                 nq, bk, scale, window, anchors, gated, alibi):
     b, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i = r % nq
@@ -57,18 +58,20 @@ def _gpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref
     carry = jax.lax.fori_loop(0, cnt_ref[b, kh, i], body, tiles.online_init(*q.shape))
     o, lse = tiles.online_finish(*carry)
     o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    if lse_ref:
+        lse_ref[0][...] = lse
 
 
-def _tpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, lse_ref,
-                m_scr, l_scr, acc_scr, *, nq, nk, scale, window, anchors, gated, alibi):
+def _tpu_kernel(first_ref, span_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, gate_ref, o_ref, *rest,
+                nq, nk, scale, window, anchors, gated, alibi):
+    *lse_ref, m_scr, l_scr, acc_scr = rest
     b, kh, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _():
         m_scr[...], l_scr[...], acc_scr[...] = tiles.online_init(*acc_scr.shape)
 
-    @pl.when(j < cnt_ref[b, kh, r % nq])
+    @pl.when(j < span_ref[b, kh, r % nq])
     def _():
         slope = slope_ref[kh, r // nq] if alibi else None
         s = tiles.tile_logits(q_ref[...], k_ref[...], tiles.load_query_meta(qm_ref, anchors=anchors),
@@ -80,7 +83,8 @@ def _tpu_kernel(cnt_ref, idx_ref, slope_ref, q_ref, k_ref, v_ref, qm_ref, km_ref
     def _():
         o, lse = tiles.online_finish(m_scr[...], l_scr[...], acc_scr[...])
         o_ref[...] = o.astype(o_ref.dtype)
-        lse_ref[...] = lse
+        if lse_ref:
+            lse_ref[0][...] = lse
 
 
 def _inputs(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, bq, bk, variant):
@@ -107,23 +111,26 @@ def _inputs(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, bq, bk, variant):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "alibi_on", "window", "variant", "interpret", "block_q",
-                                             "block_k"))
+                                             "block_k", "with_lse"))
 def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on, window, variant, interpret,
-             block_q, block_k):
+             block_q, block_k, with_lse):
     bq, bk = block_q, block_k
     qg, kp, vp, qm, km, gate, slopes, dims = _inputs(q, k, v, q_pos, k_pos, alibi if alibi_on else None, anchors,
                                                      key_keep, bq, bk, variant)
     b, h, t, d, dp, kvh, s, g, tp, sp = dims
     nq, nk = tp // bq, sp // bk
-    cnt, idx = tiles.block_table(qm, km, None if key_keep is None else gate, kvh, bq, bk, window=window,
-                                 anchors=anchors is not None)
+    table = tiles.block_table if variant == "gpu" else tiles.block_range
+    cnt, idx = table(qm, km, None if key_keep is None else gate, kvh, bq, bk, window=window,
+                     anchors=anchors is not None)
     flags = dict(scale=scale, window=window, anchors=anchors is not None, gated=key_keep is not None,
                  alibi=alibi_on)
-    out_shape = (jax.ShapeDtypeStruct((b, kvh, g * tp, dp), q.dtype), jax.ShapeDtypeStruct((b, kvh, g * tp, 1),
-                                                                                          jnp.float32))
+    # The log-sum-exps only where asked for (H2O's colsum pass): a `[.., T, 1]` f32 array is laid out 128 lanes
+    # wide in a TPU's HBM, 512 MiB for a 32K prompt of 32 heads.
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, g * tp, dp), q.dtype)] + [
+        jax.ShapeDtypeStruct((b, kvh, g * tp, 1), jnp.float32)] * with_lse
     if variant == "gpu":
         full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-        o, lse = pl.pallas_call(
+        o, *lse = pl.pallas_call(
             functools.partial(_gpu_kernel, nq=nq, bk=bk, **flags),
             grid=(b, kvh, g * nq),
             in_specs=[
@@ -135,19 +142,19 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
                 pl.BlockSpec((None, tiles.KM, sp), lambda b, kh, r: (b, 0, 0)),
                 pl.BlockSpec((None, None, 1, sp), lambda b, kh, r: (b, kh, 0, 0)),
             ],
-            out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r: (b, kh, r, 0)),
-                       pl.BlockSpec((None, None, bq, 1), lambda b, kh, r: (b, kh, r, 0))],
+            out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r: (b, kh, r, 0))]
+                      + [pl.BlockSpec((None, None, bq, 1), lambda b, kh, r: (b, kh, r, 0))] * with_lse,
             out_shape=out_shape,
             compiler_params=tiles.compiler_params(variant, 3, 0),
             interpret=tiles.interpret_mode(variant, interpret),
             name="kvjax_prefill_gpu",
         )(cnt, idx, slopes, qg, kp, vp, qm, km, gate)
     else:
-        def kv_block(b, kh, r, j, cnt, idx, slopes):
-            # Past the live count, repeat the last live block: same block index, no new copy.
-            return idx[b, kh, r % nq, jnp.minimum(j, jnp.maximum(cnt[b, kh, r % nq] - 1, 0))]
+        def kv_block(b, kh, r, j, first, span, slopes):
+            # Past the live span, repeat its last block: same block index, no new copy.
+            return first[b, kh, r % nq] + jnp.minimum(j, jnp.maximum(span[b, kh, r % nq] - 1, 0))
 
-        o, lse = pl.pallas_call(
+        o, *lse = pl.pallas_call(
             functools.partial(_tpu_kernel, nq=nq, nk=nk, **flags),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3,
@@ -160,8 +167,8 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
                     pl.BlockSpec((None, tiles.KM, bk), lambda b, kh, r, j, *t: (b, 0, kv_block(b, kh, r, j, *t))),
                     pl.BlockSpec((None, None, 1, bk), lambda b, kh, r, j, *t: (b, kh, 0, kv_block(b, kh, r, j, *t))),
                 ],
-                out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r, j, *_: (b, kh, r, 0)),
-                           pl.BlockSpec((None, None, bq, 1), lambda b, kh, r, j, *_: (b, kh, r, 0))],
+                out_specs=[pl.BlockSpec((None, None, bq, dp), lambda b, kh, r, j, *_: (b, kh, r, 0))]
+                          + [pl.BlockSpec((None, None, bq, 1), lambda b, kh, r, j, *_: (b, kh, r, 0))] * with_lse,
                 scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                                 pltpu.VMEM((bq, dp), jnp.float32)],
             ),
@@ -171,7 +178,7 @@ def _forward(q, k, v, q_pos, k_pos, alibi, anchors, key_keep, *, scale, alibi_on
             name="kvjax_prefill_tpu",
         )(cnt, idx, slopes, qg, kp, vp, qm, km, gate)
     o = o.reshape(b, kvh, g, tp, dp)[:, :, :, :t, :d].reshape(b, h, t, d)
-    return o, lse.reshape(b, kvh, g, tp)[:, :, :, :t].reshape(b, h, t)
+    return o, (lse[0].reshape(b, kvh, g, tp)[:, :, :, :t].reshape(b, h, t) if with_lse else None)
 
 
 def prefill_attention(
@@ -187,15 +194,16 @@ def prefill_attention(
     interpret: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> tuple[Float[Array, "b h t d"], Float[Array, "b h t"]]:
-    """Attention output and each query's log-sum-exp (MASKED for padding queries), under `mask`'s window, ALiBi,
-    eq. 4 anchors and bool gate flags (no soft-cap: refused by name)."""
+    with_lse: bool = True,
+) -> tuple[Float[Array, "b h t d"], Float[Array, "b h t"] | None]:
+    """Attention output and each query's log-sum-exp (MASKED for padding queries; None unless `with_lse`), under
+    `mask`'s window, ALiBi, eq. 4 anchors and bool gate flags (no soft-cap: refused by name)."""
     blocks = resolve(PREFILL, variant, interpret, block_q, block_k)
     mask.only(("window", "alibi", "anchors", "key_keep"), "pallas prefill_attention")
     _check(q, k, v, q_pos, k_pos, mask.key_keep, name="pallas prefill_attention")
     return _forward(q, k, v, q_pos, k_pos, None if mask.alibi is None else jnp.asarray(mask.alibi), mask.anchors,
                     mask.key_keep, scale=scale, alibi_on=mask.alibi is not None, window=mask.window, variant=variant,
-                    interpret=interpret, block_q=blocks.block_q, block_k=blocks.block_k)
+                    interpret=interpret, block_q=blocks.block_q, block_k=blocks.block_k, with_lse=with_lse)
 
 
 def _check(q, k, v, q_pos, k_pos, key_keep, *, name, lse=None):

@@ -1,4 +1,4 @@
-"""Decode attention that reads a quantized cache's codes (`kvjax.quant`) in a Pallas kernel, GPU variant.
+"""Decode attention that reads a quantized cache's codes (`kvjax.quant`) in a Pallas kernel, GPU and TPU variants.
 
 Specification: `kvjax.quant.attend` (the jnp reference, 512 slots dequantized at a time), same arguments and
 outputs. The kernel streams the codes and their scales and dequantizes each tile in registers, so the bytes it
@@ -17,6 +17,13 @@ Grid `(b, kvh, splits)` as `kvjax.pallas.decode`. Triton needs power-of-two tile
 and (KIVI) `G` must be; `supported` says whether a cache qualifies, and callers fall back to the reference
 otherwise. Inference only. Validated in interpret mode on the CPU (tests/test_pallas_quant.py); its Triton
 compilation is exercised on a GPU by `bash benchmarks/gpu.sh`.
+
+TPU (Mosaic) variant: grid `(b, kvh, nk)`, one tile of `lcm(128, G)` slots a step (the lanes of `pos`), the
+softmax folded in VMEM scratch across steps. Codes are widened to int32 before their planes are shifted out; the
+key scales and zeros are laid out tile by tile outside the kernel (`[nk, tile groups x planes, d / per]`, a
+block equal to the array's last two dimensions, as Mosaic requires), and each key group's row is broadcast over
+its G slots inside. Any head size and group size whose codes divide into the tile compile (`supported_tpu`);
+compiled by libtpu for v5e and v6e (tests/test_tpu_aot.py), never run on a TPU.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import math
+
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from kvjax.pallas import tiles
@@ -39,15 +49,18 @@ def _pow2_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def supported(qc: QuantizedLayerCache, head_dim: int, interpret: bool = False) -> bool:
-    """Whether the kernel takes this cache: Triton's power-of-two tiles of at least 16 (channel planes of
-    `d / per` columns; KIVI's key groups of G slots). In interpret mode any size runs."""
+def supported(qc: QuantizedLayerCache, head_dim: int, interpret: bool = False, variant: str = "gpu") -> bool:
+    """Whether the kernel takes this cache. GPU: Triton's power-of-two tiles of at least 16 (channel planes of
+    `d / per` columns; KIVI's key groups of G slots); TPU: key groups of a multiple of 8 slots (whole sublane
+    tiles of the broadcast scales). In interpret mode any size runs."""
     s = qc.spec
     per = 8 // s.bits if s.kivi else 1
     if s.kivi and s.group % per:  # a value's channel group must be whole columns of every plane
         return False
     if interpret:
         return True
+    if variant == "tpu":
+        return not s.kivi or s.group % 8 == 0
     return _pow2_16(head_dim // per) and (not s.kivi or _pow2_16(s.group))
 
 
@@ -93,8 +106,7 @@ def _kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_r
         else:
             vsc, vzr = spread(vs_ref, sl), spread(vz_ref, sl)
             vs = [vzr + vsc * plane(vcodes, t) for t in range(per)]
-        acc = tuple(alpha * a + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=tiles.PRECISION,
-                                                     preferred_element_type=jnp.float32) for a, v in zip(acc, vs))
+        acc = tuple(alpha * a + tiles.matmul(p, v, (1, 0)) for a, v in zip(acc, vs))
         return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
 
     init = (jnp.full((gp, 1), tiles.MASKED, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
@@ -168,9 +180,127 @@ def _codes_partials(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, int
     return m_all[:, :, :g], l_all[:, :, :g], acc[:, :, :g], (s_out[0][:, :, :g, :c] if logits else None)
 
 
+def tpu_tile(qc: QuantizedLayerCache) -> int:
+    """Slots per TPU tile: a multiple of 128 (the lanes of `pos`) holding whole key groups (KIVI)."""
+    return math.lcm(128, qc.spec.group) if qc.spec.kivi else 512
+
+
+def _tpu_kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref, *rest,
+                bk, per, bits, group, vgroup_cols, v_groups, scale, nk):
+    *s_ref, m_scr, l_scr, acc_scr = rest
+    j = pl.program_id(2)
+    dp = q_ref.shape[2]
+    mask = (1 << bits) - 1
+
+    @pl.when(j == 0)
+    def _():
+        m_scr[...] = jnp.full(m_scr.shape, tiles.MASKED, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    codes = kc_ref[...].astype(jnp.int32)  # [bk, dp]
+    if per == 1:  # int8: one plane, a scale per slot
+        k = codes.astype(jnp.float32) * ks_ref[...].astype(jnp.float32)
+        s = tiles.qk(q_ref[0].astype(jnp.float32), k)
+    else:  # KIVI keys: each key group's scale and zero row (row g * per + t of the tile's table) over its G slots
+        s = 0.0
+        for t in range(per):
+            rows = lambda ref: jnp.concatenate(  # noqa: E731
+                [jnp.broadcast_to(ref[g * per + t: g * per + t + 1, :].astype(jnp.float32), (group, dp))
+                 for g in range(bk // group)], axis=0)
+            k = rows(kz_ref) + rows(ks_ref) * ((codes >> (t * bits)) & mask).astype(jnp.float32)
+            s = s + tiles.qk(q_ref[t].astype(jnp.float32), k)
+    s = jnp.where(pos_ref[...] >= 0, s * scale + lw_ref[...], tiles.MASKED)
+    if s_ref:
+        s_ref[0][...] = s
+    m = m_scr[...]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    alpha = jnp.exp(m - m_new)
+    vcodes = vc_ref[...].astype(jnp.int32)
+    if per == 1:
+        vs = [vcodes.astype(jnp.float32) * vs_ref[...].astype(jnp.float32)]
+    else:
+        col_group = jax.lax.broadcasted_iota(jnp.int32, (1, dp), 1) // vgroup_cols
+
+        def spread(ref):
+            out = jnp.zeros((bk, dp), jnp.float32)
+            for gamma in range(v_groups):
+                out = jnp.where(col_group == gamma, ref[:, gamma:gamma + 1].astype(jnp.float32), out)
+            return out
+
+        vsc, vzr = spread(vs_ref), spread(vz_ref)
+        vs = [vzr + vsc * ((vcodes >> (t * bits)) & mask).astype(jnp.float32) for t in range(per)]
+    for t in range(per):
+        acc_scr[t] = alpha * acc_scr[t] + tiles.matmul(p, vs[t], (1, 0))
+    m_scr[...], l_scr[...] = m_new, alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+
+    @pl.when(j == nk - 1)
+    def _():
+        o_ref[...], m_ref[...], l_ref[...] = acc_scr[...], m_scr[...], l_scr[...]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logits", "interpret"))
+def _codes_partials_tpu(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, interpret):
+    """`_codes_partials` by the TPU kernel: merged `(m, l [b, kvh, g, 1], acc [b, kvh, g, d])`, logits or None."""
+    s = qc.spec
+    b, h, d = q.shape
+    kvh, c = qc.pos.shape[1:]
+    g = h // kvh
+    per = 8 // s.bits if s.kivi else 1
+    dp = d // per
+    bk = tpu_tile(qc)
+    gp = tiles.round_up(g, 8)
+    cp = tiles.round_up(c, bk)
+    nk = cp // bk
+    qp = tiles.pad_axis(q.reshape(b, kvh, g, dp, per).transpose(0, 1, 4, 2, 3), 3, gp)  # [b, kvh, per, gp, dp]
+    pos = tiles.pad_axis(pos_codes, 2, cp, -1)[:, :, None]
+    lw = tiles.pad_axis(qc.log_w.astype(jnp.float32), 2, cp)[:, :, None]
+    kc, vc = tiles.pad_axis(qc.k_codes, 2, cp), tiles.pad_axis(qc.v_codes, 2, cp)
+    if s.kivi:
+        tg = bk // s.group  # key groups per tile
+        # [b, kvh, groups, d] -> per tile, row g * per + t: group g's scales of plane t's channels
+        table = lambda x: tiles.pad_axis(x, 2, nk * tg).reshape(b, kvh, nk, tg, dp, per).transpose(  # noqa: E731
+            0, 1, 2, 3, 5, 4).reshape(b, kvh, nk, tg * per, dp)
+        ks, kz = table(qc.k_scale), table(qc.k_zero)
+        vs, vz = tiles.pad_axis(qc.v_scale, 2, cp), tiles.pad_axis(qc.v_zero, 2, cp)  # [b, kvh, cp, d / G]
+        k_spec = pl.BlockSpec((None, None, None, tg * per, dp), lambda b, kh, j: (b, kh, j, 0, 0))
+        v_spec = pl.BlockSpec((None, None, bk, d // s.group), lambda b, kh, j: (b, kh, j, 0))
+    else:
+        ks = tiles.pad_axis(qc.k_scale, 2, cp)[..., None]  # [b, kvh, cp, 1]
+        vs = tiles.pad_axis(qc.v_scale, 2, cp)[..., None]
+        kz, vz = ks, vs  # unread: int8 has no zero point
+        k_spec = v_spec = pl.BlockSpec((None, None, bk, 1), lambda b, kh, j: (b, kh, j, 0))
+    code_spec = pl.BlockSpec((None, None, bk, dp), lambda b, kh, j: (b, kh, j, 0))
+    row_spec = pl.BlockSpec((None, None, 1, bk), lambda b, kh, j: (b, kh, 0, j))
+    o, m, l, *s_out = pl.pallas_call(
+        functools.partial(_tpu_kernel, bk=bk, per=per, bits=s.bits, group=s.group or 1,
+                          vgroup_cols=(s.group // per) if s.kivi else 1, v_groups=(d // s.group) if s.kivi else 0,
+                          scale=scale, nk=nk),
+        grid=(b, kvh, nk),
+        in_specs=[pl.BlockSpec((None, None, per, gp, dp), lambda b, kh, j: (b, kh, 0, 0, 0)), row_spec, row_spec,
+                  code_spec, k_spec, k_spec, code_spec, v_spec, v_spec],
+        out_specs=[pl.BlockSpec((None, None, per, gp, dp), lambda b, kh, j: (b, kh, 0, 0, 0)),
+                   pl.BlockSpec((None, None, gp, 1), lambda b, kh, j: (b, kh, 0, 0)),
+                   pl.BlockSpec((None, None, gp, 1), lambda b, kh, j: (b, kh, 0, 0))]
+                  + [pl.BlockSpec((None, None, gp, bk), lambda b, kh, j: (b, kh, 0, j))] * logits,
+        out_shape=[jax.ShapeDtypeStruct((b, kvh, per, gp, dp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kvh, gp, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kvh, gp, 1), jnp.float32)]
+                  + [jax.ShapeDtypeStruct((b, kvh, gp, cp), jnp.float32)] * logits,
+        scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
+                        pltpu.VMEM((per, gp, dp), jnp.float32)],
+        compiler_params=tiles.compiler_params("tpu", 2, 1),
+        interpret=tiles.interpret_mode("tpu", interpret),
+        name="kvjax_quant_decode_tpu",
+    )(qp, pos, lw, kc, ks, kz, vc, vs, vz)
+    acc = o.transpose(0, 1, 3, 4, 2).reshape(b, kvh, gp, d)  # column i of plane t -> channel per * i + t
+    return m[:, :, :g], l[:, :, :g], acc[:, :, :g], (s_out[0][:, :, :g, :c] if logits else None)
+
+
 def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array, "b"], current, *,
-           scale: float, probs: bool = False, first_logit: bool = False, interpret: bool = False,
-           splits: int | None = None):
+           scale: float, probs: bool = False, first_logit: bool = False, variant: str = "gpu",
+           interpret: bool = False, splits: int | None = None):
     """`kvjax.quant.attend` with the codes read by the kernel: `(output [b, h, d], probs [b, kvh, C] | None,
     first_logit [b, kvh, g] | None)`."""
     from kvjax.reference import _MASKED
@@ -179,9 +309,11 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
     b, h, d = q.shape
     kvh, c = qc.pos.shape[1:]
     g = h // kvh
-    if not supported(qc, d, interpret):
-        raise ValueError(f"pallas quantized decode: head size {d} with {spec.describe()} gives tiles Triton cannot "
-                         "take (powers of two >= 16 needed); use kvjax.quant.attend")
+    if variant == "tpu" and splits is not None:
+        raise ValueError(f"pallas quantized decode: splits={splits} is a GPU option; the TPU variant has none")
+    if not supported(qc, d, interpret, variant):
+        raise ValueError(f"pallas quantized decode: head size {d} with {spec.describe()} gives tiles the {variant} "
+                         "kernel cannot take; use kvjax.quant.attend")
     qg = q.reshape(b, kvh, g, d).astype(jnp.float32)
     dot = lambda x: jnp.einsum("bkgd,bk...d->bkg...", qg, x.astype(jnp.float32)) * scale  # noqa: E731
     valid = qc.pos >= 0
@@ -196,8 +328,13 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
         elsewhere_logit = jnp.where(hit[:, :, None], from_res, elsewhere_logit)
         elsewhere = now | hit
     e_s = jnp.where(elsewhere[:, :, None], elsewhere_logit + qc.log_w[:, :, None], _MASKED)
-    m_c, l_c, acc_c, s_codes = _codes_partials(q, qc, jnp.where(elsewhere, -1, qc.pos), scale=scale,
-                                               logits=probs or first_logit, interpret=interpret, splits=splits)
+    pos_codes = jnp.where(elsewhere, -1, qc.pos)
+    if variant == "tpu":
+        m_c, l_c, acc_c, s_codes = _codes_partials_tpu(q, qc, pos_codes, scale=scale, logits=probs or first_logit,
+                                                       interpret=interpret)
+    else:
+        m_c, l_c, acc_c, s_codes = _codes_partials(q, qc, pos_codes, scale=scale, logits=probs or first_logit,
+                                                   interpret=interpret, splits=splits)
     # the slots read elsewhere, as one more partial softmax
     m_e = jnp.max(e_s, axis=-1, keepdims=True)
     p_e = jnp.where(elsewhere[:, :, None], jnp.exp(e_s - m_e), 0.0)
@@ -227,4 +364,4 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
     return out, p_out, first
 
 
-__all__ = ["BLOCK_INT8", "attend", "supported"]
+__all__ = ["BLOCK_INT8", "attend", "supported", "tpu_tile"]

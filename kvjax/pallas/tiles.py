@@ -32,14 +32,22 @@ QM, KM = 4, 4  # metadata columns / rows
 POS, SEG, ANCHOR, KEEP = 0, 1, 2, 3
 
 
-# f32 operands multiply in full f32 (Triton would otherwise pick TF32, ~1e-3 off the
-# reference); bf16 operands are unaffected.
-PRECISION = jax.lax.Precision.HIGHEST
+def precision(a, b):
+    """The matmul precision for these operands: f32 operands multiply in full f32 (Triton would otherwise pick
+    TF32, ~1e-3 off the reference, and Mosaic a bf16 pass); half-precision operands take the default, the only
+    one Mosaic accepts for them (`contract_precision<fp32>` on bf16 operands fails libtpu's compile)."""
+    wide = jnp.dtype(a.dtype) == jnp.float32 and jnp.dtype(b.dtype) == jnp.float32
+    return jax.lax.Precision.HIGHEST if wide else None
+
+
+def matmul(a, b, contract: tuple[int, int]) -> Array:
+    """`a @ b` contracting axis `contract[0]` of `a` with `contract[1]` of `b`, accumulated in f32."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision(a, b),
+                               preferred_element_type=jnp.float32)
 
 
 def qk(q: Float[Array, "m d"], k: Float[Array, "n d"]) -> Float[Array, "m n"]:
-    return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=PRECISION,
-                               preferred_element_type=jnp.float32)
+    return matmul(q, k, (1, 1))
 
 
 class QueryMeta(NamedTuple):
@@ -104,8 +112,7 @@ def online_step(carry, s: Float[Array, "bq bk"], v: Float[Array, "bk d"]):
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - m_new)
     alpha = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=PRECISION,
-                             preferred_element_type=jnp.float32)
+    pv = matmul(p.astype(v.dtype), v, (1, 0))
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
 
@@ -159,7 +166,7 @@ def pad_axis(x, axis: int, to: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def block_table(
+def live_blocks(
     qm: Int[Array, "b t 4"],
     km: Int[Array, "b 4 s"],
     gate: Int[Array, "b kvh 1 s"] | None,
@@ -169,8 +176,8 @@ def block_table(
     *,
     window: int | None,
     anchors: bool,
-) -> tuple[Int[Array, "b kvh nq"], Int[Array, "b kvh nq nk"]]:
-    """Per query block, how many key blocks can hold a visible key and which (ascending, live first).
+) -> Bool[Array, "b kvh nq nk"]:
+    """Whether each (query block, key block) can hold a visible key.
 
     Decided from per-block summaries (position and segment ranges, any anchor / kept /
     gated key), so it is conservative: a live block may still be fully masked tile by
@@ -199,8 +206,29 @@ def block_table(
         kept = jnp.any(gate.reshape(b, kv_heads, nk, bk) > 0, -1)[:, :, None, :]  # [b, kvh, 1, nk]
         diagonal = ((kmin <= qmax) & (kmax >= qmin))[:, None]
         live &= kept | diagonal
+    return live
+
+
+def block_table(qm, km, gate, kv_heads: int, bq: int, bk: int, *, window: int | None,
+                anchors: bool) -> tuple[Int[Array, "b kvh nq"], Int[Array, "b kvh nq nk"]]:
+    """Per query block, how many key blocks can hold a visible key (`live_blocks`) and which (ascending, live
+    first): the GPU kernel's loop reads exactly these."""
+    live = live_blocks(qm, km, gate, kv_heads, bq, bk, window=window, anchors=anchors)
     order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
     return jnp.sum(live, -1).astype(jnp.int32), order
+
+
+def block_range(qm, km, gate, kv_heads: int, bq: int, bk: int, *, window: int | None,
+                anchors: bool) -> tuple[Int[Array, "b kvh nq"], Int[Array, "b kvh nq"]]:
+    """Per query block, the first live key block and the span to the last live one (0 when none): the TPU
+    kernel's table. Mosaic prefetches its tables into SMEM (1 MiB on v5e / v6e), where `block_table`'s
+    `[b, kvh, nq, nk]` does not fit past about 16K tokens; the span is exact for causal and window masks and
+    conservative (dead blocks inside it are read, and masked tile by tile) for eq. 4 and gates."""
+    live = live_blocks(qm, km, gate, kv_heads, bq, bk, window=window, anchors=anchors)
+    nk = live.shape[-1]
+    first = jnp.argmax(live, axis=-1).astype(jnp.int32)
+    last = (nk - 1 - jnp.argmax(live[..., ::-1], axis=-1)).astype(jnp.int32)
+    return first, jnp.where(jnp.any(live, -1), last - first + 1, 0).astype(jnp.int32)
 
 
 def gpu_head_dim(d: int) -> int:
