@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from tqdm import tqdm
+
 from kvjax import tpu
 from kvjax.errors import InvalidInput
 
@@ -143,7 +145,20 @@ def quant_case(dtype: str, bits: int, slots: int, batch: int, stats: bool) -> Ca
     return Case("quant_decode", f"{dtype} {bits}-bit b{batch} C{slots}{' stats' if stats else ''}", build)
 
 
-def kernel_cases(quick: bool = False) -> Iterator[Case]:
+def splash_case(dtype: str, t: int, head_dim: int = D) -> Case:
+    """jax's splash attention as kvjax calls it for a plain causal prompt on a TPU (`attention.splash_prefill`)."""
+    from kvjax import attention
+
+    def build(dev):
+        dt = DTYPES[dtype]
+        q, kv = _sds((1, H, t, head_dim), dt, dev), _sds((1, KVH, t, head_dim), dt, dev)
+        return (lambda q, k, v, p: attention.splash_prefill(q, k, v, p, scale=head_dim ** -0.5)), (
+            q, kv, kv, _sds((1, t), jnp.int32, dev)), {}
+
+    return Case("splash", f"{dtype} T{t} d{head_dim}", build)
+
+
+def kernel_specs(quick: bool = False) -> Iterator[list]:
     """Every Mosaic kernel in both dtypes. `quick` (the test suite's): the smallest shape of each axis that
     changes the program, plus the long ones where only the grid grows."""
     for dtype in DTYPES:
@@ -152,89 +167,273 @@ def kernel_cases(quick: bool = False) -> Iterator[Case]:
                 for stats in (False, True):
                     if quick and (slots, batch) not in ((4096, 1), (131072, 8)):
                         continue
-                    yield decode_case(dtype, slots, batch, stats)
+                    yield ["decode", dtype, slots, batch, stats]
         for slots in (4096, 32768):
             for batch in (1, 8):
                 if not quick or (slots, batch) == (4096, 1):
-                    yield pool_case(dtype, slots, batch)
+                    yield ["pool", dtype, slots, batch]
         for bits in (8, 4, 2):
             for slots, batch in ((4096, 1), (32768, 8)):
                 for stats in (False, True):
                     if not quick or (slots, batch, stats) == (4096, 1, stats):
-                        yield quant_case(dtype, bits, slots, batch, stats)
+                        yield ["quant", dtype, bits, slots, batch, stats]
         for t in (2048, 8192, 32768):
+            for head_dim in (64, 128):
+                if not quick or (t, head_dim) == (2048, 64):
+                    yield ["splash", dtype, t, head_dim]
             for mask in MASKS:
                 if quick and t != 2048 and mask != "causal":
                     continue
-                yield prefill_case(dtype, t, mask)
+                yield ["prefill", dtype, t, mask]
                 if not (quick and t == 32768):  # colsum's compile grows with T (25 s at 32K on 2 cores)
-                    yield prefill_case(dtype, t, mask, colsum=True)
+                    yield ["prefill", dtype, t, mask, True]
+
+
+# ---- the whole model: kvjax's Llama at Llama-3.2-1B and Llama-3.1-8B shapes, random bf16 weights ----
+
+SHAPES = {  # the published configs' shapes (vocabulary, widths, depth, heads, RoPE theta)
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                     num_kv_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                     num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+BUDGET = 4096  # slots per layer and KV head of the compressing policies (SnapKV, AdaKV's mean, Razor's local heads)
+POLICIES = ("full", "snapkv", "razor", "adakv", "full-4bit")
+NEW_TOKENS = 256  # the decode loop's token buffer
+
+
+def model_config(shape: str, layers: int | None = None, max_len: int = 1 << 17):
+    from kvjax.rope import RopeConfig
+    from models.llama import LlamaConfig
+
+    spec = dict(SHAPES[shape], num_layers=layers or SHAPES[shape]["num_layers"])
+    return LlamaConfig(**spec, max_position_embeddings=max_len, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
+                       bos_token_id=128000, eos_token_ids=(128001, 128009), attention_impl="pallas")
+
+
+def make_policy(name: str, cfg):
+    from kvjax.policies import AdaKV, FullCache, Quantized, RazorAttention, SnapKV
+
+    if name == "full":
+        return FullCache()
+    if name == "snapkv":
+        return SnapKV(budget=BUDGET)
+    if name == "razor":  # the paper's 15 % of KV heads as retrieval heads (kvjax.heads finds them on a real model)
+        per_layer = tuple(tuple(h < 2 for h in range(cfg.num_kv_heads)) for _ in range(cfg.num_layers))
+        return RazorAttention(retrieval=per_layer, buffer=BUDGET)
+    if name == "adakv":
+        return AdaKV(SnapKV(budget=BUDGET))
+    if name == "full-4bit":
+        return Quantized(FullCache(), bits=4, group=32, residual=128)
+    raise ValueError(name)
+
+
+def abstract_model(cfg, sharding):
+    """kvjax's Llama with abstract bf16 parameters placed by `sharding` (nothing allocated): `(graphdef, state,
+    model)`; `model` answers the plan's questions (its config), never computes."""
+    from flax import nnx
+
+    from models.llama import Llama
+
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    return graphdef, tpu.abstract(state, sharding), model
+
+
+def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, layers: int | None = None) -> Case:
+    """One whole-model program on one chip: `prefill` (the prompt pass, `kvjax.engine.prefill`), `prefill-xla`
+    (the same with `attention_impl="xla"`), `step` (one decode step, `kvjax.engine.decode`) or `loop` (the decode
+    loop, `kvjax.generate.decode_fn`, 256 tokens)."""
+    from kvjax import engine
+    from kvjax.generate import Sampling, decode_fn
+    from kvjax.layer import init_cache
+
+    def build(dev):
+        cfg = model_config(shape, layers)
+        if program == "prefill-xla":  # the prompt pass through the jnp reference attention instead of the kernels
+            cfg = dataclasses.replace(cfg, attention_impl="xla")
+        graphdef, state, model = abstract_model(cfg, tpu.on_device(dev))
+        plan = model.plan(make_policy(policy, cfg), prompt + NEW_TOKENS, prompt)
+        ints = lambda *shape: _sds(shape, jnp.int32, dev)  # noqa: E731
+        if program in ("prefill", "prefill-xla"):
+            return engine.prefill.pure, (graphdef, state, ints(batch, prompt), ints(batch, prompt)), {"plan": plan}
+        cache = jax.eval_shape(lambda: init_cache(plan, batch, cfg.num_kv_heads, cfg.head_dim, jnp.bfloat16))
+        cache = tpu.abstract(cache, tpu.on_device(dev))
+        if program == "step":
+            return engine.decode.pure, (graphdef, state, ints(batch), ints(batch), cache), {"plan": plan}
+        key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), tpu.on_device(dev))
+        args = (graphdef, state, cache, ints(batch), _sds((batch,), jnp.bool_, dev), ints(batch), key, ints(4),
+                ints(), ints())
+        return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
+
+    depth = f" {layers}L" if layers else ""
+    return Case(f"{shape}{depth} {program}", f"{policy} b{batch} T{prompt}", build)
 
 
 # ---- running the cases for one chip, in this process (the worker) or in a subprocess (the driver) ----
 
+CONSTRUCTORS = {"decode": decode_case, "prefill": prefill_case, "pool": pool_case, "quant": quant_case,
+                "splash": splash_case, "model": model_case}
 
-def compile_case(case: Case, device) -> dict:
+
+def case_of(spec: list) -> Case:
+    return CONSTRUCTORS[spec[0]](*spec[1:])
+
+
+def compile_case(case: Case, device, chip: str | None = None) -> dict:
     row = {"kernel": case.kernel, "shape": case.shape}
     try:
         fn, args, static = case.build(device)
         with tpu.target([device]):
             compiled, seconds = tpu.compile(fn, *args, **static)
         row.update(ok=True, compile_s=round(seconds, 3), **tpu.analysis(compiled))
-    except Exception as err:  # a kernel that does not compile is a result, reported with its first line
-        row.update(ok=False, error=f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}",
-                   detail=traceback.format_exc(limit=2)[-2000:])
+        if chip:
+            row["fits"] = tpu.CHIPS[chip].fits(row["peak_bytes"])
+    except Exception as err:  # a program that does not compile is a result, reported with its first line
+        first = str(err).strip().splitlines()[0][:300]
+        row.update(ok=False, error=f"{type(err).__name__}: {first}", detail=traceback.format_exc(limit=2)[-2000:])
+        if "RESOURCE_EXHAUSTED" in first and "HBM" in first:  # the compiler's verdict: more than the chip holds
+            row.update(fits=False)
     return row
 
 
-def worker(chip: str, cases: list[Case]) -> list[dict]:
+def worker(chip: str, specs: list[list], records: Path) -> None:
+    """Compiles each spec not yet in `records` (a JSONL, one row appended and synced as each finishes, so a
+    killed run resumes where it stopped)."""
+    done = {json.dumps(r["spec"]) for r in read_records(records) if r["chip"] == chip}
+    todo = [s for s in specs if json.dumps(s) not in done]
+    if not todo:
+        return
     device = tpu.topology(chip).devices[0]
-    return [compile_case(case, device) | {"chip": chip} for case in cases]
+    for spec in tqdm(todo, desc=f"TPU {chip} compiles", unit="program"):
+        load = os.getloadavg()[0]
+        row = compile_case(case_of(spec), device, chip) | {"chip": chip, "spec": spec}
+        # compile seconds are CPU wall time: the 1-minute load average around each says whether others shared it
+        row["load"] = round(max(load, os.getloadavg()[0]), 2)
+        with open(records, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
-def run_chip(chip: str, suite: str, quick: bool, timeout: float = 3600) -> list[dict]:
-    """The cases of `suite` compiled for `chip` in a fresh subprocess with libtpu's offline variables."""
+def read_records(records: Path) -> list[dict]:
+    if not records.exists():
+        return []
+    rows = []
+    for line in records.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: its program is compiled again
+            continue
+    return rows
+
+
+def run_chip(chip: str, specs: list[list], records: Path, timeout: float = 3600) -> list[dict]:
+    """`specs` compiled for `chip` in a fresh subprocess with libtpu's offline variables (and no network where
+    `unshare -n` works); returns `chip`'s rows of `records`."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        argv = [sys.executable, "-m", "benchmarks.tpu_aot", "--worker", chip, "--only", suite, "--json", str(out)]
-        argv += ["--quick"] if quick else []
+        todo = Path(tmp) / "specs.json"
+        todo.write_text(json.dumps(specs))
+        argv = [sys.executable, "-m", "benchmarks.tpu_aot", "--worker", chip, "--specs", str(todo), "--records",
+                str(records)]
         env = {**os.environ, **tpu.offline_env(chip)}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.run(tpu.offline_command(argv), env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(tpu.offline_command(argv), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=timeout)
         if proc.returncode:
             raise RuntimeError(f"the {chip} compile worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    wanted = {json.dumps(s) for s in specs}
+    return [r for r in read_records(records) if r["chip"] == chip and json.dumps(r["spec"]) in wanted]
 
 
-def cases_of(suite: str, quick: bool) -> list[Case]:
-    if suite == "kernels":
-        return list(kernel_cases(quick))
-    raise InvalidInput(f"--only {suite!r}: expected kernels")
+# ---- the model table: the programs at a report point, and the largest prompt each policy fits ----
+
+FIT_POINTS = {1: (8192, 32768), 8: (2048, 8192)}  # prompt lengths compiled to fit memory against length, by batch
+MAX_PROMPT = 131072  # the Llama 3 models' context
+
+
+def model_specs(model: str, batch: int, prompt: int, programs=("prefill", "step", "loop")) -> list[list]:
+    return [["model", model, policy, program, batch, prompt] for policy in POLICIES for program in programs]
+
+
+def largest_prompt(rows: list[dict], chip: str) -> int | None:
+    """The longest prompt (a multiple of 1024, at most 128K) whose prefill the affine fit of the compiled points'
+    peak bytes against prompt length puts within `chip`'s HBM; None if even the shortest point does not fit."""
+    pts = sorted((r["spec"][5], r["peak_bytes"]) for r in rows if r["ok"])
+    if len(pts) < 2:
+        return None
+    (t0, m0), (t1, m1) = pts[0], pts[-1]
+    slope = (m1 - m0) / (t1 - t0)
+    room = tpu.CHIPS[chip].hbm_bytes - m0
+    if room < 0:
+        return None
+    t = MAX_PROMPT if slope <= 0 else min(MAX_PROMPT, t0 + int(room / slope))
+    return t // 1024 * 1024
+
+
+def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
+    """Fit on the larger chip's compiles (memory does not depend on the chip's size), predict each chip's largest
+    prompt, and check each prediction with one more compile on that chip."""
+    models = ("llama-1b",) if quick else tuple(SHAPES)
+    fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
+    fit_specs = [["model", m, p, "prefill", b, t] for m in models for p in POLICIES for b in FIT_POINTS
+                 for t in FIT_POINTS[b]]
+    # the reference attention's prompt pass at the longest fit point: flash-style tiles, or T x T scores?
+    fit_specs += [["model", m, "full", "prefill-xla", 1, FIT_POINTS[1][-1]] for m in models]
+    step_specs = [s for m in models for b in FIT_POINTS for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop"))]
+    rows = {fit_chip: run_chip(fit_chip, fit_specs + step_specs, records)}
+    verify = {c: [] for c in chips}
+    for m in models:
+        for p in POLICIES:
+            for b in FIT_POINTS:
+                pts = [r for r in rows[fit_chip] if r["spec"][1:3] == [m, p] and r["spec"][3] == "prefill"
+                       and r["spec"][4] == b]
+                for c in chips:
+                    t = largest_prompt(pts, c)
+                    if t:
+                        verify[c].append(["model", m, p, "prefill", b, t])
+    for c in chips:
+        extra = [] if c == fit_chip else step_specs
+        rows[c] = run_chip(c, verify[c] + extra, records) + (rows.get(c) or [])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--chips", default="v5e,v6e", help="comma-separated, of: " + ", ".join(tpu.CHIPS))
-    p.add_argument("--only", default="kernels", help="kernels")
+    p.add_argument("--only", default="kernels,models", help="kernels, models, or both (comma-separated)")
     p.add_argument("--quick", action="store_true", help="the test suite's smaller set of shapes")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for tpu_aot_{chip}.{json,md}")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for tpu_aot_{chip}.{json,md} and the records")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--specs", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--records", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        a.json.write_text(json.dumps(worker(a.worker, cases_of(a.only, a.quick))))
+        worker(a.worker, json.loads(a.specs.read_text()), a.records)
         return 0
     chips = [c for c in a.chips.split(",") if c]
     for chip in chips:
         if chip not in tpu.CHIPS:
             raise InvalidInput(f"--chips: {chip!r} is not one of {', '.join(tpu.CHIPS)}")
+    suites = [s for s in a.only.split(",") if s]
+    for suite in suites:
+        if suite not in ("kernels", "models"):
+            raise InvalidInput(f"--only: {suite!r} is not one of kernels, models")
     reason = tpu.unavailable()
     if reason:
         raise InvalidInput(f"cannot compile for TPU here: {reason}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    records = a.out / f"tpu_aot_records{'_quick' if a.quick else ''}.jsonl"
+    if "kernels" in suites:
+        for chip in chips:
+            run_chip(chip, list(kernel_specs(a.quick)), records)
+    if "models" in suites:
+        models_stage(records, chips, a.quick)
+    from benchmarks.tpu_tables import write_tables
+
     for chip in chips:
-        rows = run_chip(chip, a.only, a.quick)
-        print(json.dumps(rows, indent=1)[:2000])
+        print(write_tables(read_records(records), chip, a.out))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Attention as the model calls it: one place that chooses the code each call runs.
 
 `impl="xla"` runs the jnp reference (`kvjax.reference`, the specification); `impl="pallas"` runs
-the kernels of `kvjax.pallas`, checked against it, and on a GPU a prompt's plain causal attention
-goes to cuDNN's flash attention instead (`prefill_route`). A kernel that cannot do what a call asks
+the kernels of `kvjax.pallas`, checked against it, and a prompt's plain causal attention goes to the
+platform's own flash attention instead: cuDNN's on a GPU, jax's splash attention on a TPU (`prefill_route`). A kernel that cannot do what a call asks
 raises (soft-capping) or runs the reference and says so once (a warning); it never falls back silently.
 
 Layouts, masks and statistics are the reference's: see `kvjax.reference` and `kvjax.masks`.
@@ -24,7 +24,8 @@ from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
-__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "cudnn_prefill", "decode_attention",
+__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl",
+           "cudnn_prefill", "decode_attention", "splash_prefill",
            "pooled_decode_attention", "prefill_attention", "prefill_route", "prefix_attention",
            "quantized_decode_attention", "warn_once"]
 
@@ -57,20 +58,58 @@ def _backend() -> str:
 def prefill_route(
     impl: str, backend: str, *, stats: StatsRequest, mask: Mask, self_attention: bool, dtype, head_dim: int,
 ) -> str:
-    """Which code a prompt's attention runs: "xla" (the reference), "pallas" (kvjax.pallas), or "cudnn".
+    """Which code a prompt's attention runs: "xla" (the reference), "pallas" (kvjax.pallas), "cudnn" or "splash".
 
-    cuDNN's flash attention (`jax.nn.dot_product_attention`) computes plain causal softmax attention,
-    so it takes only the common case under `impl="pallas"` on a GPU: a prompt attending itself, no mask
-    beyond causality and padding (no ALiBi, window, anchor mask, gate flags or soft-capping), in half
-    precision with a head size cuDNN accepts, and no statistic that needs the kernel's log-sum-exps
-    (`colsum`, H2O's). SnapKV's windows and MAT's first logit are O(W x s) and come from
-    `reference.prompt_statistics` on every route, so SnapKV, PyramidKV, SlimKV and TOVA prompts take cuDNN
+    The common case under `impl="pallas"` goes to the platform's own flash attention: a prompt attending
+    itself, no mask beyond causality and padding (no ALiBi, window, anchor mask, gate flags or soft-capping),
+    and no statistic that needs the kernel's log-sum-exps (`colsum`, H2O's). On a GPU that is cuDNN's
+    (`jax.nn.dot_product_attention`), in half precision with a head size cuDNN accepts; on a TPU, jax's splash
+    attention (`splash_prefill`). SnapKV's windows and MAT's first logit are O(W x s) and come from
+    `reference.prompt_statistics` on every route, so SnapKV, PyramidKV, SlimKV and TOVA prompts take these
     too. Any other call keeps kvjax's kernels, which compute what the policy asked for."""
     if impl != "pallas":
         return "xla"
-    plain = not stats.colsum and not stats.probs and mask.plain
+    plain = self_attention and not stats.colsum and not stats.probs and mask.plain
+    if backend == "tpu" and plain:
+        return "splash"
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if backend == "gpu" and self_attention and plain and fits else "pallas"
+    return "cudnn" if backend == "gpu" and plain and fits else "pallas"
+
+
+SPLASH_BLOCK = 128  # splash attention's query and key tiles (jax's default); a prompt is padded to a multiple
+
+
+def splash_prefill(
+    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"], pos: Int[Array, "b t"], *,
+    scale: float, interpret: bool = False,
+) -> Float[Array, "b h t d"]:
+    """A left-padded prompt's causal self-attention through jax's TPU splash attention (`jax.experimental.pallas.
+    ops.tpu.splash_attention`), forward only: each (row, KV head) is one MQA call over its group's query heads.
+
+    Splash masks by index, not position: padding (left, and the tail up to a whole tile) is its own segment, so a
+    real query never sees it, and its outputs are zeroed after, as the reference's. The scale goes on the
+    queries (splash has none). `interpret` runs the kernel in the TPU interpreter (the CPU tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    tp = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
+    tail = lambda x, axis: jnp.pad(x, [(0, tp - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+    qg = tail((q * jnp.asarray(scale, q.dtype)).reshape(b, kvh, g, t, d), 3)
+    k, v = tail(k, 2), tail(v, 2)
+    segment = tail((pos >= 0).astype(jnp.int32), 1)  # 1: the prompt's tokens; 0: padding
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((tp, tp))] * g)
+    blocks = splash.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+    def one(qh, kh, vh, seg):  # [g, tp, d], [tp, d], [tp, d], [tp]
+        return kernel(qh, kh, vh, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+
+    o = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qg, k, v, segment)  # [b, kvh, g, tp, d]
+    o = o[:, :, :, :t].reshape(b, h, t, d)
+    return jnp.where((pos >= 0)[:, None, :, None], o, 0).astype(q.dtype)
 
 
 def cudnn_prefill(
@@ -118,10 +157,11 @@ def prefill_attention(
         raise ValueError("prefill_attention cannot compute statistics ['probs'] (a decode statistic)")
     route = prefill_route(impl, _backend(), stats=stats, mask=mask, self_attention=self_attention, dtype=q.dtype,
                           head_dim=q.shape[-1])
-    if route == "cudnn":
+    if route in ("cudnn", "splash"):
         first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
-        return cudnn_prefill(q, k, v, q_pos, scale=scale), AttentionStats(first_logit=first_logit,
-                                                                          window_probs=window_probs)
+        out = cudnn_prefill(q, k, v, q_pos, scale=scale) if route == "cudnn" else splash_prefill(
+            q, k, v, q_pos, scale=scale)
+        return out, AttentionStats(first_logit=first_logit, window_probs=window_probs)
     _no_softcap_kernel(mask, impl)
     if route == "xla":
         return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, mask=mask, block=block,

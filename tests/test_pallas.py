@@ -312,6 +312,35 @@ def test_cudnn_is_routed_only_plain_causal_prompts():
     assert _route(impl="xla") == "xla" and _route(backend="cpu") == "pallas"
 
 
+def test_tpu_splash_is_routed_only_plain_causal_prompts():
+    """On a TPU the plain causal prompt goes to jax's splash attention (any dtype and head size it compiles, see
+    tests/test_tpu_aot.py); column sums, any mask beyond causality, a chunk against a cache and the xla
+    implementation keep kvjax's code."""
+    assert _route(backend="tpu") == "splash" and _route(backend="tpu", dtype=jnp.float32, head_dim=128) == "splash"
+    assert _route(backend="tpu", stats=StatsRequest(first_logit=True, windows=frozenset({1, 32}))) == "splash"
+    for over in [dict(stats=StatsRequest(colsum=True)), dict(mask=Mask(window=64)), dict(mask=Mask(softcap=50.0)),
+                 dict(mask=Mask(key_keep=jnp.ones((1, 1, 4), bool))), dict(self_attention=False)]:
+        assert _route(backend="tpu", **over) == "pallas", over
+    assert _route(backend="tpu", impl="xla") == "xla"
+
+
+@pytest.mark.parametrize("t", [200, 256])
+def test_tpu_splash_prefill_equals_the_reference_with_left_padding(t):
+    """`splash_prefill` (jax's TPU splash attention in the TPU interpreter) on left-padded rows of a GQA prompt, a
+    length no tile divides and one it does: the reference's outputs, zeros for padding queries."""
+    b, h, kvh, d = 2, 4, 2, 32
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.normal(size=(b, h, t, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, kvh, t, d)), jnp.float32) for _ in range(2))
+    n = np.array([t, t - 37])  # row 1 is left-padded
+    pos = jnp.asarray(np.where(np.arange(t)[None] >= (t - n)[:, None], np.arange(t)[None] - (t - n)[:, None], -1),
+                      jnp.int32)
+    want, _ = reference.prefill_attention(q, k, v, pos, pos, scale=d ** -0.5, self_attention=True)
+    want = jnp.where((pos >= 0)[:, None, :, None], want, 0)
+    got = attention.splash_prefill(q, k, v, pos, scale=d ** -0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
     """The dispatch as a call sees it, on a GPU (the backend faked): the plain prompt goes to cuDNN and
     returns no statistics; with statistics, ALiBi or gate flags the Pallas kernel runs instead."""

@@ -21,14 +21,15 @@ pytestmark = pytest.mark.skipif(tpu.unavailable() is not None, reason=f"TPU comp
 
 ROOT = Path(__file__).resolve().parent.parent
 CHIPS = ("v5e", "v6e")
-KERNELS = {"decode", "prefill", "colsum", "pool_decode", "quant_decode"}
+KERNELS = {"decode", "prefill", "colsum", "pool_decode", "quant_decode", "splash"}
 
 
 @pytest.fixture(scope="module", params=CHIPS)
-def kernel_rows(request):
+def kernel_rows(request, tmp_path_factory):
     from benchmarks import tpu_aot
 
-    return request.param, tpu_aot.run_chip(request.param, "kernels", quick=True, timeout=900)
+    records = tmp_path_factory.mktemp("tpu") / "records.jsonl"
+    return request.param, tpu_aot.run_chip(request.param, list(tpu_aot.kernel_specs(quick=True)), records, timeout=900)
 
 
 def test_tpu_every_mosaic_kernel_compiles_in_both_dtypes(kernel_rows):
@@ -52,7 +53,7 @@ def _compile_script(precision_for_bf16: str) -> str:
             tiles.precision = lambda a, b: jax.lax.Precision.HIGHEST
         from benchmarks import tpu_aot
         dev = tpu.topology("v5e").devices[0]
-        row = tpu_aot.compile_case(tpu_aot.decode_case("bf16", 4096, 1, False), dev)
+        row = tpu_aot.compile_case(tpu_aot.decode_case("bf16", 4096, 1, False), dev, "v5e")
         print("OK" if row["ok"] else row["error"])
     """)
 
@@ -76,3 +77,26 @@ def test_tpu_topology_refuses_without_offline_variables(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="offline variables"):
         tpu.topology("v5e")
+
+
+def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
+    """kvjax's Llama at Llama-3.2-1B widths (2 of its 16 layers, bf16, attention_impl="pallas") compiled for v5e:
+    the prompt pass under SnapKV, and one decode step under FullCache, SnapKV, RazorAttention's head groups,
+    AdaKV's pool and a 4-bit cache. The full-depth tables are `benchmarks/results/tpu_aot_*.md`."""
+    from benchmarks import tpu_aot
+
+    specs = [["model", "llama-1b", "snapkv", "prefill", 1, 2048, 2]]
+    specs += [["model", "llama-1b", p, "step", 1, 2048, 2] for p in tpu_aot.POLICIES]
+    rows = tpu_aot.run_chip("v5e", specs, tmp_path / "records.jsonl", timeout=900)
+    failed = [f"{r['kernel']}[{r['shape']}]: {r['error']}" for r in rows if not r["ok"]]
+    assert not failed and len(rows) == len(specs), failed
+    by = {(r["spec"][2], r["spec"][3]): r for r in rows}
+    # the decode step reads every parameter once: 2 layers of a 1B model's widths and the tied embedding
+    cfg = tpu_aot.model_config("llama-1b", 2)
+    layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+             + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    params = 2 * (2 * layer + cfg.vocab_size * cfg.hidden_size)  # bf16
+    full = by[("full", "step")]
+    assert params <= full["bytes_accessed"] <= full["argument_bytes"] * 1.5
+    # a 4-bit cache holds fewer bytes than the full one at the same length (codes, scales and a residual)
+    assert by[("full-4bit", "step")]["argument_bytes"] < full["argument_bytes"]

@@ -1,0 +1,126 @@
+"""The tables of `benchmarks.tpu_aot`: `tpu_aot_{chip}.json` (its rows) and `tpu_aot_{chip}.md`, from the records."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvjax import tpu
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _latest(rows: list[dict], chip: str) -> list[dict]:
+    """One row per program (the last recorded), in the order first recorded."""
+    by_spec: dict[str, dict] = {}
+    for r in rows:
+        if r["chip"] == chip:
+            by_spec[json.dumps(r["spec"])] = r
+    return list(by_spec.values())
+
+
+def _num(x, unit, digits=2):
+    return "" if x is None else f"{x / unit:.{digits}f}"
+
+
+def kernel_table(rows: list[dict]) -> list[str]:
+    out = ["| kernel | shape | compiles | compile s | arguments MiB | temporaries MiB | peak MiB | load |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["spec"][0] == "model":
+            continue
+        status = "yes" if r["ok"] else f"**no**: {r['error']}"
+        out.append(f"| {r['kernel']} | {r['shape']} | {status} | {r.get('compile_s', '')} | "
+                   f"{_num(r.get('argument_bytes'), MiB, 1)} | {_num(r.get('temp_bytes'), MiB, 1)} | "
+                   f"{_num(r.get('peak_bytes'), MiB, 1)} | {r.get('load', '')} |")
+    return out
+
+
+def model_table(rows: list[dict], chip: str) -> list[str]:
+    bw = tpu.CHIPS[chip].hbm_bandwidth
+    out = ["| model | program | policy | batch | prompt | compile s | arguments GiB | temporaries GiB | peak GiB | "
+           "fits | GFLOP | GB accessed | accessed / arguments | compiler's ms at HBM bandwidth | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spec = r["spec"]
+        if spec[0] != "model":
+            continue
+        model, policy, program, batch, prompt = spec[1:6]
+        fits = {True: "yes", False: "**no**", None: ""}[r.get("fits")]
+        if not r["ok"]:
+            out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | | | | | {fits} | | | | "
+                       f"{r['error'][:160]} | {r.get('load', '')} |")
+            continue
+        step = program == "step"
+        ratio = f"{r['bytes_accessed'] / r['argument_bytes']:.2f}" if step else ""
+        ms = f"{1e3 * r['bytes_accessed'] / bw:.2f}" if step else ""
+        out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | {r['compile_s']:.1f} | "
+                   f"{_num(r['argument_bytes'], GiB)} | {_num(r['temp_bytes'], GiB)} | {_num(r['peak_bytes'], GiB)} | "
+                   f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | {r.get('load', '')} |")
+    return out
+
+
+def largest_table(rows: list[dict], chip: str) -> list[str]:
+    """Per model, policy and batch: the longest prompt whose prefill the fit predicts within HBM, and whether the
+    compile at that length fits (the compiler's verdict)."""
+    from benchmarks.tpu_aot import FIT_POINTS, largest_prompt
+
+    out = ["| model | policy | " + " | ".join(f"batch {b}: largest prompt (compiled peak GiB)" for b in FIT_POINTS)
+           + " |", "|---|---|" + "---|" * len(FIT_POINTS)]
+    fit_rows = [r for r in rows if r["spec"][0] == "model" and r["spec"][3] == "prefill" and len(r["spec"]) == 6]
+    combos = sorted({(r["spec"][1], r["spec"][2]) for r in fit_rows})
+    for model, policy in combos:
+        cells = []
+        for b in FIT_POINTS:
+            pts = [r for r in fit_rows if r["spec"][1:3] == [model, policy] and r["spec"][4] == b]
+            t = largest_prompt([r for r in pts if r["spec"][5] in FIT_POINTS[b]], chip)
+            check = next((r for r in pts if r["spec"][5] == t), None)
+            if t is None:
+                cells.append("none (the fit points do not fit)")
+            elif check is None:
+                cells.append(f"{t} (not compiled)")
+            elif check.get("fits"):
+                cells.append(f"**{t}** ({check['peak_bytes'] / GiB:.2f})")
+            else:
+                cells.append(f"{t}: does **not** fit when compiled")
+        out.append(f"| {model} | {policy} | " + " | ".join(cells) + " |")
+    return out
+
+
+def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
+    rows = _latest(records, chip)
+    c = tpu.CHIPS[chip]
+    md = [f"# kvjax compiled for TPU {chip} (`python -m benchmarks.tpu_aot`)", "",
+          f"Compiled ahead of time by libtpu for a virtual `{c.topology}` topology, one chip, on a CPU-only machine: "
+          f"nothing here ran on a TPU. Bytes are the compiler's memory analysis; 'fits' compares the program's peak "
+          f"(arguments + outputs not aliased + temporaries) with the chip's {c.hbm_bytes / GiB:.0f} GiB of HBM. "
+          f"Flops and bytes accessed are its cost analysis; the decode step's milliseconds are those bytes at "
+          f"{c.hbm_bandwidth / 1e9:.0f} GB/s, the compiler's estimate of a bandwidth-bound step, not a measurement. "
+          "Compile seconds are wall time on 2 CPU cores; the last column is the 1-minute load average around "
+          "each compile (above 1, another job shared the cores and the seconds are inflated).", ""]
+    if any(r["spec"][0] != "model" for r in rows):
+        md += ["## Kernels (Mosaic)", "", *kernel_table(rows), ""]
+    if any(r["spec"][0] == "model" for r in rows):
+        md += ["## Whole model (kvjax's Llama, bf16, `attention_impl=\"pallas\"`)", "",
+               "Llama-3.2-1B and Llama-3.1-8B shapes with random weights. Budgets: 4096 slots per layer and KV head "
+               "(SnapKV, AdaKV's mean, RazorAttention's local heads with 2 of 8 KV heads retrieval); "
+               "`full-4bit` is FullCache in 4-bit KIVI codes (group 32, 128 residual tokens). `step` is one decode "
+               "step (`kvjax.engine.decode`), `loop` the decode loop of 256 tokens (`kvjax.generate.decode_fn`).", "",
+               *model_table(rows, chip), "",
+               "## The largest prompt each policy fits", "",
+               "An affine fit of the prefill's compiled peak bytes against prompt length (two compiled lengths per "
+               "batch, on the larger chip), solved for this chip's HBM and rounded down to 1024 tokens (at most "
+               "128K, the models' context), then compiled at that length on this chip. The prefill bounds the "
+               "run: it holds the weights, the whole cache it returns and the prompt's activations, and the decode "
+               "loop then holds only the weights and the cache.", "", *largest_table(rows, chip), ""]
+    text = "\n".join(md)
+    _atomic(out_dir / f"tpu_aot_{chip}.md", text)
+    _atomic(out_dir / f"tpu_aot_{chip}.json", json.dumps(rows, indent=1))
+    return text
