@@ -91,6 +91,20 @@ def float_list(text: str) -> list[float]:
         _empty(text)
 
 
+def utf8_text(text: str) -> str:
+    """Text given on the command line. A shell in another encoding (Latin-1) hands Python bytes that are not UTF-8,
+    which it keeps as lone surrogates that no tokenizer reads (a TypeError deep in it): refused here, naming the
+    byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = text.encode("utf-8", "surrogateescape")
+        byte = text[err.start].encode("utf-8", "surrogateescape")[0]
+        raise argparse.ArgumentTypeError(f"{raw!r} is not UTF-8 (byte 0x{byte:02x} at character {err.start}); "
+                                         "set a UTF-8 locale (LANG=C.UTF-8) or convert the text") from None
+    return text
+
+
 def _empty(text: str):
     raise argparse.ArgumentTypeError(f"{text!r} holds no values")
 

@@ -28,6 +28,7 @@ from experiments.common import (
     policy_from_args,
     positive_int,
     probability,
+    utf8_text,
 )
 from kvjax import FullCache, Sampling, generate
 from kvjax.cache import PooledLayerCache, kept_positions, nbytes, num_slots
@@ -61,7 +62,8 @@ class DecodeProgress:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.generate", description=__doc__.split("\n")[0])
-    p.add_argument("prompt", nargs="*", default=["The attention sink is"], help="one or more prompts (a batch)")
+    p.add_argument("prompt", nargs="*", type=utf8_text, default=["The attention sink is"],
+                   help="one or more prompts (a batch)")
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],

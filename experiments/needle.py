@@ -34,6 +34,7 @@ from experiments.common import (
     int_list,
     positive_int,
     split_question,
+    utf8_text,
 )
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput, MissingFile
@@ -189,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.needle", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
     p.add_argument("--haystack", help="directory of .txt files (default: Python's reference documentation)")
-    p.add_argument("--needle", default=NEEDLE)
-    p.add_argument("--question", default=QUESTION, help="appended after the context")
+    p.add_argument("--needle", type=utf8_text, default=NEEDLE)
+    p.add_argument("--question", type=utf8_text, default=QUESTION, help="appended after the context")
     p.add_argument("--answer", default=ANSWER, help="the needle's key fact, for exact match")
     p.add_argument("--lengths", type=int_list, help="comma-separated prompt lengths (default: 5 up to the model's "
                                                     "window)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from kvjax import engine, kvzip, sharding
 from kvjax.cache import Cache
+from kvjax.cache import tree_nbytes as kvcache_bytes
 from kvjax.engine import MIN_BUCKET, bucket_length, compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.model import CachedLM
@@ -285,6 +287,48 @@ def check_positions(plan: Plan, cfg, length: int, what: str) -> None:
                            "positions='rolling' (StreamingLLM's protocol: keys rotated by their rank in the cache)")
 
 
+INT32_MAX = int(np.iinfo(np.int32).max)  # positions, lengths and the token buffer are int32 on the device
+
+
+def check_int32(max_new_tokens: int, max_len: int) -> None:
+    """Refuses `max_new_tokens` whose cache of `max_len` positions (the prompt's and the new tokens' buckets) would
+    pass int32's largest: positions, lengths and the token buffer are int32 on the device."""
+    if max_len > INT32_MAX:
+        raise InvalidInput(f"max_new_tokens={max_new_tokens}: the prompt and the new tokens, rounded up to their "
+                           f"buckets, span {max_len} positions, past int32's largest ({INT32_MAX}); generate fewer "
+                           "tokens")
+
+
+def memory_bytes(mesh=None) -> int | None:
+    """The memory a generation may fill: its devices' (`bytes_limit`, GPU and TPU; the devices of `mesh` when the
+    model is sharded), else the host's physical memory (a CPU backend); None where neither is known."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if all(limits):
+        return int(sum(limits))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(model: CachedLM, policies: Sequence[Policy], batch: int, max_len: int, prompt_len: int,
+                 buffer: int, mesh=None) -> None:
+    """Refuses, before anything is allocated, a generation whose caches (their shapes, from `jax.eval_shape`) and
+    token buffer hold more bytes than the memory it runs in (`memory_bytes`): asked for 10**11 new tokens, a full
+    cache and the buffer would otherwise be allocated until the process dies."""
+    have = memory_bytes(mesh)
+    if have is None:
+        return
+    caches = sum(kvcache_bytes(jax.eval_shape(lambda p=p: model.init_cache(p, batch, max_len, prompt_len)))
+                 for p in policies)
+    need = caches + 2 * batch * buffer * 4  # the tokens and their positions, int32
+    if need > have:
+        raise InvalidInput(f"{len(policies)} cache(s) of {max_len} slots for {batch} row(s) and a {buffer}-token buffer "
+                           f"need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB this runs in; generate "
+                           "fewer tokens (max_new_tokens), fewer rows, or use a policy with a budget")
+
+
 def position_limit(plan: Plan, cfg, max_new_tokens: int) -> int | None:
     """The longest prompt a policy (its `plan` on a model of `cfg`, `model.plan(policy)`) can read and
     then generate `max_new_tokens`, or None when there is no limit.
@@ -413,6 +457,8 @@ def generate_many(
     buffer = bucket_length(max_new_tokens, min_bucket)
     room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
+    check_int32(max_new_tokens, bucket + room)
+    check_memory(model, policies, len(rows), bucket + room, bucket, buffer, mesh)
     sized = [model.plan(policy, bucket + room, bucket) for policy in policies]
     shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
     prefilled: dict[int, tuple] = {}

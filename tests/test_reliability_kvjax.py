@@ -345,3 +345,51 @@ def test_cli_error_duo_pattern_faults_end_in_one_line(tiny_dir, tmp_path, capsys
     assert cli.run(gen_cli.main, ["--model", str(tiny_dir), "--policy", "duo", "--duo-pattern", str(good),
                                   "--max-new-tokens", "1", "hi"]) == 0
     assert "DuoAttention" in capsys.readouterr().out
+
+
+# ---- items 14 and 15: a prompt that is not UTF-8; a number of new tokens past int32 or the machine ---------
+
+
+def test_cli_error_a_prompt_that_is_not_utf8_is_one_line(capsys):
+    """A Latin-1 shell hands `café` as bytes Python keeps as a lone surrogate; the tokenizer raised a TypeError.
+    The prompt (and the needle suite's --needle / --question) is refused where it is parsed, naming the byte."""
+    from experiments import generate as gen_cli
+    from experiments import needle
+
+    for main, argv in ((gen_cli.main, ["caf\udce9"]), (needle.main, ["--needle", "caf\udce9"])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2
+        assert one_error_line(err).endswith("b'caf\\xe9' is not UTF-8 (byte 0xe9 at character 3); set a UTF-8 "
+                                            "locale (LANG=C.UTF-8) or convert the text"), err
+
+
+def test_reliability_new_tokens_past_int32_or_memory_are_refused_before_allocating(tiny_dir, tiny, capsys,
+                                                                                  monkeypatch):
+    """`--max-new-tokens 100000000000` was an OverflowError (int32), and a number that fits int32 but not the
+    machine would allocate until the process died. Both are refused before anything is allocated: past int32 by
+    the bucketed span, past memory by the caches' shapes (`jax.eval_shape`) and the token buffer; a budget policy
+    whose cache fits still runs."""
+    from experiments import cli
+    from experiments import generate as gen_cli
+    import sys
+
+    from kvjax.generate import generate
+
+    gen = sys.modules["kvjax.generate"]  # the module (kvjax.generate is also the function's name)
+
+    code = cli.run(gen_cli.main, ["--model", str(tiny_dir), "--max-new-tokens", "100000000000", "--positions",
+                                  "rolling", "hi"])
+    assert code == 2 and one_error_line(capsys.readouterr().err) == (
+        "error: max_new_tokens=100000000000: the prompt and the new tokens, rounded up to their buckets, span "
+        "137438953488 positions, past int32's largest (2147483647); generate fewer tokens")
+    with pytest.raises(InvalidInput, match=r"span 2147483664 positions, past int32's largest"):
+        generate(tiny.model, [[5, 6]], StreamingLLM(budget=16, positions="rolling"), max_new_tokens=2_000_000_000)
+    # 10**9 tokens under a full cache: 2 layers x 2 KV heads x 2**30 slots x (2 x 16 x 4 + 8) bytes, ~544 GiB
+    with pytest.raises(InvalidInput, match=r"need 5\d\d\.\d GiB, more than the"):
+        generate(tiny.model, [[5, 6]], FullCache(positions="rolling"), max_new_tokens=10**9)
+    monkeypatch.setattr(gen, "memory_bytes", lambda mesh=None: 2**20)  # a 1 MiB machine
+    with pytest.raises(InvalidInput, match=r"1 cache\(s\) of \d+ slots for 1 row\(s\) and a 2048-token buffer need "):
+        generate(tiny.model, [[5, 6]], FullCache(), max_new_tokens=2048)
+    assert generate(tiny.model, [[5, 6]], StreamingLLM(budget=16), max_new_tokens=4, eos_ids=()).lengths.tolist() == [4]
