@@ -331,7 +331,13 @@ def lock_results_dir(out: Path) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InvalidInput(f"--out {out} is a file, not a directory; pass a directory for the results")
-    key = out.resolve()
+    if out.is_symlink() and not out.exists():
+        raise InvalidInput(f"--out {out} is a symbolic link that loops or leads nowhere (to {os.readlink(out)}); pass "
+                           "a directory for the results")
+    try:
+        key = out.resolve()
+    except (RuntimeError, OSError) as err:  # a loop further up: RuntimeError until Python 3.13, OSError (ELOOP) after
+        raise InvalidInput(f"--out {out} cannot be resolved: a symbolic link on its path loops ({err})") from None
     if key in _LOCKS:
         return
     # kvjax's directories carry their own identity.json (a report's too: it claims its folder before its sections

@@ -393,3 +393,39 @@ def test_reliability_new_tokens_past_int32_or_memory_are_refused_before_allocati
     with pytest.raises(InvalidInput, match=r"1 cache\(s\) of \d+ slots for 1 row\(s\) and a 2048-token buffer need "):
         generate(tiny.model, [[5, 6]], FullCache(), max_new_tokens=2048)
     assert generate(tiny.model, [[5, 6]], StreamingLLM(budget=16), max_new_tokens=4, eos_ids=()).lengths.tolist() == [4]
+
+
+# ---- item 16: --out through a symlink loop; LongBench data that is not UTF-8 ------------------------------
+
+
+def test_cli_error_out_symlink_loop_and_non_utf8_longbench_are_one_line(tiny_dir, tmp_path, capsys):
+    """`--out` a symbolic link to itself (or below one) was a RuntimeError from `Path.resolve`, a dangling one
+    "cannot be created (File exists)"; a LongBench .jsonl converted to Latin-1 was a UnicodeDecodeError. Each is
+    one line naming the path (and the line of the file), exit 2, and nothing is written."""
+    import json
+    import os
+
+    from experiments import cli, perplexity
+    from experiments.longbench import __main__ as longbench
+
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    os.symlink(loop, loop)
+    os.symlink(tmp_path / "nowhere", dangling)
+    for out, message in ((loop, f"--out {loop} is a symbolic link that loops or leads nowhere (to {loop})"),
+                         (loop / "sub", f"--out {loop / 'sub'} cannot be resolved: a symbolic link on its path loops"),
+                         (dangling, f"--out {dangling} is a symbolic link that loops or leads nowhere")):
+        code = cli.run(perplexity.main, ["--model", str(tiny_dir), "--policy", "full", "--lengths", "16", "--out",
+                                         str(out)])
+        assert code == 2 and one_error_line(capsys.readouterr().err).startswith(f"error: {message}")
+    assert not (tmp_path / "nowhere").exists()
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = dict(input="q", context="c", answers=["a"], length=1, dataset="narrativeqa", language="en")
+    (data / "narrativeqa.jsonl").write_bytes((json.dumps(row) + "\n").encode() + '{"input": "caf\xe9"}\n'.encode("latin-1"))
+    code = cli.run(longbench.main, ["--model", str(tiny_dir), "--policy", "full", "--data-dir", str(data), "--datasets",
+                                    "narrativeqa",
+                                    "--out", str(tmp_path / "lb_out")])
+    err = capsys.readouterr().err  # the suite's progress bar comes first
+    assert code == 2 and "Traceback" not in err and [x for x in err.splitlines() if "error" in x] == [
+        f"error: {data / 'narrativeqa.jsonl'}:2: not UTF-8 text (invalid continuation byte, byte 0xe9 at offset "
+        f"{len(json.dumps(row)) + 1 + 14})"]

@@ -62,14 +62,23 @@ def load_rows(data_dir: Path, name: str, e: bool = False) -> list[dict]:
     path = Path(data_dir) / f"{name}{'_e' if e else ''}.jsonl"
     if not path.is_file():
         raise MissingFile(f"dataset {name!r}: {path} does not exist")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:  # LongBench's files are UTF-8 JSON lines; name the line a converter broke
+        line = raw[:err.start].count(b"\n") + 1
+        raise InvalidInput(f"{path}:{line}: not UTF-8 text ({err.reason}, byte 0x{raw[err.start]:02x} at offset "
+                           f"{err.start})") from None
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise InvalidInput(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise InvalidInput(f"{path}:{n}: a JSON {type(row).__name__}, not a LongBench row (an object)")
         missing = [f for f in REQUIRED if f not in row]
         if missing:
             raise InvalidInput(f"{path}:{n}: row is missing field {missing[0]!r} (a LongBench row has {list(REQUIRED)}, "
