@@ -11,6 +11,7 @@ traceback of user errors too.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,8 +23,22 @@ def debugging(argv: Sequence[str]) -> bool:
     return "--debug" in argv or os.environ.get("KVJAX_DEBUG", "") not in ("", "0")
 
 
+class LengthHandled(logging.Filter):
+    """Drops transformers' warning that a text tokenized past the tokenizer's `model_max_length` "will result in
+    indexing errors": never true of kvjax's entry points, which refuse such a prompt themselves
+    (`kvjax.errors.PromptTooLong`, naming the model's positions), truncate it (--truncate: the warning then
+    contradicts what happens), or score a long text in windows (perplexity)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will result in indexing errors" not in record.getMessage()
+
+
+_LENGTH_HANDLED = LengthHandled()
+
+
 def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_HANDLED)  # once: a set of filters
     try:
         return main(argv)
     except UserError as err:

@@ -69,8 +69,11 @@ class PromptTooLong(InvalidInput):
         what = f"prompt of {self.longest} tokens" + (f" + max_new_tokens={self.max_new}" if self.absolute else "")
         fixes = []
         if self.truncate:  # truncation is on, but leaves no room for a prompt
-            fixes.append(f"generate fewer tokens (max_new_tokens={self.max_new} leaves "
-                         f"{self.max_positions - self.max_new} positions for the prompt)")
+            left = self.max_positions - self.max_new
+            fixes.append(f"generate fewer tokens (max_new_tokens={self.max_new} "
+                         + (f"leaves {left} positions for the prompt)" if left > 0 else
+                            f"leaves no positions for the prompt; at most {self.max_positions - 2} leave room for a "
+                            "2-token prompt)"))
         else:
             fixes.append(f"pass {truncate_hint} (LongBench's middle truncation)")
         fixes.append("shorten the prompt")

@@ -130,6 +130,35 @@ def size_rows(plan: LayerPlan, cache: AnyLayerCache, positions: Int[Array, "b t"
                            for _, rule, g in rule_groups(plan, cache)])
 
 
+# ---- what a call is given ------------------------------------------------------------------------------
+
+
+def check_inputs(call: str, geom: Geometry, plan: LayerPlan | None, q, k, v, pos, tokens=None) -> None:
+    """Refuses, at trace time, inputs of the wrong shape for `call` ("prefill", "chunk", "decode": the shapes of the
+    module docstring), or without the token ids a rule of `plan` reads (AnLLM's anchors), naming the argument and
+    the shape expected (an IndexError, or "None is not a valid value" deep in a rule, said neither)."""
+    one = call == "decode"
+    b, d = (q.shape[0] if jnp.ndim(q) else None), geom.head_dim
+    t = None if one or jnp.ndim(q) != 4 else q.shape[2]
+    dims = lambda *names: "[" + ", ".join(names) + "]"  # noqa: E731
+    per_token = () if one else ("t",)
+    want = {"q": ((b, geom.num_heads, d) if one else (b, geom.num_heads, t, d), dims("b", "h", *per_token, "d")),
+            "k": ((b, geom.num_kv_heads, d) if one else (b, geom.num_kv_heads, t, d), dims("b", "kvh", *per_token, "d")),
+            "pos": ((b,) if one else (b, t), dims("b", *per_token))}
+    want["v"], want["tokens"] = want["k"], want["pos"]
+    given = {"q": q, "k": k, "v": v, "pos": pos, **({} if tokens is None else {"tokens": tokens})}
+    for name, x in given.items():
+        shape, spelled = want[name]
+        if tuple(jnp.shape(x)) != shape:
+            raise InvalidInput(f"layer.{call}: {name} has shape {tuple(jnp.shape(x))}; expected {spelled} = {shape} "
+                               f"(h = {geom.num_heads}, kvh = {geom.num_kv_heads}, d = {d}"
+                               + ("; positions keep the batch axis, -1 on padding" if name == "pos" else "") + ")")
+    readers = [] if plan is None else [g.rule for g in plan.groups if g.rule.reads_tokens]
+    if readers and tokens is None:
+        raise InvalidInput(f"layer.{call}: {readers[0].describe()} reads the token ids: pass tokens "
+                           f"({dims('b', *per_token)} = {want['pos'][0]}, the ids at pos)")
+
+
 # ---- a whole prompt ----------------------------------------------------------------------------------
 
 
@@ -137,7 +166,14 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
             anchor_mask=None, key_keep=None, gate_keep=None):
     """A prompt attended whole (causal, the layer's window / ALiBi / soft-cap, an eq. 4 `anchor_mask`, gate
     `key_keep` flags), then cached by each of `plan`'s groups: `(output [b, h, t, d], cache)`. With `plan`
-    None, the plain forward (no cache). `gate_keep`: the flags handed to a gate policy (bool)."""
+    None, the plain forward (no cache). `gate_keep`: the flags handed to a gate policy (bool `[b, kvh, t]`)."""
+    check_inputs("prefill", geom, plan, q, k, v, pos, tokens)
+    if plan is not None and plan.prefill_stats().gate_keep:
+        want = (k.shape[0], geom.num_kv_heads, k.shape[2])
+        if gate_keep is None or tuple(jnp.shape(gate_keep)) != want:
+            raise InvalidInput(f"layer.prefill: {plan.rule.describe()} keeps what the Attention-Gates keep: pass "
+                               f"gate_keep, their flags (bool [b, kvh, t] = {want}; kvjax.gate), got "
+                               + ("none" if gate_keep is None else f"shape {tuple(jnp.shape(gate_keep))}"))
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     wanted = NO_STATS if plan is None else plan.prefill_stats()
     o, stats = attention.prefill_attention(
@@ -156,6 +192,8 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
 def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v, pos, tokens=None):
     """One prompt attended once for several plans (no eq. 4 mask, no gates: the attention is the same for all),
     each caching it under its own rules: `(output, caches)` (`kvjax.generate.generate_many`)."""
+    for lp in plans:
+        check_inputs("prefill", geom, lp, q, k, v, pos, tokens)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     wanted = NO_STATS
     for lp in plans:
@@ -301,6 +339,7 @@ def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
 def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens):
     """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
     rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
+    check_inputs("chunk", geom, plan, q, k, v, pos, tokens)
     past = past_the_plan(plan, cache, jnp.max(pos, axis=1))
     o, cache = _per_group(geom, plan, cache, q, k, v, pos,
                           lambda q, k, v, rule, c, mask: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, mask))
@@ -339,6 +378,7 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
     observes what it asked for: `(output [b, h, d], cache)`. A token past the cache of a rule that keeps every
     token is refused (`past_the_plan`)."""
+    check_inputs("decode", geom, plan, q, k, v, pos, tokens)
     past = past_the_plan(plan, cache, pos)
     if isinstance(cache, QuantizedLayerCache) and _reads_codes(geom, plan):
         o, cache = _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)

@@ -429,3 +429,83 @@ def test_cli_error_out_symlink_loop_and_non_utf8_longbench_are_one_line(tiny_dir
     assert code == 2 and "Traceback" not in err and [x for x in err.splitlines() if "error" in x] == [
         f"error: {data / 'narrativeqa.jsonl'}:2: not UTF-8 text (invalid continuation byte, byte 0xe9 at offset "
         f"{len(json.dumps(row)) + 1 + 14})"]
+
+
+# ---- item 20: the layer API names a wrong argument and the shape it expects ---------------------------------
+
+
+def test_cli_error_layer_api_names_the_argument_and_shape_expected():
+    """Positions without the batch axis were an IndexError, TypeError or unpack error; GateEviction without
+    `gate_keep` a TypeError on None; AnchorReduction without `tokens` "None is not a valid value". Each is refused
+    before tracing anything else, naming the argument and the shape expected."""
+    from kvjax.policies import GateEviction
+    from kvjax.policies.anllm import AnchorReduction
+
+    kvh, h, d, t = 2, 4, 16, 12
+    geom = layer.Geometry(layer=0, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, n, t, d)), jnp.float32) for n in (h, kvh, kvh))
+    plan = resolve(FullCache(), 1, kvh).sized(32, t).layers[0]
+    cache = layer.init_layer_cache(plan, 1, kvh, d, jnp.float32)
+    pos = jnp.arange(t)
+    expect = {
+        "prefill": ("pos has shape (12,); expected [b, t] = (1, 12) (h = 4, kvh = 2, d = 16; positions keep the "
+                    "batch axis, -1 on padding)",
+                    lambda: layer.prefill(geom, plan, cache, q, k, v, pos)),
+        "chunk": ("q has shape (4, 12, 16); expected [b, h, t, d]", lambda: layer.chunk(geom, plan, cache, q[0], k, v,
+                                                                                        pos[None], None)),
+        "decode": ("pos has shape (); expected [b] = (1,)",
+                   lambda: layer.decode(geom, plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0], jnp.asarray(3))),
+    }
+    for call, (message, run) in expect.items():
+        with pytest.raises(InvalidInput, match=re.escape(f"layer.{call}: {message}")):
+            run()
+    gate = resolve(GateEviction(), 1, kvh).sized(32, t).layers[0]
+    with pytest.raises(InvalidInput, match=re.escape("keeps what the Attention-Gates keep: pass gate_keep, their flags "
+                                                     "(bool [b, kvh, t] = (1, 2, 12); kvjax.gate), got none")):
+        layer.prefill(geom, gate, layer.init_layer_cache(gate, 1, kvh, d, jnp.float32), q, k, v, pos[None])
+    anllm = resolve(AnchorReduction(anchor_ids=(5,), anchor_slots=4, sequence=8, prefill_mode="stream"), 1, kvh)
+    anllm = anllm.sized(32, t).layers[0]
+    with pytest.raises(InvalidInput, match=r"^layer\.decode: AnchorReduction\(.*\) reads the token ids: pass tokens "
+                                           + re.escape("([b] = (1,), the ids at pos)")):
+        layer.decode(geom, anllm, layer.init_layer_cache(anllm, 1, kvh, d, jnp.float32), q[:, :, 0], k[:, :, 0],
+                     v[:, :, 0], jnp.asarray([0]))
+
+
+# ---- item 21: no false "indexing errors" warning; no negative positions in the advice -----------------------
+
+
+def test_cli_error_a_long_prompt_gets_kvjax_words_only(tiny_dir, tmp_path, capsys):
+    """transformers warned that a prompt past the tokenizer's model_max_length "will result in indexing errors"
+    before kvjax's own handling of it (with --truncate, where it is false); `--truncate --max-new-tokens 600` on a
+    512-position model advised that 600 new tokens "leave -88 positions for the prompt". Through an entry point,
+    a tokenizer of model_max_length 16 says nothing of a 40-token prompt that kvjax runs (no such record reaches
+    transformers' handlers), and too many new tokens are refused in one line that gives no negative count."""
+    import json
+    import logging
+    import shutil
+
+    from experiments import cli
+    from experiments import generate as gen_cli
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg | {"model_max_length": 16}))
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        code = cli.run(gen_cli.main, ["--model", str(model), "--truncate", "--max-new-tokens", "2",
+                                      "the quick brown fox jumps over the lazy dog " * 4])
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert not [m for m in said if "indexing errors" in m] and "indexing errors" not in err, said
+    code = cli.run(gen_cli.main, ["--model", str(model), "--truncate", "--max-new-tokens", "5000", "hello"])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and "generate fewer tokens (max_new_tokens=5000 leaves no positions for the prompt; at most 4094 " \
+        "leave room for a 2-token prompt)" in line and not re.search(r"-\d", line), line

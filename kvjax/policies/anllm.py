@@ -36,6 +36,7 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
 
     anchor_ids: tuple[int, ...]
     anchor_slots: int = 256
+    reads_tokens = True  # a class attribute, not a field: anchors are found by their ids
     sequence: int = 256
     span: tuple[int, int] | None = None
 

@@ -89,6 +89,9 @@ class Rule(abc.ABC):
     # True for a rule that never evicts (FullCache): its cache must hold every token of the sequence, so a prompt
     # longer than its slots, or a token past them, is refused (`kvjax.layer`) rather than evicting silently.
     keeps_every_token: bool = False
+    # True for a rule that reads the token ids (`Context.tokens`: AnLLM's anchors); `kvjax.layer` refuses a call
+    # without them.
+    reads_tokens: bool = False
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
     # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "window"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
