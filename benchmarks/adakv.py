@@ -26,6 +26,7 @@ from tqdm import tqdm
 from benchmarks.decode import BENCH_CONFIG, bench_meta, bench_model, time_kvjax
 from kvjax import FullCache
 from kvjax.policies import AdaKV, SnapKV
+from kvjax.cli import description
 
 
 def policies(budget: int) -> dict:
@@ -34,7 +35,7 @@ def policies(budget: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--lengths", default="4096,16384")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--new", type=int, default=64)

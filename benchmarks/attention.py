@@ -37,6 +37,7 @@ from tqdm import tqdm
 from kvjax import attention
 from kvjax import pallas as kernels
 from kvjax.masks import Mask
+from kvjax.cli import description
 
 # Peak HBM bandwidth (bytes/s) by device kind, for "% of peak".
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12, "TPU v5e": 0.82e12}
@@ -183,7 +184,7 @@ def write(out: Path, info: dict, decode: list, prefill: list, common: list) -> s
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=description(__doc__))
     p.add_argument("--decode", default="1024,4096,16384,32768,65536")
     p.add_argument("--decode-block", default="", help="decode kernel block sizes to compare (default: the kernel's)")
     p.add_argument("--decode-splits", default="", help="GPU decode splits to compare (default: the kernel's)")

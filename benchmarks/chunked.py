@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.cli import description
+
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CHUNK = 512
 
@@ -169,7 +171,7 @@ def write(out: Path, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunked", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.chunked", description=description(__doc__))
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--full-up-to", type=int, default=32768, help="longest whole-prompt prefill actually run")
     p.add_argument("--perplexity-tokens", type=int, default=65536)

@@ -22,6 +22,7 @@ from benchmarks.decode import BENCH_CONFIG
 from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
+from kvjax.cli import description
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -39,7 +40,7 @@ def time_prefill(graphdef, state, tokens, positions, plan, repeats):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from experiments.efficiency import time_policy
 from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
+from kvjax.cli import description
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -73,7 +74,7 @@ def time_torch(path, ids, new):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--lengths", default="1024,4096,16384")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from benchmarks.attention import best_time, peak_bandwidth
 from kvjax import pallas as kernels
 from kvjax.pallas import decode as pallas_decode
+from kvjax.cli import description
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -62,7 +63,7 @@ def time_config(q, k, v, pos, log_w, nbytes, **kw) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_tuning", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_tuning", description=description(__doc__))
     p.add_argument("--lengths", default="32768")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--blocks", default="64,128,256")

@@ -59,6 +59,7 @@ from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
+from kvjax.cli import description, model_help
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -277,10 +278,9 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], sho
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
-    p.add_argument("--model", help="a real checkpoint instead of --shape's random weights: a directory, a GGUF file "
-                                   "or a fetched name (smollm2)")
+    p.add_argument("--model", help="a real checkpoint instead of --shape's random weights: " + model_help())
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--max-batch-tokens", type=int, default=16384,

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from kvjax import engine, kvzip
 from kvjax.engine import bucket_length
 from kvjax.policies import KVzip, SnapKV
+from kvjax.cli import description, model_help
 from models import load
 
 
@@ -69,8 +70,8 @@ def measure(lm, length: int, ratio: float, repeats: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="a model directory, GGUF file or alias (default: the embedded default model)")
+    p = argparse.ArgumentParser(description=description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--ratio", type=float, default=0.75)
     p.add_argument("--repeats", type=int, default=2)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kvjax import FullCache, attention, engine
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
+from kvjax.cli import description
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -104,7 +105,7 @@ def time_sparse(t: int, repeats: int) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--lengths", default="1024,4096,16384")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-length", type=int, default=16384, help="tokens of the block-sparse table (0: none)")

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from kvjax import cache as kvcache
 from kvjax import layer, quant
 from kvjax.policies import FullCache, Quantized, resolve
+from kvjax.cli import description
 
 SHAPES = {"smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M's attention
           "llama-3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128)}
@@ -153,7 +154,7 @@ def plot(rows: list[dict], widths: list[int], plat: str, path: Path) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--lengths", default="4096,16384,65536")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)

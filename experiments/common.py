@@ -18,6 +18,7 @@ from experiments.default_model import (  # noqa: F401
 )
 from experiments.driver import attach_gates
 from experiments.policy_options import POLICY_OPTIONS
+from kvjax.cli import model_help  # noqa: F401  (every suite's --model help)
 from kvjax.errors import InvalidInput, MissingFile
 from kvjax.policies import (
     NO_BUDGET,

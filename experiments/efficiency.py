@@ -32,6 +32,7 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     int_list,
+    model_help,
     positive_int,
 )
 from experiments.records import shown
@@ -141,8 +142,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.efficiency", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.efficiency", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list,
                    help="comma-separated context lengths (default: max/4, max/2, max - new)")
     p.add_argument("--new", type=positive_int, default=32, help="decoded tokens per timing (>= 2)")

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import cli, driver
-from experiments.common import add_run_args, load_with_tokenizer, nonnegative_int, positive_int
+from experiments.common import add_run_args, load_with_tokenizer, model_help, nonnegative_int, positive_int
 from experiments.records import dumps_finite, write_atomic, shown
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
@@ -152,8 +152,8 @@ def write_report(out: Path, summary: dict, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.eval_anllm", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(prog="python -m experiments.eval_anllm", description=cli.description(__doc__))
+    p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
     p.add_argument("--anchor-tokens", nargs="*", help="anchor token strings (default: from config.json)")

@@ -32,7 +32,15 @@ from flax import nnx
 from tqdm import tqdm
 
 from experiments import cli, driver
-from experiments.common import add_run_args, fraction_removed, load_with_tokenizer, positive_int, read_text, windows
+from experiments.common import (
+    add_run_args,
+    fraction_removed,
+    load_with_tokenizer,
+    model_help,
+    positive_int,
+    read_text,
+    windows,
+)
 from experiments.records import ResultLog, dumps_finite, write_atomic
 from kvjax.cache import LayerCache
 from kvjax.engine import compiled
@@ -202,8 +210,8 @@ def write_report(out: Path, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.eval_gate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(prog="python -m experiments.eval_gate", description=cli.description(__doc__))
+    p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--gate-params", required=True)
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
     p.add_argument("--windows", type=positive_int, default=32)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, driver
-from experiments.common import add_run_args
+from experiments.common import add_run_args, model_help
 from experiments.records import shown
 from kvjax import heads as H
 from kvjax.errors import require_finite
@@ -80,8 +80,8 @@ def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_r
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.find_heads", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="local Hugging Face directory")
+    p = argparse.ArgumentParser(prog="python -m experiments.find_heads", description=cli.description(__doc__))
+    p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--out", required=True, help="heads file to write (JSON)")
     p.add_argument("--k", type=int, default=2500, help="random tokens per repetition (paper: 2500)")
     p.add_argument("--repeats", type=int, default=4, help="repetitions of the K tokens (paper: 4)")

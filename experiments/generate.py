@@ -23,6 +23,7 @@ from experiments.common import (
     add_run_args,
     attach_gate_params,
     default_model_dir,
+    model_help,
     nonnegative_float,
     nonnegative_int,
     policy_from_args,
@@ -61,10 +62,10 @@ class DecodeProgress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.generate", description=cli.description(__doc__))
     p.add_argument("prompt", nargs="*", type=utf8_text, default=["The attention sink is"],
                    help="one or more prompts (a batch)")
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli, passkey
+from experiments.common import model_help
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from models import DEFAULT_DIR
@@ -184,8 +185,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.model_card", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_DIR))
+    p = argparse.ArgumentParser(prog="python -m experiments.model_card", description=cli.description(__doc__))
+    p.add_argument("--model", default=str(DEFAULT_DIR), help=model_help("%(default)s"))
     p.add_argument("--samples", type=int, default=4, help="passkey samples per (length, depth)")
     p.add_argument("--out", default="results/model_card",
                    help="where the card is written (default: results/model_card), never the model's own directory by default (--out models/default "

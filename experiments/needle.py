@@ -32,6 +32,7 @@ from experiments.common import (
     chosen_policies,
     float_list,
     int_list,
+    model_help,
     positive_int,
     split_question,
     utf8_text,
@@ -187,8 +188,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.needle", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.needle", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--haystack", help="directory of .txt files (default: Python's reference documentation)")
     p.add_argument("--needle", type=utf8_text, default=NEEDLE)
     p.add_argument("--question", type=utf8_text, default=QUESTION, help="appended after the context")

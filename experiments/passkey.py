@@ -23,12 +23,13 @@ from tqdm import tqdm
 from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
-    chosen_policies,
     add_protocol_arg,
     add_run_args,
     attach_gate_params,
+    chosen_policies,
     float_list,
     int_list,
+    model_help,
     nonnegative_int,
     positive_int,
     split_question,
@@ -203,8 +204,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.passkey", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.passkey", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list, help="prompt lengths in tokens (default: max/4, max/2, max - 8, "
                                                 "those the prompt fits in)")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],

@@ -34,6 +34,7 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     int_list,
+    model_help,
     positive_int,
     read_text,
 )
@@ -148,8 +149,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.perplexity", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.perplexity", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--text", nargs="*", help="text files (default: held-out standard-library text)")
     p.add_argument("--lengths", type=int_list, help="comma-separated token counts (default: max/2, max, 2 max)")
     p.add_argument("--sequences", type=positive_int, default=1,

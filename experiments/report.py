@@ -39,7 +39,15 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
-from experiments.common import DEFAULT_MODEL_DIR, float_list, int_list, kvzip_replay, nonnegative_int, positive_int
+from experiments.common import (
+    DEFAULT_MODEL_DIR,
+    float_list,
+    int_list,
+    kvzip_replay,
+    model_help,
+    nonnegative_int,
+    positive_int,
+)
 from experiments.records import shown, write_atomic
 from experiments.longbench import __main__ as longbench
 from kvjax.policies import default_shallow_layers
@@ -89,9 +97,9 @@ PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.report", description=cli.description(__doc__))
     small = SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else DEFAULT_MODEL_DIR
-    p.add_argument("--model", default=str(small), help="local HF directory (default: kvjax-small)")
+    p.add_argument("--model", default=str(small), help=model_help("kvjax-small"))
     p.add_argument("--budget", type=positive_int, default=256,
                    help="cache slots per layer and KV head of every policy outside the sweeps")
     p.add_argument("--budgets", type=int_list, default=[128, 256, 512],

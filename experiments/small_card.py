@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import cli, corpus, passkey
-from experiments.common import positive_int
+from experiments.common import model_help, positive_int
 from experiments.longbench.suite import SMALL_DATA_DIR
 from experiments.model_card import heldout_loss, sink_shares, sink_table
 from experiments.records import ResultLog, dumps_finite, model_fingerprint, write_atomic
@@ -278,8 +278,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.small_card", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(SMALL_DIR))
+    p = argparse.ArgumentParser(prog="python -m experiments.small_card", description=cli.description(__doc__))
+    p.add_argument("--model", default=str(SMALL_DIR), help=model_help("%(default)s"))
     p.add_argument("--samples", type=positive_int, default=4, help="passkey samples per (length, depth); RULER and "
                                                                    "LongBench take 5x as many")
     p.add_argument("--out", default="results/small_card",

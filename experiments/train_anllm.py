@@ -24,6 +24,7 @@ from experiments import cli
 from experiments.common import (
     add_run_args,
     load_with_tokenizer,
+    model_help,
     read_text,
     windows,
 )
@@ -65,8 +66,8 @@ def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.train_anllm", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(prog="python -m experiments.train_anllm", description=cli.description(__doc__))
+    p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--variant", choices=["ep", "ac"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")

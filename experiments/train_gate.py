@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli, eval_gate
-from experiments.common import add_run_args, load_with_tokenizer
+from experiments.common import add_run_args, load_with_tokenizer, model_help
 from experiments.records import training_identity
 from experiments.eval_anllm import fact_task
 from kvjax.errors import InvalidInput
@@ -76,8 +76,8 @@ def sft_arrays(tok, rows: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndar
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.train_gate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(prog="python -m experiments.train_gate", description=cli.description(__doc__))
+    p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--mode", choices=["cpt", "sft"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", nargs="*", help="CPT: text files (default: pydoc_data.topics)")

@@ -146,7 +146,7 @@ def checked(convert):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.train_small", description=cli.description(__doc__))
     p.add_argument("--out", required=True, help="a new directory for the trained model (to replace the committed "
                                                  "kvjax-small, --out models/small)")
     p.add_argument("--init", default="models/default", help="the trained model to grow (an HF directory)")

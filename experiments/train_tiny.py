@@ -126,7 +126,7 @@ def batches(args, tok, data: dict[str, np.ndarray]) -> Callable[[int], dict]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.train_tiny", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.train_tiny", description=cli.description(__doc__))
     p.add_argument("--out", default="models/default",
                    help="output HF directory (default: the embedded default, models/default)")
     p.add_argument("--steps", type=int, default=3000, help="all steps, the warm stage's included")

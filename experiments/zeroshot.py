@@ -35,6 +35,7 @@ from experiments.common import (
     add_run_args,
     attach_gate_params,
     chosen_policies,
+    model_help,
     nonnegative_int,
     parse_ratios,
     policies_at_ratios,
@@ -232,8 +233,8 @@ def suite(lm, policies, out, *, data: str | None = None, items: int | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.zeroshot", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
     p.add_argument("--items", type=positive_int, help=f"built-in task: number of items (default {BUILTIN['items']})")
     p.add_argument("--seed", type=nonnegative_int, help=f"built-in task: its seed (default {BUILTIN['seed']})")

@@ -19,6 +19,20 @@ from collections.abc import Callable, Sequence
 from kvjax.errors import UserError
 
 
+def description(doc: str | None) -> str:
+    """A module docstring's first paragraph as one line: an entry point's `--help` description (its first line
+    alone stopped mid-sentence). A paragraph that introduces a list (`...:`) ends as a sentence."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return text[:-1] + "." if text.endswith(":") else text
+
+
+def model_help(default: str | None = None) -> str:
+    """--model's help, the same in every suite, trainer and benchmark: every form `models.load` reads, and the
+    default."""
+    return ("a local Hugging Face directory, a .gguf file, or a fetched model's name (smollm2, after python -m "
+            "models.fetch smollm2)" + (f"; default: {default}" if default else ""))
+
+
 def debugging(argv: Sequence[str]) -> bool:
     return "--debug" in argv or os.environ.get("KVJAX_DEBUG", "") not in ("", "0")
 

@@ -509,3 +509,34 @@ def test_cli_error_a_long_prompt_gets_kvjax_words_only(tiny_dir, tmp_path, capsy
     line = one_error_line(capsys.readouterr().err)
     assert code == 2 and "generate fewer tokens (max_new_tokens=5000 leaves no positions for the prompt; at most 4094 " \
         "leave room for a 2-token prompt)" in line and not re.search(r"-\d", line), line
+
+
+# ---- item 23: --help says what --model takes, in whole sentences ------------------------------------------
+
+
+def test_cli_error_help_names_every_model_form_in_whole_sentences(capsys):
+    """`--model`'s help said "local Hugging Face directory" (or nothing) in all 14 suites and trainers, never a
+    .gguf file or smollm2; `benchmarks.e2e --help` stopped mid-sentence (its docstring's first line). Every entry
+    point's description is its docstring's whole first paragraph, and every --model help names the three forms."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    scripts = [p for d in ("benchmarks", "experiments") for p in sorted((repo / d).rglob("*.py"))
+               if '__name__ == "__main__"' in p.read_text() and p.name != "tpu_aot.py"]  # tpu_aot: the TPU's
+    with_model = []
+    for path in scripts:
+        name = ".".join(path.relative_to(repo).with_suffix("").parts)
+        module = importlib.import_module(name)
+        with pytest.raises(SystemExit) as stop:
+            module.main(["--help"])
+        assert stop.value.code == 0, name
+        text = " ".join(capsys.readouterr().out.split())
+        paragraph = " ".join(ast.get_docstring(ast.parse(path.read_text())).split("\n\n")[0].split())
+        paragraph = paragraph[:-1] + "." if paragraph.endswith(":") else paragraph  # a list's introduction
+        assert paragraph in text and paragraph.endswith((".", ")")), (name, paragraph)
+        if "--model" in text:
+            with_model.append(name)
+            assert ".gguf file" in text and "smollm2" in text, name
+    assert len(with_model) >= 16, with_model

@@ -25,6 +25,7 @@ from experiments.common import (
     add_run_args,
     attach_gate_params,
     chosen_policies,
+    model_help,
     positive_int,
 )
 from experiments.longbench import harness
@@ -37,8 +38,8 @@ MAIN_BUDGET = 256  # 8x compression of kvjax-small's contexts (about 2000 tokens
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.longbench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: kvjax-small, models/small)")
+    p = argparse.ArgumentParser(prog="python -m experiments.longbench", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("kvjax-small, models/small"))
     p.add_argument("--data-dir", help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite, "
                                       f"{SMALL_DATA_DIR.name}/ for a model of >= 2048 tokens, else {DATA_DIR.name}/)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every .jsonl in --data-dir)")

@@ -33,6 +33,7 @@ from experiments.common import (
     attach_gate_params,
     chosen_policies,
     int_list,
+    model_help,
     nonnegative_int,
     parse_ratios,
     policies_at_ratios,
@@ -52,8 +53,8 @@ LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "kno
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.ruler", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="local Hugging Face directory (default: the embedded default model)")
+    p = argparse.ArgumentParser(prog="python -m experiments.ruler", description=cli.description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list, help="sequence lengths in tokens, prompt + generation "
                                                     "(default: the model's max_position_embeddings)")
     p.add_argument("--tasks", help=f"comma-separated (default: RULER's offline tasks {','.join(T.OFFICIAL)}); "
