@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax import quant
+from kvjax.errors import InvalidInput
 from kvjax.cache import LayerCache
 from kvjax.pallas import quant_decode
 from kvjax.quant import KVQuant
@@ -76,7 +77,10 @@ def test_supported_tiles():
     assert quant_decode.supported(qc(KVQuant(2, group=32, residual=32), 64), 64)
     assert not quant_decode.supported(qc(KVQuant(2, group=32), 32), 32)
     assert not quant_decode.supported(qc(KVQuant(2, group=8), 64), 64)
-    assert not quant_decode.supported(qc(KVQuant(2, group=2), 64), 64, interpret=True)
+    # (a value group narrower than a byte's codes, G = 2 at 2 bits, would make the cache larger than 16-bit: such a
+    # cache is refused before any kernel sees it, issue 61)
+    with pytest.raises(InvalidInput, match="takes more bytes quantized"):
+        qc(KVQuant(2, group=2), 64)
     with pytest.raises(ValueError, match="powers of two"):
         quant_decode.attend(jnp.zeros((1, 1, 32)), qc(KVQuant(2, group=32), 32), jnp.asarray([0]),
                             (jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 32))), scale=1.0)
