@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tqdm import tqdm
 
@@ -32,16 +34,19 @@ from kvjax import tpu
 from kvjax.errors import InvalidInput
 
 RESULTS = Path(__file__).parent / "results"
+TP_AXES = ("data", "model")  # kvjax.sharding's mesh axes: the batch over "data", whole heads over "model"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One program to compile: `build(device)` returns `(fn, args, static)` with abstract args on `device`."""
+    """One program to compile: `build(devices)` returns `(fn, args, static)` with abstract args placed on the first
+    `chips` of the topology's devices (one chip, or a tensor-parallel mesh)."""
 
     kernel: str
     shape: str
     build: Callable
+    chips: int = 1
 
     @property
     def name(self) -> str:
@@ -61,7 +66,8 @@ def decode_case(dtype: str, slots: int, batch: int, stats: bool) -> Case:
     from kvjax.pallas.decode import decode_attention
     from kvjax.stats import NO_STATS, StatsRequest
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         dt = DTYPES[dtype]
         args = (_sds((batch, H, D), dt, dev), _sds((batch, KVH, slots, D), dt, dev),
                 _sds((batch, KVH, slots, D), dt, dev), _sds((batch, KVH, slots), jnp.int32, dev),
@@ -94,7 +100,8 @@ MASKS = ("causal", "window", "anchors", "gate")
 def prefill_case(dtype: str, t: int, mask: str, colsum: bool = False) -> Case:
     from kvjax.pallas import prefill as kernel
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         dt = DTYPES[dtype]
         q, kv = _sds((1, H, t, D), dt, dev), _sds((1, KVH, t, D), dt, dev)
         pos = _sds((1, t), jnp.int32, dev)
@@ -114,7 +121,8 @@ def pool_case(dtype: str, slots: int, batch: int) -> Case:
     from kvjax.cache import PooledLayerCache
     from kvjax.pallas import pool_decode
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         dt, room = DTYPES[dtype], 256
         p = slots + KVH * room
         cache = PooledLayerCache(k=_sds((batch, p, D), dt, dev), v=_sds((batch, p, D), dt, dev),
@@ -132,7 +140,8 @@ def quant_case(dtype: str, bits: int, slots: int, batch: int, stats: bool) -> Ca
     from kvjax import quant
     from kvjax.pallas import quant_decode
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         dt = DTYPES[dtype]
         spec = quant.KVQuant(bits, None if bits == 8 else 32, residual=128)
         qc = jax.eval_shape(lambda: quant.empty(spec, batch, KVH, slots, D, dt))
@@ -149,7 +158,8 @@ def splash_case(dtype: str, t: int, head_dim: int = D) -> Case:
     """jax's splash attention as kvjax calls it for a plain causal prompt on a TPU (`attention.splash_prefill`)."""
     from kvjax import attention
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         dt = DTYPES[dtype]
         q, kv = _sds((1, H, t, head_dim), dt, dev), _sds((1, KVH, t, head_dim), dt, dev)
         return (lambda q, k, v, p: attention.splash_prefill(q, k, v, p, scale=head_dim ** -0.5)), (
@@ -240,7 +250,32 @@ def abstract_model(cfg, sharding):
     return graphdef, tpu.abstract(state, sharding), model
 
 
-def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, layers: int | None = None) -> Case:
+def _tp_sharding(mesh, chips: int):
+    """Tensor parallelism over `chips` devices, as `kvjax.sharding.shard_model` places a model: `(params, heads)`,
+    functions of (path, leaf) giving a parameter, or a cache array, its sharding: a cache array's axis 1 over
+    "model" where it divides (its KV heads; AdaKV's pool, which has no head axis, is split along its slots and
+    decodes in XLA on a mesh)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.sharding import MODEL, param_spec
+
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "name", k)))
+
+    def params(path, x):
+        keys = tuple(name(k) for k in path if name(k) != "value")
+        return NamedSharding(mesh, param_spec(keys, x.shape, chips))
+
+    def heads(path, x):
+        split = len(x.shape) >= 2 and x.shape[1] % chips == 0 and x.shape[1] >= chips
+        return NamedSharding(mesh, P(None, MODEL) if split else P())
+
+    return params, heads
+
+
+def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, layers: int | None = None, *,
+               chips: int = 1) -> Case:
     """One whole-model program on one chip: `prefill` (the prompt pass, `kvjax.engine.prefill`), `prefill-xla`
     (the same with `attention_impl="xla"`), `step` (one decode step, `kvjax.engine.decode`) or `loop` (the decode
     loop, `kvjax.generate.decode_fn`, 256 tokens)."""
@@ -248,46 +283,58 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
     from kvjax.generate import Sampling, decode_fn
     from kvjax.layer import init_cache
 
-    def build(dev):
+    def build(devices):
+        dev = devices[0]
         cfg = model_config(shape, layers)
         if program == "prefill-xla":  # the prompt pass through the jnp reference attention instead of the kernels
             cfg = dataclasses.replace(cfg, attention_impl="xla")
-        graphdef, state, model = abstract_model(cfg, tpu.on_device(dev))
+        if chips > 1:
+            mesh = jax.sharding.Mesh(np.asarray(devices[:chips]).reshape(1, chips), TP_AXES)
+            params, heads = _tp_sharding(mesh, chips)
+            whole = tpu.replicated(mesh)
+        else:
+            whole = tpu.on_device(dev)
+            params = heads = lambda path, x: whole  # noqa: E731
+        graphdef, state, model = abstract_model(cfg, params)
         plan = model.plan(make_policy(policy, cfg), prompt + NEW_TOKENS, prompt)
-        ints = lambda *shape: _sds(shape, jnp.int32, dev)  # noqa: E731
+
+        def ints(*shape):
+            return tpu.abstract(jax.ShapeDtypeStruct(shape, jnp.int32), whole)
         if program in ("prefill", "prefill-xla"):
             return engine.prefill.pure, (graphdef, state, ints(batch, prompt), ints(batch, prompt)), {"plan": plan}
         cache = jax.eval_shape(lambda: init_cache(plan, batch, cfg.num_kv_heads, cfg.head_dim, jnp.bfloat16))
-        cache = tpu.abstract(cache, tpu.on_device(dev))
+        cache = tpu.abstract(cache, heads)
         if program == "step":
             return engine.decode.pure, (graphdef, state, ints(batch), ints(batch), cache), {"plan": plan}
-        key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), tpu.on_device(dev))
-        args = (graphdef, state, cache, ints(batch), _sds((batch,), jnp.bool_, dev), ints(batch), key, ints(4),
-                ints(), ints())
+        key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), whole)
+        done = tpu.abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_), whole)
+        args = (graphdef, state, cache, ints(batch), done, ints(batch), key, ints(4), ints(), ints())
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
 
     depth = f" {layers}L" if layers else ""
-    return Case(f"{shape}{depth} {program}", f"{policy} b{batch} T{prompt}", build)
+    tp = f" TP{chips}" if chips > 1 else ""
+    return Case(f"{shape}{depth} {program}{tp}", f"{policy} b{batch} T{prompt}", build, chips)
 
 
 # ---- running the cases for one chip, in this process (the worker) or in a subprocess (the driver) ----
 
 CONSTRUCTORS = {"decode": decode_case, "prefill": prefill_case, "pool": pool_case, "quant": quant_case,
-                "splash": splash_case, "model": model_case}
+                "splash": splash_case, "model": model_case,
+                "model-tp": functools.partial(model_case, chips=4)}  # tensor parallel over the 2x2 topology's 4 chips
 
 
 def case_of(spec: list) -> Case:
     return CONSTRUCTORS[spec[0]](*spec[1:])
 
 
-def compile_case(case: Case, device, chip: str | None = None) -> dict:
+def compile_case(case: Case, devices, chip: str | None = None) -> dict:
     row = {"kernel": case.kernel, "shape": case.shape}
     try:
-        fn, args, static = case.build(device)
-        with tpu.target([device]):
+        fn, args, static = case.build(devices)
+        with tpu.target(devices[:case.chips], TP_AXES, (1, case.chips)):
             compiled, seconds = tpu.compile(fn, *args, **static)
         row.update(ok=True, compile_s=round(seconds, 3), **tpu.analysis(compiled))
-        if chip:
+        if chip:  # the memory analysis is per device
             row["fits"] = tpu.CHIPS[chip].fits(row["peak_bytes"])
     except Exception as err:  # a program that does not compile is a result, reported with its first line
         first = str(err).strip().splitlines()[0][:300]
@@ -304,10 +351,10 @@ def worker(chip: str, specs: list[list], records: Path) -> None:
     todo = [s for s in specs if json.dumps(s) not in done]
     if not todo:
         return
-    device = tpu.topology(chip).devices[0]
+    devices = tpu.topology(chip).devices
     for spec in tqdm(todo, desc=f"TPU {chip} compiles", unit="program"):
         load = os.getloadavg()[0]
-        row = compile_case(case_of(spec), device, chip) | {"chip": chip, "spec": spec}
+        row = compile_case(case_of(spec), devices, chip) | {"chip": chip, "spec": spec}
         # compile seconds are CPU wall time: the 1-minute load average around each says whether others shared it
         row["load"] = round(max(load, os.getloadavg()[0]), 2)
         with open(records, "a") as f:
@@ -373,29 +420,35 @@ def largest_prompt(rows: list[dict], chip: str) -> int | None:
 
 
 def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
-    """Fit on the larger chip's compiles (memory does not depend on the chip's size), predict each chip's largest
-    prompt, and check each prediction with one more compile on that chip."""
+    """The larger chip compiles every policy's prompt pass at two lengths per batch (the fit: memory does not depend
+    on the chip's size), one decode step at batch 1 and 8 and the decode loop at batch 1; each other chip compiles
+    the same decode programs, its predicted largest prompts (the compiler's check of the fit), and the 8B model
+    tensor parallel over its 2x2 topology. Resumes from `records`."""
     models = ("llama-1b",) if quick else tuple(SHAPES)
     fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
     fit_specs = [["model", m, p, "prefill", b, t] for m in models for p in POLICIES for b in FIT_POINTS
                  for t in FIT_POINTS[b]]
     # the reference attention's prompt pass at the longest fit point: flash-style tiles, or T x T scores?
     fit_specs += [["model", m, "full", "prefill-xla", 1, FIT_POINTS[1][-1]] for m in models]
-    step_specs = [s for m in models for b in FIT_POINTS for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop"))]
-    rows = {fit_chip: run_chip(fit_chip, fit_specs + step_specs, records)}
-    verify = {c: [] for c in chips}
-    for m in models:
-        for p in POLICIES:
-            for b in FIT_POINTS:
-                pts = [r for r in rows[fit_chip] if r["spec"][1:3] == [m, p] and r["spec"][3] == "prefill"
-                       and r["spec"][4] == b]
-                for c in chips:
+    decode_specs = [s for m in models for b in FIT_POINTS
+                    for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop") if b == 1 else ("step",))]
+    # tensor parallel over the 2x2 topology (Mosaic kernels under shard_map): the 8B model, whose bf16 weights
+    # alone exceed a v5e's 16 GiB
+    tp_specs = [] if quick else [["model-tp", "llama-8b", p, prog, 1, FIT_POINTS[1][0]] for p in POLICIES
+                                 for prog in ("prefill", "step")]
+    rows = {fit_chip: run_chip(fit_chip, decode_specs + fit_specs, records)}
+    for c in chips:
+        if c == fit_chip:
+            continue
+        verify = []
+        for m in models:
+            for p in POLICIES:
+                for b in FIT_POINTS:
+                    pts = [r for r in rows[fit_chip] if r["spec"][:5] == ["model", m, p, "prefill", b]]
                     t = largest_prompt(pts, c)
                     if t:
-                        verify[c].append(["model", m, p, "prefill", b, t])
-    for c in chips:
-        extra = [] if c == fit_chip else step_specs
-        rows[c] = run_chip(c, verify[c] + extra, records) + (rows.get(c) or [])
+                        verify.append(["model", m, p, "prefill", b, t])
+        rows[c] = run_chip(c, decode_specs + verify + tp_specs, records)
     return rows
 
 

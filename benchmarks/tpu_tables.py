@@ -34,7 +34,7 @@ def kernel_table(rows: list[dict]) -> list[str]:
     out = ["| kernel | shape | compiles | compile s | arguments MiB | temporaries MiB | peak MiB | load |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["spec"][0] == "model":
+        if r["spec"][0].startswith("model"):
             continue
         status = "yes" if r["ok"] else f"**no**: {r['error']}"
         out.append(f"| {r['kernel']} | {r['shape']} | {status} | {r.get('compile_s', '')} | "
@@ -50,15 +50,17 @@ def model_table(rows: list[dict], chip: str) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spec = r["spec"]
-        if spec[0] != "model":
+        if not spec[0].startswith("model"):
             continue
         model, policy, program, batch, prompt = spec[1:6]
+        step = program == "step"
+        if spec[0] == "model-tp":
+            program += " (TP 4 chips)"
         fits = {True: "yes", False: "**no**", None: ""}[r.get("fits")]
         if not r["ok"]:
             out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | | | | | {fits} | | | | "
                        f"{r['error'][:160]} | {r.get('load', '')} |")
             continue
-        step = program == "step"
         ratio = f"{r['bytes_accessed'] / r['argument_bytes']:.2f}" if step else ""
         ms = f"{1e3 * r['bytes_accessed'] / bw:.2f}" if step else ""
         out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | {r['compile_s']:.1f} | "
@@ -67,22 +69,36 @@ def model_table(rows: list[dict], chip: str) -> list[str]:
     return out
 
 
-def largest_table(rows: list[dict], chip: str) -> list[str]:
-    """Per model, policy and batch: the longest prompt whose prefill the fit predicts within HBM, and whether the
+def _prefills(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["spec"][0] == "model" and r["spec"][3] == "prefill" and len(r["spec"]) == 6]
+
+
+def largest_table(records: list[dict], chip: str) -> list[str]:
+    """Per model, policy and batch: the longest prompt whose prefill the fit (on the larger chip's compiles, as
+    `benchmarks.tpu_aot.models_stage` makes them) predicts within this chip's HBM, and whether this chip's
     compile at that length fits (the compiler's verdict)."""
     from benchmarks.tpu_aot import FIT_POINTS, largest_prompt
 
+    chips = {r["chip"] for r in _prefills(records)}
+    fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
+    fit_rows, own = _prefills(_latest(records, fit_chip)), _prefills(_latest(records, chip))
     out = ["| model | policy | " + " | ".join(f"batch {b}: largest prompt (compiled peak GiB)" for b in FIT_POINTS)
            + " |", "|---|---|" + "---|" * len(FIT_POINTS)]
-    fit_rows = [r for r in rows if r["spec"][0] == "model" and r["spec"][3] == "prefill" and len(r["spec"]) == 6]
     combos = sorted({(r["spec"][1], r["spec"][2]) for r in fit_rows})
     for model, policy in combos:
         cells = []
         for b in FIT_POINTS:
-            pts = [r for r in fit_rows if r["spec"][1:3] == [model, policy] and r["spec"][4] == b]
-            t = largest_prompt([r for r in pts if r["spec"][5] in FIT_POINTS[b]], chip)
-            check = next((r for r in pts if r["spec"][5] == t), None)
-            if t is None:
+            pts = [r for r in fit_rows if r["spec"][1:3] == [model, policy] and r["spec"][4] == b
+                   and r["spec"][5] in FIT_POINTS[b]]
+            t = largest_prompt(pts, chip)
+            check = next((r for r in own if r["spec"][1:3] == [model, policy] and r["spec"][4] == b
+                          and r["spec"][5] == t), None)
+            fitting = [r["spec"][5] for r in pts if r["ok"] and tpu.CHIPS[chip].fits(r["peak_bytes"])]
+            if check is None and chip == fit_chip and t is not None:  # the fit chip: its own points, no check
+                cells.append(f"{t} (predicted from this chip's compiles at {', '.join(map(str, FIT_POINTS[b]))})")
+            elif t is None and fitting:  # the longer point does not fit: the largest lies between the two
+                cells.append(f"between {max(fitting)} and {max(FIT_POINTS[b])} (not fitted)")
+            elif t is None:
                 cells.append("none (the fit points do not fit)")
             elif check is None:
                 cells.append(f"{t} (not compiled)")
@@ -105,21 +121,25 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
           f"{c.hbm_bandwidth / 1e9:.0f} GB/s, the compiler's estimate of a bandwidth-bound step, not a measurement. "
           "Compile seconds are wall time on 2 CPU cores; the last column is the 1-minute load average around "
           "each compile (above 1, another job shared the cores and the seconds are inflated).", ""]
-    if any(r["spec"][0] != "model" for r in rows):
+    if any(not r["spec"][0].startswith("model") for r in rows):
         md += ["## Kernels (Mosaic)", "", *kernel_table(rows), ""]
-    if any(r["spec"][0] == "model" for r in rows):
+    if any(r["spec"][0].startswith("model") for r in rows):
         md += ["## Whole model (kvjax's Llama, bf16, `attention_impl=\"pallas\"`)", "",
                "Llama-3.2-1B and Llama-3.1-8B shapes with random weights. Budgets: 4096 slots per layer and KV head "
                "(SnapKV, AdaKV's mean, RazorAttention's local heads with 2 of 8 KV heads retrieval); "
                "`full-4bit` is FullCache in 4-bit KIVI codes (group 32, 128 residual tokens). `step` is one decode "
-               "step (`kvjax.engine.decode`), `loop` the decode loop of 256 tokens (`kvjax.generate.decode_fn`).", "",
+               "step (`kvjax.engine.decode`), `loop` the decode loop of 256 tokens (`kvjax.generate.decode_fn`), "
+               "`prefill-xla` the prompt pass with `attention_impl=\"xla\"`. TP: tensor parallel over the 2x2 "
+               "topology's 4 chips (`kvjax.sharding`'s placement, the Pallas kernels under `shard_map`); its bytes "
+               "are per chip.", "",
                *model_table(rows, chip), "",
                "## The largest prompt each policy fits", "",
                "An affine fit of the prefill's compiled peak bytes against prompt length (two compiled lengths per "
-               "batch, on the larger chip), solved for this chip's HBM and rounded down to 1024 tokens (at most "
-               "128K, the models' context), then compiled at that length on this chip. The prefill bounds the "
+               "batch, on the larger chip, v6e), solved for this chip's HBM and rounded down to 1024 tokens (at "
+               "most 128K, the models' context); on the smaller chip (v5e) then compiled at that length, the "
+               "compiler's check of the fit. The prefill bounds the "
                "run: it holds the weights, the whole cache it returns and the prompt's activations, and the decode "
-               "loop then holds only the weights and the cache.", "", *largest_table(rows, chip), ""]
+               "loop then holds only the weights and the cache.", "", *largest_table(records, chip), ""]
     text = "\n".join(md)
     _atomic(out_dir / f"tpu_aot_{chip}.md", text)
     _atomic(out_dir / f"tpu_aot_{chip}.json", json.dumps(rows, indent=1))

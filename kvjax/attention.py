@@ -15,6 +15,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from kvjax import pallas as kernels
@@ -31,6 +32,44 @@ __all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Ma
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
 IMPLS = ("xla", "pallas")
+
+
+def _sharding_mesh():
+    """`(mesh, data axis, model axis)` of the mesh set by `jax.set_mesh`, each axis None unless it has more than
+    one device; `(None, None, None)` when nothing is split."""
+    from kvjax.sharding import DATA, MODEL
+
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = {} if mesh.empty else dict(mesh.shape)
+    data = DATA if axes.get(DATA, 1) > 1 else None
+    model = MODEL if axes.get(MODEL, 1) > 1 else None
+    return (None, None, None) if data is None and model is None else (mesh, data, model)
+
+
+def per_shard(fn, *args, layouts: tuple[str, ...], out: tuple[str, ...]):
+    """`fn(*args)` (a Pallas kernel call, which XLA cannot partition) run on each device's shard of a mesh set
+    with `jax.set_mesh` whose "data" or "model" axis has more than one device: `jax.shard_map` with each array's
+    leading axes placed by its layout ("b": the batch over "data", "h": heads over "model", ".": whole), the
+    Megatron split of `kvjax.sharding` (whole heads per device, a GQA group with its KV head). Without such a
+    mesh, `fn(*args)`. `args` and `fn`'s outputs are flat tuples of arrays; `out` gives each output's layout."""
+    mesh, data, model = _sharding_mesh()
+    if mesh is None:
+        return fn(*args)
+    rows = [x.shape[layout.index("b")] for x, layout in zip(args, layouts) if "b" in layout]
+    if data is not None and any(n % mesh.shape[data] for n in rows):
+        data = None  # a batch the "data" axis does not divide (a single row scored, say): every device takes it all
+    heads = [x.shape[layout.index("h")] for x, layout in zip(args, layouts) if "h" in layout]
+    if model is not None and any(n % mesh.shape[model] for n in heads):
+        # a head group that does not split evenly (RazorAttention's retrieval heads, say): every device runs all
+        # of it, as XLA would have to
+        warn_once(f"a Pallas kernel over {sorted(set(heads))} heads runs whole on each of the mesh's {model!r} "
+                  f"devices ({mesh.shape[model]}): the heads do not split evenly")
+        model = None
+    if data is None and model is None:
+        return fn(*args)
+    spec = lambda layout: P(*({"b": data, "h": model}.get(c) for c in layout))  # noqa: E731
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(x) for x in layouts), out_specs=tuple(spec(x) for x in out),
+                         check_vma=False)(*args)
 
 
 def check_impl(impl: str) -> None:
@@ -159,20 +198,43 @@ def prefill_attention(
                           head_dim=q.shape[-1])
     if route in ("cudnn", "splash"):
         first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
-        out = cudnn_prefill(q, k, v, q_pos, scale=scale) if route == "cudnn" else splash_prefill(
-            q, k, v, q_pos, scale=scale)
+        if route == "cudnn":
+            out = cudnn_prefill(q, k, v, q_pos, scale=scale)
+        else:
+            out, = per_shard(lambda *a: (splash_prefill(*a, scale=scale),), q, k, v, q_pos, layouts=("bh", "bh", "bh", "b"),
+                             out=("bh",))
         return out, AttentionStats(first_logit=first_logit, window_probs=window_probs)
     _no_softcap_kernel(mask, impl)
     if route == "xla":
         return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, mask=mask, block=block,
                                            self_attention=self_attention)
-    variant, interpret = kernels.platform_variant()
-    kw = dict(scale=scale, variant=variant, interpret=interpret, mask=mask)
-    out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, with_lse=stats.colsum, **kw)
-    out = out.astype(q.dtype)
-    colsum = kernels.colsum(q, k, lse, q_pos, k_pos, **kw) if stats.colsum else None
+    out, colsum = _prefill_kernels(q, k, v, q_pos, k_pos, scale=scale, mask=mask, colsum=stats.colsum)
     first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
     return out, AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
+
+
+def _prefill_kernels(q, k, v, q_pos, k_pos, *, scale: float, mask: Mask, colsum: bool):
+    """kvjax.pallas's prefill (and colsum pass) on each shard (`per_shard`): the output and the column sums or
+    None. The mask's arrays travel as arguments, each with its layout."""
+    variant, interpret = kernels.platform_variant()
+    parts = {"alibi": "h", "key_keep": "bh"}
+    given = [n for n in parts if getattr(mask, n) is not None]
+    anchors = mask.anchors
+
+    def run(q, k, v, q_pos, k_pos, *rest):
+        arrays = dict(zip(given, rest))
+        if anchors is not None:
+            arrays["anchors"] = AnchorMask(*rest[len(given):])
+        kw = dict(scale=scale, variant=variant, interpret=interpret, mask=mask.replace(**arrays))
+        out, lse = kernels.prefill_attention(q, k, v, q_pos, k_pos, with_lse=colsum, **kw)
+        out = out.astype(q.dtype)
+        return (out, kernels.colsum(q, k, lse, q_pos, k_pos, **kw)) if colsum else (out,)
+
+    extra = [getattr(mask, n) for n in given] + ([] if anchors is None else [anchors.segment, anchors.anchor,
+                                                                             anchors.keep])
+    layouts = ("bh", "bh", "bh", "b", "b", *(parts[n] for n in given), *(("b",) * (3 * (anchors is not None))))
+    out = per_shard(run, q, k, v, q_pos, k_pos, *extra, layouts=layouts, out=("bh", "bh")[:1 + colsum])
+    return out[0], (out[1] if colsum else None)
 
 
 def prefix_attention(
@@ -209,8 +271,16 @@ def quantized_decode_attention(q: Float[Array, "b h d"], qc, newest: Int[Array, 
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
         if quant_decode.supported(qc, q.shape[-1], interpret, variant):
-            return quant_decode.attend(q, qc, newest, current, scale=scale, probs=probs, first_logit=first_logit,
-                                       variant=variant, interpret=interpret)
+            leaves, tree = jax.tree.flatten(qc)
+
+            def run(q, newest, cur_k, cur_v, *leaves):
+                got = quant_decode.attend(q, jax.tree.unflatten(tree, leaves), newest, (cur_k, cur_v), scale=scale,
+                                          probs=probs, first_logit=first_logit, variant=variant, interpret=interpret)
+                return tuple(x for x in got if x is not None)
+
+            out, *rest = per_shard(run, q, newest, *current, *leaves, layouts=("bh", "b", "bh", "bh")
+                                   + ("bh",) * len(leaves), out=("bh",) * (1 + probs + first_logit))
+            return out, (rest.pop(0) if probs else None), (rest.pop(0) if first_logit else None)
         warn_once(f"attention_impl='pallas': a quantized cache ({qc.spec.describe()}, head size {q.shape[-1]}) on "
                    f"{variant} decodes through the jnp reference (kvjax.quant.attend): its tiles do not fit the "
                    "kernel reading codes (kvjax.pallas.quant_decode.supported)")
@@ -227,10 +297,10 @@ def pooled_decode_attention(q: Float[Array, "b h d"], cache, pos: Int[Array, "b"
     check_impl(impl)
     if impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        if mask.plain:
+        if mask.plain and _sharding_mesh()[0] is None:
             return pool_decode.attend(q, cache, scale=scale, variant=variant, interpret=interpret)
-        warn_once("attention_impl='pallas': a pooled per-head cache (AdaKV) with ALiBi, a window or a soft-cap "
-                  "decodes in XLA: the pool kernel takes none of them")
+        warn_once("attention_impl='pallas': a pooled per-head cache (AdaKV) decodes in XLA with ALiBi, a window, a "
+                  "soft-cap or on a mesh that splits the model (the pool kernel is not yet run per shard)")
     b, kvh = pos.shape[0], cache.num_kv_heads
     owned = cache.head[:, None, :] == jnp.arange(kvh, dtype=jnp.int32)[None, :, None]
     slot_pos = jnp.where(owned, cache.pos[:, None, :], -1)  # [b, kvh, P]
@@ -269,7 +339,14 @@ def decode_attention(
                    "kernel takes neither")
     elif impl == "pallas":
         variant, interpret = kernels.platform_variant()
-        return kernels.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, variant=variant,
-                                        interpret=interpret)
+
+        def run(*arrays):
+            out, st = kernels.decode_attention(*arrays, scale=scale, stats=stats, variant=variant, interpret=interpret)
+            return (out, *(x for x in (st.first_logit, st.probs) if x is not None))
+
+        out, *rest = per_shard(run, q, k, v, slot_pos, log_w, layouts=("bh",) * 5,
+                               out=("bh",) * (1 + stats.first_logit + stats.probs))
+        first_logit = rest.pop(0) if stats.first_logit else None
+        return out, AttentionStats(first_logit=first_logit, probs=rest.pop(0) if stats.probs else None)
     return reference.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, q_coord=q_coord,
                                       k_coord=k_coord, mask=mask)

@@ -4,9 +4,8 @@ The test extra installs `libtpu` (kvjax compiles for TPU on a CPU with it, `kvja
 loads it at the first computation of *any* process unless told the platforms to use: libtpu then takes its
 process lock (`/tmp/libtpu_lockfile`, which makes a later TPU compile in another process fail) and looks for
 a cloud metadata server over the network. kvjax never runs on a TPU that is not there, so where the machine has
-no accelerator device node (TPU VMs have `/dev/accel*` or `/dev/vfio`, NVIDIA GPUs `/dev/nvidia*`) and the user
-chose no platform (`JAX_PLATFORMS`), jax is given the CPU only, before any backend starts. Imported first by
-`kvjax/__init__.py`.
+no accelerator device node (`ACCELERATOR_NODES`) and the user chose no platform (`JAX_PLATFORMS`), jax is
+given the CPU only, before any backend starts. Imported first by `kvjax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ import os
 
 import jax
 
-ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/kfd", "/dev/dri/renderD*")
+# TPU VMs: /dev/accel* (v4, v5e) or numbered /dev/vfio/N groups (v5p, v6e); NVIDIA: /dev/nvidia*; AMD (ROCm):
+# /dev/kfd; CUDA under WSL2: /dev/dxg. A GPU whose nodes appear only later, or another plugin, needs JAX_PLATFORMS.
+ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia*", "/dev/kfd", "/dev/dxg")
 
 
 def has_accelerator() -> bool:

@@ -11,12 +11,15 @@ between calls without a new compilation are arrays (lengths, counts, token ids);
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
+
+from kvjax import sharding
 
 # Token counts that vary between calls are padded to buckets, so a new length compiles only at a new bucket.
 MIN_BUCKET = 16
@@ -27,6 +30,11 @@ def bucket_length(n: int, min_bucket: int = MIN_BUCKET) -> int:
     return max(min_bucket, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def _tracing() -> bool:
+    """Whether this runs inside a jit / vmap trace (a compiled call made from another)."""
+    return isinstance(jax.numpy.zeros(()), jax.core.Tracer)  # every op is staged inside a trace
+
+
 def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable:
     """Decorator: `fn(model, *arrays, **static)` becomes one jitted program of `(graphdef, state, ...)`.
 
@@ -35,8 +43,25 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
 
     def wrap(fn: Callable) -> Callable:
         @functools.partial(jax.jit, static_argnames=tuple(static), donate_argnames=tuple(donate))
-        def pure(graphdef, state, *args, **kwargs):
+        def jitted(graphdef, state, *args, **kwargs):
             return fn(nnx.merge(graphdef, state), *args, **kwargs)
+
+        def on_mesh(method):
+            # Parameters placed on a mesh (kvjax.sharding.shard_model): traced with that mesh set, so the Pallas
+            # kernels run per shard (`kvjax.attention.per_shard`) instead of being left to XLA, which cannot
+            # partition them.
+            @functools.wraps(method)
+            def call(graphdef, state, *args, **kwargs):
+                mesh = sharding.mesh_of(state)
+                # set once, from outside any trace (`jax.set_mesh` refuses to be entered inside one)
+                keep = mesh is None or not jax.sharding.get_abstract_mesh().empty or _tracing()
+                with contextlib.nullcontext() if keep else jax.set_mesh(mesh):
+                    return method(graphdef, state, *args, **kwargs)
+
+            return call
+
+        pure = on_mesh(jitted)
+        pure.lower, pure.trace = on_mesh(jitted.lower), on_mesh(jitted.trace)
 
         @functools.wraps(fn)
         def call(model, *args, **kwargs):

@@ -16,7 +16,7 @@ a process started with them (and, where the machine allows, in a network namespa
     # in my_compile.py:
     topo = tpu.topology("v5e")
     with tpu.target(topo.devices[:1]) as mesh:
-        compiled, seconds = tpu.compile(fn, *tpu.abstract(args, mesh))
+        compiled, seconds = tpu.compile(fn, *tpu.abstract(args, tpu.replicated(mesh)))
 
 What this proves and what it does not: a program compiled this way is the one a TPU would be given, and its
 memory analysis is the compiler's; its speed is not measured (there is no chip).
@@ -82,11 +82,12 @@ def unavailable() -> str | None:
 
 
 def offline_command(argv: list[str]) -> list[str]:
-    """`argv` inside a network namespace with no interface but loopback, where `unshare -n` works (root, or
-    user namespaces allowed); else `argv` as it is, which `offline_env` keeps off the network."""
+    """`argv` inside a network namespace with no interface but loopback, where `unshare -rn` works (a user
+    namespace maps the caller to root in it, so no privilege is needed where the kernel allows user namespaces);
+    else `argv` as it is, which `offline_env` keeps off the network."""
     unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
-        return [unshare, "-n", *argv]
+    if unshare and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0:
+        return [unshare, "-rn", *argv]
     return list(argv)
 
 

@@ -49,6 +49,17 @@ def main(path):
             "cache_spec": str(cache[0].k.sharding.spec) if hasattr(cache[0].k.sharding, "spec") else str(cache[0].k.sharding),
             "generate_cache_devices": len(b.cache[0].k.sharding.device_set),
         }
+    # the Pallas kernels (interpreted on these host devices) under the mesh: each device's shard of heads and
+    # rows through `kvjax.attention.per_shard`, since XLA cannot partition a kernel
+    from kvjax.policies import Quantized, SnapKV
+
+    single = load(path, attention_impl="pallas").model
+    sharded = shard_model(load(path, attention_impl="pallas").model, make_mesh(data=2, model=4))
+    for name, policy in {"pallas-snapkv": SnapKV(budget=12, observation_window=4), "pallas-4bit": Quantized(FullCache(), bits=4, group=4)}.items():
+        a = generate(single, prompts, policy, max_new_tokens=8, eos_ids=())
+        b = generate(sharded, prompts, policy, max_new_tokens=8, eos_ids=())
+        report[name] = {"same_tokens": a.tokens.tolist() == b.tokens.tolist(),
+                        "generate_cache_devices": len(jax.tree.leaves(b.cache)[0].sharding.device_set)}
     try:
         shard_model(load(path).model, make_mesh(data=1, model=8))
         report["error"] = None

@@ -31,6 +31,10 @@ def test_sharded_generation_equals_one_device(tmp_path):
         assert r["same_tokens"], name
         assert r["logit_scale"] > 0.5 and r["max_logit_diff"] <= 1e-5, (name, r)
         assert r["generate_cache_devices"] == 8  # the cache is spread over the mesh, not on one device
+    # kvjax's Pallas kernels on the mesh: per shard, the tokens one device gives
+    for name in ("pallas-snapkv", "pallas-4bit"):
+        assert report[name]["same_tokens"], name
+        assert report[name]["generate_cache_devices"] == 8, name
     # 4 KV heads cannot be split 8 ways
     assert "num_attention_heads=8" not in report["error"]
     assert "num_key_value_heads=4 is not divisible by the mesh's tensor-parallel axis 'model' of size 8" in report["error"]

@@ -52,8 +52,8 @@ def _compile_script(precision_for_bf16: str) -> str:
         if {precision_for_bf16!r} == "highest":  # the code before the fix: HIGHEST whatever the operands
             tiles.precision = lambda a, b: jax.lax.Precision.HIGHEST
         from benchmarks import tpu_aot
-        dev = tpu.topology("v5e").devices[0]
-        row = tpu_aot.compile_case(tpu_aot.decode_case("bf16", 4096, 1, False), dev, "v5e")
+        devices = tpu.topology("v5e").devices
+        row = tpu_aot.compile_case(tpu_aot.decode_case("bf16", 4096, 1, False), devices, "v5e")
         print("OK" if row["ok"] else row["error"])
     """)
 
@@ -87,10 +87,12 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
 
     specs = [["model", "llama-1b", "snapkv", "prefill", 1, 2048, 2]]
     specs += [["model", "llama-1b", p, "step", 1, 2048, 2] for p in tpu_aot.POLICIES]
+    specs += [["model-tp", "llama-1b", "full", "step", 1, 2048, 2]]  # 4 chips, the kernels under shard_map
     rows = tpu_aot.run_chip("v5e", specs, tmp_path / "records.jsonl", timeout=900)
     failed = [f"{r['kernel']}[{r['shape']}]: {r['error']}" for r in rows if not r["ok"]]
     assert not failed and len(rows) == len(specs), failed
-    by = {(r["spec"][2], r["spec"][3]): r for r in rows}
+    by = {(r["spec"][2], r["spec"][3]): r for r in rows if r["spec"][0] == "model"}
+    tp = next(r for r in rows if r["spec"][0] == "model-tp")
     # the decode step reads every parameter once: 2 layers of a 1B model's widths and the tied embedding
     cfg = tpu_aot.model_config("llama-1b", 2)
     layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -98,5 +100,8 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     params = 2 * (2 * layer + cfg.vocab_size * cfg.hidden_size)  # bf16
     full = by[("full", "step")]
     assert params <= full["bytes_accessed"] <= full["argument_bytes"] * 1.5
+    # tensor parallel: each chip holds the replicated embedding and a quarter of the layers' weights and cache
+    layers_and_cache = full["argument_bytes"] - 2 * cfg.vocab_size * cfg.hidden_size
+    assert tp["argument_bytes"] < full["argument_bytes"] - 0.7 * layers_and_cache
     # a 4-bit cache holds fewer bytes than the full one at the same length (codes, scales and a residual)
     assert by[("full-4bit", "step")]["argument_bytes"] < full["argument_bytes"]

@@ -127,9 +127,12 @@ def _tile_table(runs: Int[Array, "b kvh 2 2"], bk: int) -> Int[Array, "b kvh 8"]
 
 
 def _tpu_tile(b, kh, j, tab):
-    """The pool tile grid step `j` reads: the first run's tiles, then the second's, then the last one again."""
+    """The pool tile grid step `j` reads: the first run's tiles, then the second's, then the last one again (the
+    first run's last, or tile 0, when the second run is empty), so the index never leaves the pool."""
     in_first = j < tab[b, kh, N0]
     later = tab[b, kh, F1] + jnp.minimum(j - tab[b, kh, N0], jnp.maximum(tab[b, kh, N1] - 1, 0))
+    last_first = tab[b, kh, F0] + jnp.maximum(tab[b, kh, N0] - 1, 0)
+    later = jnp.where(tab[b, kh, N1] > 0, later, jnp.where(tab[b, kh, N0] > 0, last_first, 0))
     return jnp.where(in_first, tab[b, kh, F0] + j, later)
 
 

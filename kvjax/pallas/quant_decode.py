@@ -22,8 +22,8 @@ TPU (Mosaic) variant: grid `(b, kvh, nk)`, one tile of `lcm(128, G)` slots a ste
 softmax folded in VMEM scratch across steps. Codes are widened to int32 before their planes are shifted out; the
 key scales and zeros are laid out tile by tile outside the kernel (`[nk, tile groups x planes, d / per]`, a
 block equal to the array's last two dimensions, as Mosaic requires), and each key group's row is broadcast over
-its G slots inside. Any head size and group size whose codes divide into the tile compile (`supported_tpu`);
-compiled by libtpu for v5e and v6e (tests/test_tpu_aot.py), never run on a TPU.
+its G slots inside; int8 tiles are 512 slots. KIVI groups of a multiple of 8 slots compile (`supported(...,
+variant="tpu")`); compiled by libtpu for v5e and v6e (tests/test_tpu_aot.py), never run on a TPU.
 """
 
 from __future__ import annotations
@@ -312,8 +312,10 @@ def attend(q: Float[Array, "b h d"], qc: QuantizedLayerCache, newest: Int[Array,
     if variant == "tpu" and splits is not None:
         raise ValueError(f"pallas quantized decode: splits={splits} is a GPU option; the TPU variant has none")
     if not supported(qc, d, interpret, variant):
+        need = ("Triton's powers of two >= 16 (planes of d / per columns, key groups of G slots)" if variant == "gpu"
+                else "key groups of a multiple of 8 slots")
         raise ValueError(f"pallas quantized decode: head size {d} with {spec.describe()} gives tiles the {variant} "
-                         "kernel cannot take; use kvjax.quant.attend")
+                         f"kernel cannot take ({need}); use kvjax.quant.attend")
     qg = q.reshape(b, kvh, g, d).astype(jnp.float32)
     dot = lambda x: jnp.einsum("bkgd,bk...d->bkg...", qg, x.astype(jnp.float32)) * scale  # noqa: E731
     valid = qc.pos >= 0
