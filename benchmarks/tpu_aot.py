@@ -232,7 +232,7 @@ def make_policy(name: str, cfg):
         per_layer = tuple(tuple(h < 2 for h in range(cfg.num_kv_heads)) for _ in range(cfg.num_layers))
         return RazorAttention(retrieval=per_layer, buffer=BUDGET)
     if name == "adakv":
-        return AdaKV(SnapKV(budget=BUDGET))
+        return AdaKV(scorer=SnapKV(budget=BUDGET))
     if name == "full-4bit":
         return Quantized(FullCache(), bits=4, group=32, residual=128)
     raise ValueError(name)
@@ -347,7 +347,9 @@ def compile_case(case: Case, devices, chip: str | None = None) -> dict:
 def worker(chip: str, specs: list[list], records: Path) -> None:
     """Compiles each spec not yet in `records` (a JSONL, one row appended and synced as each finishes, so a
     killed run resumes where it stopped)."""
-    done = {json.dumps(r["spec"]) for r in read_records(records) if r["chip"] == chip}
+    # done: compiled, or refused by the compiler for the chip's memory (a result); any other error is tried again
+    done = {json.dumps(r["spec"]) for r in read_records(records) if r["chip"] == chip
+            and (r["ok"] or r.get("fits") is False)}
     todo = [s for s in specs if json.dumps(s) not in done]
     if not todo:
         return
