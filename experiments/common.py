@@ -461,3 +461,55 @@ def windows(ids: list[int], seq_len: int) -> np.ndarray:
     if n == 0:
         raise InvalidInput(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
     return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
+
+
+# ---- training and evaluation text, disjoint by construction ----
+
+# Given --data files, the last fifth of their text is evaluation's. A share of the text, not a count of
+# windows: training and evaluation commands take different --seq-len and window counts, and a cut in
+# windows moves with them (issue 65: train_gate held out its last 16 windows, eval_gate scored the last
+# 32, so 16 scored windows had been trained on).
+HELD_OUT_SHARE = 0.2
+# Joins a training run's identity: a run begun under the old rule (all of the text) is not resumed on another
+SPLIT_RULE = "default text: experiments.corpus's train / heldout topics; --data: the last 20 % held out"
+
+
+def split_text(files: list[str] | None) -> tuple[str, str]:
+    """(training text, held-out text) of `files` (--data), or of the offline default. Training commands read
+    only the first and evaluation commands only the second, so no choice of windows, lengths or counts makes
+    them share a character. The default text splits as every offline suite does (`experiments.corpus`: one
+    topic in ten held out by a hash of its name), so the held-out reference text that zero-shot and
+    LongBench passages are built from is never trained on either; given files, the last `HELD_OUT_SHARE`
+    of their text (from a line's start) is held out. A paragraph the held-out text also has is not trained on."""
+    if not files:
+        from experiments import corpus
+
+        train, held = ("\n\n".join(t for _, t in corpus.doc_documents(split)) for split in ("train", "heldout"))
+    else:
+        text = read_text(files)
+        cut = int(len(text) * (1 - HELD_OUT_SHARE))
+        cut = text.rfind("\n", 0, cut) + 1 or cut  # a line's start, where there is one
+        train, held = text[:cut], text[cut:]
+    # A text can say the same thing twice: pydoc's "attribute-access" and "context-managers" topics are
+    # sections of "specialnames", word for word. Training skips every paragraph the held-out text has.
+    seen = {para.strip() for para in held.split("\n\n") if para.strip()}
+    return "\n\n".join(para for para in train.split("\n\n") if para.strip() not in seen), held
+
+
+def training_windows(tok, files: list[str] | None, seq_len: int) -> np.ndarray:
+    """The `seq_len`-token windows a training command reads: the training part of `split_text` only."""
+    return windows(tok(split_text(files)[0], add_special_tokens=False)["input_ids"], seq_len)
+
+
+def held_out_windows(tok, files: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
+    """The first `n` `seq_len`-token windows of the held-out part of `split_text`: what an evaluation scores.
+    Asking for more than it holds is an error naming the options (`count_flag` and --seq-len): more would be
+    trained-on text."""
+    ids = tok(split_text(files)[1], add_special_tokens=False)["input_ids"]
+    have = len(ids) // seq_len
+    if have < n:
+        fix = f"ask for at most {have}" if have else "pass a shorter --seq-len"
+        raise InvalidInput(f"{count_flag} {n} with --seq-len {seq_len}: the held-out part of "
+                           f"{'--data' if files else 'the default text'} ({len(ids)} tokens) has {have} windows of "
+                           f"{seq_len} tokens, and training reads the rest; {fix}")
+    return windows(ids, seq_len)[:n]

@@ -3,8 +3,9 @@
     python -m experiments.eval_gate --model DIR --gate-params DIR [--data a.txt ...] [--windows 32]
                                     [--seq-len 256] [--prefix 0.75] [--out DIR]
 
-On held-out text windows (the last `--windows` of the data, which `experiments.train_gate`
-does not train on):
+On held-out text windows (the first `--windows` of the held-out text, which `experiments.train_gate`
+never reads: the held-out topics of the default text, or the last fifth of --data; asking for more
+windows than it holds, or scoring text the gates were trained on, is an error):
 
 * held-out LM loss of the base model and of the gated model (eq. 7 forward);
 * the eviction ratio of every layer and KV head (eviction.json / eviction.png, Figure 1);
@@ -22,6 +23,7 @@ a killed run resumes.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,15 +35,15 @@ from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import (
+    SPLIT_RULE,
     add_run_args,
     fraction_removed,
+    held_out_windows,
     load_with_tokenizer,
     model_help,
     positive_int,
-    read_text,
-    windows,
 )
-from experiments.records import ResultLog, dumps_finite, write_atomic
+from experiments.records import ResultLog, content_fingerprint, dumps_finite, write_atomic
 from kvjax.cache import LayerCache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
@@ -50,18 +52,28 @@ from kvjax.policies import GateEviction, make_policy
 from kvjax.train import next_token_loss
 
 
-def held_out(tok, data: list[str] | None, seq_len: int, n: int) -> np.ndarray:
-    text = read_text(data)
-    w = windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)
-    if len(w) < n + 1:
-        raise InvalidInput(f"the data has {len(w)} windows of {seq_len} tokens; need more than --windows={n}")
-    return w[-n:]
+def held_out(tok, data: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
+    """The windows scored: the first `n` of the held-out text, which `experiments.train_gate` never reads
+    (`experiments.common.split_text`)."""
+    return held_out_windows(tok, data, seq_len, n, count_flag)
 
 
-def split_train(tok, data, seq_len: int, n_eval: int) -> np.ndarray:
-    """The training windows: all but the held-out last `n_eval`."""
-    text = read_text(data)
-    return windows(tok(text, add_special_tokens=False)["input_ids"], seq_len)[:-n_eval]
+def trained_on_scored_text(identity: dict, data: list[str] | None) -> str | None:
+    """Why gates trained with `identity` (their training/train_identity.json) have read text that evaluation
+    on `data` (--data) scores, or None. Both commands split the same text the same way, so only two cases
+    overlap: gates trained before the split (they read all of their text) on the text scored, and the two
+    commands given different --data that share a file (each splits its own concatenation)."""
+    trained = identity.get("--data content") or None  # None: the default text
+    scored = [content_fingerprint(f) for f in data] if data else None
+    shared = trained == scored or bool(set(trained or ()) & set(scored or ()))
+    if not shared:
+        return None  # another text altogether: nothing scored was trained on
+    if identity.get("held-out text") != SPLIT_RULE:
+        return "the gates were trained on all of that text (before training and evaluation text were split)"
+    if trained != scored:
+        return (f"the gates were trained with --data {' '.join(identity.get('--data') or [])}, which shares a file "
+                "with it but splits differently")
+    return None
 
 
 @compiled()
@@ -226,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --prefix: {args.prefix} must be in (0, 1)")
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     driver.attach_gates(lm, args.gate_params)
+    trained = Path(args.gate_params) / "training" / "train_identity.json"  # absent for gates saved by the API
+    why = trained.is_file() and trained_on_scored_text(json.loads(trained.read_text()), args.data)
+    if why:
+        raise InvalidInput(f"--gate-params {args.gate_params} with --data {' '.join(args.data or ['(default)'])}: "
+                           f"{why}; evaluate them on other text, or retrain them")
+    tokens = held_out(lm.tokenizer, args.data, args.seq_len, args.windows)  # before any record is written
     out = Path(args.out or Path(args.gate_params) / "eval")
     # Resumable part by part (OUT/parts.jsonl), never over another configuration's parts.
     log = driver.call(p, driver.open_records, out, lm, "parts.jsonl", {"data": args.data, "windows": args.windows,
                                                        "seq_len": args.seq_len, "prefix": args.prefix,
                                                        "baseline_eviction": args.baseline_eviction}, files=("data",))
-    result = evaluate(lm.model, held_out(lm.tokenizer, args.data, args.seq_len, args.windows), args.prefix,
+    result = evaluate(lm.model, tokens, args.prefix,
                       baseline_eviction=args.baseline_eviction, log=log)
     dumps_finite(result)  # a NaN loss is an error, not a number in the table
     write_report(out, result)

@@ -7,7 +7,9 @@ AnLLM-EP: the anchors are existing tokens (default the period "."). AnLLM-AC: a 
 tokenizer and the embedding (initialised from the embedding mean, or --ac-init
 period for the official code's copy of "."). Without --data the text is Python's
 own English reference documentation (`pydoc_data.topics`), so the command runs
-offline. The run resumes from OUT/checkpoints if it was interrupted.
+offline. Training never reads the held-out part of the text (`experiments.common.split_text`:
+the held-out topics of the default text, which the zero-shot, LongBench and perplexity suites
+read, or the last fifth of --data). The run resumes from OUT/checkpoints if it was interrupted.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import numpy as np
 
 from experiments import cli
 from experiments.common import (
+    SPLIT_RULE,
     add_run_args,
     load_with_tokenizer,
     model_help,
-    read_text,
+    split_text,
     windows,
 )
 from experiments.records import training_identity, write_atomic
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
-    text = read_text(args.data)
+    # never the held-out text: an evaluation of the model on windows of the same text scores only that
+    text = split_text(args.data)[0]
     try:
         placement = parse_placement(args.placement)[0]
     except ValueError as err:
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                       save_every=args.save_every)
     out = Path(args.out)
     result = train(model, batch, loss, cfg, out / "training",
-                   identity=training_identity(args, models=("model",), files=("data",), skip=("steps",)))
+                   identity=training_identity(args, models=("model",), files=("data",), skip=("steps",))
+                   | {"held-out text": SPLIT_RULE})
     save_pretrained(result.model, out, tokenizer=tok)
     cfg_file = out / "config.json"
     meta = json.loads(cfg_file.read_text())

@@ -4,8 +4,9 @@
     python -m experiments.train_gate --model DIR --mode sft --out DIR [--sft-data items.jsonl] [--lora-rank 8]
 
 CPT (Section 4.1): the base model is frozen and only the gates learn, from text windows
-(default: Python's own documentation, `pydoc_data.topics`, so it runs offline); the last
-`--eval-windows` windows are held out. SFT (Section 4.2): LoRA on q/k/v/o plus the gates,
+(default: Python's own documentation, `pydoc_data.topics`, so it runs offline), never its held-out
+part (`experiments.common.split_text`: the held-out topics of the default text, or the last fifth of
+--data), from which `experiments.eval_gate` takes its windows. SFT (Section 4.2): LoRA on q/k/v/o plus the gates,
 on JSON lines `{"prompt": ..., "answer": ...}` with the LM loss on the answer tokens
 (default: the built-in fact-retrieval task of `experiments.eval_anllm`); the adapters are
 merged and the model is saved to OUT/model.
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli, eval_gate
-from experiments.common import add_run_args, load_with_tokenizer, model_help
+from experiments.common import SPLIT_RULE, add_run_args, load_with_tokenizer, model_help, training_windows
 from experiments.records import training_identity
 from experiments.eval_anllm import fact_task
 from kvjax.errors import InvalidInput
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--eval-windows", type=int, default=16, help="CPT: held-out windows")
+    p.add_argument("--eval-windows", type=int, default=16,
+                   help="CPT: windows of the held-out text (never trained on) the closing evaluation scores")
     p.add_argument("--sft-items", type=int, default=256)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         trainable += (LORA_PATTERN,)
         toks, pos, weights = sft_arrays(tok, sft_records(args.sft_data, args.sft_items, args.seed), args.seq_len)
     else:
-        toks = eval_gate.split_train(tok, args.data, args.seq_len, args.eval_windows)
+        # the closing evaluation's windows first: a count the held-out text cannot hold fails before training
+        held = eval_gate.held_out(tok, args.data, args.seq_len, args.eval_windows, "--eval-windows")
+        toks = training_windows(tok, args.data, args.seq_len)
         pos = np.broadcast_to(np.arange(args.seq_len, dtype=np.int32), toks.shape)
         weights = np.ones(toks.shape, np.float32)
     order = np.random.default_rng(args.seed).permutation(len(toks))
@@ -136,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                        save_every=args.save_every)
     result = train(model, batch, loss, tcfg, out / "training",
                    identity=training_identity(args, models=("model",), files=("data", "sft_data"),
-                                              skip=("steps",)))
+                                              skip=("steps",))
+                   | ({"held-out text": SPLIT_RULE} if args.mode == "cpt" else {}))
     save_gates(result.model, out)
     h = result.history
     print(f"trained  {len(h)} steps ({args.mode}, {cfg}); lm loss {h[0]['lm_loss']:.3f} -> {h[-1]['lm_loss']:.3f}, "
@@ -148,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote    {out / 'model'} (LoRA merged) and the gates in {out} (--gate-params)")
         return 0
     print(f"wrote    the gates in {out} (--gate-params) and {out / 'training' / 'loss.png'}")
-    held = eval_gate.held_out(tok, args.data, args.seq_len, args.eval_windows)
     eval_gate.write_report(out / "eval", eval_gate.evaluate(result.model, held))
     return 0
 

@@ -341,3 +341,32 @@ def test_anchors_in_one_head_group_are_refused_with_the_reason(tiny):
     policy = by_head([[True, False], [True, False]], AnchorReduction(anchor_ids=(ANCHOR,)), FullCache())
     with pytest.raises(ValueError, match="cannot cache a head group of layer 0.*by_layer"):
         tiny.model.init_cache(policy, 1, 64, 32)
+
+
+def test_identity_train_anllm_never_reads_the_held_out_topics(tiny_dir, tmp_path, monkeypatch):
+    """The default text's held-out topics (`experiments.corpus`) are what the zero-shot and LongBench passages
+    and perplexity's default text are made of: `train_anllm` must not train on them, or an evaluation of the
+    trained model on them scores text it learned. No 128-token stretch of a held-out topic (bytes: 128
+    characters) is in a training window. Before 2026-11-27 it trained on every topic."""
+    from experiments import corpus, train_anllm
+    from models import load
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_train(model, batch, loss, cfg, out, **kw):
+        seen["rows"] = np.concatenate([np.asarray(batch(i)["tokens"]) for i in range(2000)])
+        raise Stop
+
+    monkeypatch.setattr(train_anllm, "train", fake_train)
+    with pytest.raises(Stop):
+        train_anllm.main(["--model", str(tiny_dir), "--variant", "ep", "--out", str(tmp_path / "m")])
+    tok = load(tiny_dir).tokenizer
+    rows = seen["rows"]
+    assert len(np.unique(rows, axis=0)) > 1000  # every window of the text, read in batches of 4
+    trained = {r[i : i + 128].tobytes() for r in rows for i in range(rows.shape[1] - 128 + 1)}
+    for name, text in corpus.doc_documents("heldout"):
+        ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
+        assert not any(ids[i : i + 128].tobytes() in trained for i in range(len(ids) - 128 + 1)), name

@@ -459,3 +459,81 @@ def test_table_1_protocol_accuracy_and_eviction_through_the_zero_shot_scorer(tin
         assert res[baseline]["kv_share"] == pytest.approx((n // 2) / n)
     gate = res["gate"]["kv_share"]
     assert 0 < gate < 1 and gate != pytest.approx((n // 2) / n)
+
+
+def _stretches(rows: np.ndarray, k: int) -> set[bytes]:
+    """Every k-token stretch inside the windows `rows`."""
+    return {r[i : i + k].tobytes() for r in rows for i in range(rows.shape[1] - k + 1)}
+
+
+def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monkeypatch):
+    """`train_gate` and `eval_gate` with their default options (the default text, 256-token windows, their
+    default numbers of held-out windows) read disjoint text: no 128-token stretch of a window evaluation scores
+    occurs in a window training reads (the tiny model's tokens are bytes: 128 characters, longer than the
+    sentences a text repeats by chance). The windows are the ones the two commands hand to training and to
+    evaluation. Before 2026-11-27 training held out the last 16 windows of the text and evaluation scored the
+    last 32, so 16 scored windows had been trained on; and pydoc repeats whole topics inside others."""
+    from experiments import eval_gate, train_gate
+    from experiments.common import default_text
+    from models import load as load_lm
+
+    class Stop(Exception):
+        pass
+
+    stream = load_lm(tiny_dir).tokenizer(default_text(), add_special_tokens=False)["input_ids"]
+    seen = {}
+
+    def fake_train(model, batch, loss, cfg, out, **kw):
+        # the batches cycle through every training window: as many as the text has windows reach them all
+        rows = [np.asarray(batch(i)["tokens"]) for i in range(len(stream) // 256 + 1)]
+        seen["train"] = np.unique(np.concatenate(rows), axis=0)
+        raise Stop
+
+    def fake_evaluate(model, tokens, *a, **kw):
+        seen["eval"] = np.asarray(tokens)
+        raise Stop
+
+    monkeypatch.setattr(train_gate, "train", fake_train)
+    monkeypatch.setattr(eval_gate, "evaluate", fake_evaluate)
+    with pytest.raises(Stop):
+        train_gate.main(["--model", str(tiny_dir), "--mode", "cpt", "--out", str(tmp_path / "g")])
+    gates = tmp_path / "gates"
+    save_gates(_gated(tiny_dir), gates)
+    with pytest.raises(Stop):
+        eval_gate.main(["--model", str(tiny_dir), "--gate-params", str(gates), "--out", str(tmp_path / "e")])
+    assert len(seen["eval"]) == 32 and len(seen["train"]) > 32
+    shared = _stretches(seen["eval"], 128) & _stretches(seen["train"], 128)
+    assert not shared, f"{len(shared)} stretches of 128 scored tokens were trained on"
+
+
+def test_identity_a_combination_that_would_score_trained_text_is_one_error(tiny_dir, tmp_path, capsys):
+    """More held-out windows than the held-out fifth of --data holds (more would be trained-on text), and gates
+    trained under the old rule (all of their text) evaluated on that text: each one line, exit 2, naming the
+    options. The data: 10 lines of 100 characters (bytes: tokens), so the held-out fifth is 2 lines, 202
+    tokens with their line ends: 3 windows of 64."""
+    from experiments import cli, eval_gate, train_gate
+    from experiments.common import SPLIT_RULE
+    from experiments.records import content_fingerprint
+
+    data = tmp_path / "data.txt"
+    data.write_text("".join(f"{i}" * 100 + "\n" for i in range(10)))
+    code = cli.run(train_gate.main, ["--model", str(tiny_dir), "--mode", "cpt", "--out", str(tmp_path / "g"),
+                                     "--data", str(data), "--seq-len", "64", "--eval-windows", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: --eval-windows 4 with --seq-len 64: the held-out part of --data") and \
+        "has 3 windows of 64 tokens" in err and "ask for at most 3" in err
+    gates = tmp_path / "gates"
+    save_gates(_gated(tiny_dir), gates)
+    (gates / "training").mkdir()
+    old = {"--data": [str(data)], "--data content": [content_fingerprint(data)]}
+    (gates / "training" / "train_identity.json").write_text(json.dumps(old))
+    argv = ["--model", str(tiny_dir), "--gate-params", str(gates), "--data", str(data), "--seq-len", "64",
+            "--windows", "3", "--out", str(tmp_path / "e")]
+    assert cli.run(eval_gate.main, argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--gate-params {gates} with --data {data}: the gates were trained on all" in err
+    # the same gates under the split rule: evaluation on the held-out windows is theirs to run
+    split = old | {"held-out text": SPLIT_RULE}
+    assert eval_gate.trained_on_scored_text(split, [str(data)]) is None
+    assert "shares a file" in eval_gate.trained_on_scored_text(split, [str(data), str(data)])
