@@ -85,6 +85,11 @@ def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, bloc
     bk = block
     dp = tiles.gpu_head_dim(d) if variant == "gpu" else d
     q, k, v = (tiles.pad_axis(x, x.ndim - 1, dp) for x in (q, k, v))
+    # A cache whose slot count is not a whole number of tiles (of tiles x splits, on the GPU) is padded, and padding
+    # copies all of it at every step (4x the cache's bytes in a compiled TPU step's cost analysis). On the TPU the
+    # tile is the largest of 512 / 256 / 128 slots that divides the cache (`tiles.dividing`). The GPU still pads
+    # (C = 4096 + 256 new tokens is padded to 32 x 128 x 2): fewer splits would avoid the copy and lose programs
+    # at batch 1, a trade only a GPU can time.
     if variant == "gpu":
         gp = max(16, tiles.next_pow2(g))
         nblocks = -(-c // bk)
@@ -92,6 +97,7 @@ def _decode(q, k, v, slot_pos, log_w, *, scale, logits, variant, interpret, bloc
         cp = tiles.round_up(c, bk * splits)
     else:
         gp, splits = tiles.round_up(g, 8), 1
+        bk = tiles.dividing(c, [x for x in (bk, 256, 128) if x <= bk]) or bk
         cp = tiles.round_up(c, bk)
     qg = tiles.pad_axis(q.reshape(b, kvh, g, dp), 2, gp)
     kp, vp = tiles.pad_axis(k, 2, cp), tiles.pad_axis(v, 2, cp)

@@ -18,11 +18,11 @@ and (KIVI) `G` must be; `supported` says whether a cache qualifies, and callers 
 otherwise. Inference only. Validated in interpret mode on the CPU (tests/test_pallas_quant.py); its Triton
 compilation is exercised on a GPU by `bash benchmarks/gpu.sh`.
 
-TPU (Mosaic) variant: grid `(b, kvh, nk)`, one tile of `lcm(128, G)` slots a step (the lanes of `pos`), the
+TPU (Mosaic) variant: grid `(b, kvh, nk)`, one tile of a multiple of `lcm(128, G)` slots a step (`tpu_tile`), the
 softmax folded in VMEM scratch across steps. Codes are widened to int32 before their planes are shifted out; the
 key scales and zeros are laid out tile by tile outside the kernel (`[nk, tile groups x planes, d / per]`, a
 block equal to the array's last two dimensions, as Mosaic requires), and each key group's row is broadcast over
-its G slots inside; int8 tiles are 512 slots. KIVI groups of a multiple of 8 slots compile (`supported(...,
+its G slots inside; int8 tiles are up to 512 slots. KIVI groups of a multiple of 8 slots compile (`supported(...,
 variant="tpu")`); compiled by libtpu for v5e and v6e (tests/test_tpu_aot.py), never run on a TPU.
 """
 
@@ -181,8 +181,12 @@ def _codes_partials(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, int
 
 
 def tpu_tile(qc: QuantizedLayerCache) -> int:
-    """Slots per TPU tile: a multiple of 128 (the lanes of `pos`) holding whole key groups (KIVI)."""
-    return math.lcm(128, qc.spec.group) if qc.spec.kivi else 512
+    """Slots per TPU tile: a multiple of 128 (the lanes of `pos`) holding whole key groups (KIVI), the largest of
+    4, 2 or 1 such units (512 slots at most for int8) that divides the cache, so its codes are not padded (a copy
+    of all of them at every step); else the largest, padded."""
+    unit = math.lcm(128, qc.spec.group) if qc.spec.kivi else 128
+    sizes = [m * unit for m in (4, 2, 1) if m * unit <= max(512, unit)]
+    return tiles.dividing(qc.capacity, sizes) or sizes[0]
 
 
 def _tpu_kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref, *rest,

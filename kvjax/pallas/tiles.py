@@ -148,6 +148,11 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def dividing(n: int, candidates) -> int | None:
+    """The first of `candidates` that divides `n` (a tile or split count that needs no padding), else None."""
+    return next((x for x in candidates if n % x == 0), None)
+
+
 def query_meta(pos: Int[Array, "b t"], segment=None, anchor=None) -> Int[Array, "b t 4"]:
     z = jnp.zeros_like(pos)
     cols = [pos, z if segment is None else segment, z if anchor is None else anchor.astype(jnp.int32), z]
