@@ -117,6 +117,21 @@ def _kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_r
     m_ref[...], l_ref[...] = m, l
 
 
+def _padded(qc: QuantizedLayerCache, pos_codes, cp: int):
+    """The operands both variants read, padded to `cp` slots: positions and biases as rows `[b, kvh, 1, cp]`, the
+    key and value codes, and the scales and zeros: int8's per slot as columns `[b, kvh, cp, 1]` (no zero point:
+    the scales stand in, unread); KIVI's values' `[b, kvh, cp, d / G]` (its keys' are laid out by each variant)."""
+    pad = lambda x, value=0: tiles.pad_axis(x, 2, cp, value)  # noqa: E731
+    pos, lw = pad(pos_codes, -1)[:, :, None], pad(qc.log_w.astype(jnp.float32))[:, :, None]
+    if qc.spec.kivi:
+        ks = kz = None
+        vs, vz = pad(qc.v_scale), pad(qc.v_zero)
+    else:
+        ks, vs = pad(qc.k_scale)[..., None], pad(qc.v_scale)[..., None]
+        kz, vz = ks, vs
+    return pos, lw, pad(qc.k_codes), pad(qc.v_codes), ks, kz, vs, vz
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "logits", "interpret", "splits"))
 def _codes_partials(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, interpret, splits):
     """The kernel over the codes of the slots `pos_codes >= 0`: merged `(m, l [b, kvh, g, 1], acc [b, kvh, g, d])`
@@ -136,20 +151,14 @@ def _codes_partials(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, int
     # the query in channel planes: channel per * i + t -> plane t, column i
     qp = q.reshape(b, kvh, g, dp, per).transpose(0, 1, 4, 2, 3)
     qp = tiles.pad_axis(qp, 3, gp)  # [b, kvh, per, gp, dp]
-    pos = tiles.pad_axis(pos_codes, 2, cp, -1)[:, :, None]
-    lw = tiles.pad_axis(qc.log_w.astype(jnp.float32), 2, cp)[:, :, None]
-    kc, vc = tiles.pad_axis(qc.k_codes, 2, cp), tiles.pad_axis(qc.v_codes, 2, cp)
+    pos, lw, kc, vc, ks, kz, vs, vz = _padded(qc, pos_codes, cp)
     if s.kivi:
         ng = cp // bk
         planes = lambda x: tiles.pad_axis(x, 2, ng).reshape(b, kvh, ng, dp, per).transpose(0, 1, 4, 2, 3)  # noqa: E731
         ks, kz = planes(qc.k_scale), planes(qc.k_zero)  # [b, kvh, per, ng, dp]
-        vs, vz = tiles.pad_axis(qc.v_scale, 2, cp), tiles.pad_axis(qc.v_zero, 2, cp)  # [b, kvh, cp, d / G]
         k_spec = pl.BlockSpec((None, None, per, cs // bk, dp), lambda b, kh, i: (b, kh, 0, i, 0))
         v_spec = pl.BlockSpec((None, None, cs, d // s.group), lambda b, kh, i: (b, kh, i, 0))
     else:
-        ks = tiles.pad_axis(qc.k_scale, 2, cp)[..., None]  # [b, kvh, cp, 1]
-        vs = tiles.pad_axis(qc.v_scale, 2, cp)[..., None]
-        kz, vz = ks, vs  # unread: int8 has no zero point
         k_spec = v_spec = pl.BlockSpec((None, None, cs, 1), lambda b, kh, i: (b, kh, i, 0))
     code_spec = pl.BlockSpec((None, None, cs, dp), lambda b, kh, i: (b, kh, i, 0))
     row_spec = pl.BlockSpec((None, None, 1, cs), lambda b, kh, i: (b, kh, 0, i))
@@ -258,22 +267,16 @@ def _codes_partials_tpu(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits,
     cp = tiles.round_up(c, bk)
     nk = cp // bk
     qp = tiles.pad_axis(q.reshape(b, kvh, g, dp, per).transpose(0, 1, 4, 2, 3), 3, gp)  # [b, kvh, per, gp, dp]
-    pos = tiles.pad_axis(pos_codes, 2, cp, -1)[:, :, None]
-    lw = tiles.pad_axis(qc.log_w.astype(jnp.float32), 2, cp)[:, :, None]
-    kc, vc = tiles.pad_axis(qc.k_codes, 2, cp), tiles.pad_axis(qc.v_codes, 2, cp)
+    pos, lw, kc, vc, ks, kz, vs, vz = _padded(qc, pos_codes, cp)
     if s.kivi:
         tg = bk // s.group  # key groups per tile
         # [b, kvh, groups, d] -> per tile, row g * per + t: group g's scales of plane t's channels
         table = lambda x: tiles.pad_axis(x, 2, nk * tg).reshape(b, kvh, nk, tg, dp, per).transpose(  # noqa: E731
             0, 1, 2, 3, 5, 4).reshape(b, kvh, nk, tg * per, dp)
         ks, kz = table(qc.k_scale), table(qc.k_zero)
-        vs, vz = tiles.pad_axis(qc.v_scale, 2, cp), tiles.pad_axis(qc.v_zero, 2, cp)  # [b, kvh, cp, d / G]
         k_spec = pl.BlockSpec((None, None, None, tg * per, dp), lambda b, kh, j: (b, kh, j, 0, 0))
         v_spec = pl.BlockSpec((None, None, bk, d // s.group), lambda b, kh, j: (b, kh, j, 0))
     else:
-        ks = tiles.pad_axis(qc.k_scale, 2, cp)[..., None]  # [b, kvh, cp, 1]
-        vs = tiles.pad_axis(qc.v_scale, 2, cp)[..., None]
-        kz, vz = ks, vs  # unread: int8 has no zero point
         k_spec = v_spec = pl.BlockSpec((None, None, bk, 1), lambda b, kh, j: (b, kh, j, 0))
     code_spec = pl.BlockSpec((None, None, bk, dp), lambda b, kh, j: (b, kh, j, 0))
     row_spec = pl.BlockSpec((None, None, 1, bk), lambda b, kh, j: (b, kh, 0, j))
