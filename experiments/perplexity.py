@@ -102,14 +102,18 @@ def write_report(out: Path, records: list[dict], labels: list[str], lengths: lis
     fig.tight_layout()
     fig.savefig(out / "perplexity.png", dpi=110)
     plt.close(fig)
-    summary = {"ppl": table, "policies": {r["label"]: r["policy"] for r in records}}
+    # each sequence's NLL, so that a comparison of two policies has a standard error over sequences
+    nll_seq = {lab: {str(n): [float(np.log(x)) for x in cell[(lab, n)].get("ppl_per_sequence") or []]
+                     for n in lengths if (lab, n) in cell and "ppl" in cell[(lab, n)]} for lab in labels}
+    summary = {"ppl": table, "nll_per_sequence": nll_seq, "policies": {r["label"]: r["policy"] for r in records}}
     return "\n".join(lines), summary, [out / "perplexity.png"]
 
 
 def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int = 1, text: list[str] | None = None,
           progress: bool = True) -> driver.SuiteResult:
     """Perplexity of each policy (`{label: policy}`, a list or one) at each length, token by token,
-    into `out`; summary `{"ppl": {label: {length: ppl or None}}, "policies": ...}`. `lengths` default
+    into `out`; summary `{"ppl": {label: {length: ppl or None}}, "nll_per_sequence": {label: {length: [nll, ...]}},
+    "policies": ...}`. `lengths` default
     to max/2, max, 2 max; `text` to the held-out standard-library text; `sequences` windows of each
     length are averaged."""
     cfg = lm.config

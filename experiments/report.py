@@ -21,9 +21,12 @@ section states the protocol that makes its comparison fair:
 5. zero-shot multiple choice with the policy applied to the context (MAT's lm-eval table), and with
    --zeroshot-ratios MAT Table 2's sweep of the KV share;
 6. passkey retrieval; 7. efficiency (MAT Table 6).
-Then OUT/report.md: every table, the plots, and which claims hold in miniature, computed from the
-numbers; a comparison where the full cache does no better than chance (or than the compressed
-policies) is said to be no evidence either way. AnLLM and Attention-Gate need trained variants of the
+Then OUT/report.md: every table, the plots, and which claims hold in miniature, worded from the
+numbers by one rule (`experiments.verdicts`: "holds" or "does not hold" only where the difference is
+more than two standard errors from zero, else "inconclusive"; a trained variant's claim states the share
+of the paper's training tokens given by --anllm-training-share / --gate-training-share); a comparison
+where the full cache does no better than chance (or than the compressed policies) is also said to be
+no evidence either way. AnLLM and Attention-Gate need trained variants of the
 model: pass `--anllm DIR` (from `experiments.eval_anllm`) or `--gate DIR` (from `experiments.eval_gate`)
 to include their results; without them the report says they were not run.
 """
@@ -49,6 +52,7 @@ from experiments.common import (
     positive_int,
 )
 from experiments.records import shown, write_atomic
+from experiments.verdicts import all_of, binomial_se, evidence, paired_se, verdict
 from experiments.longbench import __main__ as longbench
 from kvjax.policies import default_shallow_layers
 from models import SMALL_DIR
@@ -58,8 +62,17 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _verdict(holds: bool) -> str:
-    return "**holds**" if holds else "**does not hold**"
+def _binomial(better: float, worse: float, n: int, scale: float = 1.0, **how) -> tuple[str, str]:
+    """(verdict, its evidence) of a claim that `better` >= `worse`, two means of n unpaired scores in [0, scale],
+    by the shared rule (`experiments.verdicts`)."""
+    diff, se = better - worse, scale * binomial_se(better / scale, worse / scale, n)
+    return verdict(diff, se), evidence(diff, se, paired=False, n=n, **how)
+
+
+def _log_ppl_gaps(seqs: dict, higher: str, lower: str, length: str) -> list[float]:
+    """Per sequence, `higher`'s log-perplexity minus `lower`'s (the records' NLLs; empty if either lacks them)."""
+    a, b = seqs.get(higher, {}).get(length) or [], seqs.get(lower, {}).get(length) or []
+    return [x - y for x, y in zip(a, b)] if len(a) == len(b) else []
 
 
 def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
@@ -73,12 +86,30 @@ def _evidence(full: float, floor: float, floor_name: str, n: int) -> str:
 
 
 def _slimkv_claim(where: str, slim: float, snap: float, full: float, n: int) -> str:
-    """SlimKV's claim (SlimKV >= SnapKV) from average scores in % over n items. Equal scores are a tie, said as
-    one: "holds" there would read as evidence for SlimKV where both may have lost everything."""
-    verdict = "**holds only as a tie**" if slim == snap else _verdict(slim > snap)
-    return (f"SlimKV >= SnapKV on {where}: {verdict} (average {slim} vs {snap}, full {full}; {n} items, binomial "
-            f"s.e. about {100 * math.sqrt(0.25 / n):.1f} points"
+    """SlimKV's claim (SlimKV >= SnapKV) from average scores in % over n items. Its standard error is
+    `binomial_se`'s, unpaired (the records' per-item scores are not in the averages): exact for accuracies and
+    an upper bound for any score in [0, 100]. A tie is inconclusive, not "holds": both may have lost everything."""
+    said, how = _binomial(slim, snap, n, scale=100.0, digits=2)
+    return (f"SlimKV >= SnapKV on {where}: **{said}** (average {slim} vs {snap}, full {full}; {how}"
             + _evidence(full / 100, max(slim, snap) / 100, "the compressed caches", n))
+
+
+def _anllm_gaps(items: Path) -> list[float]:
+    """Per item of `experiments.eval_anllm`'s items.jsonl, whether AnSAN answered right minus whether full
+    attention did (both read the same item); empty where the file is not there."""
+    if not items.is_file():
+        return []
+    rows = [json.loads(line) for line in items.read_text().splitlines() if line.strip()]
+    right = lambda row, key: float(int(np.argmax(row[key])) == row["answer"])  # noqa: E731
+    return [right(row, "ansan") - right(row, "full") for row in rows]
+
+
+def _share(text: str) -> float:
+    """A share of the paper's training tokens, in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share in (0, 1]")
+    return value
 
 
 def _evicted(results: dict) -> bool:
@@ -136,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the quantization section's text length (default: the shortest --ppl-lengths)")
     p.add_argument("--anllm", help="an experiments.eval_anllm output directory to include")
     p.add_argument("--gate", help="an experiments.eval_gate output directory to include")
+    for flag in ("anllm", "gate"):  # the report cannot know the paper's corpus: the user says what share it was
+        p.add_argument(f"--{flag}-training-share", type=_share,
+                       help=f"the share of the paper's training tokens the --{flag} variant was trained on, in (0, 1]; "
+                            "its verdict states it")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
     p.add_argument("--out", default="results/report")
     args = p.parse_args(argv)
@@ -186,10 +221,19 @@ def main(argv: list[str] | None = None) -> int:
             roll = res.summary["ppl"]
             md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
                    f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
-            better = all(roll["mat"][k] <= roll["streaming"][k] for k in roll["mat"] if roll["mat"][k] is not None)
-            claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: {_verdict(better)} "
-                          f"(MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in window "
-                          f"{full.summary['ppl']['full']})")
+            # per length, StreamingLLM's log-perplexity minus MAT's (positive: MAT's is lower), paired over the
+            # sequences; one sequence has no standard error, so its length is inconclusive whatever the gap
+            said, hows = [], []
+            for k in [k for k, v in roll["mat"].items() if v is not None and roll["streaming"][k] is not None]:
+                gaps = _log_ppl_gaps(res.summary.get("nll_per_sequence", {}), "streaming", "mat", k)
+                diff = float(np.mean(gaps)) if gaps else math.log(roll["streaming"][k] / roll["mat"][k])
+                se = paired_se(gaps)
+                said.append(verdict(diff, se))
+                hows.append(f"{k} tokens: log-perplexity " + evidence(diff, se, paired=True, n=max(len(gaps), 1),
+                                                                      of="sequences"))
+            claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: "
+                          f"**{all_of(said)}** (MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in "
+                          f"window {full.summary['ppl']['full']}; " + "; ".join(hows) + ")")
 
     if "razor" not in skip:
         from kvjax.cache import equal_bytes_budget
@@ -219,11 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = {lab: [a for row in res.summary[pol.describe()].values() for a in row.values()]
                  for lab, pol in pols.items()}
         acc = {lab: round(float(np.mean(c)), 3) for lab, c in cells.items()}
+        items = args.razor_samples * len(cells["full"])
+        said, how = _binomial(acc["razor"], max(acc["streaming"], acc["h2o"]), items)
         claims.append(f"RazorAttention retrieves at least as well as StreamingLLM and H2O at equal cache bytes "
-                      f"(budget {same_bytes}): {_verdict(acc['razor'] >= max(acc['streaming'], acc['h2o']))} "
-                      f"(passkey accuracy {acc}"
-                      + _evidence(acc["full"], max(acc["streaming"], acc["h2o"]), "StreamingLLM's or H2O's",
-                                  args.razor_samples * len(cells["full"])))
+                      f"(budget {same_bytes}): **{said}** (passkey accuracy {acc}; the better baseline against Razor, "
+                      f"{how}"
+                      + _evidence(acc["full"], max(acc["streaming"], acc["h2o"]), "StreamingLLM's or H2O's", items))
 
     if "longbench" not in skip:
         md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
@@ -233,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
             avg = res.summary["average"]
             md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
-            claims.append(f"SlimKV >= SnapKV on average over the LongBench-format suite at budget {budget}: "
-                          f"{_verdict(avg['slimkv'] >= avg['snapkv'])} (averages {avg})")
+            claims.append(_slimkv_claim(f"average over the LongBench-format suite at budget {budget} (averages {avg})",
+                                        avg["slimkv"], avg["snapkv"], avg["full"],
+                                        args.samples * len(res.summary["table"])))
 
     if "ruler" not in skip:
         from experiments.ruler import __main__ as ruler
@@ -311,16 +357,19 @@ def main(argv: list[str] | None = None) -> int:
                    "grid-searches beta per budget; this sweep does not).", "", sw.table, "",
                    "![accuracy vs KV](zeroshot-sweep/accuracy_vs_kv.png)", ""]
             sres = sw.summary["results"]
-            wins = [r for r in args.zeroshot_ratios if sres[f"mat@{r:g}"]["acc"] >= sres[f"streaming@{r:g}"]["acc"]]
+            # each ratio by the rule (unpaired binomial: the summary keeps accuracies, not items), the sweep by all_of
+            at = {r: _binomial(sres[f"mat@{r:g}"]["acc"], sres[f"streaming@{r:g}"]["acc"], sres[f"mat@{r:g}"]["items"])
+                  for r in args.zeroshot_ratios}
             claims.append(f"MAT's accuracy >= StreamingLLM's at every KV share of the sweep: "
-                          f"{_verdict(len(wins) == len(args.zeroshot_ratios))} (at "
+                          f"**{all_of([v for v, _ in at.values()])}** (at "
                           + ", ".join(f"r={r:g}: {sres[f'mat@{r:g}']['acc']:.3f} vs {sres[f'streaming@{r:g}']['acc']:.3f}"
-                                      for r in args.zeroshot_ratios)
+                                      f" ({at[r][1]})" for r in args.zeroshot_ratios)
                           + f"; full {sres['full']['acc']:.3f}, chance {sw.summary['chance']:.3f}"
                           + _evidence(sres["full"]["acc"], sw.summary["chance"], "chance", sres["full"]["items"]))
-        claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: "
-                      f"{_verdict(res['mat']['acc'] >= res['streaming']['acc'])} "
-                      f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})}, chance {zs.summary['chance']:.3f}"
+        said, how = _binomial(res["mat"]["acc"], res["streaming"]["acc"], res["mat"]["items"])
+        claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: **{said}** "
+                      f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})}, chance {zs.summary['chance']:.3f}; "
+                      f"{how}"
                       + (_evidence(res["full"]["acc"], zs.summary["chance"], "chance", res["full"]["items"])
                          if _evicted(res) else f"; no policy evicted anything: every context fits the budget of "
                                          f"{args.budget}, so this is no evidence either way)"))
@@ -368,8 +417,14 @@ def main(argv: list[str] | None = None) -> int:
             claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: **not run** ({length} "
                           "tokens is past the model's window)")
         else:
+            # the margin left under the claimed 5 %, in log-perplexity, paired over the sequences
+            gaps = _log_ppl_gaps(ppl.summary.get("nll_per_sequence", {}), "full@16", "full@2 (2-bit KV)", str(length))
+            diff = math.log(1.05) + (float(np.mean(gaps)) if gaps else math.log(sixteen / two))
+            se = paired_se(gaps)
             claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: "
-                          f"{_verdict(two <= 1.05 * sixteen)} ({two:.2f} vs {sixteen:.2f} over {length} tokens)")
+                          f"**{verdict(diff, se)}** ({two:.2f} vs {sixteen:.2f} over {length} tokens; log(1.05) minus "
+                          "the log-perplexity gap, "
+                          + evidence(diff, se, paired=True, n=max(len(gaps), 1), of="sequences") + ")")
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
                                                     "experiments.eval_anllm"),
@@ -380,17 +435,27 @@ def main(argv: list[str] | None = None) -> int:
             md += [(Path(path) / "results.md").read_text(), ""]
             r = _json(Path(path) / "results.json")
             if name == "AnLLM":  # Table 1: anchors keep the accuracy while the cache shrinks by C_down
+                # the margin left inside 0.05, paired over the items where their scores are in the directory
+                gaps = _anllm_gaps(Path(path) / "items.jsonl")
+                diff = r["acc_ansan"] - r["acc_full"] + 0.05
+                se = paired_se(gaps) if gaps else binomial_se(r["acc_ansan"], r["acc_full"], r["items"])
                 claims.append(f"AnLLM with anchor caching (AnSAN) keeps full attention's accuracy (within 0.05) "
-                              f"while cutting the demonstrations' cache by {r['C_down']:.0%}: "
-                              f"{_verdict(r['acc_ansan'] >= r['acc_full'] - 0.05)} (accuracy {r['acc_ansan']:.3f} "
-                              f"vs {r['acc_full']:.3f}, chance {r['chance']:.3f}"
+                              f"while cutting the demonstrations' cache by {r['C_down']:.0%}: **{verdict(diff, se)}** "
+                              f"(accuracy {r['acc_ansan']:.3f} vs {r['acc_full']:.3f}, chance {r['chance']:.3f}; "
+                              + evidence(diff, se, paired=bool(gaps), n=r["items"],
+                                         training_share=args.anllm_training_share)
                               + _evidence(r["acc_full"], r["chance"], "chance", r["items"]))
             else:  # Table 1: at the same eviction, the gates lose less than the training-free baselines
                 c = r["continuation_nll"]
-                best = min(c[k] for k in ("local", "streaming", "h2o"))
+                best = min(("local", "streaming", "h2o"), key=c.get)
+                diff = c[best] - c["gate"]  # positive: the gates lose less than the best baseline
+                se = (r.get("gate_minus_baseline") or {}).get(best, {}).get("se")  # paired over the windows
                 claims.append(f"Attention-Gate's continuation NLL <= the best baseline's at the same eviction "
-                              f"({r['baseline_eviction']:.0%}): {_verdict(c['gate'] <= best)} "
-                              f"(NLL {', '.join(f'{k} {v:.3f}' for k, v in c.items())})")
+                              f"({r['baseline_eviction']:.0%}): **{verdict(diff, se)}** "
+                              f"(NLL {', '.join(f'{k} {v:.3f}' for k, v in c.items())}; the best baseline, {best}, "
+                              f"minus the gates: "
+                              + evidence(diff, se, paired=True, n=r["windows"], of="windows",
+                                         training_share=args.gate_training_share, digits=4) + ")")
         else:
             md += [f"Not run: {name} needs a trained variant of the model ({how}); pass its output with "
                    f"--{'anllm' if name == 'AnLLM' else 'gate'} DIR.", ""]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from experiments import report
+from experiments import report, verdicts
 from models.tiny import make_random_checkpoint, tiny_config
 
 
@@ -18,8 +20,13 @@ def test_report_runs_every_section_and_states_the_claims(tmp_path):
     for section in ("Perplexity", "Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "LongBench-format",
                     "Zero-shot", "Passkey", "Efficiency"):
         assert section in text
-    # MAT vs StreamingLLM and SlimKV vs SnapKV at each of the two budgets, Razor at equal bytes, zero-shot
-    assert text.count("**holds**") + text.count("**does not hold**") == 6
+    # every claim but the 2026 baselines' list is worded by the one rule (experiments.verdicts): one verdict each
+    claims = [c for c in text.split("## Which claims hold in miniature")[1].splitlines()
+              if c.startswith("- ") and not c.startswith("- The 2026 baselines")]
+    words = ("**holds**", "**does not hold**", "**inconclusive**", "**not run**")
+    assert len(claims) >= 8 and all(sum(c.count(w) for w in words) == 1 for c in claims), claims
+    # MAT vs StreamingLLM at each budget: one sequence per length, so no standard error, so no verdict
+    assert sum(c.startswith("- MAT's perplexity") and "**inconclusive**" in c for c in claims) == 2
     assert "at equal cache bytes" in text and text.count("**not run**") == 2  # AnLLM and the gate: no variants
     assert (out / "heads.json").is_file() and (out / "razor" / "results.png").is_file()
     # a random model does no task: its comparisons are said to be no evidence (zero-shot, Razor's passkey)
@@ -77,10 +84,60 @@ def test_a_zero_shot_table_where_no_policy_evicted_is_no_evidence():
 
 
 def test_slimkv_claim_says_a_tie_is_a_tie():
-    """Equal averages (on SmolLM2's RULER both SlimKV and SnapKV find nothing, 0 vs 0) are a tie, not "holds";
-    a higher SlimKV holds, a lower one does not; a full cache no better than both is no evidence."""
+    """SlimKV >= SnapKV is worded by the rule of experiments.verdicts with the binomial standard error of the
+    difference, 100 sqrt((p1 (1 - p1) + p2 (1 - p2)) / n): equal averages (on SmolLM2's RULER both find
+    nothing, 0 vs 0: s.e. 0) are inconclusive, not "holds"; so is 40 vs 30 over 30 items (s.e.
+    100 sqrt((0.24 + 0.21) / 30) = 12.2, a difference of 10); 90 vs 30 (s.e. 100 sqrt(0.3 / 30) = 10, a
+    difference of 60, 6 s.e.) holds and 30 vs 90 does not; a full cache no better than both is no evidence."""
     tie = report._slimkv_claim("RULER-4096 at ratio 0.875", 0.0, 0.0, 63.33, 30)
-    assert "**holds only as a tie** (average 0.0 vs 0.0, full 63.33; 30 items" in tie and "no evidence" not in tie
-    assert "**holds** (average 40 vs 30" in report._slimkv_claim("x", 40, 30, 90, 30)
-    assert "**does not hold** (average 30 vs 40" in report._slimkv_claim("x", 30, 40, 90, 30)
+    assert "**inconclusive** (average 0.0 vs 0.0, full 63.33; difference +0.00, s.e. 0.00 (unpaired, 30 items " \
+           "each): decided beyond 2 s.e.)" in tie and "no evidence" not in tie
+    assert "**inconclusive** (average 40 vs 30, full 90; difference +10.00, s.e. 12.25 (unpaired, 30 items each): " \
+           "0.8 s.e." in report._slimkv_claim("x", 40, 30, 90, 30)
+    assert "**holds** (average 90 vs 30, full 95; difference +60.00, s.e. 10.00" in report._slimkv_claim("x", 90, 30, 95, 30)
+    assert "**does not hold** (average 30 vs 90" in report._slimkv_claim("x", 30, 90, 95, 30)
     assert "no evidence either way" in report._slimkv_claim("x", 30, 40, 45, 30)
+
+
+def test_anllm_claim_is_paired_over_the_items_and_states_the_training_share(tmp_path):
+    """AnSAN within 0.05 of full attention, paired over eval_anllm's items.jsonl. Four items: full right on all,
+    AnSAN on items 0 and 1: per-item differences -1, -1, 0, 0 (hand: mean -0.5, s.e. sqrt((4 x 0.25) / 3 / 4)
+    = 0.289), so the margin is -0.5 + 0.05 = -0.45, 1.6 s.e.: inconclusive."""
+    rows = [{"i": i, "answer": 0, "full": [0.9, 0.1], "ansan": [0.1, 0.9] if i < 2 else [0.9, 0.1]} for i in range(4)]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report._anllm_gaps(tmp_path / "items.jsonl") == [-1.0, -1.0, 0.0, 0.0]
+    assert report._anllm_gaps(tmp_path / "absent.jsonl") == []
+    gaps = report._anllm_gaps(tmp_path / "items.jsonl")
+    assert verdicts.paired_se(gaps) == pytest.approx(0.288675, abs=1e-6)
+    assert verdicts.verdict(-0.5 + 0.05, verdicts.paired_se(gaps)) == "inconclusive"
+    with pytest.raises(SystemExit):
+        report.main(["--anllm-training-share", "1.5"])
+
+
+def test_trained_variants_claims_from_the_committed_records_are_worded_by_the_rule(tiny_dir, tmp_path):
+    """The report's AnLLM and Attention-Gate verdicts on SmolLM2's committed records (docs/report-smollm2/runs),
+    every section skipped. Gate (runs/gate/results.json): the best baseline is H2O (NLL 2.1241 against the
+    gates' 2.1844), the gates lose 0.0603 more, s.e. 0.0082 paired over 32 windows: 7.4 s.e., does not hold.
+    AnLLM-EP on the absent-distractor task (eval_ep_absent.json, no items.jsonl: unpaired): AnSAN 0.125 against
+    0.825, margin 0.125 - 0.825 + 0.05 = -0.65, s.e. sqrt((0.125 x 0.875 + 0.825 x 0.175) / 40) = 0.0796:
+    8.2 s.e., does not hold. Each states the training share given."""
+    import shutil
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "report-smollm2" / "runs"
+    gate, anllm = tmp_path / "gate", tmp_path / "anllm"
+    for d, src in ((gate, runs / "gate" / "results.json"), (anllm, runs / "anllm-ep" / "eval_ep_absent.json")):
+        d.mkdir()
+        shutil.copy(src, d / "results.json")
+        (d / "results.md").write_text("(the section's own table)\n")
+    out = tmp_path / "report"
+    assert report.main(["--model", str(tiny_dir), "--skip", ",".join(report.SECTIONS), "--gate", str(gate),
+                        "--gate-training-share", str(1 / 70), "--anllm", str(anllm),
+                        "--anllm-training-share", str(1 / 13000), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert ("at the same eviction (18%): **does not hold** (NLL full 2.120, gate 2.184, local 2.766, streaming 2.126, "
+            "h2o 2.124; the best baseline, h2o, minus the gates: difference -0.0603, s.e. 0.0082 (paired over 32 "
+            "windows): 7.4 s.e., decided beyond 2 s.e.; trained on 0.014 of the paper's training tokens (1/70))") in text
+    assert ("**does not hold** (accuracy 0.125 vs 0.825, chance 0.250; difference -0.650, s.e. 0.080 (unpaired, "
+            "40 items each): 8.2 s.e., decided beyond 2 s.e.; trained on 7.7e-05 of the paper's training tokens "
+            "(1/13,000))") in text
