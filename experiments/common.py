@@ -496,6 +496,44 @@ def split_text(files: list[str] | None) -> tuple[str, str]:
     return "\n\n".join(para for para in train.split("\n\n") if para.strip() not in seen), held
 
 
+def trained_on_scored_text(identity: dict, data: list[str] | None, held_out_only: bool = True) -> str | None:
+    """Why gates trained with `identity` (their training/train_identity.json) have read text that an evaluation
+    scores, or None. The evaluation reads `data` (text files; None: the default text's held-out part), only its
+    held-out part (`held_out_only`, as `experiments.eval_gate`) or all of it (a suite's --text or --data).
+    Under the split, a held-out part is never trained on; so the cases that overlap are gates trained before
+    the split (they read all of their text) on the text scored, the two commands given different --data that
+    share a file (each splits its own concatenation), and a suite reading the whole of a training file."""
+    from experiments.records import content_fingerprint
+
+    trained = identity.get("--data content") or None  # None: the default text
+    scored = [content_fingerprint(f) for f in data] if data else None
+    if trained != scored and not set(trained or ()) & set(scored or ()):
+        return None  # another text altogether: nothing scored was trained on
+    if identity.get("held-out text") != SPLIT_RULE:
+        return "the gates were trained on all of that text (before training and evaluation text were split)"
+    if scored is not None and not held_out_only:
+        return "the gates were trained on the first four fifths of it, and this reads all of it"
+    if trained != scored:
+        return (f"the gates were trained with --data {' '.join(identity.get('--data') or [])}, which shares a file "
+                "with it but splits differently")
+    return None
+
+
+def refuse_trained_text(gate_params: str | None, data: list[str] | None, data_flag: str = "--data",
+                        held_out_only: bool = False) -> None:
+    """An error naming the options where the gates in `gate_params` were trained on text that an evaluation of
+    `data` (`data_flag`; None: the default held-out text) scores (`trained_on_scored_text`). Gates saved by the
+    API carry no record of their training (no training/train_identity.json): nothing to check."""
+    import json
+
+    record = Path(gate_params or "") / "training" / "train_identity.json"
+    why = gate_params and record.is_file() and trained_on_scored_text(json.loads(record.read_text()), data,
+                                                                      held_out_only)
+    if why:
+        raise InvalidInput(f"--gate-params {gate_params} with {data_flag} {' '.join(data or ['(default)'])}: {why}; "
+                           "evaluate them on other text, or retrain them")
+
+
 def training_windows(tok, files: list[str] | None, seq_len: int) -> np.ndarray:
     """The `seq_len`-token windows a training command reads: the training part of `split_text` only."""
     return windows(tok(split_text(files)[0], add_special_tokens=False)["input_ids"], seq_len)

@@ -23,7 +23,6 @@ a killed run resumes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -35,15 +34,15 @@ from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import (
-    SPLIT_RULE,
     add_run_args,
     fraction_removed,
     held_out_windows,
     load_with_tokenizer,
     model_help,
     positive_int,
+    refuse_trained_text,
 )
-from experiments.records import ResultLog, content_fingerprint, dumps_finite, write_atomic
+from experiments.records import ResultLog, dumps_finite, write_atomic
 from kvjax.cache import LayerCache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput
@@ -56,24 +55,6 @@ def held_out(tok, data: list[str] | None, seq_len: int, n: int, count_flag: str 
     """The windows scored: the first `n` of the held-out text, which `experiments.train_gate` never reads
     (`experiments.common.split_text`)."""
     return held_out_windows(tok, data, seq_len, n, count_flag)
-
-
-def trained_on_scored_text(identity: dict, data: list[str] | None) -> str | None:
-    """Why gates trained with `identity` (their training/train_identity.json) have read text that evaluation
-    on `data` (--data) scores, or None. Both commands split the same text the same way, so only two cases
-    overlap: gates trained before the split (they read all of their text) on the text scored, and the two
-    commands given different --data that share a file (each splits its own concatenation)."""
-    trained = identity.get("--data content") or None  # None: the default text
-    scored = [content_fingerprint(f) for f in data] if data else None
-    shared = trained == scored or bool(set(trained or ()) & set(scored or ()))
-    if not shared:
-        return None  # another text altogether: nothing scored was trained on
-    if identity.get("held-out text") != SPLIT_RULE:
-        return "the gates were trained on all of that text (before training and evaluation text were split)"
-    if trained != scored:
-        return (f"the gates were trained with --data {' '.join(identity.get('--data') or [])}, which shares a file "
-                "with it but splits differently")
-    return None
 
 
 @compiled()
@@ -238,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --prefix: {args.prefix} must be in (0, 1)")
     lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
     driver.attach_gates(lm, args.gate_params)
-    trained = Path(args.gate_params) / "training" / "train_identity.json"  # absent for gates saved by the API
-    why = trained.is_file() and trained_on_scored_text(json.loads(trained.read_text()), args.data)
-    if why:
-        raise InvalidInput(f"--gate-params {args.gate_params} with --data {' '.join(args.data or ['(default)'])}: "
-                           f"{why}; evaluate them on other text, or retrain them")
+    refuse_trained_text(args.gate_params, args.data, held_out_only=True)  # it scores the held-out part only
     tokens = held_out(lm.tokenizer, args.data, args.seq_len, args.windows)  # before any record is written
     out = Path(args.out or Path(args.gate_params) / "eval")
     # Resumable part by part (OUT/parts.jsonl), never over another configuration's parts.

@@ -37,6 +37,7 @@ from experiments.common import (
     model_help,
     positive_int,
     read_text,
+    refuse_trained_text,
 )
 from kvjax.scoring import logprobs
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
+    refuse_trained_text(args.gate_params, args.text, "--text")  # the default text: the held-out topics and modules
     labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
     res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths,
                       sequences=args.sequences, text=args.text)

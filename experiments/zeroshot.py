@@ -40,6 +40,7 @@ from experiments.common import (
     parse_ratios,
     policies_at_ratios,
     positive_int,
+    refuse_trained_text,
 )
 from kvjax import cache as kvcache
 from kvjax import fewshot, scoring
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     attach_gate_params(args, lm)
+    # the built-in task's passages are the default text's held-out topics (Attention-Gate's Table 1 protocol)
+    refuse_trained_text(args.gate_params, [args.data] if args.data else None)
     if args.ratios:
         if args.compare and args.policy:
             p.error("give --policy or --compare, not both")

@@ -508,11 +508,11 @@ def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monke
 
 def test_identity_a_combination_that_would_score_trained_text_is_one_error(tiny_dir, tmp_path, capsys):
     """More held-out windows than the held-out fifth of --data holds (more would be trained-on text), and gates
-    trained under the old rule (all of their text) evaluated on that text: each one line, exit 2, naming the
-    options. The data: 10 lines of 100 characters (bytes: tokens), so the held-out fifth is 2 lines, 202
+    trained under the old rule (all of their text) evaluated on that text, by eval_gate, zeroshot or perplexity:
+    each one line, exit 2, naming the options. The data: 10 lines of 100 characters (bytes: tokens), so the held-out fifth is 2 lines, 202
     tokens with their line ends: 3 windows of 64."""
     from experiments import cli, eval_gate, train_gate
-    from experiments.common import SPLIT_RULE
+    from experiments.common import SPLIT_RULE, trained_on_scored_text
     from experiments.records import content_fingerprint
 
     data = tmp_path / "data.txt"
@@ -535,5 +535,18 @@ def test_identity_a_combination_that_would_score_trained_text_is_one_error(tiny_
     assert err.count("\n") == 0 and f"--gate-params {gates} with --data {data}: the gates were trained on all" in err
     # the same gates under the split rule: evaluation on the held-out windows is theirs to run
     split = old | {"held-out text": SPLIT_RULE}
-    assert eval_gate.trained_on_scored_text(split, [str(data)]) is None
-    assert "shares a file" in eval_gate.trained_on_scored_text(split, [str(data), str(data)])
+    assert trained_on_scored_text(split, [str(data)]) is None
+    assert "shares a file" in trained_on_scored_text(split, [str(data), str(data)])
+    assert "reads all of it" in trained_on_scored_text(split, [str(data)], held_out_only=False)  # a suite's --text
+    assert trained_on_scored_text(split, None, held_out_only=False) is None  # the default text's held-out part
+    assert "trained on all" in trained_on_scored_text({"--data": None}, None, held_out_only=False)
+    # gates trained on the default text before the split read the held-out topics that the zero-shot task's
+    # passages and perplexity's default text come from: Table 1's protocol on them is refused too
+    (gates / "training" / "train_identity.json").write_text(json.dumps({"--data": None}))
+    from experiments import perplexity, zeroshot
+
+    for main, flag in ((zeroshot.main, "--data"), (perplexity.main, "--text")):
+        assert cli.run(main, ["--model", str(tiny_dir), "--gate-params", str(gates), "--compare", "full,gate",
+                              "--out", str(tmp_path / flag)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"with {flag} (default): the gates were trained on all of that text" in err
