@@ -470,6 +470,7 @@ def windows(ids: list[int], seq_len: int) -> np.ndarray:
 # windows moves with them (issue 65: train_gate held out its last 16 windows, eval_gate scored the last
 # 32, so 16 scored windows had been trained on).
 HELD_OUT_SHARE = 0.2
+REPEATED_LINE = 20
 # Joins a training run's identity: a run begun under the old rule (all of the text) is not resumed on another
 SPLIT_RULE = "default text: experiments.corpus's train / heldout topics; --data: the last 20 % held out"
 
@@ -480,7 +481,7 @@ def split_text(files: list[str] | None) -> tuple[str, str]:
     them share a character. The default text splits as every offline suite does (`experiments.corpus`: one
     topic in ten held out by a hash of its name), so the held-out reference text that zero-shot and
     LongBench passages are built from is never trained on either; given files, the last `HELD_OUT_SHARE`
-    of their text (from a line's start) is held out. A paragraph the held-out text also has is not trained on."""
+    of their text (from a line's start) is held out. A line the held-out text also has is not trained on."""
     if not files:
         from experiments import corpus
 
@@ -491,9 +492,11 @@ def split_text(files: list[str] | None) -> tuple[str, str]:
         cut = text.rfind("\n", 0, cut) + 1 or cut  # a line's start, where there is one
         train, held = text[:cut], text[cut:]
     # A text can say the same thing twice: pydoc's "attribute-access" and "context-managers" topics are
-    # sections of "specialnames", word for word. Training skips every paragraph the held-out text has.
-    seen = {para.strip() for para in held.split("\n\n") if para.strip()}
-    return "\n\n".join(para for para in train.split("\n\n") if para.strip() not in seen), held
+    # sections of "specialnames", word for word, and "try" repeats paragraphs of "exceptions". Training skips
+    # every line the held-out text has, of at least `REPEATED_LINE` characters (short ones, "", "else:", are
+    # common to any two texts and say nothing).
+    seen = {line.strip() for line in held.splitlines() if len(line.strip()) >= REPEATED_LINE}
+    return "\n".join(line for line in train.split("\n") if line.strip() not in seen), held
 
 
 def trained_on_scored_text(identity: dict, data: list[str] | None, held_out_only: bool = True) -> str | None:

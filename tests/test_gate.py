@@ -466,9 +466,11 @@ def _stretches(rows: np.ndarray, k: int) -> set[bytes]:
     return {r[i : i + k].tobytes() for r in rows for i in range(rows.shape[1] - k + 1)}
 
 
-def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monkeypatch):
-    """`train_gate` and `eval_gate` with their default options (the default text, 256-token windows, their
-    default numbers of held-out windows) read disjoint text: no 128-token stretch of a window evaluation scores
+@pytest.mark.parametrize("as_file", [False, True], ids=["default-text", "data-file"])
+def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monkeypatch, as_file):
+    """`train_gate` and `eval_gate` with their default options (the default text, or the same text as --data;
+    256-token windows, their default numbers of held-out windows) read disjoint text: no 128-token stretch of a
+    window evaluation scores
     occurs in a window training reads (the tiny model's tokens are bytes: 128 characters, longer than the
     sentences a text repeats by chance). The windows are the ones the two commands hand to training and to
     evaluation. Before 2026-11-27 training held out the last 16 windows of the text and evaluation scored the
@@ -495,12 +497,16 @@ def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monke
 
     monkeypatch.setattr(train_gate, "train", fake_train)
     monkeypatch.setattr(eval_gate, "evaluate", fake_evaluate)
+    data = []
+    if as_file:
+        (tmp_path / "text.txt").write_text(default_text())
+        data = ["--data", str(tmp_path / "text.txt")]
     with pytest.raises(Stop):
-        train_gate.main(["--model", str(tiny_dir), "--mode", "cpt", "--out", str(tmp_path / "g")])
+        train_gate.main(["--model", str(tiny_dir), "--mode", "cpt", "--out", str(tmp_path / "g"), *data])
     gates = tmp_path / "gates"
     save_gates(_gated(tiny_dir), gates)
     with pytest.raises(Stop):
-        eval_gate.main(["--model", str(tiny_dir), "--gate-params", str(gates), "--out", str(tmp_path / "e")])
+        eval_gate.main(["--model", str(tiny_dir), "--gate-params", str(gates), "--out", str(tmp_path / "e"), *data])
     assert len(seen["eval"]) == 32 and len(seen["train"]) > 32
     shared = _stretches(seen["eval"], 128) & _stretches(seen["train"], 128)
     assert not shared, f"{len(shared)} stretches of 128 scored tokens were trained on"
