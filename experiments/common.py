@@ -470,9 +470,10 @@ def windows(ids: list[int], seq_len: int) -> np.ndarray:
 # windows moves with them (issue 65: train_gate held out its last 16 windows, eval_gate scored the last
 # 32, so 16 scored windows had been trained on).
 HELD_OUT_SHARE = 0.2
-REPEATED_LINE = 20
+REPEATED_LINE = 20  # the shortest held-out line training skips where it repeats it (`split_text`)
 # Joins a training run's identity: a run begun under the old rule (all of the text) is not resumed on another
-SPLIT_RULE = "default text: experiments.corpus's train / heldout topics; --data: the last 20 % held out"
+SPLIT_RULE = ("default text: experiments.corpus's train / heldout topics; --data: the last 20 % held out; "
+              "training skips held-out lines of 20+ characters")
 
 
 def split_text(files: list[str] | None) -> tuple[str, str]:
