@@ -32,6 +32,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
 from kvjax.masks import Mask
+from kvjax.policies import base as rule_kinds
 from kvjax.policies.base import Context, Policy
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
@@ -153,7 +154,7 @@ def check_inputs(call: str, geom: Geometry, plan: LayerPlan | None, q, k, v, pos
             raise InvalidInput(f"layer.{call}: {name} has shape {tuple(jnp.shape(x))}; expected {spelled} = {shape} "
                                f"(h = {geom.num_heads}, kvh = {geom.num_kv_heads}, d = {d}"
                                + ("; positions keep the batch axis, -1 on padding" if name == "pos" else "") + ")")
-    readers = [] if plan is None else [g.rule for g in plan.groups if g.rule.reads_tokens]
+    readers = [] if plan is None else [g.rule for g in plan.groups if isinstance(g.rule, rule_kinds.ReadsTokens)]
     if readers and tokens is None:
         raise InvalidInput(f"layer.{call}: {readers[0].describe()} reads the token ids: pass tokens "
                            f"({dims('b', *per_token)} = {want['pos'][0]}, the ids at pos)")
@@ -280,7 +281,7 @@ def check_prompt_fits(plan: LayerPlan, cache: AnyLayerCache, length: int) -> Non
     """Refuses, at trace time (shapes are static), a prompt of `length` tokens (padding included) longer than the
     cache of a rule that keeps every token (FullCache): it would keep only the prompt's last slots, a window."""
     for _, rule, c in rule_groups(plan, cache):
-        if rule.keeps_every_token and length > c.capacity:
+        if isinstance(rule, rule_kinds.KeepsEveryToken) and length > c.capacity:
             raise InvalidInput(f"layer {plan.layer}: {rule.describe()} keeps every token, and its cache was sized for "
                                f"{c.capacity}; a prompt of {length} tokens does not fit: size the plan for the whole "
                                f"sequence (plan.sized(max_len >= {length} + the tokens to decode, prompt_len))")
@@ -292,7 +293,7 @@ def past_the_plan(plan: LayerPlan, cache: AnyLayerCache, newest: Int[Array, "b"]
     concrete positions (a step called eagerly) such a step is refused here; under `jit` the positions are
     traced, and the callers return NaN for those rows (a compiled step cannot raise), never another window's
     attention."""
-    caps = [c.capacity for _, rule, c in rule_groups(plan, cache) if rule.keeps_every_token]
+    caps = [c.capacity for _, rule, c in rule_groups(plan, cache) if isinstance(rule, rule_kinds.KeepsEveryToken)]
     if not caps:
         return None
     if not isinstance(newest, jax.core.Tracer):

@@ -3,7 +3,7 @@
 import math
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, Context, LayerPolicy, Policy, PromptMasking, Rule
+from kvjax.policies.base import ChunkRule, Context, KeepsEveryToken, LayerPolicy, Policy, PromptMasking, ReadsTokens, Rule
 from kvjax.policies.compose import (
     EVERY_LAYER,
     ByHead,
@@ -213,7 +213,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "RazorAttention", "by_head",
+    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",

@@ -24,19 +24,18 @@ from kvjax import cache as kvcache
 from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, PromptMasking
+from kvjax.policies.base import ChunkRule, LayerPolicy, PromptMasking, ReadsTokens
 
 _HIDE = -1e30  # log_w of slots an anchor query must not see (earlier anchors)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking):
+class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking, ReadsTokens):
     """Algorithm 1 with capacities: `anchor_slots` anchor slots, `sequence` current-sequence slots and
     (keep source) the positions `span = (start, end)` of the prompt kept whole."""
 
     anchor_ids: tuple[int, ...]
     anchor_slots: int = 256
-    reads_tokens = True  # a class attribute, not a field: anchors are found by their ids
     sequence: int = 256
     span: tuple[int, int] | None = None
 

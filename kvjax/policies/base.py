@@ -86,12 +86,6 @@ class Rule(abc.ABC):
     # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
-    # True for a rule that never evicts (FullCache): its cache must hold every token of the sequence, so a prompt
-    # longer than its slots, or a token past them, is refused (`kvjax.layer`) rather than evicting silently.
-    keeps_every_token: bool = False
-    # True for a rule that reads the token ids (`Context.tokens`: AnLLM's anchors); `kvjax.layer` refuses a call
-    # without them.
-    reads_tokens: bool = False
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
     # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "window"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
@@ -150,6 +144,17 @@ class Rule(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> str:
         """The rule and its parameters, as records and tables name it."""
+
+
+class KeepsEveryToken(Rule):
+    """A rule that never evicts (FullCache), a kind of its own as `ChunkRule` is: its cache must hold every token
+    of the sequence, so `kvjax.layer` refuses a prompt longer than its slots, or a token past them, rather than
+    evicting silently."""
+
+
+class ReadsTokens(Rule):
+    """A rule that reads the token ids (`Context.tokens`: AnLLM's anchors): `kvjax.layer` refuses a call without
+    them."""
 
 
 class ChunkRule(Rule):

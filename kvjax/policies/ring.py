@@ -17,7 +17,7 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, check_ratio
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -128,10 +128,8 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FullCache(RingPolicy):
+class FullCache(RingPolicy, KeepsEveryToken):
     """Keeps every token: capacity = the longest sequence, slot = position."""
-
-    keeps_every_token = True  # a class attribute, not a field
 
     def _layout(self, max_len):
         return 0, max_len
