@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from kvjax.pallas import compiling_for
+from kvjax.backends import compiling_for
 
 GiB = 1 << 30
 
