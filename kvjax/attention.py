@@ -60,13 +60,13 @@ def per_shard(fn, *args, layouts: tuple[str, ...], out: tuple[str, ...]):
         data = None  # a batch the "data" axis does not divide (a single row scored, say): every device takes it all
     heads = [x.shape[layout.index("h")] for x, layout in zip(args, layouts) if "h" in layout]
     if model is not None and any(n % mesh.shape[model] for n in heads):
-        # a head group that does not split evenly (RazorAttention's retrieval heads, say): every device runs all
-        # of it, as XLA would have to
+        # a head group that does not split evenly (RazorAttention's 2 retrieval heads over 4 chips, say): every
+        # device runs all of it
         warn_once(f"a Pallas kernel over {sorted(set(heads))} heads runs whole on each of the mesh's {model!r} "
                   f"devices ({mesh.shape[model]}): the heads do not split evenly")
         model = None
-    if data is None and model is None:
-        return fn(*args)
+    # even with nothing split, a kernel on a mesh runs under shard_map (whole on every device): XLA refuses to
+    # partition a Mosaic call itself
     spec = lambda layout: P(*({"b": data, "h": model}.get(c) for c in layout))  # noqa: E731
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(x) for x in layouts), out_specs=tuple(spec(x) for x in out),
                          check_vma=False)(*args)

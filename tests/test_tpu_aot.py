@@ -93,12 +93,13 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
 
     specs = [["model", "llama-1b", "snapkv", "prefill", 1, 2048, 2]]
     specs += [["model", "llama-1b", p, "step", 1, 2048, 2] for p in tpu_aot.POLICIES]
-    specs += [["model-tp", "llama-1b", "full", "step", 1, 2048, 2]]  # 4 chips, the kernels under shard_map
+    # 4 chips, the kernels under shard_map; RazorAttention's 2-head retrieval group does not split 4 ways
+    specs += [["model-tp", "llama-1b", p, "step", 1, 2048, 2] for p in ("full", "razor")]
     rows = tpu_aot.run_chip("v5e", specs, tmp_path / "records.jsonl", timeout=900)
     failed = [f"{r['kernel']}[{r['shape']}]: {r['error']}" for r in rows if not r["ok"]]
     assert not failed and len(rows) == len(specs), failed
     by = {(r["spec"][2], r["spec"][3]): r for r in rows if r["spec"][0] == "model"}
-    tp = next(r for r in rows if r["spec"][0] == "model-tp")
+    tp = next(r for r in rows if r["spec"][0] == "model-tp" and r["spec"][2] == "full")
     # the decode step reads every parameter once: 2 layers of a 1B model's widths and the tied embedding
     cfg = tpu_aot.model_config("llama-1b", 2)
     layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
