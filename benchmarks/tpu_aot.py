@@ -339,7 +339,7 @@ def compile_case(case: Case, devices, chip: str | None = None) -> dict:
     except Exception as err:  # a program that does not compile is a result, reported with its first line
         first = str(err).strip().splitlines()[0][:300]
         row.update(ok=False, error=f"{type(err).__name__}: {first}", detail=traceback.format_exc(limit=2)[-2000:])
-        if "RESOURCE_EXHAUSTED" in first and "HBM" in first:  # the compiler's verdict: more than the chip holds
+        if "RESOURCE_EXHAUSTED" in first and "hbm" in first.lower():  # the compiler's verdict: more than the chip holds
             row.update(fits=False)
     return row
 
@@ -450,7 +450,7 @@ def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
                     t = largest_prompt(pts, c)
                     if t:
                         verify.append(["model", m, p, "prefill", b, t])
-        rows[c] = run_chip(c, decode_specs + verify + tp_specs, records)
+        rows[c] = run_chip(c, tp_specs + verify + decode_specs, records)
     return rows
 
 
