@@ -67,11 +67,12 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 
 def mesh_of(state) -> Mesh | None:
-    """The mesh the parameters live on, if they were placed by `shard_model`."""
+    """The mesh the parameters live on, if they were placed by `shard_model` (which places every parameter, so the
+    first leaf with a sharding tells: every compiled call asks, `kvjax.engine.compiled`)."""
     for leaf in jax.tree.leaves(state):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and DATA in sharding.mesh.axis_names:
-            return sharding.mesh
+        if sharding is not None:
+            return sharding.mesh if isinstance(sharding, NamedSharding) and DATA in sharding.mesh.axis_names else None
     return None
 
 

@@ -117,6 +117,15 @@ def _kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_r
     m_ref[...], l_ref[...] = m, l
 
 
+def _dims(q, qc: QuantizedLayerCache):
+    """`(b, d, kvh, C, g, per, d / per)`: the query's and cache's sizes, the group, and the channel planes (`per`
+    codes to a byte; int8: one plane)."""
+    b, h, d = q.shape
+    kvh, c = qc.pos.shape[1:]
+    per = 8 // qc.spec.bits if qc.spec.kivi else 1
+    return b, d, kvh, c, h // kvh, per, d // per
+
+
 def _padded(qc: QuantizedLayerCache, pos_codes, cp: int):
     """The operands both variants read, padded to `cp` slots: positions and biases as rows `[b, kvh, 1, cp]`, the
     key and value codes, and the scales and zeros: int8's per slot as columns `[b, kvh, cp, 1]` (no zero point:
@@ -137,11 +146,7 @@ def _codes_partials(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, int
     """The kernel over the codes of the slots `pos_codes >= 0`: merged `(m, l [b, kvh, g, 1], acc [b, kvh, g, d])`
     and, with `logits`, the tile logits `[b, kvh, g, C]` (log_w included, MASKED elsewhere)."""
     s = qc.spec
-    b, h, d = q.shape
-    kvh, c = qc.pos.shape[1:]
-    g = h // kvh
-    per = 8 // s.bits if s.kivi else 1
-    dp = d // per
+    b, d, kvh, c, g, per, dp = _dims(q, qc)
     bk = s.group if s.kivi else BLOCK_INT8
     gp = max(16, tiles.next_pow2(g))
     nblocks = -(-c // bk)
@@ -257,11 +262,7 @@ def _tpu_kernel(q_ref, pos_ref, lw_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, 
 def _codes_partials_tpu(q, qc: QuantizedLayerCache, pos_codes, *, scale, logits, interpret):
     """`_codes_partials` by the TPU kernel: merged `(m, l [b, kvh, g, 1], acc [b, kvh, g, d])`, logits or None."""
     s = qc.spec
-    b, h, d = q.shape
-    kvh, c = qc.pos.shape[1:]
-    g = h // kvh
-    per = 8 // s.bits if s.kivi else 1
-    dp = d // per
+    b, d, kvh, c, g, per, dp = _dims(q, qc)
     bk = tpu_tile(qc)
     gp = tiles.round_up(g, 8)
     cp = tiles.round_up(c, bk)
