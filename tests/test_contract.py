@@ -196,40 +196,6 @@ def test_kvjax_reaches_into_no_private_member_of_a_model():
     assert "_rotate" in private and used == []
 
 
-def test_experiments_has_no_import_cycle():
-    """Every `experiments` module's imports of other `experiments` modules (inside functions too) form no cycle:
-    the suites build on `driver`, which builds on `records`, never the reverse."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    graph = {}
-    for path in (root / "experiments").rglob("*.py"):
-        mod = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments"):
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("experiments")}
-        graph[mod] = deps - {mod}
-    graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
-    state = {}
-
-    def cycle_from(m, path):  # depth-first search; a grey node met again closes a cycle
-        state[m] = "grey"
-        for d in sorted(graph[m]):
-            if state.get(d) == "grey":
-                return path + [d]
-            if d not in state and (found := cycle_from(d, path + [d])):
-                return found
-        state[m] = "black"
-        return None
-
-    cycles = [c for m in sorted(graph) if m not in state and (c := cycle_from(m, [m]))]
-    assert cycles == []
-
-
 def test_the_model_contract_is_what_generation_calls(tiny):
     """`kvjax.model.CachedLM` declares every attribute that generation, scoring, few-shot evaluation and the engine
     read from a model (found by walking their source), kvjax's Llama provides it, and a model lacking one

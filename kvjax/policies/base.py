@@ -233,6 +233,17 @@ class Policy(abc.ABC):
         del layer
         return None
 
+    def members(self) -> tuple[Policy, ...]:
+        """The policies this one hands whole layers to (`by_layer`'s shallow and deep, `PerLayer`'s layers), each
+        resolved further by its own `at_layer`; () for a policy that caches its layers itself or splits their
+        heads (`head_split`)."""
+        return ()
+
+    def same_as(self) -> str | None:
+        """What this policy's parameters reduce it to, when that is another method (PyramidKV whose pyramid never
+        fits is SnapKV), for the tables to say (`kvjax.policies.reduces_to`); None: the method itself."""
+        return None
+
     def check(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         """Raises ValueError if the policy cannot run on a model of `num_layers` layers
         (and `num_kv_heads` KV heads per layer, for policies that name heads)."""

@@ -16,7 +16,7 @@ EVERY_LAYER = 2**31 - 1
 
 
 class LayerDispatch(Policy):
-    """A policy that hands each layer to one of its member policies (`_at(layer)`).
+    """A policy that hands each layer to one of its member policies (`_at(layer)`; all of them: `members()`).
 
     All members must process prompts the same way (`prefill_mode`), since a prompt runs
     through every layer at once; per-token hooks go to the layer's member only.
@@ -25,11 +25,11 @@ class LayerDispatch(Policy):
     def _at(self, layer: int) -> Policy:
         raise NotImplementedError
 
-    def _members(self) -> tuple[Policy, ...]:
+    def members(self) -> tuple[Policy, ...]:
         raise NotImplementedError
 
     def _check_modes(self, name: str) -> None:
-        modes = {(m.prefill_mode, m.chunk) for m in self._members()}
+        modes = {(m.prefill_mode, m.chunk) for m in self.members()}
         if len(modes) > 1:
             raise InvalidInput(f"{name}: its policies process prompts differently ((prefill_mode, chunk) "
                                f"{sorted(modes, key=str)}); give them one prefill_mode and chunk")
@@ -40,15 +40,15 @@ class LayerDispatch(Policy):
     # A prompt runs through every layer at once: the members agree on how (`_check_modes`).
     @property
     def prefill_mode(self):
-        return self._members()[0].prefill_mode
+        return self.members()[0].prefill_mode
 
     @property
     def chunk(self):
-        return self._members()[0].chunk
+        return self.members()[0].chunk
 
     def shrink(self, cache, room: int):
         """Each member that sizes its cache after prefill (the gate) shrinks its own layers."""
-        members, cache = list(self._members()), list(cache)
+        members, cache = list(self.members()), list(cache)
         for m in dict.fromkeys(members):
             own = [self._at(i) == m for i in range(len(cache))]
             # the member sees its own layers only (None elsewhere), so its sizes depend on them alone
@@ -99,7 +99,7 @@ class ByLayer(LayerDispatch):
     def _at(self, layer: int) -> Policy:
         return self.shallow if layer < self.split else self.deep
 
-    def _members(self):
+    def members(self):
         return (self.shallow, self.deep)
 
     def _with_members(self, members):
@@ -133,7 +133,7 @@ class PerLayer(LayerDispatch):
     def _at(self, layer: int) -> Policy:
         return self.layers[layer]
 
-    def _members(self):
+    def members(self):
         return self.layers
 
     def _with_members(self, members):
@@ -160,7 +160,7 @@ class ByHead(Policy):
     """Per layer, the KV heads split into groups, each cached by its own policy in its own array.
 
     Subclasses define `head_split(layer)`. The model's plan (`kvjax.policies.plan`) turns each group
-    into a `Group` with its own rule: the model allocates a `kvjax.cache.HeadwiseCache` (one
+    into a `Group` with its own rule: `kvjax.layer` allocates a `kvjax.cache.HeadwiseCache` (one
     `LayerCache` per group, of that group's capacity) and runs every rule method group by group
     (`kvjax.layer.rule_groups`), so the split itself caches nothing.
     """

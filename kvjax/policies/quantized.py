@@ -1,6 +1,6 @@
 """`Quantized(policy, bits=2)`: any policy's kept slots stored as int8 or KIVI codes (`kvjax.quant`).
 
-The wrapper changes no rule: `resolve` hands the model the wrapped policy's rules and puts the `KVQuant` on
+The wrapper changes no rule: `resolve` plans with the wrapped policy's rules and puts the `KVQuant` on
 the plan, and `kvjax.layer` stores each layer's cache quantized between calls (eviction scores are computed
 on the dequantized cache). Its description names both, so a record's identity includes the width.
 """
@@ -67,8 +67,5 @@ class Quantized(Policy):
 
 def _members(policy: Policy) -> list[Policy]:
     """The policies a layer dispatch (`by_layer`, `PerLayer`) hands its layers to, recursively; else the policy."""
-    from kvjax.policies.compose import LayerDispatch  # compose fits Quantized policies to windows: imported late
-
-    if isinstance(policy, LayerDispatch):
-        return [m for member in dict.fromkeys(policy._members()) for m in _members(member)]
-    return [policy]
+    members = policy.members()
+    return [m for member in dict.fromkeys(members) for m in _members(member)] if members else [policy]
