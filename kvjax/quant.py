@@ -18,7 +18,7 @@ unchanged, and stores the result back (`store`). So eviction scores are computed
 (and the full-precision residual), and every policy, chunked prefill and decoding work as they are.
 
 Decoding reads the codes directly where it can (`write_token`, `attend`): when the layer's one rule places each
-new token from positions and statistics alone (`step_reads_kv = False`: the ring policies, H2O, SnapKV & co),
+new token from positions and statistics alone (a `StepOnlyWrites` rule: the ring policies, H2O, SnapKV & co),
 keys sit at absolute positions and no ALiBi, window or soft-cap applies, a decode step stores only the new token
 (its key group requantized) and attends the codes `DECODE_BLOCK` slots at a time, so the layer's keys and values
 are never dequantized as a whole (`tests/test_quant.py` checks the compiled step for such a buffer). It gives the
@@ -343,7 +343,7 @@ def store(spec: KVQuant, lc: LayerCache, newest: Int[Array, "b"]) -> QuantizedLa
 
 
 # ---- decoding from the codes --------------------------------------------------------------------------
-# A decode step of a rule whose `step` only writes the new token (`step_reads_kv = False`: the ring policies,
+# A decode step of a rule whose `step` only writes the new token (`StepOnlyWrites`: the ring policies,
 # H2O, SnapKV & co) needs no dequantized cache: `write_token` stores that one token (its key group requantized,
 # as `store` would), and `attend` reads the codes `block` slots at a time. Both equal `view` -> rule -> attention
 # -> `store` (tests/test_quant.py), without ever holding the layer's keys and values dequantized.

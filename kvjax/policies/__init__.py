@@ -3,7 +3,18 @@
 import math
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, Context, KeepsEveryToken, LayerPolicy, Policy, PromptMasking, ReadsTokens, Rule
+from kvjax.policies.base import (
+    ChunkRule,
+    Context,
+    KeepsEveryToken,
+    LayerPolicy,
+    Policy,
+    PooledRule,
+    PromptMasking,
+    ReadsTokens,
+    Rule,
+    StepOnlyWrites,
+)
 from kvjax.policies.compose import (
     EVERY_LAYER,
     ByHead,
@@ -190,8 +201,7 @@ def _kvzip(ratio, sinks, chunk, layerwise, replay) -> KVzip:
 def reduces_to(policy: Policy) -> str | None:
     """What `policy`'s parameters reduce it to, when that is another method (PyramidKV below kvpress's
     pyramid = SnapKV), for the tables to say; None when it is itself."""
-    same = getattr(policy, "same_as", None)
-    return same() if callable(same) else None
+    return policy.same_as()
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> Policy:
@@ -215,7 +225,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 __all__ = [
     "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
-    "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StreamingLLM", "TOVA",
+    "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",
 ]

@@ -1,18 +1,21 @@
 """The cache-policy interface: `Policy` builds plans, `Rule` caches a layer.
 
 A `Policy` is what a user passes; it says which `Rule` caches each layer and KV-head group
-(`kvjax.policies.plan.resolve`). A `Rule` is what the model calls, through `kvjax.layer`; a rule that folds
-a prompt chunk by chunk is also a `ChunkRule`, one that masks the prompt's attention a `PromptMasking`. A
-single rule is its own policy (`LayerPolicy`); combinators (`by_layer`, `by_head`, ...) are policies only.
+(`kvjax.policies.plan.resolve`). A `Rule` is what `kvjax.layer` calls for a model's attention layer; a rule
+that folds a prompt chunk by chunk is also a `ChunkRule`, one that masks the prompt's attention a
+`PromptMasking`, one whose layer's heads share a pool of slots a `PooledRule`; `KeepsEveryToken`, `ReadsTokens`
+and `StepOnlyWrites` say what else `kvjax.layer` must know of a rule. Every hook `kvjax.layer` and the plan read
+is declared on these classes. A single rule is its own policy (`LayerPolicy`); combinators (`by_layer`,
+`by_head`, ...) are policies only.
 
 Both are frozen (hence hashable) dataclasses, passed to `jax.jit` as static arguments (in the sized plan). Its methods are pure functions of arrays; `layer` is a Python int, so
 a policy may behave differently per layer (MAT's shallow/deep split, PyramidKV's
 per-layer budgets) and still trace to static shapes.
 
-The model resolves each layer's rule once (`rule = policy.at_layer(layer)`; a rule that splits the
-layer's KV heads, `rule.head_split(layer)`, is resolved into one rule per head group, each with its
-own cache) and calls only that rule, always with the same arguments: `ctx`, a `Context` of the
-tokens' positions and ids, and the `stats` attention returned. Per layer:
+`resolve` reads each layer's rule once (`rule = policy.at_layer(layer)`; a policy that splits the
+layer's KV heads, `head_split(layer)`, is resolved into one rule per head group, each with its
+own cache), and the layer functions call only that rule, always with the same arguments: `ctx`, a
+`Context` of the tokens' positions and ids, and the `stats` attention returned. Per layer:
 
 * prefill (`prefill_mode == "full"`): full causal attention over the prompt, then
   `cache = rule.prefill(layer, empty_cache, k, v, ctx, stats)`;
@@ -78,7 +81,7 @@ PREFILL_MODES = ("full", "stream", "chunked")
 
 
 class Rule(abc.ABC):
-    """What caches one layer, or one KV-head group of it: the model calls only these (through `kvjax.layer`).
+    """What caches one layer, or one KV-head group of it: `kvjax.layer` calls only these, for the model's attention.
 
     A rule that can also fold a prompt chunk by chunk is a `ChunkRule`; one that masks the prompt's attention
     is a `PromptMasking` too. Which rule caches which layer and heads is the `Policy`'s business (a plan)."""
@@ -157,6 +160,28 @@ class ReadsTokens(Rule):
     them."""
 
 
+class StepOnlyWrites(Rule):
+    """A rule whose `step` only writes the new token, into a slot chosen from positions and the rule's own
+    statistics, reading no cached key or value (the rings, H2O, SnapKV & co, KVzip, AdaKV): a decode step over a
+    quantized cache then reads the codes directly (`kvjax.quant`) instead of dequantizing the layer first. Any other
+    rule's `step` may read the cached keys and values (RazorAttention's compensation token averages them)."""
+
+    # Until `kvjax.layer` asks `isinstance(rule, StepOnlyWrites)`, it reads this flag (True when undeclared).
+    step_reads_kv = False
+
+
+class PooledRule(Rule):
+    """A rule whose layer's KV heads share one pool of slots (`kvjax.cache.PooledLayerCache`), so that heads keep
+    different numbers of tokens (AdaKV): the plan allocates the pool from `pool_capacity` rather than from
+    `capacity`, and refuses such a rule in a head group or over a quantized cache (`kvjax.policies.plan.resolve`).
+    Its `prefill` and `step` take and return the pool."""
+
+    @abc.abstractmethod
+    def pool_capacity(self, layer: int, max_len: int, prompt_len: int) -> tuple[int, int]:
+        """`(prompt slots, decode slots)` per KV head of `layer` for sequences of at most `max_len` tokens whose
+        (padded) prompt is `prompt_len` long: the pool holds `kv_heads x` each (`kvjax.cache.empty_pool`)."""
+
+
 class ChunkRule(Rule):
     """A rule that folds a prompt into its cache chunk by chunk (`prefill_mode="chunked"`)."""
 
@@ -221,7 +246,7 @@ class Policy(abc.ABC):
     def at_layer(self, layer: int) -> "Policy":
         """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.
 
-        The plan resolves each layer's rule once, here, and the model then calls only that rule's methods;
+        `resolve` asks for each layer's rule once, here, and `kvjax.layer` then calls only that rule's methods;
         so a combinator forwards nothing, and a member's hooks (AnLLM's prompt mask, the gate) act in its
         own layers only."""
         del layer

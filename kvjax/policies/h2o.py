@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, check_ratio, warn_chunked_method
+from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio, warn_chunked_method
 from kvjax.stats import RuleStats, StatsRequest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class H2O(RatioBudget, LayerPolicy, ChunkRule):
+class H2O(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
     """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
     prompt tokens keeps `max(recent + 1, floor(n (1 - ratio)))` slots, decoding included, as
     kvpress's compression ratio and the papers' "x % KV" mean); `recent` tokens are never evicted.
@@ -40,7 +40,6 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule):
     equal split of heavy hitters and recent tokens), so a 60-token and a 200-token prompt at ratio 0.8
     keep 6 and 20 recent tokens, not the same count."""
 
-    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
     cache_state = {"mass": kvcache.SLOT}  # each slot's accumulated attention, the heavy-hitter score
 
     budget: int | None = None

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy
+from kvjax.policies.base import LayerPolicy, StepOnlyWrites
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVzip(LayerPolicy):
+class KVzip(LayerPolicy, StepOnlyWrites):
     """KVzip at compression `ratio` (the share of all layers' and heads' context slots evicted; per layer with
     `layerwise`), the first `sinks` positions kept, `chunk_size` context tokens per replay; the replay prompts'
     token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length. See the module."""
@@ -44,7 +44,6 @@ class KVzip(LayerPolicy):
     chunk_size: int = 2048
     layerwise: bool = False
     prefix: int = 0
-    step_reads_kv = False  # `step` only writes the new token
     evicts_while_decoding = False
     chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
                      "prefill (a cache bounded while the prompt is read) never holds")

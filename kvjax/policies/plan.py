@@ -1,15 +1,14 @@
-"""A policy resolved for one model: each layer's rule, and the KV-head groups it caches with, each
-under its own rule.
+"""A policy resolved for one model: each layer's KV-head groups, each cached under its own rule.
 
 `resolve(policy, num_layers, num_kv_heads)` is the one place a policy's structure is read (the
-combinators' `at_layer` and `head_split`); the model allocates, prefills, folds chunks and decodes
-from the plan alone. A combinator is then a plan builder: MAT and `by_layer` choose a rule per
+combinators' `at_layer` and `head_split`); the layer functions (`kvjax.layer`) allocate, prefill, fold chunks
+and decode from the plan alone. A combinator is then a plan builder: MAT and `by_layer` choose a rule per
 layer, RazorAttention and `by_head` split a layer's heads, PyramidKV gives each layer's rule its
 own budget, and they nest (`by_layer(streaming, by_head(mask, full, snapkv), 2)`).
 
-    plan = model.plan(policy)        # native to the model (sliding windows), checked
-    print(plan.describe())           # one line per layer: its groups and rules
-    plan = model.plan(policy, max_len=4096, prompt_len=4000)   # sized: each group's slot count fixed
+    plan = resolve(policy, num_layers, num_kv_heads)   # checked (a model's sliding windows: `on_windows` first)
+    print(plan.describe())                             # one line per layer: its groups and rules
+    plan = plan.sized(max_len=4096, prompt_len=4000)   # sized: each group's slot count fixed
 
 A sized plan is what a compiled prefill is keyed by: two calls whose plans are equal (a budget
 policy's capacities do not grow with `max_len`) share one compilation.
@@ -22,7 +21,7 @@ import functools
 import operator
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Context, Policy, PositionMode, PromptMasking, Rule
+from kvjax.policies.base import Context, Policy, PooledRule, PositionMode, PromptMasking, Rule
 from kvjax.policies.quantized import Quantized
 from kvjax.quant import KVQuant
 from kvjax.stats import NO_STATS, StatsRequest
@@ -38,24 +37,40 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """Layer `layer`: `rule` (`policy.at_layer(layer)`, the layer's rule, or the head split whose `groups` cache
-    its KV heads); `groups` cache its KV heads, each under its own rule. `split`: the heads are in groups,
-    each in its own cache array (`kvjax.cache.HeadwiseCache`)."""
+    """Layer `layer`: `groups` cache its KV heads, each under its own rule: one group of all of them (`rule`), or
+    the groups of `split_by`, the policy whose `head_split(layer)` made them (RazorAttention, `by_head`), each group
+    in its own cache array (`kvjax.cache.HeadwiseCache`)."""
 
     layer: int
-    rule: Policy
     groups: tuple[Group, ...]
+    split_by: Policy | None = None  # the head split (`policy.at_layer(layer)`); None: one rule caches the layer
     sizes: tuple[int, ...] | None = None  # each group's slot count, once the plan is sized (`Plan.sized`)
     quant: KVQuant | None = None  # how every group's cache is stored (`kvjax.quant`); None: full precision
 
     @property
     def split(self) -> bool:
+        """Whether the layer's KV heads are in groups, each in its own cache array."""
         return self.groups[0].kv_heads is not None
+
+    @property
+    def rule(self) -> Rule:
+        """The rule that caches all of the layer's KV heads; a layer split into head groups has none (each group's
+        is in `groups`)."""
+        if self.split:
+            raise InvalidInput(f"layer {self.layer}: {self.describe()}: its KV heads are split into groups, each "
+                               "cached by its own rule (LayerPlan.groups)")
+        return self.groups[0].rule
+
+    def describe(self) -> str:
+        """The layer's rule, or its head split's groups and their rules, as messages name them."""
+        if not self.split:
+            return self.groups[0].rule.describe()
+        return "; ".join(f"KV heads {list(g.kv_heads)}: {g.rule.describe()}" for g in self.groups)
 
     @property
     def pooled(self) -> bool:
         """The layer's KV heads share one pool of `kv_heads x sizes[0]` slots (`kvjax.cache.PooledLayerCache`)."""
-        return not self.split and getattr(self.groups[0].rule, "pools_heads", False)
+        return not self.split and isinstance(self.groups[0].rule, PooledRule)
 
     @property
     def position_mode(self) -> PositionMode:
@@ -90,7 +105,7 @@ class LayerPlan:
         """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`);
         a pooled layer's `(prompt slots per head, decode slots per head)`."""
         if self.pooled:
-            return self.rule.pool_capacity(self.layer, max_len, prompt_len)
+            return self.groups[0].rule.pool_capacity(self.layer, max_len, prompt_len)
         return tuple(g.rule.capacity(self.layer, max_len, prompt_len) for g in self.groups)
 
 
@@ -131,18 +146,13 @@ class Plan:
         return all(rule.evicts_while_decoding for rule in self.rules())
 
     def describe(self) -> str:
-        def layer(lp: LayerPlan) -> str:
-            if not lp.split:
-                return lp.groups[0].rule.describe()
-            return "; ".join(f"KV heads {list(g.kv_heads)}: {g.rule.describe()}" for g in lp.groups)
-
         def sizes(lp: LayerPlan) -> str:
             quant = "" if lp.quant is None else f", stored quantized ({lp.quant.describe()})"
             if lp.sizes is not None and lp.pooled:
                 return f" [a pool of {lp.sizes[0]} prompt + {lp.sizes[1]} decode slots per KV head]"
             return ("" if lp.sizes is None else f" [{', '.join(map(str, lp.sizes))} slots]") + quant
 
-        return "\n".join(f"layer {lp.layer}: {layer(lp)}{sizes(lp)}" for lp in self.layers)
+        return "\n".join(f"layer {lp.layer}: {lp.describe()}{sizes(lp)}" for lp in self.layers)
 
 
 def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) -> Plan:
@@ -153,15 +163,19 @@ def resolve(policy: Policy, num_layers: int, num_kv_heads: int | None = None) ->
     quant, rules_of = (policy.kv_quant, policy.policy) if isinstance(policy, Quantized) else (None, policy)
     layers = []
     for i in range(num_layers):
-        rule = rules_of.at_layer(i)
-        split = rule.head_split(i)
-        groups = (Group(None, rule),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
-        pooled_group = [g.rule for g in groups if g.kv_heads is not None and getattr(g.rule, "pools_heads", False)]
+        member = rules_of.at_layer(i)  # the layer's rule, or the policy that splits its KV heads into groups
+        split = member.head_split(i)
+        groups = (Group(None, member),) if split is None else tuple(Group(tuple(h), sub) for h, sub in split)
+        not_rules = [g.rule for g in groups if not isinstance(g.rule, Rule)]
+        if not_rules:
+            raise InvalidInput(f"{not_rules[0].describe()} is given layer {i} to cache, but it is no Rule (it only "
+                               "builds plans)")
+        pooled_group = [g.rule for g in groups if g.kv_heads is not None and isinstance(g.rule, PooledRule)]
         if pooled_group:
             raise InvalidInput(f"{pooled_group[0].describe()} ranks all of a layer's KV heads together in one pool; "
                                f"it cannot cache one head group of layer {i}")
-        layers.append(LayerPlan(i, rule, groups, quant=quant))
+        layers.append(LayerPlan(i, groups, None if split is None else member, quant=quant))
         if quant is not None and layers[-1].pooled:
-            raise InvalidInput(f"{rule.describe()}: its heads share one pool of slots (kvjax.cache.PooledLayerCache), "
-                               "which cannot be stored quantized")
+            raise InvalidInput(f"{member.describe()}: its heads share one pool of slots "
+                               "(kvjax.cache.PooledLayerCache), which cannot be stored quantized")
     return Plan(policy, tuple(layers))

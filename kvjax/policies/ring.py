@@ -17,7 +17,7 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, check_ratio
+from kvjax.policies.base import ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -46,15 +46,11 @@ def ring_holder(length: Int[Array, "b"], sinks: int, capacity, slots: int | None
     return jnp.where(j < sinks, sink_pos, win_pos).astype(jnp.int32)
 
 
-class RingPolicy(RatioBudget, LayerPolicy, ChunkRule):
+class RingPolicy(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
     """Shared prefill/step for sinks + ring layouts; subclasses define `_layout`.
 
     With a `ratio` (`RatioBudget`) a row whose prompt has `n` tokens keeps `max(1, floor(n * (1 - ratio)))`
     slots (at least sinks + 1), and the ring of each row wraps at its own count."""
-    # `step` places the new token from positions and scores alone and only writes keys and values: a quantized
-    # cache is then decoded from its codes (kvjax.layer._decode_codes) instead of being read whole as a view
-    step_reads_kv = False
-
 
     def _layout(self, max_len: int) -> tuple[int, int]:
         """(sinks, capacity) for sequences of at most `max_len` tokens."""

@@ -47,7 +47,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, check_numbers, warn_chunked_method
+from kvjax.policies.base import ChunkRule, LayerPolicy, PooledRule, StepOnlyWrites, check_numbers, warn_chunked_method
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -73,14 +73,13 @@ def aggregate(x: jax.Array, how: str, axis: int = 2) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScoredPolicy(LayerPolicy, ChunkRule):
+class ScoredPolicy(LayerPolicy, ChunkRule, StepOnlyWrites):
     """Shared budget, selection and decode-append for the prefill compressors."""
 
     budget: int | None = None
     ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
-    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
 
     def __post_init__(self):
         super().__post_init__()
@@ -419,7 +418,7 @@ class KeyDiff(ScoredPolicy):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaKV(LayerPolicy):
+class AdaKV(LayerPolicy, PooledRule, StepOnlyWrites):
     """AdaKV (Feng et al. 2024, arXiv:2407.11550) on any prompt compressor's score (`AdaKV(SnapKV(ratio=0.5))`):
     instead of each KV head keeping the scorer's count, a layer keeps its KV heads' total (heads x count) by one
     top-k over all its heads' scores, so heads keep different numbers of tokens; each head first keeps its
@@ -431,10 +430,6 @@ class AdaKV(LayerPolicy):
     per-head counts, SnapKV's at the same budget, plus a head index per slot (kvpress masks evicted keys in a
     full-size cache). Decoding attends each head's own slots; the jnp reference masks the others, so its work
     is the pool's times the KV heads (no kernel yet that reads only a head's slots)."""
-
-    pools_heads = True  # the plan allocates a `PooledLayerCache` (`kvjax.layer.init_layer_cache`)
-
-    step_reads_kv = False  # `step` only writes the new token: a quantized cache decodes from its codes
 
     scorer: ScoredPolicy
     alpha: float = 0.2
