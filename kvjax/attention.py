@@ -103,7 +103,7 @@ def prefill_route(
     itself, no mask beyond causality and padding (no ALiBi, window, anchor mask, gate flags or soft-capping),
     and no statistic that needs the kernel's log-sum-exps (`colsum`, H2O's). On a GPU that is cuDNN's
     (`jax.nn.dot_product_attention`), in half precision with a head size cuDNN accepts; on a TPU, jax's splash
-    attention (`splash_prefill`). SnapKV's windows and MAT's first logit are O(W x s) and come from
+    attention (`splash_prefill`). SnapKV's last queries and MAT's first logit are O(W x s) and come from
     `reference.prompt_statistics` on every route, so SnapKV, PyramidKV, SlimKV and TOVA prompts take these
     too. Any other call keeps kvjax's kernels, which compute what the policy asked for."""
     if impl != "pallas":
@@ -197,20 +197,20 @@ def prefill_attention(
     route = prefill_route(impl, _backend(), stats=stats, mask=mask, self_attention=self_attention, dtype=q.dtype,
                           head_dim=q.shape[-1])
     if route in ("cudnn", "splash"):
-        first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
+        first_logit, last_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale)
         if route == "cudnn":
             out = cudnn_prefill(q, k, v, q_pos, scale=scale)
         else:
             out, = per_shard(lambda *a: (splash_prefill(*a, scale=scale),), q, k, v, q_pos, layouts=("bh", "bh", "bh", "b"),
                              out=("bh",))
-        return out, AttentionStats(first_logit=first_logit, window_probs=window_probs)
+        return out, AttentionStats(first_logit=first_logit, last_probs=last_probs)
     _no_softcap_kernel(mask, impl)
     if route == "xla":
         return reference.prefill_attention(q, k, v, q_pos, k_pos, scale=scale, stats=stats, mask=mask, block=block,
                                            self_attention=self_attention)
     out, colsum = _prefill_kernels(q, k, v, q_pos, k_pos, scale=scale, mask=mask, colsum=stats.colsum)
-    first_logit, window_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
-    return out, AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
+    first_logit, last_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
+    return out, AttentionStats(first_logit=first_logit, colsum=colsum, last_probs=last_probs)
 
 
 def _prefill_kernels(q, k, v, q_pos, k_pos, *, scale: float, mask: Mask, colsum: bool):
@@ -331,7 +331,7 @@ def decode_attention(
     which the kernel does not take: those models decode in the reference and say so once (a warning)."""
     check_impl(impl)
     _no_softcap_kernel(mask, impl)
-    if stats.colsum or stats.windows:
+    if stats.colsum or stats.last_queries:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     mask.only(("window", "softcap", "alibi"), "decode_attention")
     if impl == "pallas" and (mask.alibi is not None or mask.window is not None):

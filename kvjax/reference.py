@@ -285,7 +285,7 @@ def prefill_attention(
     Optional statistics (`stats`, an `AttentionStats` of the requested ones):
 
     * `first_logit`: `[b, kvh, g, t]` each query's scaled logit to the key at position 0.
-    * `window_probs[W]`: `[b, kvh, g, W, s]` the attention probabilities of the last W queries
+    * `last_probs[W]`: `[b, kvh, g, W, s]` the attention probabilities of the last W queries
       (SnapKV's observation window; also TOVA with W = 1). Only `W x s`, never `s x s`.
     * `colsum`: `[b, kvh, g, s]` every key's attention summed over all queries (H2O's
       accumulated attention), accumulated block by block.
@@ -330,8 +330,8 @@ def prefill_attention(
         )
         out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kvh, h // kvh, n * block, d)[:, :, :, :t]
         colsum = None if colsum is None else colsum.sum(axis=0)
-    first_logit, window_probs = prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
-    out_stats = AttentionStats(first_logit=first_logit, colsum=colsum, window_probs=window_probs)
+    first_logit, last_probs = prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
+    out_stats = AttentionStats(first_logit=first_logit, colsum=colsum, last_probs=last_probs)
     return out.reshape(b, h, t, d).astype(q.dtype), out_stats
 
 
@@ -345,23 +345,23 @@ def prompt_statistics(
     scale: float,
     mask: Mask = CAUSAL,
 ) -> tuple[Float[Array, "b kvh g t"] | None, dict[int, Float[Array, "b kvh g w s"]]]:
-    """`(first_logit, window_probs)` of a prompt's attention as `prefill_attention` defines them: O(W x s),
+    """`(first_logit, last_probs)` of a prompt's attention as `prefill_attention` defines them: O(W x s),
     so computed here whatever code ran the attention itself (the kernels return only the output and `colsum`)."""
     kvh, t = k.shape[1], q.shape[2]
-    window_probs = {}
-    for w in sorted(stats.windows):
+    last_probs = {}
+    for w in sorted(stats.last_queries):
         start = max(t - w, 0)  # a prompt bucket shorter than the window: all of it
         sw = _grouped_logits(_group(q[:, :, start:], kvh), k, q_pos[:, start:], k_pos, scale, mask)
         if mask.anchors is not None:
             sw = jnp.where(mask.anchors.visible(slice(start, None))[:, None, None], sw, _MASKED)
         real = (q_pos[:, start:] >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-        window_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, mask.key_keep), 0.0)
+        last_probs[w] = jnp.where(real, _softmax(sw, q_pos[:, start:], k_pos, mask.key_keep), 0.0)
     first_logit = None
     if stats.first_logit:
         first = jnp.argmax(k_pos == 0, axis=1)  # time index of position 0, per row
         k0 = jnp.take_along_axis(k, first[:, None, None, None], axis=2)[:, :, 0]  # [b, kvh, d]
         first_logit = jnp.einsum("bkgqd,bkd->bkgq", _group(q, kvh), k0, preferred_element_type=_acc(q.dtype)) * scale
-    return first_logit, window_probs
+    return first_logit, last_probs
 
 
 def prefix_attention(
@@ -396,7 +396,7 @@ def prefix_attention(
     query's rank, not its position (`ChunkRule.rolling_sinks`).
 
     `stats`, over the keys `[cache slots; chunk]` (the candidates `ChunkRule.absorb` chooses from):
-    `window_probs[W]` `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
+    `last_probs[W]` `[b, kvh, g, W, C + t]`, the probabilities of the chunk's last W queries
     (W <= t); `colsum` `[b, kvh, g, C + t]`, each key's probability summed over the real queries;
     `first_logit` `[b, kvh, g, t]`, each query's scaled logit to the key at position 0 (a slot or a
     chunk token), without bias or soft-cap, as `prefill_attention` returns it.
@@ -429,7 +429,7 @@ def prefix_attention(
     out = jnp.einsum("bkgqc,bkcd->bkgqd", p[..., :c].astype(v.dtype), cache_v, preferred_element_type=acc)
     out += jnp.einsum("bkgqs,bksd->bkgqd", p[..., c:].astype(v.dtype), v, preferred_element_type=acc)
     real = (pos >= 0)[:, None, None, :, None]  # padding queries contribute nothing
-    if stats.probs or any(w > t for w in stats.windows):
+    if stats.probs or any(w > t for w in stats.last_queries):
         raise ValueError(f"prefix_attention cannot compute {stats.names()} for a chunk of {t} tokens")
     first_logit = None
     if stats.first_logit:
@@ -438,7 +438,7 @@ def prefix_attention(
         first_logit = jnp.einsum("bkgqd,bkd->bkgq", qg, k0.astype(qg.dtype), preferred_element_type=acc) * scale
     out_stats = AttentionStats(
         first_logit=first_logit, colsum=jnp.sum(jnp.where(real, p, 0.0), axis=3) if stats.colsum else None,
-        window_probs={w: jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0) for w in sorted(stats.windows)})
+        last_probs={w: jnp.where(real[:, :, :, t - w:], p[:, :, :, t - w:], 0.0) for w in sorted(stats.last_queries)})
     return out.reshape(b, kvh * g, t, d).astype(q.dtype), out_stats
 
 
@@ -468,7 +468,7 @@ def decode_attention(
     * `first_logit`: `[b, kvh, g]` `q.k_0 * scale` for the slot holding position 0, without its `log_w`
       or ALiBi bias, as prefill's (-inf-like if evicted).
     """
-    if stats.colsum or stats.windows:
+    if stats.colsum or stats.last_queries:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     mask.only(("window", "softcap", "alibi"), "decode_attention")
     b, h, d = q.shape

@@ -22,8 +22,8 @@ class StatsRequest:
 
     * `first_logit`: each query's scaled logit to the key at position 0 (MAT's π);
     * `colsum`: each key's probability summed over the queries (H2O's accumulated attention);
-    * `windows`: for each W, the probabilities of the last W queries (SnapKV's observation window,
-      TOVA's last query with W = 1);
+    * `last_queries`: for each W, the probabilities of the last W queries (SnapKV's observation window of W
+      queries, TOVA's last query with W = 1), returned as `AttentionStats.last_probs[W]`;
     * `probs`: in decode, the query's probabilities over the cache slots, summed over the group;
     * `gate_keep`: at prefill, the prompt is attended under the model's Attention-Gates (eq. 7) and their
       keep flags are handed on. The model computes them (the gates are its weights), not attention:
@@ -35,32 +35,33 @@ class StatsRequest:
 
     first_logit: bool = False
     colsum: bool = False
-    windows: frozenset[int] = frozenset()
+    last_queries: frozenset[int] = frozenset()
     probs: bool = False
     gate_keep: bool = False
     query_moments: frozenset[tuple[int, int]] = frozenset()
 
     def __post_init__(self):
-        windows = frozenset(self.windows)
-        if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
-            raise ValueError(f"StatsRequest: windows={sorted(windows, key=str)} must be integers >= 1")
-        object.__setattr__(self, "windows", windows)
+        last = frozenset(self.last_queries)
+        if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in last):
+            raise ValueError(f"StatsRequest: last_queries={sorted(last, key=str)} must be integers >= 1")
+        object.__setattr__(self, "last_queries", last)
         moments = frozenset(tuple(m) for m in self.query_moments)
         if any(len(m) != 2 or m[0] < 0 or m[1] < 1 for m in moments):
             raise ValueError(f"StatsRequest: query_moments={sorted(moments)} must be (sinks >= 0, future >= 1) pairs")
         object.__setattr__(self, "query_moments", moments)
 
     @classmethod
-    def window(cls, w: int) -> StatsRequest:
-        return cls(windows=frozenset({w}))
+    def last(cls, w: int) -> StatsRequest:
+        """The probabilities of the last `w` queries, and nothing else."""
+        return cls(last_queries=frozenset({w}))
 
     def __or__(self, other: StatsRequest) -> StatsRequest:
         return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
-                            self.windows | other.windows, self.probs or other.probs, self.gate_keep or other.gate_keep,
-                            self.query_moments | other.query_moments)
+                            self.last_queries | other.last_queries, self.probs or other.probs,
+                            self.gate_keep or other.gate_keep, self.query_moments | other.query_moments)
 
     def __bool__(self) -> bool:
-        return (self.first_logit or self.colsum or bool(self.windows) or self.probs or self.gate_keep
+        return (self.first_logit or self.colsum or bool(self.last_queries) or self.probs or self.gate_keep
                 or bool(self.query_moments))
 
     def attention_part(self) -> StatsRequest:
@@ -70,8 +71,8 @@ class StatsRequest:
     def names(self) -> list[str]:
         """The requested statistics in words, for error messages."""
         flags = [f.name for f in dataclasses.fields(self)
-                 if f.name not in ("windows", "query_moments") and getattr(self, f.name)]
-        return (flags + [f"window_probs[{w}]" for w in sorted(self.windows)]
+                 if f.name not in ("last_queries", "query_moments") and getattr(self, f.name)]
+        return (flags + [f"last_probs[{w}]" for w in sorted(self.last_queries)]
                 + [f"query_moments[{m}]" for m in sorted(self.query_moments)])
 
 
@@ -89,17 +90,17 @@ class AttentionStats:
 
     first_logit: Array | None = None
     colsum: Array | None = None
-    window_probs: Mapping[int, Array] = dataclasses.field(default_factory=dict)
+    last_probs: Mapping[int, Array] = dataclasses.field(default_factory=dict)  # W -> the last W queries' probabilities
     probs: Array | None = None
     gate_keep: Array | None = None
     # (sinks, future) -> (mean [b, kvh, g, d], covariance [b, kvh, g, d, d]), grouped by KV head
     query_moments: Mapping[tuple[int, int], tuple[Array, Array]] = dataclasses.field(default_factory=dict)
 
-    def window(self, w: int) -> Array:
+    def last(self, w: int) -> Array:
         """The last `w` queries' probabilities; a KeyError naming what was computed otherwise."""
-        if w not in self.window_probs:
-            raise KeyError(f"window_probs[{w}] was not requested; computed: {sorted(self.window_probs)}")
-        return self.window_probs[w]
+        if w not in self.last_probs:
+            raise KeyError(f"last_probs[{w}] was not requested; computed: {sorted(self.last_probs)}")
+        return self.last_probs[w]
 
     def map(self, f: Callable[[Array], Array]) -> AttentionStats:
         """`f` on every array (e.g. a head group's slice)."""

@@ -245,7 +245,7 @@ def test_each_rule_keeps_its_own_state_named_for_what_it_holds(tiny):
     assert state(H2O(budget=8, recent=2)) == [{"mass": (b, kvh, 8)}] * cfg.num_layers
     assert state(mat(8, 3, shallow_layers=1, sinks=2)) == [{}] + [{"pi": (b, kvh, 8)}] * (cfg.num_layers - 1)
     razor = RazorAttention(retrieval=((True, False),) * cfg.num_layers, buffer=4, compression=8, sinks=2)
-    assert state(razor)[1] == {"window": (b, 1), "folded": (b, 1)}  # layer 0's local head group
+    assert state(razor)[1] == {"recent": (b, 1), "folded": (b, 1)}  # layer 0's local head group
     cache = tiny.model.init_cache(H2O(budget=8, recent=2), b, 64, 32)[0]
     with pytest.raises(KeyError, match=r"state \['pi'\] is not in this cache \(it holds \['mass'\]"):
         with_state(cache, pi=0.0)

@@ -250,10 +250,10 @@ def test_colsum_of_the_last_w_queries(variant):
     b, kvh, g, t, d, w = 2, 2, 4, 53, 16, 11
     q, k, v = _qkv(rng, b, kvh * g, kvh, t, t, d, jnp.float32)
     pos = _left_padded_positions(rng, b, t)
-    _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=StatsRequest.window(w))
+    _, stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=StatsRequest.last(w))
     _, lse = pprefill.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, **_run(variant), **SMALL)
     col = pprefill.colsum(q, k, lse, pos, pos, scale=d**-0.5, q_start=t - w, **_run(variant), **SMALL)
-    np.testing.assert_allclose(col, stats.window(w).sum(axis=3), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(col, stats.last(w).sum(axis=3), atol=1e-5, rtol=0)
 
 
 def test_block_sizes_are_validated_and_shapes_quoted():
@@ -300,9 +300,9 @@ def test_cudnn_is_routed_only_plain_causal_prompts():
     never takes cuDNN; neither does f32, a head size cuDNN refuses, a chunk against a cache, the xla
     implementation or a CPU. SnapKV's windows and MAT's first logit (computed beside any route) do."""
     assert _route() == "cudnn" and _route(dtype=jnp.float16, head_dim=128) == "cudnn"
-    assert _route(stats=StatsRequest.window(8)) == "cudnn"
-    assert _route(stats=StatsRequest(first_logit=True, windows=frozenset({1, 32}))) == "cudnn"
-    refused = [dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(colsum=True, windows=frozenset({8})))] + [
+    assert _route(stats=StatsRequest.last(8)) == "cudnn"
+    assert _route(stats=StatsRequest(first_logit=True, last_queries=frozenset({1, 32}))) == "cudnn"
+    refused = [dict(stats=StatsRequest(colsum=True)), dict(stats=StatsRequest(colsum=True, last_queries=frozenset({8})))] + [
         dict(mask=Mask(alibi=np.ones(8))), dict(mask=Mask(window=64)), dict(mask=Mask(anchors=object())),
         dict(mask=Mask(key_keep=jnp.ones((1, 1, 4), bool))), dict(mask=Mask(softcap=50.0)), dict(dtype=jnp.float32),
         dict(head_dim=60), dict(head_dim=256),
@@ -317,7 +317,7 @@ def test_tpu_splash_is_routed_only_plain_causal_prompts():
     tests/test_tpu_aot.py); column sums, any mask beyond causality, a chunk against a cache and the xla
     implementation keep kvjax's code."""
     assert _route(backend="tpu") == "splash" and _route(backend="tpu", dtype=jnp.float32, head_dim=128) == "splash"
-    assert _route(backend="tpu", stats=StatsRequest(first_logit=True, windows=frozenset({1, 32}))) == "splash"
+    assert _route(backend="tpu", stats=StatsRequest(first_logit=True, last_queries=frozenset({1, 32}))) == "splash"
     for over in [dict(stats=StatsRequest(colsum=True)), dict(mask=Mask(window=64)), dict(mask=Mask(softcap=50.0)),
                  dict(mask=Mask(key_keep=jnp.ones((1, 1, 4), bool))), dict(self_attention=False)]:
         assert _route(backend="tpu", **over) == "pallas", over
@@ -382,7 +382,7 @@ def test_cudnn_route_returns_the_references_window_and_first_logit_statistics(mo
     for r, n in enumerate((32, 21)):
         pos[r, t - n:] = np.arange(n)
     pos = jnp.asarray(pos)
-    req = StatsRequest(first_logit=True, windows=frozenset({1, 8}))
+    req = StatsRequest(first_logit=True, last_queries=frozenset({1, 8}))
     got, got_stats = attention.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=req, impl="pallas",
                                                  self_attention=True)
     want, want_stats = reference.prefill_attention(q, k, v, pos, pos, scale=d**-0.5, stats=req, self_attention=True)
@@ -392,7 +392,7 @@ def test_cudnn_route_returns_the_references_window_and_first_logit_statistics(mo
                                np.where(real, np.asarray(want, np.float32), 0), atol=2e-2, rtol=0)
     np.testing.assert_allclose(got_stats.first_logit, want_stats.first_logit, atol=1e-6, rtol=0)
     for w in (1, 8):
-        np.testing.assert_allclose(got_stats.window_probs[w], want_stats.window_probs[w], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(got_stats.last_probs[w], want_stats.last_probs[w], atol=1e-6, rtol=0)
     assert got_stats.colsum is None
 
 

@@ -14,8 +14,8 @@ from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
 from kvjax.stats import StatsRequest
 
-STATS = StatsRequest(colsum=True, first_logit=True, windows=frozenset({8}))
-STAT_NAMES = {"colsum": lambda s: s.colsum, "first_logit": lambda s: s.first_logit, "window_probs[8]": lambda s: s.window(8)}
+STATS = StatsRequest(colsum=True, first_logit=True, last_queries=frozenset({8}))
+STAT_NAMES = {"colsum": lambda s: s.colsum, "first_logit": lambda s: s.first_logit, "last_probs[8]": lambda s: s.last(8)}
 
 
 def _inputs(seed, dtype=jnp.float32, b=2, h=4, kvh=2, t=300, d=16):

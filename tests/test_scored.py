@@ -72,7 +72,7 @@ def test_snapkv_kept_positions(pool, kernel, agg):
     pos, k, v, rng = inputs(1)
     w, budget = 6, 14
     probs = window_probs(rng, w)
-    got, _ = kept(SnapKV(budget=budget, observation_window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, AttentionStats(window_probs={w: probs}))
+    got, _ = kept(SnapKV(budget=budget, observation_window=w, kernel=kernel, pool=pool, group_agg=agg), pos, k, v, AttentionStats(last_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         prefix = probs[r][..., T - n : T - w].mean(axis=2)  # [kvh, g, n - w]: mean over window queries
         pooled = np_pool(prefix, kernel, pool) if pool != "none" else prefix
@@ -86,7 +86,7 @@ def test_slimkv_equations_3_to_5_and_listing_1(combine):
     pos, k, v, rng = inputs(2)
     w, budget, kernel = 5, 12, 5
     probs = window_probs(rng, w)
-    got, _ = kept(SlimKV(budget=budget, observation_window=w, kernel=kernel, combine=combine), pos, k, v, AttentionStats(window_probs={w: probs}))
+    got, _ = kept(SlimKV(budget=budget, observation_window=w, kernel=kernel, combine=combine), pos, k, v, AttentionStats(last_probs={w: probs}))
     for r, n in enumerate(LENGTHS):
         for h in range(KVH):
             s1 = probs[r, h][:, :, T - n : T - w].sum(axis=(0, 1))  # eq. 3: over the group's heads and window queries
@@ -104,7 +104,7 @@ def test_knorm_tova_observed_attention():
             norms = np.linalg.norm(k[r, h, T - n :], axis=-1)
             assert got[r][h] == sorted(np.argsort(norms, kind="stable")[:10].tolist())
     probs = window_probs(rng, 1)
-    got, _ = kept(TOVA(ratio=0.6), pos, k, v, AttentionStats(window_probs={1: probs}))
+    got, _ = kept(TOVA(ratio=0.6), pos, k, v, AttentionStats(last_probs={1: probs}))
     for r, n in enumerate(LENGTHS):
         keep = max(1, int(n * 0.4))
         s = probs[r, :, :, 0, T - n : T - 1].mean(axis=(0, 1))  # all heads of the layer
@@ -156,14 +156,14 @@ def test_attention_statistics_match_a_direct_softmax():
     pos[1, :5] = -1
     pos[1, 5:] = np.arange(t - 5)
     _, st = prefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(pos),
-                              scale=d**-0.5, stats=StatsRequest(colsum=True, windows=frozenset({6})), block=8)
+                              scale=d**-0.5, stats=StatsRequest(colsum=True, last_queries=frozenset({6})), block=8)
     s = np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, g, axis=1)) / math.sqrt(d)
     visible = (pos[:, None, :] >= 0) & (pos[:, None, :] <= pos[:, :, None])
     s = np.where(visible[:, None], s, -np.inf)
     with np.errstate(invalid="ignore"):  # padding queries see no key: their rows are NaN, then 0
         p = np.exp(s - s.max(-1, keepdims=True))
         p = np.nan_to_num(p / p.sum(-1, keepdims=True)).reshape(b, kvh, g, t, t)
-    np.testing.assert_allclose(np.asarray(st.window(6)), p[:, :, :, -6:], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.last(6)), p[:, :, :, -6:], atol=1e-6)
     real_q = (pos >= 0)[:, None, None, :, None]
     np.testing.assert_allclose(np.asarray(st.colsum), np.where(real_q, p, 0).sum(3), atol=1e-5)
 

@@ -198,7 +198,7 @@ def decode_attention(
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"pallas decode_attention: query heads ({q.shape[1]}) must be a multiple of KV heads "
                          f"({k.shape[1]}); shapes q {q.shape}, k {k.shape}")
-    if stats.colsum or stats.windows:
+    if stats.colsum or stats.last_queries:
         raise ValueError(f"decode_attention cannot compute statistics {stats.names()}; it takes probs and first_logit")
     out, lse, s = _decode(q, k, v, slot_pos, log_w, scale=scale, logits=bool(stats), variant=variant,
                           interpret=interpret, block=blocks.block_k, splits=splits,

@@ -90,7 +90,7 @@ class Rule(abc.ABC):
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
-    # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "window"); see
+    # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "recent"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
     cache_state: Mapping[str, str] = MappingProxyType({})
 

@@ -54,11 +54,11 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
     `L` is `max(buffer, ceil(n / compression))` for a row whose prompt has `n` tokens (RoPE),
     `scopes[h]` per head (ALiBi), or with `ratio` what is left of the row's share of its prompt,
     `max(sinks + 2, floor(n (1 - ratio)))` slots in all, the compensation slot included
-    (`RatioBudget`). Slot layout: sinks in slots `0..sinks-1`, the window after them, the
-    compensation slot last (when `compensate`). Its state, per row and KV head: `window`, the row's window
-    length `L` (so rows of one batch with different prompt lengths each keep their own `L` under one static
-    capacity; 0 until a prompt sets it: S0), and `folded`, the compensation slot's count `N_d` of tokens
-    folded into it (its `log_w` is `log N_d`).
+    (`RatioBudget`). Slot layout: sinks in slots `0..sinks-1`, the window of recent tokens after them, the
+    compensation slot last (when `compensate`). Its state, per row and KV head: `recent`, the number `L` of
+    recent tokens the row keeps (so rows of one batch with different prompt lengths each keep their own `L` under
+    one static capacity; 0 until a prompt sets it: S0), and `folded`, the compensation slot's count `N_d` of
+    tokens folded into it (its `log_w` is `log N_d`).
     """
 
     sinks: int = 4
@@ -105,18 +105,19 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
 
     @property
     def cache_state(self):
-        return {"window": kvcache.HEAD, **({"folded": kvcache.HEAD} if self.compensate else {})}
+        return {"recent": kvcache.HEAD, **({"folded": kvcache.HEAD} if self.compensate else {})}
 
     def least_slots(self) -> int:
         return self.sinks + 1 + int(self.compensate)  # the sinks, one window slot, the compensation slot
 
-    def _window(self, prompt_len: int) -> int:
+    def _recent(self, prompt_len: int) -> int:
+        """`L`, the recent tokens kept for a `prompt_len`-token prompt (the array's; each row's: `_row_recent`)."""
         if self.scopes is not None:
             return max(self.scopes)
         if self.ratio is not None:
             return int(self.row_slots(max(prompt_len, 1))) - self.sinks - int(self.compensate)
         # Read whole, token by token or in chunks, a prompt's length is known when the cache is sized (0: a
-        # text scored piece by piece, whose N is unknown: the window is S0).
+        # text scored piece by piece, whose N is unknown: L is S0).
         return buffer_length(prompt_len, self.buffer, self.compression)
 
     def _layout(self, capacity: int) -> tuple[int, int]:
@@ -124,43 +125,43 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         return self.sinks, capacity - int(self.compensate)
 
     def capacity(self, layer, max_len, prompt_len=0):
-        kept = min(self.sinks + self._window(prompt_len), max_len)
+        kept = min(self.sinks + self._recent(prompt_len), max_len)
         room = max_len - prompt_len if self.fold == "prefill" else 0
         return kept + room + int(self.compensate)
 
-    def _row_windows(self, n, kvh, bound: int):
-        """`[b, kvh]` window length per row and head (`bound`: the prompt's padded length)."""
+    def _row_recent(self, n, kvh, bound: int):
+        """`[b, kvh]` recent tokens `L` kept per row and head (`bound`: the prompt's padded length)."""
         if self.scopes is not None:
             return jnp.broadcast_to(jnp.asarray(self.scopes, jnp.int32), (n.shape[0], kvh))
         if self.ratio is not None:
-            win = self.row_slots(n, bound) - self.sinks - int(self.compensate)
+            recent = self.row_slots(n, bound) - self.sinks - int(self.compensate)
         else:
-            win = buffer_length(n, self.buffer, self.compression)
-        return jnp.broadcast_to(win[:, None], (n.shape[0], kvh))
+            recent = buffer_length(n, self.buffer, self.compression)
+        return jnp.broadcast_to(recent[:, None], (n.shape[0], kvh))
 
     def size_rows(self, layer, cache: LayerCache, ctx) -> LayerCache:
         pos = ctx.pos
-        # Before a prompt is read token by token or in chunks: each row's window, L = max(S0, N / C) of its
-        # own N (or its ratio's share), is set in the cache's state, as after a full prefill.
+        # Before a prompt is read token by token or in chunks: each row's L = max(S0, N / C) of its own N (or its
+        # ratio's share) is set in the cache's state, as after a full prefill.
         if self.scopes is not None:
             return cache
-        return kvcache.with_state(cache, window=self._row_windows(jnp.max(pos, axis=1) + 1, cache.pos.shape[1],
-                                                                  pos.shape[1]))
+        return kvcache.with_state(cache, recent=self._row_recent(jnp.max(pos, axis=1) + 1, cache.pos.shape[1],
+                                                                 pos.shape[1]))
 
     def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
         pos = ctx.pos
         b, kvh, t, _ = k.shape
         n = jnp.max(pos, axis=1) + 1  # real tokens per row (left padded)
-        win = self._row_windows(n, kvh, t)  # [b, kvh]
+        recent = self._row_recent(n, kvh, t)  # [b, kvh]
         p = pos[:, None, :]  # [b, 1, t]
         real = p >= 0
-        keep = real & ((p < self.sinks) | (p >= (n[:, None, None] - win[:, :, None])))
+        keep = real & ((p < self.sinks) | (p >= (n[:, None, None] - recent[:, :, None])))
         dropped = real & ~keep
         _, end = self._layout(cache.capacity)
         src = kvcache.compact(keep, end)
         if self.compensate:
             src = jnp.pad(src, ((0, 0), (0, 0), (0, 1)), constant_values=-1)
-        cache = kvcache.with_state(kvcache.gather_prompt(cache, k, v, pos, src), window=win)
+        cache = kvcache.with_state(kvcache.gather_prompt(cache, k, v, pos, src), recent=recent)
         if not self.compensate:
             return cache
         count = jnp.sum(dropped, axis=-1)  # [b, kvh]
@@ -169,14 +170,14 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         last = jnp.max(jnp.where(dropped, p, kvcache.EMPTY), axis=-1)  # the newest dropped position
         return _set_compensation(cache, mean(k), mean(v), count, last)
 
-    def _decode_window(self, cache: LayerCache, start: int, end: int):
-        """`[b, kvh]` window length while tokens arrive one by one: the prompt's `L` kept in the cache's state,
-        each head's scope (ALiBi), or `S0` for a row that had no prompt (N unknown)."""
-        win = cache.state["window"]
+    def _decode_recent(self, cache: LayerCache, start: int, end: int):
+        """`[b, kvh]` recent tokens kept while tokens arrive one by one: the prompt's `L` kept in the cache's
+        state, each head's scope (ALiBi), or `S0` for a row that had no prompt (N unknown)."""
+        recent = cache.state["recent"]
         if self.scopes is not None:
-            win = jnp.broadcast_to(jnp.asarray(self.scopes, win.dtype), win.shape)
-        # A ratio's window is always set (by prefill or `size_rows`); S0 is the window of an unknown N.
-        return jnp.minimum(jnp.where(win > 0, win, self.buffer or 1), end - start)
+            recent = jnp.broadcast_to(jnp.asarray(self.scopes, recent.dtype), recent.shape)
+        # A ratio's L is always set (by prefill or `size_rows`); S0 is the L of an unknown N.
+        return jnp.minimum(jnp.where(recent > 0, recent, self.buffer or 1), end - start)
 
     # Chunked (fold="decode"): before a chunk attends, the window tokens its tokens push out are folded
     # into the compensation slot, as `step` folds one before a token attends (at chunk 1, exactly the
@@ -187,7 +188,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         slots = jnp.arange(cache.capacity)
         held = (slots >= start) & (slots < end) & (cache.pos >= 0)
         arriving = jnp.sum((pos >= self.sinks), axis=1)[:, None]  # sink tokens take their own slots
-        need = jnp.sum(held, axis=-1) + arriving - self._decode_window(cache, start, end)  # [b, kvh]
+        need = jnp.sum(held, axis=-1) + arriving - self._decode_recent(cache, start, end)  # [b, kvh]
         rank = jnp.argsort(jnp.argsort(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1), axis=-1)
         leaving = held & (rank < need[..., None])  # the oldest window tokens
         if self.compensate:
@@ -198,7 +199,7 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         pos = ctx.pos
         start, end = self._layout(cache.capacity)
         c = cache.capacity
-        both = kvcache.chunk_slots(cache, k, v, pos)  # the window length (per-head state) stays the cache's
+        both = kvcache.chunk_slots(cache, k, v, pos)  # L (the per-head state `recent`) stays the cache's
         slots = jnp.arange(c)
         chunk_pos = both.pos[..., c:]  # [b, kvh, n]
         # Sinks: slot j holds position j, from the cache or from the chunk.
@@ -206,8 +207,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
         has = jnp.any(chunk_pos[..., None, :] == slots[:start, None], axis=-1)
         sink_src = jnp.where(cache.pos[..., :start] >= 0, slots[:start], jnp.where(has, c + from_chunk, -1))
         # The window: its kept tokens, then the chunk's non-sink tokens, in the window's slots.
-        window = jnp.concatenate([(slots >= start) & (slots < end) & (cache.pos >= 0), chunk_pos >= self.sinks], -1)
-        src = [sink_src, kvcache.compact(window, end - start)]
+        in_window = jnp.concatenate([(slots >= start) & (slots < end) & (cache.pos >= 0), chunk_pos >= self.sinks], -1)
+        src = [sink_src, kvcache.compact(in_window, end - start)]
         if self.compensate:
             src.append(jnp.full(sink_src.shape[:2] + (1,), c - 1, jnp.int32))
         return kvcache.take_slots(both, jnp.concatenate(src, axis=-1).astype(jnp.int32))
@@ -222,8 +223,8 @@ class CompensatedWindow(RatioBudget, LayerPolicy, ChunkRule):
             # Appending: the first empty window slot (capacity has room for every generated token).
             slot = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
             return kvcache.write(cache, _sink_or(pos, self.sinks, slot), k, v, pos)
-        win = self._decode_window(cache, start, end)
-        full = jnp.sum(held, axis=-1) >= win  # [b, kvh]
+        recent = self._decode_recent(cache, start, end)
+        full = jnp.sum(held, axis=-1) >= recent  # [b, kvh]
         oldest = jnp.argmin(jnp.where(held, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         empty = jnp.argmax(in_window & (cache.pos < 0), axis=-1)
         slot = jnp.where(full, oldest, empty)

@@ -7,7 +7,7 @@ to B, then return to B every N tokens), not like a `DecodingPress` alone, which 
 `B + N` slots, then appends generated tokens; when the cache is full it re-scores every slot with the
 scorer's own rule and evicts back to the scorer's keep count (B), always keeping the latest W tokens.
 
-What "the last window's queries" means while decoding: each decode attention returns its query's
+What "the last W queries" means while decoding: each decode attention returns its query's
 probabilities over the slots (`probs`, summed over the KV group's query heads); the wrapper adds them
 into each slot's `attention` state for the last W queries before the cache fills (every query for the observed
 attention, whose score is all queries). Nothing is evicted between two re-compressions, so those W
@@ -58,13 +58,14 @@ class Recompress(Policy, ChunkRule):
             raise InvalidInput(f"Recompress: every={self.every} must be >= 1")
         if self.every < self.scorer.observation_window:
             raise InvalidInput(f"Recompress: every={self.every} is shorter than the scorer's observation_window="
-                               f"{self.scorer.observation_window}: the window's queries are the last ones before a re-compression")
+                               f"{self.scorer.observation_window}: the scorer's last queries are the last ones "
+                               "before a re-compression")
 
     evicts_while_decoding = True
 
     @property
     def cache_state(self):
-        # the scorer's own state, and each slot's attention summed over the decode queries of the window
+        # the scorer's own state, and each slot's attention summed over the counted decode queries
         return {**self.scorer.cache_state, "attention": kvcache.SLOT}
 
     @property
@@ -92,7 +93,7 @@ class Recompress(Policy, ChunkRule):
 
     # The prompt: the scorer's own compression (whole, or chunked), into the larger cache.
     def stats(self, layer):
-        # the prompt: the scorer's request; decoding accumulates the window's attention
+        # the prompt: the scorer's request; decoding accumulates the counted queries' attention
         return RuleStats(prefill=self.scorer.stats(layer).prefill, decode=StatsRequest(probs=True))
 
     def prefill(self, layer, cache, k, v, ctx, stats):
@@ -101,21 +102,22 @@ class Recompress(Policy, ChunkRule):
     def absorb(self, layer, cache, k, v, ctx, stats):
         return self.scorer.absorb(layer, cache, k, v, ctx, stats)
 
-    # Decoding: append, accumulate the window's attention, re-compress when full.
+    # Decoding: append, accumulate the counted queries' attention, re-compress when full.
     def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
         pos = ctx.pos
         return kvcache.append(cache, k, v, pos)  # a re-compression always leaves `every` free slots
 
-    def _window(self, layer) -> int | None:
-        """How many queries before a re-compression count; None: all of them (the observed attention)."""
+    def _counted_queries(self, layer) -> int | None:
+        """How many decode queries before a re-compression have their attention counted (the scorer's
+        observation window); None: all of them (the observed attention)."""
         wanted = self.scorer.stats(layer).prefill
         return None if wanted.colsum else self.scorer.observation_window
 
     def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
         pos = ctx.pos
         free = jnp.sum(cache.pos == kvcache.EMPTY, axis=-1, keepdims=True)  # [b, kvh, 1], after the append
-        w = self._window(layer)
-        counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if w is None else free < w)
+        counted = self._counted_queries(layer)
+        counts = (pos >= 0)[:, None, None] & (cache.pos >= 0) & (True if counted is None else free < counted)
         cache = kvcache.with_state(cache, attention=cache.state["attention"] + jnp.where(counts, stats.probs, 0.0))
         full = (free == 0) & (pos >= 0)[:, None, None]
         # The sort runs only on the steps where some row filled up (one in `every`), not on every step.
@@ -126,11 +128,11 @@ class Recompress(Policy, ChunkRule):
         order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         c = kvcache.take_slots(cache, order)  # position order, empty slots last
         real = c.pos >= 0
-        acc = c.state["attention"][:, :, None, None, :]  # as one query head's one window query: [b, kvh, 1, 1, C]
-        stats = AttentionStats(colsum=acc[:, :, :, 0], window_probs={self.scorer.observation_window: acc, 1: acc})
+        acc = c.state["attention"][:, :, None, None, :]  # as one query head's one last query: [b, kvh, 1, 1, C]
+        stats = AttentionStats(colsum=acc[:, :, :, 0], last_probs={self.scorer.observation_window: acc, 1: acc})
         score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
-        in_window = real & (c.pos > (pos - self.scorer.observation_window)[:, None, None])
+        latest = real & (c.pos > (pos - self.scorer.observation_window)[:, None, None])  # always kept
         length = (pos + 1)[:, None, None]
-        keep = kvcache.keep_top(score, real, in_window, self.scorer.keep_count(layer, length))
+        keep = kvcache.keep_top(score, real, latest, self.scorer.keep_count(layer, length))
         kept = kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
-        return kvcache.with_state(kept, attention=0.0)  # the next window starts afresh
+        return kvcache.with_state(kept, attention=0.0)  # the next count starts afresh

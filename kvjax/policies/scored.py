@@ -193,10 +193,10 @@ class SnapKV(ScoredPolicy):
             raise InvalidInput(f"{type(self).__name__}: observation_window={self.observation_window} must be >= 1")
 
     def stats(self, layer):
-        return RuleStats(prefill=StatsRequest.window(self.observation_window))
+        return RuleStats(prefill=StatsRequest.last(self.observation_window))
 
     def score(self, layer, k, v, pos, stats):
-        probs = stats.window(self.observation_window)  # [b, kvh, g, w, t]
+        probs = stats.last(self.observation_window)  # [b, kvh, g, w, t]
         n = jnp.maximum(jnp.sum(jnp.any(probs > 0, axis=-1), axis=3), 1)  # real window queries
         s = self._prefix_only(probs.sum(axis=3) / n[..., None], pos)
         return aggregate(pool1d(s, self.kernel, self.pool), self.group_agg)
@@ -278,10 +278,10 @@ class SlimKV(ScoredPolicy):
             raise InvalidInput(f"SlimKV: observation_window={self.observation_window} must be >= 1")
 
     def stats(self, layer):
-        return RuleStats(prefill=StatsRequest.window(self.observation_window))
+        return RuleStats(prefill=StatsRequest.last(self.observation_window))
 
     def score(self, layer, k, v, pos, stats):
-        s1 = stats.window(self.observation_window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
+        s1 = stats.last(self.observation_window).sum(axis=(2, 3))  # eq. 3: window queries x group heads
         s2 = jnp.max(jnp.abs(v.astype(s1.dtype)), axis=-1)  # eq. 4
         s = {"product": lambda: s1 * s2, "sum": lambda: s1 + s2, "s1": lambda: s1, "s2": lambda: s2}[self.combine]()
         return pool1d(self._prefix_only(s, pos), self.kernel, self.pool)
@@ -332,10 +332,10 @@ class TOVA(ScoredPolicy):
     observation_window: int = 1
 
     def stats(self, layer):
-        return RuleStats(prefill=StatsRequest.window(1))
+        return RuleStats(prefill=StatsRequest.last(1))
 
     def score(self, layer, k, v, pos, stats):
-        probs = stats.window(1)[:, :, :, 0]  # [b, kvh, g, t]: the last query
+        probs = stats.last(1)[:, :, :, 0]  # [b, kvh, g, t]: the last query
         layer_mean = probs.mean(axis=(1, 2), keepdims=True)[:, :, 0]  # over all heads of the layer
         return jnp.broadcast_to(layer_mean, probs.shape[:2] + probs.shape[3:])
 
