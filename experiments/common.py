@@ -18,7 +18,7 @@ from experiments.default_model import (  # noqa: F401
 )
 from experiments.driver import attach_gates
 from experiments.policy_options import POLICY_OPTIONS
-from kvjax.cli import model_help  # noqa: F401  (every suite's --model help)
+from kvjax.cli import add_compile_cache_flag, model_help  # noqa: F401  (every suite's --model help)
 from kvjax.errors import InvalidInput, MissingFile
 from kvjax.policies import (
     NO_BUDGET,
@@ -131,12 +131,13 @@ def split_question(prompts: list[list[int]], question_lengths: list[int], protoc
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    """--allow-nonfinite and --debug, for every command that loads a model."""
+    """--allow-nonfinite, --debug and --no-compile-cache, for every command that loads a model."""
     g = p.add_argument_group("run")
     g.add_argument("--allow-nonfinite", action="store_true",
                    help="load a checkpoint even if a weight holds NaN or inf (results are still checked)")
     g.add_argument("--debug", action="store_true",
                    help="show the Python traceback of an error (also KVJAX_DEBUG=1)")
+    add_compile_cache_flag(g)
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming", budget: int = 256) -> None:

@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/small_card",
                    help="where the card (README.md, eval.json, loss.png) is written (default: results/small_card), never the model's own "
                         "directory by default (a committed card is rewritten only when asked: --out models/small)")
+    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     out = Path(args.model)
     meta, kept_loss = training_record(out)

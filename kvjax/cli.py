@@ -7,6 +7,12 @@ A `kvjax.errors.UserError` (a missing or corrupt file, a bad value, a non-finite
 `error: <message>` on stderr and exits with status 2, as argparse does for a bad option. Every
 other exception is a bug in kvjax and keeps its traceback. `--debug` (or `KVJAX_DEBUG=1`) shows the
 traceback of user errors too.
+
+Before `main` runs, the persistent compilation cache is turned on (`kvjax.compile_cache`: programs kept under
+`$KVJAX_HOME/compile-cache`, so a resumed run compiles nothing it compiled before), unless the command line
+says `--no-compile-cache` (each parser documents it: `add_compile_cache_flag`). A command that reports compile
+seconds runs with `compile_cache=False` (never the cache, even one set by `JAX_COMPILATION_CACHE_DIR`); one that
+compiles nothing with `compile_cache=None` (jax is left alone).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from kvjax import compile_cache as _compile_cache
 from kvjax.errors import UserError
 
 
@@ -50,8 +57,22 @@ class LengthHandled(logging.Filter):
 _LENGTH_HANDLED = LengthHandled()
 
 
-def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+def add_compile_cache_flag(parser, *, measures_compile: bool = False) -> None:
+    """`--no-compile-cache` on a parser (or argument group) whose command goes through `run`; `measures_compile`:
+    the command runs with `compile_cache=False` (it reports first compiles) and takes the flag so that every
+    command does."""
+    _compile_cache.add_flag(parser, help="accepted by every command; this one reports compile seconds, so it never "
+                            "uses the persistent compilation cache" if measures_compile else _compile_cache.HELP)
+
+
+def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None, *,
+        compile_cache: bool | None = True) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if compile_cache is not None:
+        if compile_cache and not _compile_cache.requested_off(argv):
+            _compile_cache.enable()
+        else:
+            _compile_cache.disable()
     logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_HANDLED)  # once: a set of filters
     try:
         return main(argv)

@@ -229,4 +229,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from kvjax import cli
 
-    sys.exit(cli.run(main))
+    sys.exit(cli.run(main, compile_cache=None))  # downloads and extracts: compiles nothing
