@@ -9,7 +9,8 @@ shared by its heads (`kvjax.cache.PooledLayerCache`), so its bytes are SnapKV's 
 of SnapKV's two per-slot statistics); its decode attends each head's own slots by masking the others in the jnp
 reference, so its work is the pool's times the KV heads. This benchmark measures both on `benchmarks.decode`'s tiny Llama
 (4 layers, 2 KV heads), batch 1, random weights, at the same budget for SnapKV(budget) and AdaKV(SnapKV(budget)),
-with the full cache beside them. Writes adakv_<platform>.json / .md / .png; numbers are for reading, never
+with the full cache beside them. Times are the median of `--repeats` runs with their range; a CPU table is refused
+on a busy machine (`benchmarks.timing`). Writes adakv_<platform>.json / .md / .png; numbers are for reading, never
 asserted in tests.
 """
 
@@ -23,10 +24,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import timing
 from benchmarks.decode import BENCH_CONFIG, bench_meta, bench_model, time_kvjax
 from kvjax import FullCache
 from kvjax.policies import AdaKV, SnapKV
-from kvjax.cli import description
+from kvjax.cli import add_compile_cache_flag, description
 
 
 def policies(budget: int) -> dict:
@@ -43,13 +45,17 @@ def main(argv=None):
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="pallas (a GPU): the decode kernels, AdaKV's pool read by kvjax.pallas.pool_decode")
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     plat = jax.devices()[0].platform
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.attention_impl == "pallas" and plat != "gpu":
         p.error("--attention-impl pallas times the GPU kernels; on a CPU they run interpreted")
+    guard = timing.LoadGuard(args, cpu=plat == "cpu")
+    guard.check()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model, _ = bench_model(attention_impl=args.attention_impl)
     rows = []
     for n in tqdm(lengths, desc="prompt lengths"):
@@ -57,8 +63,9 @@ def main(argv=None):
         for name, policy in policies(args.budget).items():
             rows.append(dict(policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new, args.repeats)))
 
-    meta = bench_meta(new_tokens=args.new, budget=args.budget, attention_impl=args.attention_impl)
-    (out / f"adakv_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    meta = bench_meta(new_tokens=args.new, budget=args.budget, attention_impl=args.attention_impl, repeats=args.repeats)
+    loadavg = guard.record()
+    (out / f"adakv_{plat}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     full = {r["prompt"]: r for r in rows if r["policy"] == "full"}
     lines = [f"# AdaKV vs SnapKV at equal total budget ({meta['device']}, jax {jax.__version__})", "",
              f"Tiny Llama {BENCH_CONFIG}, batch 1, float32, {args.new} new tokens, budget {args.budget} per KV head "
@@ -69,8 +76,9 @@ def main(argv=None):
     for r in rows:
         f = full[r["prompt"]]
         lines.append(f"| {r['prompt']} | {r['policy']} | {r['cache_bytes'] / 2**20:.2f} | "
-                     f"{r['cache_bytes'] / f['cache_bytes']:.3f} | {r['tok_s']:.1f} | {r['tok_s'] / f['tok_s']:.2f} | "
-                     f"{r['prefill_s']:.2f} |")
+                     f"{r['cache_bytes'] / f['cache_bytes']:.3f} | {timing.cell(r, 'tok_s', '.1f')} | "
+                     f"{r['tok_s'] / f['tok_s']:.2f} | {timing.cell(r, 'prefill_s', '.2f')} |")
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"adakv_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,8 +3,9 @@
     python -m benchmarks.decode [--lengths 1024,4096,16384] [--new 128] [--out benchmarks/results]
 
 Writes decode_<platform>.json / .md / .png. Also times transformers' PyTorch
-`generate` on the same weights and prompt when torch is installed. Numbers are
-for reading, never asserted in tests.
+`generate` on the same weights and prompt when torch is installed. Each time is the median of
+`--repeats` runs, with their range (`benchmarks.timing`); a CPU table is refused on a busy machine
+(`--max-load`, `--allow-load`). Numbers are for reading, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import timing
 from experiments.efficiency import time_policy
 from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
-from kvjax.cli import description
+from kvjax.cli import add_compile_cache_flag, description
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -47,11 +49,16 @@ def bench_meta(**extra) -> dict:
 
 
 def time_kvjax(model, ids, policy, new, repeats=3):
-    r = time_policy(model, [ids], policy, new, repeats)
-    return dict(tok_s=r["decode_tok_s"], prefill_s=r["prefill_s"], cache_bytes=r["cache_bytes"])
+    """Decode tokens/s and prefill seconds, each the median of `repeats` samples with its range, and cache bytes.
+    A sample is one `experiments.efficiency.time_policy` call timing one prefill and one decode loop, each after an
+    untimed one (the first of all compiles)."""
+    runs = [time_policy(model, [ids], policy, new, 1) for _ in range(repeats)]
+    spread = lambda key: timing.Spread(tuple(r[key] for r in runs))  # noqa: E731
+    return dict(**spread("decode_tok_s").fields("tok_s"), **spread("prefill_s").fields("prefill_s"),
+                cache_bytes=runs[-1]["cache_bytes"])
 
 
-def time_torch(path, ids, new):
+def time_torch(path, ids, new, repeats=3):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -68,9 +75,9 @@ def time_torch(path, ids, new):
         return time.perf_counter() - t
 
     run(2)
-    # Decode time = (n new tokens) - (1 new token): removes the prefill from the figure.
-    decode = min(run(new) for _ in range(2)) - min(run(1) for _ in range(2))
-    return dict(tok_s=(new - 1) / decode)
+    # Decode time = (n new tokens) - (1 new token): removes the prefill from the figure; one sample per repeat.
+    decode = timing.Spread(tuple(run(new) - run(1) for _ in range(repeats)))
+    return decode.rate(new - 1).fields("tok_s")
 
 
 def main(argv=None):
@@ -81,9 +88,13 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     plat = jax.devices()[0].platform
+    guard = timing.LoadGuard(args, cpu=plat == "cpu")
+    guard.check()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -108,17 +119,19 @@ def main(argv=None):
         for name, policy in policies.items():
             rows.append(dict(impl="kvjax", policy=name, prompt=n, **time_kvjax(model, ids, policy, args.new, args.repeats)))
         if with_torch:
-            rows.append(dict(impl="torch", policy="full", prompt=n, **time_torch(tmp, ids, args.new)))
+            rows.append(dict(impl="torch", policy="full", prompt=n, **time_torch(tmp, ids, args.new, args.repeats)))
 
-    meta = bench_meta(new_tokens=args.new)
-    (out / f"decode_{plat}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    meta = bench_meta(new_tokens=args.new, repeats=args.repeats)
+    loadavg = guard.record()
+    (out / f"decode_{plat}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     lines = [f"# Decode benchmark ({meta['device']}, jax {jax.__version__})", "",
              f"Tiny Llama {BENCH_CONFIG}, batch 1, {args.new} new tokens, float32, greedy.", "",
              "| impl | policy | prompt | decode tok/s | prefill s | cache MiB |", "|---|---|---|---|---|---|"]
     for r in rows:
         mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
-        pre = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
-        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['tok_s']:.1f} | {pre} | {mib} |")
+        pre = timing.cell(r, "prefill_s") or "-"
+        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {timing.cell(r, 'tok_s', '.1f')} | {pre} | {mib} |")
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"decode_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

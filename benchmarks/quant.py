@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import platform
-import time
 from pathlib import Path
 
 import jax
@@ -28,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import timing
 from kvjax import cache as kvcache
 from kvjax import layer, quant
 from kvjax.policies import FullCache, Quantized, resolve
-from kvjax.cli import description
+from kvjax.cli import add_compile_cache_flag, description
 
 SHAPES = {"smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M's attention
           "llama-3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128)}
@@ -65,7 +65,8 @@ def _as_view(geom, plan, c, q, k, v, pos):
 
 def time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: bool = False,
                unroll: int | None = None, impl: str = "xla", shape=SHAPE, batch: int = 1) -> dict:
-    """Decode tokens/s and bytes at one width; `unroll` overrides `quant.DECODE_UNROLL` (1: the rolled loop);
+    """Decode tokens/s (the median of `repeats` runs after a compiling one, with their range: `tok_s_min`,
+    `tok_s_max`) and bytes at one width; `unroll` overrides `quant.DECODE_UNROLL` (1: the rolled loop);
     `impl="pallas"`: the codes read by `kvjax.pallas.quant_decode` (a GPU)."""
     saved = quant.DECODE_UNROLL
     quant.DECODE_UNROLL = unroll or saved  # read when `attend` is traced
@@ -95,13 +96,8 @@ def _time_width(bits: int, length: int, steps: int, repeats: int, dtype, view: b
         return jax.lax.scan(step, cache, (jnp.arange(steps, dtype=jnp.int32), q, kv[0], kv[1]))
 
     cache = filled(plan, length, dtype, shape, batch)
-    jax.block_until_ready(run(cache))  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(cache))
-        best = min(best, time.perf_counter() - t)
-    return dict(bits=bits, length=length, tok_s=steps / best, cache_bytes=cache.nbytes,
+    seconds = timing.repeat(lambda: jax.block_until_ready(run(cache)), repeats)  # after a compiling call
+    return dict(bits=bits, length=length, **seconds.rate(steps).fields("tok_s"), cache_bytes=cache.nbytes,
                 kv_bytes=sum(x.nbytes for name, x in vars(cache).items() if name.startswith(("k", "v", "res")) and
                              x is not None))
 
@@ -166,6 +162,8 @@ def main(argv=None):
     p.add_argument("--no-variants", action="store_true", help="skip the rolled-loop and view columns (slow at "
                    "large shapes; they are the jnp path's settings, not kvjax's)")
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p)
     args = p.parse_args(argv)
     shape, batch = SHAPES[args.shape], args.batch
     if batch < 1:
@@ -176,6 +174,8 @@ def main(argv=None):
     if bad:
         p.error(f"--widths: {bad}; expected some of {sorted(WIDTHS)}")
     plat = jax.devices()[0].platform
+    guard = timing.LoadGuard(args, cpu=plat == "cpu")
+    guard.check()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -184,23 +184,26 @@ def main(argv=None):
             timed = functools.partial(time_width, w, n, args.steps, args.repeats, jnp.bfloat16, shape=shape,
                                       batch=batch)
             row = timed()
-            if w != 16 and not args.no_variants:
-                row["tok_s_view"] = timed(view=True)["tok_s"]
-                row["tok_s_rolled"] = timed(unroll=1)["tok_s"]
+            variants = {"view": dict(view=True), "rolled": dict(unroll=1)} if w != 16 and not args.no_variants else {}
             if args.kernel:  # 16-bit: kvjax.pallas.decode, the kernel the codes kernel is measured against
                 if w != 16:
                     row["kernel_err"] = kernel_error(w, n, shape)
-                row["tok_s_kernel"] = timed(impl="pallas")["tok_s"]
+                variants["kernel"] = dict(impl="pallas")
+            for name, kw in variants.items():
+                r = timed(**kw)
+                row |= {k.replace("tok_s", f"tok_s_{name}"): r[k] for k in ("tok_s", "tok_s_min", "tok_s_max")}
             rows.append(row)
     meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
                 shape=shape, shape_name=args.shape, batch=batch, dtype="bfloat16", steps=args.steps,
                 jax=jax.__version__, widths=WIDTHS)
     stem = f"quant_{plat}" + (f"_{args.shape}" if args.shape != "smollm2" else "") + (f"_b{batch}" if batch > 1 else "")
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    loadavg = guard.record()
+    (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     base = {r["length"]: r for r in rows if r["bits"] == 16}
     lines = [f"# Quantized cache: decode speed and bytes ({meta['device']}, jax {jax.__version__})", "",
              f"One attention layer of {args.shape}'s shape ({shape}), bfloat16, batch {batch}, FullCache holding L tokens, "
-             f"{args.steps} tokens decoded (best of {args.repeats}). 8: int8 per token; 4 / 2: KIVI, G = 32, R = 128. "
+             f"{args.steps} tokens decoded (the median of {args.repeats} runs, min–max in brackets). 8: int8 per "
+             "token; 4 / 2: KIVI, G = 32, R = 128. "
              "Bytes: the whole layer cache (codes, scales, zeros, positions, scores, biases, residual).", "",
              f"Decode tok/s from the codes (kvjax's path for FullCache, its block loops unrolled by "
              f"{quant.DECODE_UNROLL}; and rolled, one 512-slot block per loop iteration) and through the view (the "
@@ -211,9 +214,9 @@ def main(argv=None):
     for r in rows:
         b = base.get(r["length"])
         ratio = lambda k, ref="tok_s": f"{r[k] / b[ref]:.2f}" if b and k in r else "-"  # noqa: E731
-        view = f"{r['tok_s_view']:.1f}" if "tok_s_view" in r else "-"
-        rolled = f"{r['tok_s_rolled']:.1f}" if "tok_s_rolled" in r else "-"
-        lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s']:.1f} | {ratio('tok_s')} | {rolled} | {view} | "
+        view = timing.cell(r, "tok_s_view", ".1f") or "-"
+        rolled = timing.cell(r, "tok_s_rolled", ".1f") or "-"
+        lines.append(f"| {r['length']} | {r['bits']} | {timing.cell(r, 'tok_s', '.1f')} | {ratio('tok_s')} | {rolled} | {view} | "
                      f"{ratio('tok_s_view')} | {r['cache_bytes'] / 2**20:.2f} | {ratio('cache_bytes', 'cache_bytes')} |")
     if args.kernel:
         lines += ["", "The Pallas kernel reading codes (`--kernel`): tokens/s, and its largest absolute difference "
@@ -227,8 +230,9 @@ def main(argv=None):
                 b = base.get(r["length"], {})
                 x16 = f"{r['tok_s_kernel'] / b['tok_s_kernel']:.2f}" if "tok_s_kernel" in b else "-"
                 err = f"{r['kernel_err']:.1e}" if "kernel_err" in r else "-"
-                lines.append(f"| {r['length']} | {r['bits']} | {r['tok_s_kernel']:.1f} | {x16} | "
+                lines.append(f"| {r['length']} | {r['bits']} | {timing.cell(r, 'tok_s_kernel', '.1f')} | {x16} | "
                              f"{r['kv_bytes'] * r['tok_s_kernel'] / 1e9:.1f} | {err} |")
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
