@@ -4,7 +4,7 @@
    by token (`prefill_mode="stream"`, the paper's protocol) and in chunks of 512 (the same numbers):
    seconds, compilation included, and the largest difference between the two log-probabilities.
 2. Prefill of one prompt of 4K .. 128K tokens under SnapKV (budget 256, window 32): the whole prompt
-   attended at once (`prefill_mode="full"`) against chunks of 512 (`engine.chunked_prefill`, one
+   attended at once (`prefill_mode="full"`) against chunks of 512 (`engine.chunks`, one
    compiled step looped on the host). Seconds (best of `--repeats` after a compiling call), the
    compiled programs' device memory from XLA's memory analysis (arguments + outputs + temporaries),
    and the process's peak RSS, each (mode, length) in a fresh subprocess.
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.cli import description
+from kvjax import drive
 
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CHUNK = 512
@@ -92,16 +93,16 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
     max_len = length + 1
     if mode == "full":
         policy = SnapKV(budget=256)
-        plan = model.plan(policy, max_len, length)
+        plan = drive.plan(model, policy, max_len, length)
         compiled = engine.prefill.pure.lower(graphdef, state, tokens, positions, plan=plan).compile()
         call = lambda: engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan)  # noqa: E731
     else:
         policy = SnapKV(budget=256, prefill_mode="chunked", chunk=CHUNK)
-        cache = jax.eval_shape(lambda: model.init_cache(policy, 1, max_len, length))
+        cache = jax.eval_shape(lambda: drive.empty_cache(model, drive.plan(model, policy, max_len, length), 1))
         chunk = jax.ShapeDtypeStruct((1, CHUNK), jnp.int32)
-        plan = model.plan(policy, max_len, length)
-        compiled = engine.prefill_chunk.pure.lower(graphdef, state, chunk, chunk, cache, plan=plan).compile()
-        call = lambda: engine.chunked_prefill(model, tokens, positions, plan)  # noqa: E731
+        plan = drive.plan(model, policy, max_len, length)
+        compiled = engine.chunk.pure.lower(graphdef, state, chunk, chunk, cache, plan=plan).compile()
+        call = lambda: engine.chunks(model, tokens, positions, plan)  # noqa: E731
     mem = compiled.memory_analysis()
     out = {"mode": mode, "length": length,
            "xla_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes),

@@ -23,6 +23,7 @@ from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
 from kvjax.cli import description
+from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -67,7 +68,7 @@ def main(argv=None):
     rows = []
     for name, policy in tqdm(policies.items(), desc="policies"):
         rows.append(dict(policy=name, prefill_s=time_prefill(graphdef, state, tokens, positions,
-                                                                  model.plan(policy, n + 1, n), args.repeats)))
+                                                                  drive.plan(model, policy, n + 1, n), args.repeats)))
     base = rows[0]["prefill_s"]
     for r in rows:
         r["overhead_pct"] = 100 * (r["prefill_s"] / base - 1)

@@ -60,6 +60,7 @@ from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
 from kvjax.cli import description, model_help
+from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -132,7 +133,7 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
     b, n = prompts.shape
     tokens, positions = pad_left(prompts.tolist(), bucket_length(n), 0)
     key = jax.random.key(0)
-    kw = dict(plan=model.plan(policy, tokens.shape[1] + new, tokens.shape[1]), sampling=Sampling())
+    kw = dict(plan=drive.plan(model, policy, tokens.shape[1] + new, tokens.shape[1]), sampling=Sampling())
     t = time.perf_counter()
     compiled = prefill_fn.pure.lower(graphdef, state, tokens, positions, key, **kw).compile()
     compile_prefill = time.perf_counter() - t
@@ -140,7 +141,7 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
     ttft = min(_seconds(pre)[0] for _ in range(repeats))
     first, first_finite, cache = pre()
     lengths = jnp.full((b,), n, jnp.int32)
-    args = (first, first_finite, lengths, key, jnp.asarray(eos_array(())), jnp.int32(new), jnp.int32(0))
+    args = (first, first_finite, lengths, key, jnp.asarray(eos_array(())), jnp.int32(new), jnp.int32(0), jnp.int32(0))
     dkw = dict(plan=kw["plan"], sampling=Sampling(), buffer=new)
     t = time.perf_counter()
     dec = decode_fn.pure.lower(graphdef, state, cache, *args, **dkw).compile()

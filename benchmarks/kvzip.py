@@ -27,6 +27,7 @@ from kvjax import engine, kvzip
 from kvjax.engine import bucket_length
 from kvjax.policies import KVzip, SnapKV
 from kvjax.cli import description, model_help
+from kvjax import drive
 from models import load
 
 
@@ -53,12 +54,12 @@ def measure(lm, length: int, ratio: float, repeats: int) -> dict:
     tokens[0, bucket - length:], pos[0, bucket - length:] = ids, np.arange(length)
     tokens, pos = jnp.asarray(tokens), jnp.asarray(pos)
     zip_policy = KVzip(ratio=ratio, **kvzip.replay_prompts(lm.tokenizer))
-    zip_plan = model.plan(zip_policy, bucket + 16, bucket)
-    snap_plan = model.plan(SnapKV(ratio=ratio), bucket + 16, bucket)
+    zip_plan = drive.plan(model, zip_policy, bucket + 16, bucket)
+    snap_plan = drive.plan(model, SnapKV(ratio=ratio), bucket + 16, bucket)
     row = dict(length=length)
     row["prefill_first_s"], row["prefill_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=zip_plan), repeats)
     _, cache = engine.prefill(model, tokens, pos, plan=zip_plan)
-    row["replay_first_s"], row["replay_s"] = best(lambda: kvzip.compress(model, cache, zip_plan, [ids], zip_policy),
+    row["replay_first_s"], row["replay_s"] = best(lambda: kvzip.compress(model, cache, zip_plan, [ids]),
                                                   repeats)
     row["snapkv_first_s"], row["snapkv_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=snap_plan), repeats)
     row["replays"] = len(kvzip.replays(ids, zip_policy))

@@ -28,6 +28,7 @@ from kvjax import FullCache, attention, engine
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
 from kvjax.cli import description
+from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
@@ -53,7 +54,7 @@ def time_kvjax(model, ids: np.ndarray, repeats: int, skip: bool) -> float:
         attention.prefill_attention = lambda *a, self_attention=False, **kw: original(*a, **kw)
     jax.clear_caches()  # the two paths share the jitted function's key: compile afresh for each
     try:
-        plan = model.plan(FullCache(), len(ids), len(ids))
+        plan = drive.plan(model, FullCache(), len(ids), len(ids))
         run = lambda: jax.block_until_ready(engine.prefill(model, tokens, pos, plan=plan))  # noqa: E731
         return best_of(run, repeats)
     finally:

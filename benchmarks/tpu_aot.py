@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from kvjax import tpu
 from kvjax.errors import InvalidInput
+from kvjax import drive
 
 RESULTS = Path(__file__).parent / "results"
 TP_AXES = ("data", "model")  # kvjax.sharding's mesh axes: the batch over "data", whole heads over "model"
@@ -296,7 +297,7 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
             whole = tpu.on_device(dev)
             params = heads = lambda path, x: whole  # noqa: E731
         graphdef, state, model = abstract_model(cfg, params)
-        plan = model.plan(make_policy(policy, cfg), prompt + NEW_TOKENS, prompt)
+        plan = drive.plan(model, make_policy(policy, cfg), prompt + NEW_TOKENS, prompt)
 
         def ints(*shape):
             return tpu.abstract(jax.ShapeDtypeStruct(shape, jnp.int32), whole)
@@ -308,7 +309,7 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
             return engine.decode.pure, (graphdef, state, ints(batch), ints(batch), cache), {"plan": plan}
         key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), whole)
         done = tpu.abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_), whole)
-        args = (graphdef, state, cache, ints(batch), done, ints(batch), key, ints(4), ints(), ints())
+        args = (graphdef, state, cache, ints(batch), done, ints(batch), key, ints(4), ints(), ints(), ints())  # eos, max_new, pad_id, reporter
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
 
     depth = f" {layers}L" if layers else ""

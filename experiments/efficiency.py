@@ -39,6 +39,7 @@ from experiments.records import shown
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, position_limit, prefill_fn
+from kvjax import drive
 
 
 def peak_bytes() -> int | None:
@@ -53,21 +54,20 @@ def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int 
     bucket = bucket_length(n)
     tokens, positions = pad_left(prompts, bucket, 0)
     key = jax.random.key(0)
-    pre = functools.partial(prefill_fn.pure, graphdef, state, tokens, positions, key,
-                            plan=model.plan(policy, bucket + new, bucket), sampling=Sampling())
+    plan = drive.plan(model, policy, bucket + new, bucket)
+    pre = functools.partial(prefill_fn.pure, graphdef, state, tokens, positions, key, plan=plan, sampling=Sampling())
     jax.block_until_ready(pre())  # compile
     t = time.perf_counter()
     first, first_finite, cache = jax.block_until_ready(pre())
     prefill_s = time.perf_counter() - t
-    dec = functools.partial(decode_fn.pure, graphdef, state, plan=model.plan(policy, bucket + new, bucket),
-                            sampling=Sampling(), buffer=new)
+    dec = functools.partial(decode_fn.pure, graphdef, state, plan=plan, sampling=Sampling(), buffer=new)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     best, steps, c = float("inf"), 0, cache
     for _ in range(repeats + 1):  # the first run compiles
         c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
         t = time.perf_counter()
         out, steps, nonfinite, c = dec(c, first, first_finite, lengths, key, jnp.asarray(eos_array(())),
-                                       jnp.int32(new), jnp.int32(0))
+                                       jnp.int32(new), jnp.int32(0), jnp.int32(0))
         jax.block_until_ready(out)
         check_finite_steps(np.asarray(nonfinite))
         best = min(best, time.perf_counter() - t)
@@ -118,7 +118,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
     lengths = list(lengths or [n // 4, n // 2, n - new])
     policies = driver.labelled(policies)
     for lab, pol in policies.items():
-        limit = position_limit(lm.model.plan(pol), cfg, new)
+        limit = position_limit(drive.plan(lm.model, pol), cfg, new)
         too_long = [L for L in lengths if limit is not None and L > limit]
         if too_long:
             raise driver.ArgumentError(

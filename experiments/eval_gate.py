@@ -11,7 +11,7 @@ windows than it holds, or scoring text the gates were trained on, is an error):
 * the eviction ratio of every layer and KV head (eviction.json / eviction.png, Figure 1);
 * the continuation protocol: each window's first `--prefix` share is prefilled under a
   policy (the cache is compressed), the rest is scored reading that cache
-  (`Llama.extend`); its NLL under FullCache, the gates, and LocalWindow / StreamingLLM /
+  (`kvjax.drive.extend`); its NLL under FullCache, the gates, and LocalWindow / StreamingLLM /
   H2O with the budget that evicts the gates' measured share of the prefix (matched eviction),
   or a fixed share with `--baseline-eviction 0.5` (the paper's Table 1 protocol). Each policy's
   difference from the full cache comes with its standard error, paired over windows.
@@ -49,6 +49,7 @@ from kvjax.errors import InvalidInput
 from kvjax.gate import eviction_ratios, without_gates
 from kvjax.policies import GateEviction, make_policy
 from kvjax.train import next_token_loss
+from kvjax import drive
 
 
 def held_out(tok, data: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
@@ -59,7 +60,7 @@ def held_out(tok, data: list[str] | None, seq_len: int, n: int, count_flag: str 
 
 @compiled()
 def _losses(model, tokens):
-    logits, flags = model.forward(tokens)
+    logits, flags = drive.forward(model, tokens)
     return next_token_loss(logits, tokens), flags
 
 
@@ -69,9 +70,10 @@ def _cont_nll(model, prefix, cont, *, policy):
     tokens its cache holds, averaged over layers, KV heads and rows): the continuation reads the cache."""
     b, p = prefix.shape
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), prefix.shape)
-    last, cache = model.prefill(prefix, pos, policy, p + cont.shape[1])
+    plan = drive.plan(model, policy, p + cont.shape[1], p)
+    last, cache = drive.prompt(model, prefix, pos, plan)
     cpos = jnp.broadcast_to(jnp.arange(p, p + cont.shape[1] - 1, dtype=jnp.int32), (b, cont.shape[1] - 1))
-    logits = jnp.concatenate([last[:, None], model.extend(cont[:, :-1], cpos, cache, model.plan(policy))], axis=1)
+    logits = jnp.concatenate([last[:, None], drive.extend(model, cont[:, :-1], cpos, cache, plan)], axis=1)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     held = [c.pos if isinstance(c, LayerCache) else jnp.concatenate([g.pos for g in c.groups], axis=1) for c in cache]
     kept = jnp.mean(jnp.stack([jnp.mean(jnp.sum((h >= 0) & (h < p), axis=-1) / p) for h in held]))

@@ -25,6 +25,7 @@ from experiments.common import model_help
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from models import DEFAULT_DIR
+from kvjax import drive
 
 SINK_SKIP = 16  # queries this early attend few keys, so any key gets a large share: left out
 
@@ -35,7 +36,7 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, windows: int, bos: int
     tokens = np.stack([np.concatenate([[bos], stream[s : s + seq_len - 1]]) for s in starts]).astype(np.int32)
     nll = []
     for row in tokens:  # one row at a time keeps the memory small on CPU
-        logits = model(jnp.asarray(row[None]))
+        logits = drive.logits(model, jnp.asarray(row[None]))
         lp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), -1)
         nll.append(-np.asarray(jnp.take_along_axis(lp, jnp.asarray(row[1:, None]), -1))[1:].mean())
     return float(np.mean(nll))

@@ -40,6 +40,7 @@ from experiments.common import (
     refuse_trained_text,
 )
 from kvjax.scoring import logprobs
+from kvjax import drive
 
 
 def heldout_text() -> str:
@@ -50,7 +51,7 @@ def heldout_text() -> str:
 
 
 def beyond_window(plan, length: int, max_pos: int) -> bool:
-    """Whether scoring `length` tokens under a policy (its `plan`, `model.plan(policy)`) would put absolute
+    """Whether scoring `length` tokens under a policy (its `plan`, `kvjax.drive.plan(model, policy)`) would put absolute
     positions past the trained window."""
     return plan.absolute and length > max_pos
 
@@ -133,7 +134,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
             if key(pol, L, i) not in log]
     for lab, pol, L, i in driver.cells(todo, "perplexity", progress):
         rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
-        if beyond_window(lm.model.plan(pol), L, n):
+        if beyond_window(drive.plan(lm.model, pol), L, n):
             rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
         else:
             rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)

@@ -11,7 +11,7 @@ section states the protocol that makes its comparison fair:
 2. RazorAttention vs StreamingLLM vs H2O on passkey retrieval **at equal cache bytes** (RazorAttention's
    Table 1 task, which a small model does with its full cache, unlike the needle's free-text fact):
    Razor's local heads keep --budget tokens, and StreamingLLM and H2O get the token budget that holds
-   as many slots as Razor's cache at the longest length (`kvjax.cache.equal_bytes_budget`), since
+   as many slots as Razor's cache at the longest length (`kvjax.drive.equal_bytes_budget`), since
    Razor's retrieval heads keep the whole prompt; retrieval heads from the model's heads.json or
    `experiments.find_heads`;
 3. SlimKV vs SnapKV (and the baselines) on the LongBench-format suite at every budget of --budgets
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"window {full.summary['ppl']['full']}; " + "; ".join(hows) + ")")
 
     if "razor" not in skip:
-        from kvjax.cache import equal_bytes_budget
+        from kvjax.drive import equal_bytes_budget
 
         d = out / "razor"
         heads = Path(args.model) / "heads.json"

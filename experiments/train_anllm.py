@@ -43,6 +43,7 @@ from kvjax.errors import InvalidInput
 from kvjax.train import TrainConfig, next_token_loss, train
 from models.loading import save_pretrained
 from models.vocab import add_ac_token
+from kvjax import drive
 
 # Sentences the anchor string is appended to, to see which id it gets at the end of a sentence.
 ANCHOR_PROBES = ("The sky is blue", "It ends here", "word", "A b c")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     def loss(m, b):
         t = b["tokens"]
         flags = anchor_flags(t, anchor_ids)
-        return next_token_loss(m(t, anchor_mask=anchor_mask(flags)), t), {"anchor_share": jnp.mean(flags)}
+        return next_token_loss(drive.logits(m, t, anchors=anchor_mask(flags)), t), {"anchor_share": jnp.mean(flags)}
 
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, accum=args.accum,
                       compute_dtype="bfloat16" if args.bf16 else None, trainable=tuple(args.trainable),

@@ -38,6 +38,7 @@ from kvjax.errors import InvalidInput
 from kvjax.gate import PRESETS, attach_gates, eviction_loss, save_gates, without_gates
 from kvjax.lora import LORA_PATTERN, attach_lora, merge_lora
 from kvjax.train import TrainConfig, next_token_loss, train
+from kvjax import drive
 from models.loading import save_pretrained
 
 GATE_PATTERN = r"self_attn/gate/"
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"tokens": jnp.asarray(toks[rows]), "pos": jnp.asarray(pos[rows]), "w": jnp.asarray(weights[rows])}
 
     def loss(m, b):
-        logits, flags = m.forward(b["tokens"], b["pos"])
+        logits, flags = drive.forward(m, b["tokens"], b["pos"])
         lm_loss = next_token_loss(logits, b["tokens"], b["w"])
         evict, kept = eviction_loss(flags, b["pos"] >= 0, cfg)
         return lm_loss + evict, {"lm_loss": lm_loss, "kept": kept}

@@ -58,6 +58,7 @@ from kvjax.train import TrainConfig, next_token_loss, train, write_curve
 from models import load
 from models.grow import grow_depth
 from models.loading import save_pretrained
+from kvjax import drive
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 TRAIN_SEED = 1_000_003  # RULER samples for training: never the evaluation's seed (42)
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = batches(args, long, short, short.min_span, extend)
 
     def loss(m, b):
-        return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}
+        return next_token_loss(drive.logits(m, b["tokens"]), b["tokens"], b["weights"]), {}
 
     common = dict(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, save_every=args.save_every,
                   decay="cosine")

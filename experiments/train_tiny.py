@@ -45,6 +45,7 @@ from models.gqa import to_grouped_query
 from models.llama import Llama, LlamaConfig
 from models.loading import save_pretrained
 from models.tiny import SPECIAL  # <unk> <s> </s> <pad>: ids 0..3, as the random test models
+from kvjax import drive
 
 
 def train_bpe(texts, vocab_size: int):
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = batches(args, tok, data)
 
     def loss(m, b):
-        return next_token_loss(m(b["tokens"]), b["tokens"], b["weights"]), {}
+        return next_token_loss(drive.logits(m, b["tokens"]), b["tokens"], b["weights"]), {}
 
     cfg = model_config(args, len(tok))
     model = Llama(dataclasses.replace(cfg, num_kv_heads=args.warm_kv_heads), rngs=nnx.Rngs(args.seed))

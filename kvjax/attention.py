@@ -25,7 +25,7 @@ from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
-__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl",
+__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
            "cudnn_prefill", "decode_attention", "splash_prefill",
            "pooled_decode_attention", "prefill_attention", "prefill_route", "prefix_attention",
            "quantized_decode_attention", "warn_once"]
@@ -350,3 +350,31 @@ def decode_attention(
         return out, AttentionStats(first_logit=first_logit, probs=rest.pop(0) if stats.probs else None)
     return reference.decode_attention(q, k, v, slot_pos, log_w, scale=scale, stats=stats, q_coord=q_coord,
                                       k_coord=k_coord, mask=mask)
+
+
+def reconstruction_scores(
+    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], pos: Int[Array, "b t"],
+    cache_k: Float[Array, "b kvh c d"], cache_pos: Int[Array, "b kvh c"], span: Int[Array, "b 3"], scale: float,
+) -> Float[Array, "b kvh c"]:
+    """Each cached slot's KVzip score in one layer: the largest probability any replay query of its KV group
+    gives it, the softmax running over the sinks (positions < span[:, 0]), the chunk (span[:, 1] <= position
+    < span[:, 2]) and the replay's own keys (causal); 0 outside the chunk. `q`, `k`: the replay's rotated
+    queries and keys, `pos` its positions (-1 on padding); `cache_k` rotated at absolute positions."""
+    b, h, t, d = q.shape
+    kvh = cache_k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, t, d).astype(jnp.float32)
+    sinks, start, end = (span[:, i][:, None, None] for i in range(3))
+    in_chunk = (cache_pos >= start) & (cache_pos < end)
+    seen = (cache_pos >= 0) & ((cache_pos < sinks) | in_chunk)  # [b, kvh, c]
+    s_cache = jnp.einsum("bkgtd,bkcd->bkgtc", qg, cache_k.astype(jnp.float32)) * scale
+    s_cache = jnp.where(seen[:, :, None, None, :], s_cache, -jnp.inf)
+    causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # [b, t(query), t(key)]
+    s_self = jnp.einsum("bkgtd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
+    s_self = jnp.where(causal[:, None, None], s_self, -jnp.inf)
+    top = jnp.maximum(jnp.max(s_cache, axis=-1, keepdims=True), jnp.max(s_self, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a padding query sees nothing: its row is dropped below
+    e_cache, e_self = jnp.exp(s_cache - top), jnp.exp(s_self - top)
+    total = jnp.sum(e_cache, axis=-1, keepdims=True) + jnp.sum(e_self, axis=-1, keepdims=True)
+    p = e_cache / jnp.where(total > 0, total, 1.0)
+    p = jnp.where((pos >= 0)[:, None, None, :, None], p, 0.0)
+    return jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)

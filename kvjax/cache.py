@@ -435,13 +435,3 @@ def num_slots(cache: Cache) -> int:
     """Slots per sequence, summed over layers and KV heads."""
     groups = [g for layer in cache for g in (layer.groups if isinstance(layer, HeadwiseCache) else (layer,))]
     return sum(g.capacity if isinstance(g, PooledLayerCache) else g.pos.shape[1] * g.capacity for g in groups)
-
-
-def equal_bytes_budget(model, policy, prompt_len: int, new_tokens: int) -> int:
-    """The token budget per (layer, KV head) at which a one-array-per-layer policy (StreamingLLM, H2O,
-    SnapKV, ...) holds as many slots as `policy` does for one `prompt_len`-token prompt and
-    `new_tokens` generated: equal slots are equal key and value bytes (a rule's own statistics add a few
-    bytes per slot or head, `Rule.cache_state`, not counted here). This is how RazorAttention, whose retrieval heads keep the whole prompt, is compared with
-    the token-budget policies at the same memory. Shapes only: nothing is allocated."""
-    cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len + new_tokens, prompt_len))
-    return max(1, num_slots(cache) // (model.cfg.num_layers * model.cfg.num_kv_heads))

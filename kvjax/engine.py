@@ -1,12 +1,14 @@
 """The one place where a model meets `jax.jit`: split outside, merge inside, donate what is replaced.
 
-Every compiled call into a model (generation's prefill, question and decode loop, stream scoring,
-few-shot extension, the gate's evaluation, the tests' stepper) is a function of the model written
-with `@compiled(...)`: `nnx.split` happens at the call, `nnx.merge` inside the one `jax.jit`, so the
-compiled program is pure in `(graphdef, state)`, a model with the same structure reuses it, and
-the arguments named in `donate` (a cache the call replaces) are updated in place. What may vary
-between calls without a new compilation are arrays (lengths, counts, token ids); what is static
-(`static`: a sized plan or the policy, sampling settings, buffer sizes) is part of the compiled key.
+Every compiled call into a model (generation's prompt pass, question and decode loop, scoring, few-shot
+extension, KVzip's replay, the gate's evaluation) is a function of the model written with `@compiled(...)`. The
+model is split at the call into a static structure and its arrays, and rebuilt inside the one `jax.jit`, so the
+compiled program is pure in `(structure, arrays)` and a model with the same structure reuses it. One convention
+for both kinds of model kvjax drives: a Flax NNX module (`nnx.split` / `nnx.merge`) and any registered pytree
+(`jax.tree.flatten` / `unflatten`; its static fields, such as a config, are in the structure). The arguments named
+in `donate` (a cache the call replaces) are updated in place. What may vary between calls without a new
+compilation are arrays (lengths, counts, token ids); what is static (`static`: a sized plan, sampling settings,
+buffer sizes) is part of the compiled key.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
-from kvjax import sharding
+from kvjax import drive, sharding
 
 # Token counts that vary between calls are padded to buckets, so a new length compiles only at a new bucket.
 MIN_BUCKET = 16
@@ -35,16 +38,45 @@ def _tracing() -> bool:
     return isinstance(jax.numpy.zeros(()), jax.core.Tracer)  # every op is staged inside a trace
 
 
+@jax.tree_util.register_static
+class _Pytree:
+    """The structure of a pytree model, static in a compiled call (hashable; equal for models of one structure)."""
+
+    def __init__(self, treedef):
+        self.treedef = treedef
+
+    def __eq__(self, other):
+        return isinstance(other, _Pytree) and other.treedef == self.treedef
+
+    def __hash__(self):
+        return hash(self.treedef)
+
+
+def split(model):
+    """`(structure, arrays)` of a model: `nnx.split` of an NNX module, the flattened leaves of a pytree."""
+    if isinstance(model, nnx.Module):
+        return nnx.split(model)
+    leaves, treedef = jax.tree.flatten(model)
+    return _Pytree(treedef), leaves
+
+
+def merge(structure, arrays):
+    """The model back from `split`'s halves (inside a trace: its arrays are the traced ones)."""
+    if isinstance(structure, _Pytree):
+        return jax.tree.unflatten(structure.treedef, arrays)
+    return nnx.merge(structure, arrays)
+
+
 def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable:
     """Decorator: `fn(model, *arrays, **static)` becomes one jitted program of `(graphdef, state, ...)`.
 
-    The wrapped function takes the model (or `(graphdef, state)` via `.pure`, for callers that
-    split once, e.g. to place the state on a mesh) and exposes the jitted program as `.pure`."""
+    The wrapped function takes the model (or `split(model)`'s halves via `.pure`, for callers that split once,
+    e.g. to place the state on a mesh) and exposes the jitted program as `.pure`."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.partial(jax.jit, static_argnames=tuple(static), donate_argnames=tuple(donate))
         def jitted(graphdef, state, *args, **kwargs):
-            return fn(nnx.merge(graphdef, state), *args, **kwargs)
+            return fn(merge(graphdef, state), *args, **kwargs)
 
         def on_mesh(method):
             # Parameters placed on a mesh (kvjax.sharding.shard_model): traced with that mesh set, so the Pallas
@@ -65,7 +97,7 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
 
         @functools.wraps(fn)
         def call(model, *args, **kwargs):
-            graphdef, state = nnx.split(model)
+            graphdef, state = split(model)
             return pure(graphdef, state, *args, **kwargs)
 
         call.pure = pure
@@ -76,37 +108,41 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
 
 @compiled(static=("plan",))
 def prefill(model, tokens, positions, *, plan):
-    """`model.prefill_plan`: last-position logits and the compressed cache. Keyed by the sized plan
-    (`model.plan(policy, max_len, t)`), not by `max_len`: a budget policy's slot counts do not grow
-    with `max_len`, so its prompts compile once for any number of tokens to generate."""
-    return model.prefill_plan(tokens, positions, plan)
+    """`kvjax.drive.prompt`: the last position's logits and the compressed cache. Keyed by the sized plan, not by
+    `max_len`: a budget policy's slot counts do not grow with `max_len`, so its prompts compile once for any number of
+    tokens to generate."""
+    return drive.prompt(model, tokens, positions, plan)
 
 
 @compiled(static=("plan",), donate=("cache",))
 def decode(model, tokens, positions, cache, *, plan):
-    """`model.decode`: one token per row through the cache, which is replaced. Keyed by the sized plan the cache
-    was made for (`model.plan(policy, max_len, prompt_len)`)."""
-    return model.decode(tokens, positions, cache, plan)
+    """`kvjax.drive.decode`: one token per row through the cache, which is replaced. Keyed by the sized plan the
+    cache was made for."""
+    return drive.decode(model, tokens, positions, cache, plan)
+
+
+@compiled(static=("plan", "all_logits"), donate=("cache",))
+def chunk(model, tokens, positions, cache, *, plan, all_logits=False):
+    """`kvjax.drive.chunk`: one chunk of a chunked prompt; its logits (the last, or all) and the cache, replaced.
+    Keyed by the sized plan, so every prompt whose plan is the same (a budget policy's, at any prompt length) shares
+    one compiled step."""
+    return drive.chunk(model, tokens, positions, cache, plan, all_logits)
 
 
 @compiled(static=("plan",), donate=("cache",))
-def prefill_chunk(model, tokens, positions, cache, *, plan):
-    """`model.prefill_chunk`: one chunk of a chunked prefill; last-position logits and the cache, replaced. Keyed
-    by the sized plan, so every prompt whose plan is the same (a budget policy's, at any prompt length) shares one
-    compiled step."""
-    return model.prefill_chunk(tokens, positions, cache, plan, all_logits=False)
+def size_rows(model, cache, positions, *, plan):
+    """`kvjax.drive.size_rows` (the model is unused: every compiled call takes one)."""
+    del model
+    return drive.size_rows(plan, cache, positions)
 
 
-def chunked_prefill(model, tokens, positions, plan):
-    """`model.prefill_plan` under `prefill_mode="chunked"` as a host loop over one compiled chunk step: the
-    same cache as the scan, but one compilation for every prompt length and nothing on the device
-    that grows with the prompt (the prompt's ids stay on the host). `tokens`, `positions`: `[b, t]`,
-    left padded (positions -1); `plan`: the sized plan (`model.plan(policy, max_len, t)`); returns the last
-    position's logits and the cache."""
-    import numpy as np
-
-    from kvjax import layer
-
+def chunks(model, tokens, positions, plan, *, all_logits: bool = False, each=None):
+    """A prompt read chunk by chunk (`prefill_mode="chunked"`) as a host loop over one compiled chunk step: the same
+    cache as `kvjax.drive.prompt`'s scan, but one compilation for every prompt length and nothing on the device
+    that grows with the prompt (the ids stay on the host). `tokens`, `positions`: `[b, t]`, left padded (positions
+    -1); `plan`: the sized plan. `each(s, logits)`: called after the chunk starting at column `s` of the padded
+    prompt (a scorer reads every chunk's logits, `all_logits`; a reader only the last). Returns the last chunk's
+    logits, the cache, and the left padding added."""
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, t = tokens.shape
     # No chunk reads more than the model's window (a chunk past the prompt reads it whole either way): an absurd
@@ -116,21 +152,17 @@ def chunked_prefill(model, tokens, positions, plan):
     pad = -t % n
     tokens = np.pad(tokens, ((0, 0), (pad, 0)))
     positions = np.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
-    cache = layer.init_cache(plan, b, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype)
-    # What depends on a row's whole prompt (RazorAttention's window max(S0, N / C)) is set before the first chunk, as
-    # the scan of `model.prefill_plan` sets it. From each row's last position only, as a `[b, 1]` array, so that
-    # prompts of every bucket share one compiled step: a chunked prefill takes no ratio budget (refused), the one
-    # rule that would read more than the prompt's length.
+    cache = drive.empty_cache(model, plan, b)
+    # What depends on a row's whole prompt (RazorAttention's L = max(S0, N / C)) is set before the first chunk, as
+    # `drive.prompt`'s scan sets it. From each row's last position only, as a `[b, 1]` array, so that prompts of
+    # every bucket share one compiled step: a chunked prefill takes no ratio budget (refused), the one rule that
+    # would read more than the prompt's length.
     cache = size_rows(model, cache, positions.max(axis=1, keepdims=True), plan=plan)
-    graphdef, state = nnx.split(model)
+    graphdef, state = split(model)
     logits = None
     for s in range(0, t + pad, n):
-        logits, cache = prefill_chunk.pure(graphdef, state, tokens[:, s:s + n], positions[:, s:s + n], cache,
-                                           plan=plan)
-    return logits, cache
-
-
-@compiled(static=("plan",), donate=("cache",))
-def size_rows(model, cache, positions, *, plan):
-    """`model.size_rows`: a fresh cache made ready for the whole prompts at `positions` to be read in chunks."""
-    return model.size_rows(cache, positions, plan)
+        logits, cache = chunk.pure(graphdef, state, tokens[:, s:s + n], positions[:, s:s + n], cache, plan=plan,
+                                   all_logits=all_logits)
+        if each is not None:
+            each(s, logits)
+    return logits, cache, pad

@@ -2,7 +2,7 @@
 
 The demonstrations are prefilled once under a cache policy; each test item
 (query + one option per row) then extends that cache in one parallel pass
-(`Llama.extend`), as in Wang et al. (2023a), whose protocol the paper follows.
+(`kvjax.drive.extend`), as in Wang et al. (2023a), whose protocol the paper follows.
 The non-caching baseline recomputes demonstrations + query + option with a full
 forward for every item. An option's score is the sum of its tokens' log-probs
 and the prediction the highest-scoring option (lm-evaluation-harness's `acc`).
@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
-from kvjax import engine
+from kvjax import drive, engine
 from kvjax.cache import Cache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
@@ -82,12 +82,12 @@ def _option_logprob(logits: Float[Array, "n t V"], tokens: Int[Array, "n t"], sc
 @compiled(static=("plan",))
 def _cached_scores(model, cache, tokens, positions, scored, *, plan):
     rows = jax.tree.map(lambda x: jnp.repeat(x, tokens.shape[0], axis=0), cache)
-    return _option_logprob(model.extend(tokens, positions, rows, plan), tokens, scored)
+    return _option_logprob(drive.extend(model, tokens, positions, rows, plan), tokens, scored)
 
 
 @compiled()
 def _full_scores(model, tokens, positions, scored):
-    logits = model(tokens, positions)  # padding: position -1, never seen
+    logits = drive.logits(model, tokens, positions)  # padding: position -1, never seen
     return _option_logprob(logits, tokens, scored)
 
 
@@ -102,18 +102,18 @@ def prefix_cache(model: CachedLM, demos: Sequence[int], policy: Policy, room: in
         raise InvalidInput("no demonstration tokens to cache")
     check_policy(policy)
     demos = token_ids(demos, model.cfg.vocab_size, "context")
-    check_positions(model.plan(policy), model.cfg, len(demos) + room, "a context and its longest continuation")
+    plan = drive.plan(model, policy)
+    check_positions(plan, model.cfg, len(demos) + room, "a context and its longest continuation")
     bucket = bucket_length(len(demos))
     tokens, positions = pad_left([list(demos)], bucket, 0)
-    plan = model.plan(policy, bucket + room, bucket)
-    return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan)[1]
+    return engine.prefill(model, jnp.asarray(tokens), jnp.asarray(positions), plan=plan.sized(bucket + room, bucket))[1]
 
 
 def cached_scores(model: CachedLM, cache: Cache, n_demos: int, item: Item, policy: Policy) -> np.ndarray:
     """Option log-probs `[n_options]` given the cached demonstrations (the cache is not changed)."""
     length = bucket_length(len(item.query) + max(map(len, item.options)))
     tokens, positions, scored = _rows(item, n_demos, length)
-    scores = np.asarray(_cached_scores(model, cache, tokens, positions, scored, plan=model.plan(policy)))
+    scores = np.asarray(_cached_scores(model, cache, tokens, positions, scored, plan=drive.plan(model, policy)))
     return require_finite(scores, "option log-probabilities (row = option)")
 
 

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from kvjax import engine, kvzip, sharding
+from kvjax import drive, engine, kvzip, sharding
 from kvjax.cache import Cache
 from kvjax.cache import tree_nbytes as kvcache_bytes
 from kvjax.engine import MIN_BUCKET, bucket_length, compiled
@@ -113,17 +112,17 @@ def _all_finite(logits: Float[Array, "b V"]) -> Array:
 
 @compiled(static=("plan", "sampling"))
 def prefill_fn(model, tokens, positions, key, *, plan, sampling):
-    """The prompt under a sized plan (`model.plan(policy, max_len, t)`, the compiled key, not `max_len`),
+    """The prompt under a sized plan (`kvjax.drive.plan(model, policy, max_len, t)`, the compiled key, not `max_len`),
     and the first token sampled from its last logits."""
-    logits, cache = model.prefill_plan(tokens, positions, plan)
+    logits, cache = drive.prompt(model, tokens, positions, plan)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
 @compiled(static=("plans", "sampling"))
 def prefill_many_fn(model, tokens, positions, key, *, plans, sampling):
-    """One plain prompt pass for several sized plans (`Llama.prefill_plans`): the first token, sampled from
-    the logits every plan shares, and each plan's cache."""
-    logits, caches = model.prefill_plans(tokens, positions, plans)
+    """One plain prompt pass for several sized plans (`kvjax.drive.shared`): the first token, sampled from the
+    logits every plan shares, and each plan's cache."""
+    logits, caches = drive.shared(model, tokens, positions, plans)
     return sample(logits, key, sampling), _all_finite(logits), caches
 
 
@@ -137,26 +136,29 @@ def first_token(logits, key, *, sampling):
 def question_fn(model, cache, tokens, positions, key, *, plan, sampling):
     """A question extends the compressed context's cache token by token (the decode path), so the
     context was compressed without it; returns the first generated token, as prefill does."""
-    logits, cache = model.stream(tokens, positions, cache, plan, all_logits=False)
+    logits, cache = drive.stream(model, tokens, positions, cache, plan, all_logits=False)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
-# The host-side reporter of the decode loop's progress (set by `generate(progress=...)`); the jitted
-# loop calls `_tick` through `jax.debug.callback` only when compiled with `progress=True`.
-_progress_hook = None
+# The decode loops' progress reporters, by call: `generate(progress=...)` registers its callback under a fresh id
+# for the length of its loop and passes the id as an array, so the loop compiled with `progress=True` is shared by
+# every call and concurrent generations never report to each other's callbacks.
+_reporters: dict[int, object] = {}
+_next_reporter = iter(range(1, 2**31 - 1))
 
 
-def _tick(step) -> None:
-    if _progress_hook is not None:
-        _progress_hook(int(step))
+def _tick(reporter, step) -> None:
+    report = _reporters.get(int(reporter))
+    if report is not None:
+        report(int(step))
 
 
 @compiled(static=("plan", "sampling", "buffer", "progress"), donate=("cache",))
-def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id, *, plan, sampling, buffer,
+def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id, reporter, *, plan, sampling, buffer,
               progress=False):
-    """The decode loop under the sized plan the cache was made for. `eos` (ids, padded with -1), `max_new` and
-    `pad_id` are arrays, so new values never recompile; `buffer` (static) is the token buffer, `max_new` rounded
-    up to a bucket."""
+    """The decode loop under the sized plan the cache was made for. `eos` (ids, padded with -1), `max_new`, `pad_id`
+    and `reporter` (the id of the progress callback) are arrays, so new values never recompile; `buffer` (static) is
+    the token buffer, `max_new` rounded up to a bucket."""
     b = first.shape[0]
 
     def cond(s: DecodeState):
@@ -164,12 +166,12 @@ def decode_fn(model, cache, first, first_finite, pos, key, eos, max_new, pad_id,
 
     def body(s: DecodeState) -> DecodeState:
         last = s.tokens[:, s.step - 1]
-        logits, c = model.decode(last, s.pos, s.cache, plan)
+        logits, c = drive.decode(model, last, s.pos, s.cache, plan)
         key, sub = jax.random.split(s.key)
         tok = jnp.where(s.done, pad_id, sample(logits, sub, sampling))
         bad = ~s.done & ~_all_finite(logits) & (s.nonfinite < 0)
         if progress:
-            jax.debug.callback(_tick, s.step)
+            jax.debug.callback(_tick, reporter, s.step)
         return DecodeState(
             step=s.step + 1,
             tokens=s.tokens.at[:, s.step].set(tok),
@@ -312,25 +314,23 @@ def memory_bytes(mesh=None) -> int | None:
         return None
 
 
-def check_memory(model: CachedLM, policies: Sequence[Policy], batch: int, max_len: int, prompt_len: int,
-                 buffer: int, mesh=None) -> None:
+def check_memory(model: CachedLM, plans: Sequence[Plan], batch: int, max_len: int, buffer: int, mesh=None) -> None:
     """Refuses, before anything is allocated, a generation whose caches (their shapes, from `jax.eval_shape`) and
     token buffer hold more bytes than the memory it runs in (`memory_bytes`): asked for 10**11 new tokens, a full
     cache and the buffer would otherwise be allocated until the process dies."""
     have = memory_bytes(mesh)
     if have is None:
         return
-    caches = sum(kvcache_bytes(jax.eval_shape(lambda p=p: model.init_cache(p, batch, max_len, prompt_len)))
-                 for p in policies)
+    caches = sum(kvcache_bytes(jax.eval_shape(lambda p=p: drive.empty_cache(model, p, batch))) for p in plans)
     need = caches + 2 * batch * buffer * 4  # the tokens and their positions, int32
     if need > have:
-        raise InvalidInput(f"{len(policies)} cache(s) of {max_len} slots for {batch} row(s) and a {buffer}-token buffer "
+        raise InvalidInput(f"{len(plans)} cache(s) of {max_len} slots for {batch} row(s) and a {buffer}-token buffer "
                            f"need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB this runs in; generate "
                            "fewer tokens (max_new_tokens), fewer rows, or use a policy with a budget")
 
 
 def position_limit(plan: Plan, cfg, max_new_tokens: int) -> int | None:
-    """The longest prompt a policy (its `plan` on a model of `cfg`, `model.plan(policy)`) can read and
+    """The longest prompt a policy (its `plan` on a model of `cfg`, `kvjax.drive.plan(model, policy)`) can read and
     then generate `max_new_tokens`, or None when there is no limit.
 
     Absolute positions grow through generation. Rolling ones stay below the cache size: with a
@@ -400,7 +400,7 @@ def generate_many(
     """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
     per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
     eq. 4 mask, no gates: SnapKV, PyramidKV, SlimKV, TOVA, KNorm, StreamingLLM, H2O, FullCache, ...) share that
-    pass, each compressing it under its own rule (`Llama.prefill_plans`), `SHARED_PASS_PLANS` plans per pass. A
+    pass, each compressing it under its own rule (`kvjax.drive.shared`), `SHARED_PASS_PLANS` plans per pass. A
     sweep of prompt compressors then pays for one forward per group of plans instead of one per policy. Prompts are truncated (with `truncate`)
     to the shortest position limit among the policies."""
     cfg = model.cfg
@@ -429,7 +429,7 @@ def generate_many(
     rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions
     longest = max(len(p) + len(q) for p, q in zip(rows, asked))
     # the strictest position limit among the policies (None: rolling positions read in pieces, no limit)
-    plans = [model.plan(policy) for policy in policies]
+    plans = [drive.plan(model, policy) for policy in policies]  # the one place each policy is planned
     limits = [(position_limit(plan, cfg, max_new_tokens), plan) for plan in plans]
     bounded = [(lim, plan) for lim, plan in limits if lim is not None]
     if bounded:
@@ -447,7 +447,7 @@ def generate_many(
     tokens, positions = pad_left(prompts, bucket, pad)
     key = jax.random.key(0) if key is None else key
     k_prefill, k_decode = jax.random.split(key)
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     mesh = sharding.mesh_of(state)  # parameters placed by kvjax.sharding.shard_model
     tokens, positions = sharding.shard_batch(tokens, mesh), sharding.shard_batch(positions, mesh)
 
@@ -458,8 +458,8 @@ def generate_many(
     room = q_bucket + buffer  # cache slots after the context: the question, then the new tokens
 
     check_int32(max_new_tokens, bucket + room)
-    check_memory(model, policies, len(rows), bucket + room, bucket, buffer, mesh)
-    sized = [model.plan(policy, bucket + room, bucket) for policy in policies]
+    sized = [plan.sized(bucket + room, bucket) for plan in plans]
+    check_memory(model, sized, len(rows), bucket + room, buffer, mesh)
     shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
     prefilled: dict[int, tuple] = {}
     for g in range(0, len(shared) if len(shared) > 1 else 0, SHARED_PASS_PLANS):
@@ -482,26 +482,25 @@ def generate_many(
             if policy.prefill_mode == "chunked":
                 # One compiled chunk step looped on the host: a prompt of any bucket compiles nothing new, and the
                 # device holds the cache and one chunk, never the whole prompt's activations.
-                logits, cache = engine.chunked_prefill(model, tokens, positions, sized[i])
+                logits, cache, _ = engine.chunks(model, tokens, positions, sized[i])
                 first, first_finite = first_token(logits, k_prefill, sampling=sampling)
             else:
                 first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
                                                              plan=sized[i], sampling=sampling)
         first.block_until_ready()
-        out.append(_continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions,
+        out.append(_continue(model, graphdef, state, mesh, sized[i], cache, first, first_finite, prompts, questions,
                              k_prefill, k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket,
                              progress, t0, shared_s, replays))
     return out
 
 
-def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, prompts, questions, k_prefill,
+def _continue(model, graphdef, state, mesh, plan, cache, first, first_finite, prompts, questions, k_prefill,
               k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket, progress, t0,
               shared_s, replays) -> Generation:
     """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
-    if isinstance(policy, KVzip):  # its scores come from replaying the context through the model
-        cache = kvzip.compress(model, cache, model.plan(policy, bucket + room, bucket), prompts, policy, replays)
-    policy, cache = policy.shrink(cache, room)  # Attention-Gate: cut the cache to what was kept
-    plan = model.plan(policy, bucket + room, bucket)  # the decode key: after a gate's shrink, its new sizes
+    if isinstance(plan.policy, KVzip):  # its scores come from replaying the context through the model
+        cache = kvzip.compress(model, cache, plan, prompts, replays)
+    plan, cache = drive.shrink(model, plan, cache, bucket + room, bucket)  # Attention-Gate: cut to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)
     if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question
         cache = jax.tree.map(lambda x: jnp.repeat(x, len(questions), axis=0), cache)
@@ -518,20 +517,21 @@ def _continue(model, graphdef, state, mesh, policy, cache, first, first_finite, 
         ends = ends + np.asarray([len(q) for q in questions], np.int32)
     t1 = time.perf_counter()
     next_pos = sharding.shard_batch(jnp.asarray(ends), mesh)
-    global _progress_hook
-    _progress_hook = progress
+    reporter = next(_next_reporter)
+    if progress is not None:
+        _reporters[reporter] = progress
     try:
         out, steps, nonfinite, cache = decode_fn.pure(
             graphdef, state, cache, first, first_finite, next_pos, k_decode,
-            jnp.asarray(eos_array(eos)), jnp.int32(max_new_tokens), jnp.int32(pad),
+            jnp.asarray(eos_array(eos)), jnp.int32(max_new_tokens), jnp.int32(pad), jnp.int32(reporter),
             plan=plan, sampling=sampling, buffer=buffer,
             progress=progress is not None,
         )
         out = np.asarray(out)[:, :max_new_tokens]
         if progress is not None:
-            jax.effects_barrier()  # every tick delivered before the hook is cleared
+            jax.effects_barrier()  # every tick delivered before the reporter is dropped
     finally:
-        _progress_hook = None
+        _reporters.pop(reporter, None)
     t2 = time.perf_counter()
     check_finite_steps(np.asarray(nonfinite))
     is_eos = np.isin(out, eos)

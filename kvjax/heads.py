@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import reference
+from kvjax import drive, reference
 from kvjax.masks import Mask
 
 # Score elements per query block: bounds the `[heads, block, T]` buffer of the probe.
@@ -52,16 +52,9 @@ def probe_tokens(
     return np.concatenate([[bos_id], seq]).astype(np.int32) if bos_id is not None else seq.astype(np.int32)
 
 
-def _layers(model, tokens: Int[Array, "b t"]):
-    """Yields `(layer, q, k, attn)` with RoPE applied: q `[b, h, t, d]`, k `[b, kvh, t, d]`; `attn` is the
-    layer's attention (its scale, window, soft-cap and ALiBi slopes)."""
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = model.embed(jnp.asarray(tokens))
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        q, k, _ = attn.qkv(layer.input_layernorm(x))
-        yield i, attn.geometry.rotate(q, pos[:, None, :]), attn.geometry.rotate(k, pos[:, None, :]), attn
-        x, _, _ = layer.prefill(x, pos, None, None)
+def _rotated(geom, q, k, pos):
+    """A layer's queries and keys rotated at their positions, as its attention reads them."""
+    return geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
 
 
 def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
@@ -73,26 +66,22 @@ def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
     that spreads its attention over the context (a retrieval head). kvpress draws 50 BookSum chapters from
     the hub; here the caller gives the texts (offline)."""
     c = model.cfg
-    if c.position_embedding != "rope":
-        raise ValueError("duo_scores needs a RoPE model (the repeated mean query and key are rotated)")
-    g = c.num_heads // c.num_kv_heads
     total = np.zeros((c.num_layers, c.num_kv_heads))
     p = jnp.arange(q_len, dtype=jnp.int32)[None, None, :]
+
+    def read(geom, q, k, pos):
+        if geom.rope is None:
+            raise ValueError("duo_scores needs a RoPE model (the repeated mean query and key are rotated)")
+        h, kvh, d = geom.num_heads, geom.num_kv_heads, geom.head_dim
+        qm = jnp.broadcast_to(q.mean(axis=2, keepdims=True), (1, h, q_len, d))
+        km = jnp.broadcast_to(k.mean(axis=2, keepdims=True), (1, kvh, q_len, d))
+        qr, kr = geom.rotate(qm, p), jnp.repeat(geom.rotate(km, p), h // kvh, axis=1)
+        w = jax.nn.softmax(jnp.einsum("bhd,bhsd->bhs", qr[:, :, -1], kr).astype(jnp.float32) / d**0.5, axis=-1)
+        return jnp.cumsum(w, axis=-1).mean(-1)[0].reshape(kvh, h // kvh).mean(-1)  # [kvh]
+
     for ids in rows:
-        tokens = jnp.asarray([list(ids)], jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = model.embed(tokens)
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            q, k, _ = attn.qkv(layer.input_layernorm(x))
-            qm = jnp.broadcast_to(q.mean(axis=2, keepdims=True), (1, c.num_heads, q_len, c.head_dim))
-            km = jnp.broadcast_to(k.mean(axis=2, keepdims=True), (1, c.num_kv_heads, q_len, c.head_dim))
-            qr, kr = attn.geometry.rotate(qm, p), jnp.repeat(attn.geometry.rotate(km, p), g, axis=1)
-            w = jax.nn.softmax(jnp.einsum("bhd,bhsd->bhs", qr[:, :, -1], kr).astype(jnp.float32) / c.head_dim**0.5,
-                               axis=-1)
-            score = jnp.cumsum(w, axis=-1).mean(-1)[0]  # [h]
-            total[i] += np.asarray(score.reshape(c.num_kv_heads, g).mean(-1)) / len(rows)
-            x, _, _ = layer.prefill(x, pos, None, None)
+        scores = drive.probe(model, jnp.asarray([list(ids)], jnp.int32), read)
+        total += np.stack([np.asarray(x) for x in scores]) / len(rows)
     return total
 
 
@@ -113,9 +102,11 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     For short inputs: inspection, plots, tests."""
     tokens = jnp.asarray(tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    def read(geom, q, k, pos):
+        return (_logits if logits else _probs)(*_rotated(geom, q, k, pos), pos, pos, geom.scale, geom.mask())
+
     out = []
-    for _, q, k, attn in _layers(model, tokens):
-        p = (_logits if logits else _probs)(q, k, pos, pos, attn.scale, attn.geometry.mask())
+    for p in drive.probe(model, tokens, read):
         p = np.asarray(p.reshape(p.shape[0], -1, *p.shape[3:]))
         out.append(np.where(p <= reference._MASKED, -np.inf, p) if logits else p)  # masked: -inf, not a sentinel
     return out
@@ -186,17 +177,19 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
         avg = lambda m, has: jnp.sum(jnp.where(has[:, None], m, 0), axis=(0, 2)) / jnp.maximum(jnp.sum(has), 1)
         return avg(echo, has_echo), avg(ind, has_ind)
 
-    echo, ind = [], []
-    layers = _layers(model, tokens)
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        layers = tqdm(layers, total=c.num_layers, desc="probe layers", unit="layer")
-    for _, q, k, attn in layers:
-        e, i = layer_scores(q, k, attn.geometry.mask(), attn.scale)
-        echo.append(np.asarray(e))
-        ind.append(np.asarray(i))
-    return HeadScores(echo=np.stack(echo), induction=np.stack(ind))
+    bar = tqdm(total=c.num_layers, desc="probe layers", unit="layer", disable=not progress)
+
+    def read(geom, q, k, pos):  # run eagerly, layer by layer: each layer's scores as it is reached
+        scores = layer_scores(*_rotated(geom, q, k, pos), geom.mask(), geom.scale)
+        bar.update()
+        return scores
+
+    scores = drive.probe(model, tokens, read)
+    bar.close()
+    return HeadScores(echo=np.stack([np.asarray(e) for e, _ in scores]),
+                      induction=np.stack([np.asarray(i) for _, i in scores]))
 
 
 def _top(scores: np.ndarray, ratio: float) -> np.ndarray:

@@ -1,11 +1,11 @@
 """KVzip's replay (`kvjax.policies.KVzip`): the scores of a cached context, the eviction over all layers.
 
-    cache = kvzip.compress(model, cache, plan, prompts, policy)     # after the prompt pass (`generate` does it)
+    cache = kvzip.compress(model, cache, plan, prompts)     # after the prompt pass (`generate` does it)
 
 The context's cache (the whole prompt, as `KVzip`'s rule caches it) is read, never written, by replays of the
 context: each is the repeat prompt, the chat template's suffix and `chunk_size` context tokens, teacher-forced
-at the positions after the context (`model.replay_scores`, the extend pass of `Llama.extend` whose attention
-layers also return `reconstruction_scores`). Then the lowest-scored slots over all layers and KV heads (or per
+at the positions after the context (`kvjax.drive.replay`: an extension of the read-only cache whose attention
+layers also return `kvjax.attention.reconstruction_scores`). Then the lowest-scored slots over all layers and KV heads (or per
 layer, `layerwise`) are emptied, sinks never. One row at a time (kvpress's KVzip takes one); the replays of a
 row are one compiled program per replay length, rounded up to `REPLAY_ROUND` tokens.
 
@@ -22,9 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jaxtyping import Array, Float, Int
 
+from kvjax import drive, engine
 from kvjax.cache import Cache, LayerCache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError
@@ -71,44 +70,16 @@ def replays(context: list[int], policy: KVzip) -> list[tuple[int, int, list[int]
     return out
 
 
-def reconstruction_scores(
-    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], pos: Int[Array, "b t"],
-    cache_k: Float[Array, "b kvh c d"], cache_pos: Int[Array, "b kvh c"], span: Int[Array, "b 3"], scale: float,
-) -> Float[Array, "b kvh c"]:
-    """Each cached slot's KVzip score in one layer: the largest probability any replay query of its KV group
-    gives it, the softmax running over the sinks (positions < span[:, 0]), the chunk (span[:, 1] <= position
-    < span[:, 2]) and the replay's own keys (causal); 0 outside the chunk. `q`, `k`: the replay's rotated
-    queries and keys, `pos` its positions (-1 on padding); `cache_k` rotated at absolute positions."""
-    b, h, t, d = q.shape
-    kvh = cache_k.shape[1]
-    qg = q.reshape(b, kvh, h // kvh, t, d).astype(jnp.float32)
-    sinks, start, end = (span[:, i][:, None, None] for i in range(3))
-    in_chunk = (cache_pos >= start) & (cache_pos < end)
-    seen = (cache_pos >= 0) & ((cache_pos < sinks) | in_chunk)  # [b, kvh, c]
-    s_cache = jnp.einsum("bkgtd,bkcd->bkgtc", qg, cache_k.astype(jnp.float32)) * scale
-    s_cache = jnp.where(seen[:, :, None, None, :], s_cache, -jnp.inf)
-    causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # [b, t(query), t(key)]
-    s_self = jnp.einsum("bkgtd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
-    s_self = jnp.where(causal[:, None, None], s_self, -jnp.inf)
-    top = jnp.maximum(jnp.max(s_cache, axis=-1, keepdims=True), jnp.max(s_self, axis=-1, keepdims=True))
-    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a padding query sees nothing: its row is dropped below
-    e_cache, e_self = jnp.exp(s_cache - top), jnp.exp(s_self - top)
-    total = jnp.sum(e_cache, axis=-1, keepdims=True) + jnp.sum(e_self, axis=-1, keepdims=True)
-    p = e_cache / jnp.where(total > 0, total, 1.0)
-    p = jnp.where((pos >= 0)[:, None, None, :, None], p, 0.0)
-    return jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)
-
-
 @compiled(static=("plan",))
 def replay_fn(model, tokens, positions, cache, span, *, plan):
-    return model.replay_scores(tokens, positions, cache, plan, span)
+    return drive.replay(model, tokens, positions, cache, plan, span)
 
 
 def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: int = 0) -> np.ndarray:
     """`[layers, kv_heads, len(context)]`: the KVzip score of each context position of batch row `row`, after
     all replays (sinks not yet raised). The cache is read only."""
     layers = _row_cache(cache, row)
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     total = None
     for start, end, ids in replays(context, policy):
         n = len(ids)
@@ -152,18 +123,16 @@ def evicted(score: np.ndarray, policy: KVzip) -> np.ndarray:
     return gone
 
 
-def compress(model, cache: Cache, plan, prompts: list[list[int]], policy: KVzip, memo: dict | None = None) -> Cache:
-    """`cache` (the prompts cached whole under `policy`'s plan, one row per prompt) with KVzip's evicted slots
+def compress(model, cache: Cache, plan, prompts: list[list[int]], memo: dict | None = None) -> Cache:
+    """`cache` (the prompts cached whole under `plan`, a KVzip policy's, one row per prompt) with KVzip's evicted slots
     emptied; the layers' shapes are unchanged. `memo`: a dict shared by the calls of one generation over the
     same model and prompts (`kvjax.generate.generate_many`), where KVzip policies that differ only in how much
     they evict (ratio, layerwise) reuse each row's replay scores instead of replaying again."""
+    policy = plan.policy
     if not isinstance(policy, KVzip):
         raise InvalidInput(f"kvzip.compress: {policy.describe()} is not KVzip")
     if any(not isinstance(lc, LayerCache) for lc in cache):
         raise InvalidInput("KVzip: every layer must hold one cache array (no head groups, no quantized cache)")
-    if not hasattr(model, "replay_scores"):
-        raise InvalidInput(f"KVzip needs a model with replay_scores (kvjax.model.ReplayLM); "
-                           f"{type(model).__name__} has none")
     memo = {} if memo is None else memo
     # what the scores depend on (the sinks are in each replay's softmax)
     replay = (policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
@@ -186,4 +155,4 @@ def _row_cache(cache: Cache, row: int) -> Cache:
     return jax.tree.map(lambda x: x[row:row + 1], cache)
 
 
-__all__ = ["POSTFIX", "REPLAY_ROUND", "compress", "evicted", "reconstruction_scores", "replay_prompts", "replays", "scores"]
+__all__ = ["POSTFIX", "REPLAY_ROUND", "compress", "evicted", "replay_prompts", "replays", "scores"]

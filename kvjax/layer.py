@@ -1,19 +1,20 @@
-"""The functions a model's attention layer calls to run kvjax's cache policies: the only code that calls
-policy rules.
+"""What a model's attention layer calls to run kvjax's cache policies, and the only code that calls policy rules.
 
-A layer gives its sized `LayerPlan` (from `kvjax.policies.resolve(policy, ...).sized(...)`), its `Geometry`
-(scale, sliding window, soft-cap, ALiBi, and a RoPE function of positions) and its *unrotated* q / k / v;
-each function returns the attention output and the new cache:
+A model's attention calls one function, with its `Geometry` (scale, sliding window, soft-cap, ALiBi, and a RoPE
+function of positions), the step its forward was given (`kvjax.step`), its entry of the forward's carry and its
+*unrotated* q / k / v:
 
-    o, cache = layer.prefill(geom, plan, cache, q, k, v, pos, tokens)        # a whole prompt
-    o, cache = layer.chunk(geom, plan, cache, q, k, v, pos, tokens)          # one chunk of a prompt
-    o, cache = layer.decode(geom, plan, cache, q, k, v, pos, tokens)         # one token per row
-    cache = layer.init_cache(plan, batch, head_dim, dtype)                   # empty, the plan's sizes
+    o, entry = layer.attend(geom, step, entry, q, k, v, positions, tokens)
 
-Shapes: q `[b, h, t, d]`, k / v `[b, kvh, t, d]` (decode: `[b, h, d]`, `[b, kvh, d]`), positions `[b, t]`
+`attend` does what the step says with the layer's sized `LayerPlan` (the step's plan at `geom.layer`): a whole
+prompt (`prefill`, or `prefill_shared` for several plans), one chunk (`chunk`), one token per row (`decode`), a
+read-only extension (`extend`, `replay`), the plain forward. Those functions are public for tests and custom
+drivers; empty caches come from `init_cache` (the plan's sizes).
+
+Shapes: q `[b, h, t, d]`, k / v `[b, kvh, t, d]` (`decode`: `[b, h, d]`, `[b, kvh, d]`), positions `[b, t]`
 (`[b]`), -1 on padding. Head-group dispatch (a plan that splits the KV heads: RazorAttention, DuoAttention),
-rolling positions (keys cached unrotated and rotated by their rank) and cache construction live here, so a
-model of any structure (Flax, pure pytrees, ...) only projects, calls these, and projects back
+rolling positions (keys cached unrotated and rotated by their rank), the eq. 4 mask and cache construction live
+here, so a model of any structure (Flax, pure pytrees, ...) only projects, calls `attend`, and projects back
 (`models/llama.py` and the pure-pytree decoder of `tests/test_own_model.py` do exactly that).
 """
 
@@ -27,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention, kvzip, quant
+from kvjax import attention, quant
+from kvjax import step as steps
 from kvjax import cache as kvcache
 from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
 from kvjax.masks import Mask
 from kvjax.policies import base as rule_kinds
-from kvjax.policies.base import Context, Policy
+from kvjax.policies.base import Context, PooledRule, Rule
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
 from kvjax.stats import NO_STATS, AttentionStats
@@ -94,7 +96,7 @@ def init_cache(plan, batch: int, num_kv_heads: int, head_dim: int, dtype) -> tup
     return tuple(init_layer_cache(lp, batch, num_kv_heads, head_dim, dtype) for lp in plan.layers)
 
 
-def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Policy, LayerCache]]:
+def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Rule, LayerCache]]:
     """`[(kv_heads, rule, cache)]` of a layer's plan: its one rule over all its KV heads (`kv_heads` None), or
     each head group's heads, rule and cache. Every function below goes through it."""
     if not plan.split:
@@ -125,7 +127,7 @@ def kv_heads(x: Float[Array, "b kvh ..."], heads: list[int] | None) -> Float[Arr
 
 def size_rows(plan: LayerPlan, cache: AnyLayerCache, positions: Int[Array, "b t"]) -> AnyLayerCache:
     """A fresh cache made ready for whole prompts at `positions` to be read token by token or in chunks: each
-    rule sets what depends on a row's prompt (a ratio budget, RazorAttention's window)."""
+    rule sets what depends on a row's prompt (a ratio budget, RazorAttention's L = max(S0, N / C))."""
     ctx = Context(positions)
     return regroup(cache, [stored(plan, rule.size_rows(plan.layer, read(g, positions), ctx), positions)
                            for _, rule, g in rule_groups(plan, cache)])
@@ -271,7 +273,7 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
     o = extend(geom, plan, cache, q, k, v, pos)
     cache = read(cache, pos)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
-    return o, kvzip.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale)
+    return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale)
 
 
 # ---- a plan's sizes: a rule that keeps every token never evicts one ------------------------------------
@@ -299,7 +301,7 @@ def past_the_plan(plan: LayerPlan, cache: AnyLayerCache, newest: Int[Array, "b"]
     if not isinstance(newest, jax.core.Tracer):
         last = int(np.max(np.asarray(newest)))
         if last >= min(caps):
-            raise InvalidInput(f"layer {plan.layer}: {plan.rule.describe()} keeps every token, and its cache was "
+            raise InvalidInput(f"layer {plan.layer}: {plan.describe()} keeps every token, and its cache was "
                                f"sized for {min(caps)}; a token at position {last} is past it: size the plan for the "
                                f"whole sequence (plan.sized(max_len >= {last + 1}, prompt_len))")
     return newest >= min(caps)
@@ -347,7 +349,7 @@ def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, t
     return _poisoned(o, past), cache
 
 
-def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Policy, cache: LayerCache, tokens, mask: Mask):
+def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Rule, cache: LayerCache, tokens, mask: Mask):
     ctx = Context(pos, tokens)
     cache = rule.make_room(geom.layer, cache, ctx)
     slot_visible, chunk_visible = rule.chunk_visible(geom.layer, cache, ctx)
@@ -391,12 +393,12 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     return _poisoned(o, past), cache
 
 
-def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCache, mask: Mask, tokens=None):
+def _decode_heads(geom: Geometry, q, k, v, pos, rule: Rule, cache: LayerCache, mask: Mask, tokens=None):
     b, kvh = k.shape[:2]
-    rolling = policy.position_mode(geom.layer) == "rolling"
+    rolling = rule.position_mode(geom.layer) == "rolling"
     k_store = k if rolling else geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
     ctx = Context(pos, tokens)
-    cache = policy.step(geom.layer, cache, k_store, v, ctx)
+    cache = rule.step(geom.layer, cache, k_store, v, ctx)
     if rolling:
         # StreamingLLM: positions are ranks inside the cache, the query being the newest.
         k_coord = kvcache.ranks(cache.pos)
@@ -409,13 +411,13 @@ def _decode_heads(geom: Geometry, q, k, v, pos, policy: Policy, cache: LayerCach
         keys = cache.k
         q = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
     o, stats = attention.decode_attention(
-        q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=policy.stats(geom.layer).decode,
+        q, keys, cache.v, cache.pos, cache.log_w, scale=geom.scale, stats=rule.stats(geom.layer).decode,
         q_coord=q_coord, k_coord=k_coord, mask=mask, impl=geom.impl,
     )
-    return o, policy.observe(geom.layer, cache, ctx, stats)
+    return o, rule.observe(geom.layer, cache, ctx, stats)
 
 
-def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, v, pos, tokens=None):
+def _decode_pooled(geom: Geometry, rule: PooledRule, cache: PooledLayerCache, q, k, v, pos, tokens=None):
     """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in its decode
     slots, and each KV head's queries attend the slots it owns (`attention.pooled_decode_attention`)."""
     if rule.stats(geom.layer).decode:
@@ -429,14 +431,13 @@ def _decode_pooled(geom: Geometry, rule: Policy, cache: PooledLayerCache, q, k, 
 
 def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
     """Whether a decode step over this quantized cache can read the codes directly (`_decode_codes`): one rule
-    whose `step` only writes the new token (`step_reads_kv = False`), keys at absolute positions, and no ALiBi,
+    whose `step` only writes the new token (a `StepOnlyWrites` rule), keys at absolute positions, and no ALiBi,
     window or soft-cap, which the blockwise reader does not apply. Otherwise the cache is read as a view."""
-    rule = plan.rule
-    return (len(plan.groups) == 1 and not getattr(rule, "step_reads_kv", True)
-            and rule.position_mode(geom.layer) == "absolute" and geom.mask().plain)
+    return (not plan.split and isinstance(plan.rule, rule_kinds.StepOnlyWrites)
+            and plan.rule.position_mode(geom.layer) == "absolute" and geom.mask().plain)
 
 
-def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
+def _decode_codes(geom: Geometry, rule: Rule, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
     """A decode step that never dequantizes the layer's cache as a whole: the rule places the token from the
     slots' positions and statistics (its keys and values are placeholders it only writes to, which XLA drops),
     `quant.write_token` stores that one token, `quant.attend` reads the codes block by block, and the rule
@@ -460,5 +461,51 @@ def _decode_codes(geom: Geometry, rule: Policy, qc: QuantizedLayerCache, q, k, v
     return o, dataclasses.replace(qc, pos=seen.pos, log_w=seen.log_w, state=seen.state)
 
 
-__all__ = ["Geometry", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
+# ---- the one function a model's attention calls ----------------------------------------------------------
+
+
+def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *, gate=None):
+    """A layer's attention under `step` (`kvjax.step`), from its unrotated `q` `[b, h, t, d]`, `k`, `v`
+    `[b, kvh, t, d]` at `pos` `[b, t]` (-1 on padding): `(output [b, h, t, d], carry)`, `carry` this layer's entry of
+    the model's carry, as the step defines it. `tokens` `[b, t]`: the ids (AnLLM's anchors, MAT's rules read them).
+    `gate`: the layer's Attention-Gate as a thunk returning its keep flags `[b, kvh, t]` (None: the layer has none);
+    kvjax calls it where the step needs it (the plain forward, a prompt under gated rules)."""
+    i = geom.layer
+    if isinstance(step, steps.Forward):
+        keep = None if gate is None else gate()
+        o, _ = prefill(geom, None, None, q, k, v, pos, anchor_mask=step.anchors, key_keep=keep)
+        return o, keep
+    if isinstance(step, steps.Probe):
+        o, _ = prefill(geom, None, None, q, k, v, pos)
+        return o, step.read(geom, q, k, pos)
+    if isinstance(step, steps.Prompt):
+        lp = step.plan.layers[i]
+        keep = None
+        if lp.prefill_stats().gate_keep:
+            if gate is None:
+                raise InvalidInput(f"{lp.rule.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
+                                   "(--gate-params DIR)")
+            # nothing differentiates a cached prompt: the flags go as a bool mask, which lets attention skip the
+            # blocks every head evicted (the plain forward keeps the float flags that carry the gates' gradient)
+            keep = gate() > 0
+        return prefill(geom, lp, carry, q, k, v, pos, tokens, anchor_mask=lp.prompt_mask(Context(pos, tokens)),
+                       key_keep=keep, gate_keep=keep)
+    if isinstance(step, steps.Shared):
+        return prefill_shared(geom, tuple(plan.layers[i] for plan in step.plans), carry, q, k, v, pos, tokens)
+    if isinstance(step, steps.Chunk):
+        return chunk(geom, step.plan.layers[i], carry, q, k, v, pos, tokens)
+    if isinstance(step, steps.Token):
+        o, carry = decode(geom, step.plan.layers[i], carry, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos[:, 0],
+                          None if tokens is None else tokens[:, 0])
+        return o[:, :, None], carry
+    if isinstance(step, steps.Replay):
+        cache, span = carry
+        return replay(geom, step.plan.layers[i], cache, q, k, v, pos, span)
+    if isinstance(step, steps.Extend):
+        lp = step.plan.layers[i]
+        return extend(geom, lp, carry, q, k, v, pos, lp.prompt_mask(Context(pos, tokens))), carry
+    raise InvalidInput(f"kvjax.layer.attend: {step!r} is not a kvjax.step")
+
+
+__all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
            "prefill_shared", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

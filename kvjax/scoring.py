@@ -8,10 +8,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
-from kvjax import engine, layer
+from kvjax import drive, engine
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, require_finite
 from kvjax.generate import bucket_length, check_policy, check_positions, token_ids
@@ -25,8 +24,8 @@ PROGRESS_CHUNKS = 64
 @compiled(static=("plan",))
 def _stream_logprobs(model, tokens, positions, *, plan):
     # The scored texts are the prompts: a ratio budget is a share of each row's text.
-    cache = layer.init_cache(plan, tokens.shape[0], model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype)
-    logits, _ = model.stream(tokens, positions, model.size_rows(cache, positions, plan), plan)
+    cache = drive.size_rows(plan, drive.empty_cache(model, plan, tokens.shape[0]), positions)
+    logits, _ = drive.stream(model, tokens, positions, cache, plan)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
@@ -45,7 +44,8 @@ def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy:
     each row's share of its own text (`Rule.size_rows`)."""
     check_policy(policy)
     rows = [token_ids(ids, model.cfg.vocab_size, "text" if len(rows) == 1 else f"text {r}") for r, ids in enumerate(rows)]
-    if not model.plan(policy).evicts_while_decoding:
+    plan = drive.plan(model, policy)
+    if not plan.evicts_while_decoding:
         raise InvalidInput(
             f"{policy.describe()} compresses a whole prompt once and then only appends; scored token by "
             "token it would never compress. Use a policy that evicts while decoding (streaming, mat, h2o, ...)"
@@ -53,13 +53,13 @@ def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy:
     lengths = [len(ids) for ids in rows]
     if min(lengths) < 2:
         raise InvalidInput(f"need at least 2 tokens to score, got {min(lengths)}")
-    check_positions(model.plan(policy), model.cfg, max(lengths), "a text")
+    check_positions(plan, model.cfg, max(lengths), "a text")
     t = bucket_length(max(lengths))
     tokens = np.zeros((len(rows), t), np.int32)
     positions = np.full((len(rows), t), -1, np.int32)
     for r, ids in enumerate(rows):
         tokens[r, : len(ids)], positions[r, : len(ids)] = ids, np.arange(len(ids))
-    out = np.asarray(_stream_logprobs(model, tokens, positions, plan=model.plan(policy, t, t)))
+    out = np.asarray(_stream_logprobs(model, tokens, positions, plan=plan.sized(t, t)))
     # Column j scores token j + 1: name the token whose log-probability broke.
     logp = [out[r, : n - 1] for r, n in enumerate(lengths)]
     for lp in logp:
@@ -67,19 +67,19 @@ def stream_logprobs_rows(model: CachedLM, rows: Sequence[Sequence[int]], policy:
     return logp
 
 
-@compiled(static=("plan",), donate=("cache",))
-def _chunk_logprobs(model, tokens, positions, targets, cache, *, plan):
-    logits, cache = model.prefill_chunk(tokens, positions, cache, plan)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], cache
+@jax.jit
+def _token_logprobs(logits, targets):
+    """`log p(target)` of each position's logits."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
 
 
 def chunked_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.ndarray:
     """`log p(x_t | x_<t)` for t = 1..n-1 under `prefill_mode="chunked"`: each chunk of `policy.chunk`
     tokens attends the cache compressed so far and itself, then is folded in.
 
-    A host loop over one compiled chunk step: one compilation for every text length (the cache's
-    capacity, not the text, is in its shapes), and device memory bounded by budget + chunk."""
+    The host loop over one compiled chunk step that reads a prompt (`kvjax.engine.chunks`), every chunk's logits
+    scored: one compilation for every text length (the cache's capacity, not the text, is in its shapes), and
+    device memory bounded by budget + chunk."""
     check_policy(policy)
     if policy.prefill_mode != "chunked":
         raise InvalidInput(f"{policy.describe()}: chunked_logprobs needs prefill_mode='chunked'")
@@ -87,24 +87,23 @@ def chunked_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.
     n = len(ids)
     if n < 2:
         raise InvalidInput(f"need at least 2 tokens to score, got {n}")
-    check_positions(model.plan(policy), model.cfg, n, "a text")
-    c = min(policy.chunk, model.cfg.max_position_embeddings)  # capped as `engine.chunked_prefill` caps it
-    t = -(-n // c) * c
+    plan = drive.plan(model, policy)
+    check_positions(plan, model.cfg, n, "a text")
+    c = min(policy.chunk, model.cfg.max_position_embeddings)  # the chunk `engine.chunks` reads
+    t = -(-n // c) * c  # right padded to whole chunks (positions -1): no left padding, columns are positions
     tokens = np.zeros((1, t), np.int32)
     tokens[0, :n] = ids
     positions = np.where(np.arange(t) < n, np.arange(t), -1)[None].astype(np.int32)
     targets = np.roll(tokens, -1, axis=1)  # column j scores token j + 1 (the last column is unused)
-    plan = model.plan(policy, n, n)  # a prompt of n tokens, nothing decoded after it
-    # what depends on the text's whole length (RazorAttention's window max(S0, N / C)) is set before the first chunk
-    cache = engine.size_rows(model, layer.init_cache(plan, 1, model.cfg.num_kv_heads, model.cfg.head_dim, model.dtype),
-                             positions.max(axis=1, keepdims=True), plan=plan)  # as `engine.chunked_prefill` does
-    graphdef, state = nnx.split(model)
     out = []
-    steps = range(0, t, c)
-    for s in (tqdm(steps, desc="chunks", leave=False) if len(steps) >= PROGRESS_CHUNKS else steps):
-        lp, cache = _chunk_logprobs.pure(graphdef, state, tokens[:, s:s + c], positions[:, s:s + c],
-                                         targets[:, s:s + c], cache, plan=plan)
-        out.append(lp[0])  # kept on the device: no host round trip between chunks
+    bar = tqdm(total=t // c, desc="chunks", leave=False, disable=t // c < PROGRESS_CHUNKS)
+
+    def each(s, logits):
+        out.append(_token_logprobs(logits, targets[:, s:s + c])[0])  # kept on the device: no host round trip
+        bar.update()
+
+    engine.chunks(model, tokens, positions, plan.sized(n, n), all_logits=True, each=each)  # n tokens, none decoded
+    bar.close()
     logp = np.concatenate([np.asarray(x) for x in out])[: n - 1]  # (a jnp concatenate would compile per count)
     require_finite(np.concatenate([[0.0], logp])[None], "log-probabilities", step="token")
     return logp

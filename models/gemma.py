@@ -9,7 +9,7 @@ sliding layers their own RoPE (`rope_parameters["sliding_attention"]`, the old `
 A Gemma 3 config that sets `attn_logit_softcapping` is refused: transformers' Gemma 3 ignores the field.
 
 Under a cache policy, the sliding layers keep a `sliding_window`-slot ring and the policy
-compresses the global layers (`Llama.native_policy`), as kvpress does on Gemma 3.
+compresses the global layers (`kvjax.drive.plan`), as kvpress does on Gemma 3.
 """
 
 from __future__ import annotations

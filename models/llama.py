@@ -3,17 +3,10 @@ with the options of the Llama-family checkpoints kvjax loads (Mistral, Qwen2/3, 
 per-head q/k norms, Gemma's (1 + w) norms around attention and the MLP, GeGLU, scaled embeddings,
 `query_pre_attn_scalar`, soft-capped logits, and per-layer sliding windows and RoPE bases.
 
-Three entry points share one set of layers:
-
-* `model(tokens)`: full causal forward, logits for every position (training, parity).
-* `model.prefill(tokens, positions, policy, max_len)`: full attention over a
-  left-padded prompt (`positions` = -1 on padding), each layer's cache built by
-  the policy; returns the last position's logits and the cache.
-* `model.decode(tokens, positions, cache, plan)`: one token per row through
-  the cache, under `plan = model.plan(policy, max_len, prompt_len)`.
-
-The plan (and the policy it was resolved from) is a static, hashable object, so these trace to fixed shapes;
-every cached call takes the plan, and no call resolves a policy again (`plan` is the only place that does).
+The model only computes: its one cached forward `model(tokens, positions, carry, step)` (`kvjax.model.CachedLM`)
+runs every layer, whose attention is projection -> `kvjax.layer.attend` -> output projection. kvjax drives the
+sequence (`kvjax.drive`: plans, caches, prompts read whole, streamed or chunked, decoding); the model never reads a
+policy, a plan or a mask.
 """
 
 from __future__ import annotations
@@ -29,12 +22,8 @@ from jaxtyping import Array, Float, Int
 
 from kvjax import attention
 from kvjax import layer as layer_fns
-from kvjax.cache import AnyLayerCache, Cache, LayerCache
-from kvjax.policies.base import Context, Policy
-from kvjax.policies.compose import on_windows
-from kvjax.policies.plan import LayerPlan, Plan, resolve
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
-from kvjax.stats import NO_STATS
+from kvjax.step import Step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +90,14 @@ class LlamaConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+
+    @property
+    def windows(self) -> int | None | tuple[int | None, ...]:
+        """Every layer's attention window as `kvjax.policies.on_windows` takes it: one for all layers (`sliding_window`,
+        Mistral's; None: the whole context), or one per layer (Gemma 2 / 3's `layer_types`)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return tuple(self.window_of(i) for i in range(self.num_layers))
 
     def window_of(self, layer: int) -> int | None:
         """How far back `layer`'s queries see: `sliding_window`, or None (the whole context)."""
@@ -262,68 +259,14 @@ class Attention(nnx.Module):
             scale=self.scale, rope=self._rotate if c.position_embedding == "rope" else None, alibi=self._alibi(),
             window=self.window, softcap=self.softcap, impl=c.attention_impl)
 
-    def prefill(
-        self,
-        x: Float[Array, "b t D"],
-        pos: Int[Array, "b t"],
-        plan: LayerPlan | None,
-        cache: LayerCache | None,
-        anchor_mask: attention.AnchorMask | None = None,
-        tokens: Int[Array, "b t"] | None = None,
-    ):
-        """Attention over a prompt: `(output, cache, keep)`, `keep` `[b, kvh, t]` the gate's flags
-        (eq. 7) when a gate runs: in the plain forward (`plan` None), and at prefill under a plan
-        whose rules ask for them. With a plan, each of its groups caches its heads under its rule."""
+    def __call__(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], carry, step: Step,
+                 tokens: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t D"], object]:
+        """Attention of the normed input `x` under `step`: projections, `kvjax.layer.attend`, output projection.
+        The layer's Attention-Gate (if attached) goes to kvjax as a thunk, run where the step needs its flags."""
         q, k, v = self.qkv(x)
-        wanted = NO_STATS if plan is None else plan.prefill_stats()
-        keep = None
-        if wanted.gate_keep and self.gate is None:
-            raise ValueError(f"{plan.rule.describe()} needs Attention-Gates: kvjax.gate.load_gates(model, DIR) "
-                             "(--gate-params DIR)")
-        if self.gate is not None and (plan is None or wanted.gate_keep):
-            keep = self.gate(x, pos)
-        # Under a plan nothing differentiates the prompt, so the gate's flags go as a bool mask, which
-        # lets attention skip the blocks every head evicted; the plain forward keeps the float flags
-        # that carry the gates' training gradient.
-        key_keep = keep if keep is None or plan is None else keep > 0
-        o, cache = layer_fns.prefill(self.geometry, plan, cache, q, k, v, pos, tokens, anchor_mask=anchor_mask,
-                                     key_keep=key_keep, gate_keep=None if keep is None or plan is None else key_keep)
-        return self._out(o), cache, keep
-
-    def prefill_shared(self, x, pos, plans: tuple[LayerPlan, ...], caches, tokens):
-        """A prompt attended once for several plans of this layer (`kvjax.layer.prefill_shared`)."""
-        q, k, v = self.qkv(x)
-        o, caches = layer_fns.prefill_shared(self.geometry, plans, caches, q, k, v, pos, tokens)
-        return self._out(o), caches
-
-    def extend(
-        self,
-        x: Float[Array, "b t D"],
-        pos: Int[Array, "b t"],
-        plan: LayerPlan,
-        cache: LayerCache,
-        anchor_mask: attention.AnchorMask | None = None,
-    ) -> Float[Array, "b t D"]:
-        """A chunk attending the read-only `cache` (absolute positions) and itself."""
-        q, k, v = self.qkv(x)
-        return self._out(layer_fns.extend(self.geometry, plan, cache, q, k, v, pos, anchor_mask))
-
-    def replay(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], plan: LayerPlan, cache: LayerCache,
-               span: Int[Array, "b 3"]) -> tuple[Float[Array, "b t D"], Float[Array, "b kvh c"]]:
-        """`extend`, also returning KVzip's reconstruction scores of the cached slots (`kvjax.layer.replay`)."""
-        q, k, v = self.qkv(x)
-        o, scores = layer_fns.replay(self.geometry, plan, cache, q, k, v, pos, span)
-        return self._out(o), scores
-
-    def chunk(
-        self, x: Float[Array, "b n D"], pos: Int[Array, "b n"], plan: LayerPlan, cache: AnyLayerCache,
-        tokens: Int[Array, "b n"],
-    ) -> tuple[Float[Array, "b n D"], AnyLayerCache]:
-        """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself,
-        then the policy folds it into the cache (`kvjax.layer.chunk`)."""
-        q, k, v = self.qkv(x)
-        o, cache = layer_fns.chunk(self.geometry, plan, cache, q, k, v, pos, tokens)
-        return self._out(o), cache
+        gate = None if self.gate is None else functools.partial(self.gate, x, pos)
+        o, carry = layer_fns.attend(self.geometry, step, carry, q, k, v, pos, tokens, gate=gate)
+        return self._out(o), carry
 
     def _rotate(self, x, positions):
         """RoPE at `positions`; identity for ALiBi models (no position in the keys)."""
@@ -340,13 +283,6 @@ class Attention(nnx.Module):
 
     def _alibi(self):
         return attention.alibi_slopes(self.cfg.num_heads) if self.cfg.position_embedding == "alibi" else None
-
-    def decode(
-        self, x: Float[Array, "b 1 D"], pos: Int[Array, "b"], plan: LayerPlan, cache: AnyLayerCache, tokens=None
-    ):
-        q, k, v = self.qkv(x)  # [b, h, 1, d], [b, kvh, 1, d]
-        o, cache = layer_fns.decode(self.geometry, plan, cache, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos, tokens)
-        return self._out(o[:, :, None, :]), cache
 
 
 class MLP(nnx.Module):
@@ -384,29 +320,9 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    # `plan`: this layer's `LayerPlan` (None: the plain forward, no cache)
-    def prefill(self, x, pos, plan, cache, anchor_mask=None, tokens=None):
-        a, cache, keep = self.self_attn.prefill(self.input_layernorm(x), pos, plan, cache, anchor_mask, tokens)
-        return self._finish(x, a), cache, keep
-
-    def extend(self, x, pos, plan, cache, anchor_mask=None):
-        return self._finish(x, self.self_attn.extend(self.input_layernorm(x), pos, plan, cache, anchor_mask))
-
-    def replay(self, x, pos, plan, cache, span):
-        a, scores = self.self_attn.replay(self.input_layernorm(x), pos, plan, cache, span)
-        return self._finish(x, a), scores
-
-    def prefill_shared(self, x, pos, plans, caches, tokens):
-        a, caches = self.self_attn.prefill_shared(self.input_layernorm(x), pos, plans, caches, tokens)
-        return self._finish(x, a), caches
-
-    def chunk(self, x, pos, plan, cache, tokens):
-        a, cache = self.self_attn.chunk(self.input_layernorm(x), pos, plan, cache, tokens)
-        return self._finish(x, a), cache
-
-    def decode(self, x, pos, plan, cache, tokens=None):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), pos, plan, cache, tokens)
-        return self._finish(x, a), cache
+    def __call__(self, x, pos, carry, step: Step, tokens=None):
+        a, carry = self.self_attn(self.input_layernorm(x), pos, carry, step, tokens)
+        return self._finish(x, a), carry
 
 
 class Llama(nnx.Module):
@@ -447,226 +363,13 @@ class Llama(nnx.Module):
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
         return out
 
-    def __call__(
-        self,
-        tokens: Int[Array, "b t"],
-        positions: Int[Array, "b t"] | None = None,
-        anchor_mask: attention.AnchorMask | None = None,
-    ):
-        """Full causal forward: logits `[b, t, vocab]`; `anchor_mask` restricts attention to AnLLM's eq. 4."""
-        return self.forward(tokens, positions, anchor_mask)[0]
-
-    def forward(
-        self,
-        tokens: Int[Array, "b t"],
-        positions: Int[Array, "b t"] | None = None,
-        anchor_mask: attention.AnchorMask | None = None,
-    ) -> tuple[Float[Array, "b t V"], list[Float[Array, "b kvh t"]] | None]:
-        """`__call__` that also returns each layer's Attention-Gate keep flags (None without gates)."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed(tokens)
-        flags = []
-        for layer in self.layers:
-            x, _, keep = layer.prefill(x, positions, None, None, anchor_mask)
-            flags.append(keep)
-        return self._logits(x), (flags if flags[0] is not None else None)
-
-    def native_policy(self, policy: Policy) -> Policy:
-        """The policy as this model runs it (`kvjax.policies.on_windows`): with one sliding window W, FullCache
-        keeps a W-slot ring; with per-layer windows (Gemma 2/3's `layer_types`), the policy compresses the global
-        layers only while each sliding layer keeps its W-slot ring, as kvpress does on Gemma 3. To choose every
-        layer's policy yourself, pass a `PerLayer` (its sliding layers are still bounded by W)."""
-        c = self.cfg
-        windows = c.sliding_window if c.layer_types is None else tuple(c.window_of(i) for i in range(c.num_layers))
-        return on_windows(policy, windows, c.num_layers, c.num_kv_heads)
-
-    def plan(self, policy: Policy, max_len: int | None = None, prompt_len: int = 0) -> Plan:
-        """`policy` as this model runs it (`native_policy`), checked and resolved into each layer's
-        rule and head groups (`kvjax.policies.plan`): everything below reads the plan. With `max_len`,
-        sized: each group's slot count fixed for sequences of at most `max_len` tokens whose (padded)
-        prompt is `prompt_len` long, which is all a compiled prefill depends on (`kvjax.engine.prefill`)."""
-        c = self.cfg
-        plan = resolve(self.native_policy(policy), c.num_layers, c.num_kv_heads)
-        return plan if max_len is None else plan.sized(max_len, prompt_len)
-
-    def init_cache(self, policy: Policy, batch: int, max_len: int, prompt_len: int = 0) -> Cache:
-        return self._empty_cache(self.plan(policy, max_len, prompt_len), batch)
-
-    def _empty_cache(self, plan: Plan, batch: int) -> Cache:
-        """Empty arrays of a sized plan's slot counts (`Plan.sized`)."""
-        return layer_fns.init_cache(plan, batch, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
-
-    def size_rows(self, cache: Cache, positions: Int[Array, "b t"], plan: Plan) -> Cache:
-        """The fresh `cache` made ready for the whole prompts at `positions` to be read token by token:
-        each layer's rule (each head group's) sets what depends on a row's prompt, a ratio budget."""
-        return tuple(layer_fns.size_rows(lp, c, positions) for lp, c in zip(plan.layers, cache))
-
-    def prefill(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], policy: Policy, max_len: int
-    ) -> tuple[Float[Array, "b V"], Cache]:
-        """Prompt pass: last-position logits and the compressed cache (capacity for `max_len` tokens);
-        `prefill_plan` under `self.plan(policy, max_len, t)`."""
-        return self.prefill_plan(tokens, positions, self.plan(policy, max_len, tokens.shape[1]))
-
-    def prefill_plan(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], plan: Plan
-    ) -> tuple[Float[Array, "b V"], Cache]:
-        """Prompt pass under a sized plan (`Llama.plan(policy, max_len, t)`): last-position logits and the
-        compressed cache. `prefill_mode == "stream"` runs the prompt token by token through the cache
-        instead of attending it whole; "chunked", chunk by chunk."""
-        if plan.layers[0].sizes is None:
-            raise ValueError("prefill_plan needs a sized plan: model.plan(policy, max_len, prompt_len)")
-        policy = plan.policy
-        caches = self._empty_cache(plan, tokens.shape[0])
-        if policy.prefill_mode == "stream":
-            caches = self.size_rows(caches, positions, plan)
-            logits, caches = self.stream(tokens, positions, caches, plan, all_logits=False)
-            return logits, caches
-        if policy.prefill_mode == "chunked":
-            # what depends on a row's whole prompt (RazorAttention's window max(S0, N / C)) is set before the
-            # first chunk, as for the stream
-            return self._chunked(tokens, positions, self.size_rows(caches, positions, plan), plan)
+    def __call__(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], carry: tuple, step: Step
+                 ) -> tuple[Float[Array, "b V"] | Float[Array, "b t V"], tuple]:
+        """The one cached forward (`kvjax.model.CachedLM`): every layer under `step`, each with its entry of `carry`;
+        the logits of `step.select` of the final hidden states, and the layers' new carry entries."""
         x = self.embed(tokens)
         out = []
-        for layer, lp, cache in zip(self.layers, plan.layers, caches):
-            anchor_mask = lp.prompt_mask(Context(positions, tokens))  # AnLLM: eq. 4 over the prompt
-            x, cache, _ = layer.prefill(x, positions, lp, cache, anchor_mask, tokens)
-            out.append(cache)
-        return self._logits(x[:, -1]), tuple(out)
-
-    def prefill_plans(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], plans: tuple[Plan, ...]
-    ) -> tuple[Float[Array, "b V"], tuple[Cache, ...]]:
-        """One pass over a prompt for several sized plans whose prompt attention is the same (each attends the
-        whole prompt, `prefill_mode="full"`, with no eq. 4 mask and no gates: `Plan.plain_prompt_pass`): the last
-        logits, the same for all, and each plan's cache. A comparison of prompt compressors (SnapKV, PyramidKV,
-        TOVA, ...) pays for one forward instead of one per policy."""
-        for plan in plans:
-            if not plan.plain_prompt_pass:
-                raise ValueError(f"{plan.policy.describe()} does not attend its prompt as a plain causal pass "
-                                 "(chunked or stream prefill, an eq. 4 mask or gates): prefill it alone")
-        b = tokens.shape[0]
-        caches = [self._empty_cache(plan, b) for plan in plans]
-        x = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            x, layer_caches = layer.prefill_shared(x, positions, tuple(plan.layers[i] for plan in plans),
-                                                   tuple(c[i] for c in caches), tokens)
-            caches = [c[:i] + (lc,) + c[i + 1:] for c, lc in zip(caches, layer_caches)]
-        return self._logits(x[:, -1]), tuple(caches)
-
-    def _chunked(self, tokens, positions, caches, plan: Plan) -> tuple[Float[Array, "b V"], Cache]:
-        """`prefill` in chunks of `plan.policy.chunk` tokens: one `lax.scan`, the prompt left-padded to whole
-        chunks (padding: position -1, a no-op), so the cache carried between chunks is all that grows
-        with the prompt besides the tokens themselves."""
-        b, t = tokens.shape
-        # A chunk longer than the prompt reads it whole either way: capped there, an absurd chunk (10**5, 10**9)
-        # never pads the prompt to its size
-        n = min(plan.policy.chunk, t)
-        pad = -t % n
-        tokens = jnp.pad(tokens, ((0, 0), (pad, 0)))
-        positions = jnp.pad(positions, ((0, 0), (pad, 0)), constant_values=-1)
-        split = lambda x: x.reshape(b, -1, n).transpose(1, 0, 2)  # noqa: E731  [chunks, b, n]
-
-        def body(carry, xs):
-            cache, _ = carry
-            logits, cache = self.prefill_chunk(xs[0], xs[1], cache, plan, all_logits=False)
-            return (cache, logits), None
-
-        init = (caches, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
-        (caches, logits), _ = jax.lax.scan(body, init, (split(tokens), split(positions)))
-        return logits, caches
-
-    def prefill_chunk(
-        self,
-        tokens: Int[Array, "b n"],
-        positions: Int[Array, "b n"],
-        cache: Cache,
-        plan: Plan,
-        *,
-        all_logits: bool = True,
-    ) -> tuple[Float[Array, "b n V"] | Float[Array, "b V"], Cache]:
-        """One chunk of a chunked prefill: the chunk attends `cache` and itself in every layer, then
-        each layer's policy folds it in. Returns the chunk's logits (all, or the last) and the cache.
-
-        A host loop over this (one compilation for every prompt length) or `prefill`'s scan give
-        the same cache."""
-        x = self.embed(tokens)
-        out = []
-        for layer, lp, c in zip(self.layers, plan.layers, cache):
-            x, c = layer.chunk(x, positions, lp, c, tokens)
+        for layer, c in zip(self.layers, carry, strict=True):
+            x, c = layer(x, positions, c, step, tokens)
             out.append(c)
-        return self._logits(x if all_logits else x[:, -1]), tuple(out)
-
-    def extend(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan
-    ) -> Float[Array, "b t V"]:
-        """Logits of a chunk of tokens that continues a prefilled `cache`, which is only read.
-
-        Prefix caching: a cached prefix (few-shot demonstrations, AnLLM's anchors) is
-        reused for many continuations, each attended in one parallel pass. The chunk
-        follows the rules' `prompt_mask` within itself and `prefix_visible` against
-        the cache; nothing is evicted while it runs. Right-pad with positions -1.
-        """
-        for lp in plan.layers:
-            if lp.split or lp.position_mode != "absolute":
-                raise ValueError(f"extend needs one cache array per layer in absolute positions; "
-                                 f"{plan.policy.describe()} has head groups or rolling positions in layer {lp.layer}")
-        x = self.embed(tokens)
-        for layer, lp, c in zip(self.layers, plan.layers, cache):
-            x = layer.extend(x, positions, lp, c, lp.prompt_mask(Context(positions, tokens)))
-        return self._logits(x)
-
-    def replay_scores(
-        self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
-        span: Int[Array, "b 3"],
-    ) -> tuple[Float[Array, "b kvh c"], ...]:
-        """KVzip's replay (`kvjax.kvzip`): the tokens extend the read-only `cache` as in `extend` (right padded),
-        and each layer returns its cached slots' reconstruction scores for the chunk `span` (sinks, start, end)."""
-        x = self.embed(tokens)
-        out = []
-        for layer, lp, c in zip(self.layers, plan.layers, cache):
-            if lp.split or lp.position_mode != "absolute":
-                raise ValueError(f"KVzip's replay needs one cache array per layer in absolute positions; "
-                                 f"{plan.policy.describe()} has head groups or rolling positions in layer {lp.layer}")
-            x, scores = layer.replay(x, positions, lp, c, span)
-            out.append(scores)
-        return tuple(out)
-
-    def stream(
-        self,
-        tokens: Int[Array, "b t"],
-        positions: Int[Array, "b t"],
-        cache: Cache,
-        plan: Plan,
-        *,
-        all_logits: bool = True,
-    ) -> tuple[Float[Array, "b t V"] | Float[Array, "b V"], Cache]:
-        """Feeds `t` tokens one at a time through `decode` in a `lax.scan` (padding: pos -1, a no-op).
-
-        Exact for every policy and position mode: the reference semantics of
-        "compress after every token" (StreamingLLM's perplexity protocol). Returns
-        all logits `[b, t, V]`, or only the last step's with `all_logits=False`.
-        """
-        b = tokens.shape[0]
-
-        def body(carry, xs):
-            cache, last = carry
-            tok, pos = xs
-            logits, cache = self.decode(tok, pos, cache, plan)
-            return (cache, logits), (logits if all_logits else None)
-
-        init = (cache, jnp.zeros((b, self.cfg.vocab_size), _acc(self.dtype)))
-        (cache, last), seq = jax.lax.scan(body, init, (tokens.T, positions.T))
-        return (seq.transpose(1, 0, 2) if all_logits else last), cache
-
-    def decode(
-        self, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, plan: Plan
-    ) -> tuple[Float[Array, "b V"], Cache]:
-        """One token per row at `positions` through the cache."""
-        x = self.embed(tokens[:, None])
-        out = []
-        for layer, lp, c in zip(self.layers, plan.layers, cache):
-            x, c = layer.decode(x, positions, lp, c, tokens)
-            out.append(c)
-        return self._logits(x[:, 0]), tuple(out)
+        return self._logits(step.select(x)), tuple(out)

@@ -110,15 +110,22 @@ def tiny(tiny_dir):
 
 def stepper(model, policy, max_len):
     """Jitted prefill / decode of `model` under `policy` (`kvjax.engine`), for teacher-forced tests."""
-    from kvjax import engine
+    from kvjax import drive, engine
 
     def prefill(tokens, positions):
-        return engine.prefill(model, tokens, positions, plan=model.plan(policy, max_len, tokens.shape[1]))
+        return engine.prefill(model, tokens, positions, plan=drive.plan(model, policy, max_len, tokens.shape[1]))
 
     def decode(tokens, positions, cache):
-        return engine.decode(model, tokens, positions, cache, plan=model.plan(policy, max_len))
+        return engine.decode(model, tokens, positions, cache, plan=drive.plan(model, policy, max_len))
 
     return prefill, decode
+
+
+def prefill_policy(model, tokens, positions, policy, max_len):
+    """A prompt read under `policy`, its cache sized for `max_len` tokens (`kvjax.drive.prompt`, run eagerly)."""
+    from kvjax import drive
+
+    return drive.prompt(model, tokens, positions, drive.plan(model, policy, max_len, tokens.shape[1]))
 
 
 def random_ids(n, vocab, seed=0, low=4):

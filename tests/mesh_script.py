@@ -13,14 +13,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from kvjax import FullCache, StreamingLLM, generate  # noqa: E402
 from kvjax.sharding import make_mesh, shard_model  # noqa: E402
 from models import load  # noqa: E402
+from kvjax import drive
 
 
 def logits_trace(model, policy, ids, prompt_len=20, steps=10):
     """Prefill + decode logits of a batch, as a [steps + 1, b, V] array."""
     graphdef, state = nnx.split(model)
-    plan = model.plan(policy, 64, prompt_len)
-    prefill = jax.jit(lambda s, t, p: nnx.merge(graphdef, s).prefill(t, p, policy, 64))
-    decode = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c, plan))
+    plan = drive.plan(model, policy, 64, prompt_len)
+    prefill = jax.jit(lambda s, t, p: drive.prompt(nnx.merge(graphdef, s), t, p, plan))
+    decode = jax.jit(lambda s, t, p, c: drive.decode(nnx.merge(graphdef, s), t, p, c, plan))
     logits, cache = prefill(state, ids[:, :prompt_len], jnp.broadcast_to(jnp.arange(prompt_len), (ids.shape[0], prompt_len)))
     out = [logits]
     for t in range(prompt_len, prompt_len + steps):

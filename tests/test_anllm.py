@@ -9,6 +9,8 @@ import pytest
 from kvjax.anllm_anchors import anchor_mask, dense_mask, split_sentences, with_ac
 from kvjax.policies.anllm import AnchorReduction
 from tests.conftest import random_ids, stepper
+from kvjax import drive
+from kvjax.step import Forward
 
 ANCHOR = 10
 
@@ -71,8 +73,8 @@ def test_reduction_equals_masked_full_forward(tiny, prompt_len):
     n, bucket = 60, 32
     ids = _with_anchors(n, seed=prompt_len)
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
-    plain = np.asarray(tiny.model(jnp.asarray([ids])))[0]
+    full = np.asarray(drive.logits(tiny.model, jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
+    plain = np.asarray(drive.logits(tiny.model, jnp.asarray([ids])))[0]
     assert np.abs(full - plain)[prompt_len:].max() > 1e-3  # the mask really changes the logits
 
     policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12)
@@ -100,7 +102,7 @@ def test_keep_span_is_visible_and_kept(tiny):
     ids = _with_anchors(n, seed=3)
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
     keep = jnp.asarray([[span[0] <= i < span[1] for i in range(n)]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags, keep=keep)))[0]
+    full = np.asarray(drive.logits(tiny.model, jnp.asarray([ids]), anchors=anchor_mask(flags, keep=keep)))[0]
     policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12, span=span)
     prefill, decode = stepper(tiny.model, policy, 64)
     p = 20
@@ -260,10 +262,10 @@ def test_by_layer_anchors_in_layer_0_and_streaming_in_layer_1(tiny):
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     x = model.embed(jnp.asarray([ids]))
-    x = model.layers[0].prefill(x, pos, None, None, anchor_mask(flags))[0]
-    x = model.layers[1].prefill(x, pos, None, None, None)[0]
+    x = model.layers[0](x, pos, None, Forward(anchor_mask(flags)))[0]
+    x = model.layers[1](x, pos, None, Forward())[0]
     ref = np.asarray(model._logits(x))[0]
-    everywhere = np.asarray(model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
+    everywhere = np.asarray(drive.logits(model, jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
     assert np.abs(ref - everywhere)[p:].max() > 1e-3  # the layers' rules really differ
 
     reduction = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12)
@@ -340,7 +342,7 @@ def test_anchors_in_one_head_group_are_refused_with_the_reason(tiny):
 
     policy = by_head([[True, False], [True, False]], AnchorReduction(anchor_ids=(ANCHOR,)), FullCache())
     with pytest.raises(ValueError, match="cannot cache a head group of layer 0.*by_layer"):
-        tiny.model.init_cache(policy, 1, 64, 32)
+        drive.empty_cache(tiny.model, drive.plan(tiny.model, policy, 64, 32), 1)
 
 
 def test_identity_train_anllm_never_reads_the_held_out_topics(tiny_dir, tmp_path, monkeypatch):

@@ -30,9 +30,11 @@ from kvjax.policies import (
     mat,
 )
 from kvjax.policies.base import Context
-from kvjax.scoring import _chunk_logprobs, chunked_logprobs, stream_logprobs
+from kvjax.scoring import chunked_logprobs, stream_logprobs
 from models import load
-from tests.conftest import compile_log, left_pad, random_ids
+from tests.conftest import compile_log, left_pad, prefill_policy, random_ids
+import functools
+from kvjax import drive, engine
 
 T = 45  # two rows: one of 45 tokens, one of 40 (left padded)
 
@@ -65,11 +67,11 @@ def _run(model, toks, pos, policy, steps=0):
 
 
 def _run_uncached(model, toks, pos, policy, steps):
-    logits, cache = jax.jit(model.prefill, static_argnums=(2, 3))(toks, pos, policy, T + 3)
+    logits, cache = jax.jit(functools.partial(prefill_policy, model), static_argnums=(2, 3))(toks, pos, policy, T + 3)
     out, kept = [np.asarray(logits)], [kvcache.kept_positions(cache)]
     nxt = jnp.max(pos, axis=1) + 1
     for s in range(steps):
-        logits, cache = jax.jit(model.decode, static_argnums=3)(toks[:, s], nxt + s, cache, model.plan(policy))
+        logits, cache = jax.jit(functools.partial(drive.decode, model), static_argnums=3)(toks[:, s], nxt + s, cache, drive.plan(model, policy))
         out.append(np.asarray(logits))
         kept.append(kvcache.kept_positions(cache))
     return out, kept
@@ -352,10 +354,10 @@ def _compiled_chunk_bytes(model, policy, prompt_len):
     """XLA's memory analysis of the compiled chunk step for a prompt of `prompt_len` tokens: arguments
     (weights, cache, the chunk), outputs and temporaries, in bytes; and the compiled text's hash."""
     graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: model.init_cache(policy, 1, prompt_len, prompt_len))
+    cache = jax.eval_shape(lambda: drive.empty_cache(model, drive.plan(model, policy, prompt_len, prompt_len), 1))
     chunk = jax.ShapeDtypeStruct((1, policy.chunk), jnp.int32)
-    compiled = _chunk_logprobs.pure.lower(graphdef, state, chunk, chunk, chunk, cache,
-                                          plan=model.plan(policy, prompt_len, prompt_len)).compile()
+    compiled = engine.chunk.pure.lower(graphdef, state, chunk, chunk, cache, all_logits=True,
+                                       plan=drive.plan(model, policy, prompt_len, prompt_len)).compile()
     mem = compiled.memory_analysis()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
     return total, hash(compiled.as_text())
@@ -482,12 +484,12 @@ def test_agnostic_protocol_compresses_the_context_once_whatever_the_question(sha
 
 
 def test_host_loop_equals_the_scan(sharp, prompts):
-    """`engine.chunked_prefill` (one compiled chunk step, looped on the host) builds the cache that
+    """`engine.chunks` (one compiled chunk step, looped on the host) builds the cache that
     `model.prefill`'s scan builds."""
     from kvjax import engine
 
     policy = SnapKV(budget=10, observation_window=4, kernel=3, prefill_mode="chunked", chunk=8)
-    logits, cache = engine.chunked_prefill(sharp, *prompts, sharp.plan(policy, T + 3, prompts[0].shape[1]))
+    logits, cache = engine.chunks(sharp, *prompts, drive.plan(sharp, policy, T + 3, prompts[0].shape[1]))[:2]
     ref_logits, ref_kept = _run(sharp, *prompts, policy)
     np.testing.assert_allclose(np.asarray(logits), ref_logits[0], rtol=0, atol=1e-5)
     for a, b in zip(kvcache.kept_positions(cache), ref_kept[0]):
@@ -507,12 +509,12 @@ def test_anllm_chunked_is_stream_at_one_and_eq4_at_any_chunk(tiny_dir):
     ids = _with_anchors(n, seed=11)
     toks, pos = jnp.asarray([ids]), jnp.arange(n, dtype=jnp.int32)[None]
     make = lambda **m: AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=16, sequence=12, **m)  # noqa: E731
-    run = lambda policy: model.prefill(toks, pos, policy, n + 4)  # noqa: E731
+    run = lambda policy: prefill_policy(model, toks, pos, policy, n + 4)  # noqa: E731
     ls, cs = run(make(prefill_mode="stream"))
     l1, c1 = run(make(prefill_mode="chunked", chunk=1))
     np.testing.assert_allclose(np.asarray(l1), np.asarray(ls), rtol=0, atol=1e-5)
     assert kvcache.kept_sets(c1) == kvcache.kept_sets(cs)
-    full = np.asarray(model(toks, anchor_mask=anchor_mask(jnp.asarray([[t == ANCHOR for t in ids]]))))[0, -1]
+    full = np.asarray(drive.logits(model, toks, anchors=anchor_mask(jnp.asarray([[t == ANCHOR for t in ids]]))))[0, -1]
     l5, c5 = run(make(prefill_mode="chunked", chunk=5))
     np.testing.assert_allclose(np.asarray(l5)[0], full, rtol=0, atol=1e-5)
     last = max(i for i, t in enumerate(ids) if t == ANCHOR)
@@ -590,11 +592,11 @@ def test_mat_chunks_of_any_size_are_stream_mode(sharp, chunk):
     pos = jnp.asarray(pos)
 
     def kept(policy):
-        _, cache = jax.jit(sharp.prefill, static_argnums=(2, 3))(toks, pos, policy, n + 3)
+        _, cache = jax.jit(functools.partial(prefill_policy, sharp), static_argnums=(2, 3))(toks, pos, policy, n + 3)
         out = [kvcache.kept_positions(cache)]
         nxt = jnp.max(pos, axis=1) + 1
         for s in range(3):
-            _, cache = jax.jit(sharp.decode, static_argnums=3)(toks[:, s], nxt + s, cache, sharp.plan(policy))
+            _, cache = jax.jit(functools.partial(drive.decode, sharp), static_argnums=3)(toks[:, s], nxt + s, cache, drive.plan(sharp, policy))
             out.append(kvcache.kept_positions(cache))
         return out
 
@@ -605,7 +607,7 @@ def test_mat_chunks_of_any_size_are_stream_mode(sharp, chunk):
 
 
 def test_decode_and_chunk_steps_are_keyed_by_the_sized_plan(tiny):
-    """`engine.decode` and `engine.prefill_chunk` compile once per sized plan (with the cache's shapes): a budget
+    """`engine.decode` and `engine.chunk` compile once per sized plan (with the cache's shapes): a budget
     policy's plan is the same for prompts of every bucket and any max_len, so a second bucket compiles no new
     decode or chunk step; FullCache's plan grows with max_len, and so does its cache: a new compilation."""
     from kvjax import engine
@@ -614,11 +616,11 @@ def test_decode_and_chunk_steps_are_keyed_by_the_sized_plan(tiny):
 
     def steps(policy, bucket, max_len):
         """Prompt (chunked: the host loop of chunk steps), then one decode step; the compilations of both."""
-        plan = model.plan(policy, max_len, bucket)
+        plan = drive.plan(model, policy, max_len, bucket)
         tokens, positions = left_pad(random_ids(bucket - 3, 260, seed=bucket), bucket)
         with compile_log() as log:
             if policy.prefill_mode == "chunked":
-                _, cache = engine.chunked_prefill(model, tokens, positions, plan)
+                _, cache = engine.chunks(model, tokens, positions, plan)[:2]
             else:
                 _, cache = engine.prefill(model, tokens, positions, plan=plan)
             engine.decode(model, jnp.asarray([7]), jnp.asarray([bucket]), cache, plan=plan)

@@ -11,6 +11,8 @@ import pytest
 
 from kvjax import cache as kvcache
 from kvjax.policies import Context, FullCache, GateEviction, LayerPolicy, Policy, StreamingLLM, by_head, by_layer
+from kvjax import drive
+from tests.conftest import prefill_policy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,14 +44,13 @@ def test_a_rule_reading_token_ids_gets_them_inside_by_layer(tiny):
     even = [j for j in range(20) if ids[j] % 2 == 0]
     assert 0 < len(even) < 20
     for policy in (KeepEvenIds(), by_layer(KeepEvenIds(), FullCache(), split=1)):
-        _, cache = tiny.model.prefill(toks, pos, policy, 24)
+        _, cache = prefill_policy(tiny.model, toks, pos, policy, 24)
         got = np.asarray(cache[0].pos[0])
         for h in range(tiny.model.cfg.num_kv_heads):
             assert got[h][got[h] >= 0].tolist() == even
         whole = np.asarray(cache[1].pos[0, 0])
         assert whole[whole >= 0].tolist() == (even if isinstance(policy, KeepEvenIds) else list(range(20)))
-        _, cache = tiny.model.decode(jnp.asarray([5], jnp.int32), jnp.asarray([20], jnp.int32), cache,
-                                     tiny.model.plan(policy))
+        _, cache = drive.decode(tiny.model, jnp.asarray([5], jnp.int32), jnp.asarray([20], jnp.int32), cache, drive.plan(tiny.model, policy))
         assert 20 in np.asarray(cache[0].pos[0, 0]).tolist() and 20 in np.asarray(cache[1].pos[0, 0]).tolist()
 
 
@@ -58,7 +59,7 @@ def test_a_gate_in_one_head_group_is_refused_with_the_reason(tiny):
     them while its neighbours do not: the policy is refused by name, as AnLLM's eq. 4 is."""
     policy = by_head([[True, False]] * tiny.model.cfg.num_layers, GateEviction(), StreamingLLM(sinks=1, budget=8))
     with pytest.raises(ValueError, match="GateEviction.*cannot cache a head group of layer 0.*by_layer"):
-        tiny.model.init_cache(policy, 1, 64, 32)
+        drive.empty_cache(tiny.model, drive.plan(tiny.model, policy, 64, 32), 1)
 
 
 def test_the_context_is_a_pytree():
@@ -106,11 +107,11 @@ def test_a_head_split_nested_in_by_layer_caches_from_the_plan(tiny):
     kept positions and the arrays' sizes are the hand count for a 20-token prompt."""
     stream = StreamingLLM(budget=8, sinks=4)
     policy = by_layer(stream, by_head([[True, False]] * 2, FullCache(), stream), split=1)
-    cache = tiny.model.init_cache(policy, 1, 24, 20)
+    cache = drive.empty_cache(tiny.model, drive.plan(tiny.model, policy, 24, 20), 1)
     assert cache[0].capacity == 8
     assert cache[1].heads == ((0,), (1,)) and [g.capacity for g in cache[1].groups] == [24, 8]
     ids = np.random.default_rng(0).integers(4, tiny.model.cfg.vocab_size, 20)
-    _, cache = tiny.model.prefill(jnp.asarray(ids[None], jnp.int32), jnp.arange(20, dtype=jnp.int32)[None], policy, 24)
+    _, cache = prefill_policy(tiny.model, jnp.asarray(ids[None], jnp.int32), jnp.arange(20, dtype=jnp.int32)[None], policy, 24)
     ring = [0, 1, 2, 3, 16, 17, 18, 19]  # 4 sinks and the last 4
     kept = lambda c: sorted(p for p in np.asarray(c.pos[0, 0]).tolist() if p >= 0)  # noqa: E731
     assert kept(cache[0]) == ring
@@ -197,36 +198,47 @@ def test_kvjax_reaches_into_no_private_member_of_a_model():
 
 
 def test_the_model_contract_is_what_generation_calls(tiny):
-    """`kvjax.model.CachedLM` declares every attribute that generation, scoring, few-shot evaluation and the engine
-    read from a model (found by walking their source), kvjax's Llama provides it, and a model lacking one
-    method does not."""
+    """`kvjax.model.CachedLM` declares every attribute that kvjax's drivers (generation, scoring, few-shot
+    evaluation, KVzip's replay, the engine) read from a model, found by walking their source, aliases included
+    (`cfg = model.cfg`); of the model they read only its config and dtype and call its one forward. kvjax's Llama
+    provides it, and a model without the forward does not."""
     import ast
-    import inspect
     from pathlib import Path
 
     from kvjax.model import CachedLM, LMConfig
 
     root = Path(__file__).resolve().parents[1] / "kvjax"
-    read, cfg_read = set(), set()
-    for name in ("generate.py", "scoring.py", "fewshot.py", "engine.py"):
-        for node in ast.walk(ast.parse((root / name).read_text())):
+    read, cfg_read, called = set(), set(), 0
+    for name in ("generate.py", "scoring.py", "fewshot.py", "engine.py", "drive.py", "kvzip.py"):
+        tree = ast.parse((root / name).read_text())
+        aliases = {"cfg", "c"}  # names bound to `model.cfg`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg":
+                aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model":
                 read.add(node.attr)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
-                    node.value.attr == "cfg" and isinstance(node.value.value, ast.Name) and node.value.value.id == "model":
+            cfg = isinstance(node, ast.Attribute) and (
+                (isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"
+                 and isinstance(node.value.value, ast.Name) and node.value.value.id == "model")
+                or (isinstance(node.value, ast.Name) and node.value.id in aliases))
+            if cfg:
                 cfg_read.add(node.attr)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model":
+                called += 1
     declared = {n for n in dir(CachedLM) if not n.startswith("_")} | set(CachedLM.__annotations__)
     assert read and read <= declared, read - declared
-    assert cfg_read and cfg_read <= set(LMConfig.__annotations__), cfg_read - set(LMConfig.__annotations__)
+    assert read == {"cfg", "dtype"}, read  # the model is read for its config and dtype, and called
+    config = set(LMConfig.__annotations__) | {n for n in dir(LMConfig) if not n.startswith("_")}
+    assert cfg_read and cfg_read <= config, cfg_read - config
+    assert {"eos_token_ids", "pad_token_id", "windows"} <= cfg_read  # what `generate` and planning read
+    assert called >= 1  # the one forward, called by `kvjax.drive`
     assert isinstance(tiny.model, CachedLM)
 
-    class NoDecode:
+    class NoForward:
         cfg, dtype = tiny.model.cfg, tiny.model.dtype
 
-    for m in declared - {"cfg", "dtype", "decode"}:
-        setattr(NoDecode, m, lambda self, *a, **k: None)
-    assert not isinstance(NoDecode(), CachedLM)
-    assert "decode" in inspect.getsource(CachedLM)
+    assert not isinstance(NoForward(), CachedLM)
 
 
 def test_each_rule_keeps_its_own_state_named_for_what_it_holds(tiny):
@@ -239,14 +251,14 @@ def test_each_rule_keeps_its_own_state_named_for_what_it_holds(tiny):
     cfg = tiny.model.cfg
     b, kvh = 2, cfg.num_kv_heads
     state = lambda policy: [{n: x.shape for n, x in g.state.items()}  # noqa: E731
-                            for layer in tiny.model.init_cache(policy, b, 64, 32)
+                            for layer in drive.empty_cache(tiny.model, drive.plan(tiny.model, policy, 64, 32), b)
                             for g in getattr(layer, "groups", (layer,))]
     assert state(StreamingLLM(budget=8, sinks=2)) == [{}] * cfg.num_layers
     assert state(H2O(budget=8, recent=2)) == [{"mass": (b, kvh, 8)}] * cfg.num_layers
     assert state(mat(8, 3, shallow_layers=1, sinks=2)) == [{}] + [{"pi": (b, kvh, 8)}] * (cfg.num_layers - 1)
     razor = RazorAttention(retrieval=((True, False),) * cfg.num_layers, buffer=4, compression=8, sinks=2)
     assert state(razor)[1] == {"recent": (b, 1), "folded": (b, 1)}  # layer 0's local head group
-    cache = tiny.model.init_cache(H2O(budget=8, recent=2), b, 64, 32)[0]
+    cache = drive.empty_cache(tiny.model, drive.plan(tiny.model, H2O(budget=8, recent=2), 64, 32), b)[0]
     with pytest.raises(KeyError, match=r"state \['pi'\] is not in this cache \(it holds \['mass'\]"):
         with_state(cache, pi=0.0)
 

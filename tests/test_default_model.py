@@ -10,6 +10,7 @@ from experiments import model_card, passkey
 from experiments.common import DEFAULT_MODEL_DIR
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
+from kvjax import drive
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "model.safetensors").is_file(),
                                 reason="the default model is not in this checkout")
@@ -28,7 +29,7 @@ def test_logits_match_transformers_pytorch(default):
 
     text = "def greet(name):\n    return f'Hello, {name}!'\n\nThe pass key is 12345. Remember it."
     ids = default.tokenizer(text)["input_ids"]
-    ours = np.asarray(default.model(np.asarray([ids])))
+    ours = np.asarray(drive.logits(default.model, np.asarray([ids])))
     hf = LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.numpy()

@@ -125,4 +125,5 @@ def test_guide_snippets_run(page, monkeypatch, tmp_path):
     for block in python_blocks(page):
         if block.startswith("# not run:"):
             continue
-        exec(compile(block, f"{page.name}:snippet", "exec"), namespace)
+        # compiled as a file of its own: not under this module's `from __future__ import annotations`
+        exec(compile(block, f"{page.name}:snippet", "exec", dont_inherit=True), namespace)

@@ -1,4 +1,4 @@
-"""Prefix caching (`Llama.extend`) and AnLLM's few-shot metrics (`kvjax.fewshot`)."""
+"""Prefix caching (`kvjax.drive.extend`) and AnLLM's few-shot metrics (`kvjax.fewshot`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from kvjax.anllm_anchors import anchor_mask
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax.policies.anllm import AnchorReduction
-from tests.conftest import left_pad, random_ids
+from tests.conftest import left_pad, random_ids, prefill_policy
+from kvjax import drive
 
 ANCHOR = 10
 
@@ -20,16 +21,16 @@ ANCHOR = 10
 def _extend(model, policy, prefix, chunk, chunk_bucket=16):
     """Prefill `prefix`, then extend with `chunk` right padded to `chunk_bucket`: logits [len(chunk), V]."""
     toks, pos = left_pad(prefix, 64)
-    _, cache = model.prefill(toks, pos, policy, 64 + chunk_bucket)
+    _, cache = prefill_policy(model, toks, pos, policy, 64 + chunk_bucket)
     ct = np.zeros((1, chunk_bucket), np.int32)
     cp = np.full((1, chunk_bucket), -1, np.int32)
     ct[0, : len(chunk)], cp[0, : len(chunk)] = chunk, len(prefix) + np.arange(len(chunk))
-    return np.asarray(model.extend(jnp.asarray(ct), jnp.asarray(cp), cache, model.plan(policy)))[0, : len(chunk)]
+    return np.asarray(drive.extend(model, jnp.asarray(ct), jnp.asarray(cp), cache, drive.plan(model, policy)))[0, : len(chunk)]
 
 
 def test_extend_full_cache_equals_full_forward(tiny):
     ids = random_ids(50, tiny.config.vocab_size, seed=1)
-    full = np.asarray(tiny.model(jnp.asarray([ids])))[0]
+    full = np.asarray(drive.logits(tiny.model, jnp.asarray([ids])))[0]
     np.testing.assert_allclose(_extend(tiny.model, FullCache(), ids[:39], ids[39:]), full[39:], atol=1e-5, rtol=0)
 
 
@@ -42,7 +43,7 @@ def test_extend_anchor_cache_equals_eq4_forward(tiny, layout):
         ids[i] = ANCHOR
     ids[{"anchor_in_chunk": 45, "prefix_ends_with_anchor": cut - 1, "chunk_starts_with_anchor": cut}[layout]] = ANCHOR
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
-    full = np.asarray(tiny.model(jnp.asarray([ids]), anchor_mask=anchor_mask(flags)))[0]
+    full = np.asarray(drive.logits(tiny.model, jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
     policy = AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=8, sequence=16)
     np.testing.assert_allclose(_extend(tiny.model, policy, ids[:cut], ids[cut:]), full[cut:], atol=1e-5, rtol=0)
 
@@ -50,9 +51,9 @@ def test_extend_anchor_cache_equals_eq4_forward(tiny, layout):
 def test_extend_rejects_rolling_positions(tiny):
     toks, pos = left_pad([5, 6, 7], 16)
     policy = StreamingLLM(budget=8, sinks=2, positions="rolling")
-    _, cache = tiny.model.prefill(toks, pos, policy, 32)
+    _, cache = prefill_policy(tiny.model, toks, pos, policy, 32)
     with pytest.raises(ValueError, match="rolling positions in layer 0"):
-        tiny.model.extend(toks, pos, cache, tiny.model.plan(policy))
+        drive.extend(tiny.model, toks, pos, cache, drive.plan(tiny.model, policy))
 
 
 def test_cached_scores_match_full_scores_and_cache_length(tiny):
@@ -70,7 +71,7 @@ def test_cached_scores_match_full_scores_and_cache_length(tiny):
     # By hand: log p(option | demos + query) from the plain forward of each whole row.
     for r, opt in enumerate(item.options):
         row = demos + list(item.query) + list(opt)
-        logp = np.asarray(nnx.log_softmax(tiny.model(jnp.asarray([row]))[0], axis=-1))
+        logp = np.asarray(nnx.log_softmax(drive.logits(tiny.model, jnp.asarray([row]))[0], axis=-1))
         want = sum(logp[len(row) - len(opt) - 1 + j, t] for j, t in enumerate(opt))
         assert abs(full[r] - want) < 1e-4
 

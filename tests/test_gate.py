@@ -18,6 +18,8 @@ from kvjax.generate import generate
 from kvjax.masks import Mask
 from kvjax.policies import FullCache, GateEviction, make_policy
 from models import load
+from kvjax import drive
+from tests.conftest import prefill_policy
 
 
 def _eq7_reference(q, k, v, pos, flags):
@@ -121,10 +123,10 @@ def test_prefill_evict_then_decode_equals_the_eq7_forward(tiny_dir):
     for r, (s, n) in enumerate(zip(seqs, lengths)):
         toks[r, bucket - n:], pos[r, bucket - n:] = s[:n], np.arange(n)
     policy = GateEviction(bucket=8)
-    logits, cache = model.prefill(jnp.asarray(toks), jnp.asarray(pos), policy, bucket + n_new)
+    logits, cache = prefill_policy(model, jnp.asarray(toks), jnp.asarray(pos), policy, bucket + n_new)
     small_policy, cache = policy.shrink(cache, n_new)
     # Kept slots: exactly the real prompt tokens whose flag is 1, per KV head, in time order.
-    _, flags = model.forward(jnp.asarray(toks), jnp.asarray(pos))
+    _, flags = drive.forward(model, jnp.asarray(toks), jnp.asarray(pos))
     for layer, (c, f) in enumerate(zip(cache, flags)):
         for r in range(2):
             for h in range(model.cfg.num_kv_heads):
@@ -137,7 +139,7 @@ def test_prefill_evict_then_decode_equals_the_eq7_forward(tiny_dir):
     got = [np.asarray(logits)]
     for i in range(n_new - 1):
         tok = jnp.asarray([s[n + i] for s, n in zip(seqs, lengths)], jnp.int32)
-        step_logits, cache = model.decode(tok, jnp.asarray(lengths, jnp.int32) + i, cache, model.plan(small_policy))
+        step_logits, cache = drive.decode(model, tok, jnp.asarray(lengths, jnp.int32) + i, cache, drive.plan(model, small_policy))
         got.append(np.asarray(step_logits))
     for r, (s, n) in enumerate(zip(seqs, lengths)):
         full_pos = jnp.arange(n + n_new - 1, dtype=jnp.int32)[None]
@@ -161,8 +163,8 @@ def test_save_load_roundtrip_and_errors(tiny_dir, sharp_mha_dir, tmp_path):
     save_gates(model, tmp_path / "g")
     other = load_gates(load(tiny_dir).model, tmp_path / "g")
     toks = jnp.asarray([[5, 6, 7, 8, 9]])
-    _, a = model.forward(toks)
-    _, b = other.forward(toks)
+    _, a = drive.forward(model, toks)
+    _, b = drive.forward(other, toks)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match="trained for a model with"):
@@ -206,20 +208,20 @@ def test_lora_starts_at_the_base_model_and_merges_exactly(tiny_dir):
 
     model = load(tiny_dir).model
     toks = jnp.asarray([[5, 6, 7, 8, 9, 10]])
-    base = np.asarray(model(toks))
+    base = np.asarray(drive.logits(model, toks))
     attach_lora(model, rank=4, alpha=8.0)
-    np.testing.assert_allclose(model(toks), base, atol=1e-6)  # B = 0: unchanged at step 0
+    np.testing.assert_allclose(drive.logits(model, toks), base, atol=1e-6)  # B = 0: unchanged at step 0
     rng = np.random.default_rng(0)
     for layer in model.layers:
         for name in ("q_proj", "v_proj", "o_proj"):
             b = getattr(layer.self_attn, name).lora_b
             b.set_value(jnp.asarray(rng.normal(size=b[...].shape) * 0.05, jnp.float32))
-    adapted = np.asarray(model(toks))
+    adapted = np.asarray(drive.logits(model, toks))
     assert np.abs(adapted - base).max() > 1e-3
     merge_lora(model)
     assert not any(isinstance(getattr(layer.self_attn, n), LoRALinear) for layer in model.layers
                    for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    np.testing.assert_allclose(model(toks), adapted, atol=1e-5)
+    np.testing.assert_allclose(drive.logits(model, toks), adapted, atol=1e-5)
     with pytest.raises(ValueError, match="rank=0"):
         attach_lora(model, rank=0)
 
@@ -282,9 +284,9 @@ def test_gate_inside_by_layer_gates_its_layers_only(tiny_dir):
     seq = rng.integers(4, model.cfg.vocab_size, n + n_new)
     toks, pos = jnp.asarray(seq[None, :n], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None]
     policy = by_layer(GateEviction(bucket=8), FullCache(), split=1)
-    logits, cache = model.prefill(toks, pos, policy, n + n_new)
+    logits, cache = prefill_policy(model, toks, pos, policy, n + n_new)
     small, cache = policy.shrink(cache, n_new)
-    _, flags = model.forward(toks, pos)
+    _, flags = drive.forward(model, toks, pos)
     for h in range(model.cfg.num_kv_heads):
         got = np.asarray(cache[0].pos[0, h])
         assert got[got >= 0].tolist() == [j for j in range(n) if flags[0][0, h, j] > 0]
@@ -292,8 +294,7 @@ def test_gate_inside_by_layer_gates_its_layers_only(tiny_dir):
     assert cache[0].capacity < n + n_new == cache[1].capacity  # only the gate layer shrank
     got = [np.asarray(logits[0])]
     for i in range(n_new - 1):
-        step, cache = model.decode(jnp.asarray([seq[n + i]], jnp.int32), jnp.asarray([n + i], jnp.int32), cache,
-                                   model.plan(small))
+        step, cache = drive.decode(model, jnp.asarray([seq[n + i]], jnp.int32), jnp.asarray([n + i], jnp.int32), cache, drive.plan(model, small))
         got.append(np.asarray(step[0]))
     ref = _eq7_forward(model, jnp.asarray(seq[None, : n + n_new - 1]), jnp.arange(n + n_new - 1)[None], n, gated={0})
     np.testing.assert_allclose(np.stack(got), np.asarray(ref[0, n - 1:]), atol=1e-5, rtol=0)
@@ -360,7 +361,7 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     assert 0 < matched["eviction"]["prefix"] < 1
     # each window's NLL is its own: the full cache's equals the uncached forward's loss on the continuation
     with without_gates(model):
-        logits, _ = model.forward(jnp.asarray(tokens))
+        logits, _ = drive.forward(model, jnp.asarray(tokens))
     lp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:, p - 1 : -1], axis=-1)
     ref = -np.take_along_axis(np.asarray(lp), tokens[:, p:, None], axis=-1)[..., 0].mean(axis=1)
     np.testing.assert_allclose(matched["nll_windows"]["full"], ref, rtol=1e-4)

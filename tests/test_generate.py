@@ -10,6 +10,7 @@ import pytest
 from kvjax import FullCache, Sampling, StreamingLLM, generate
 from kvjax.generate import bucket_length, pad_left, truncate_middle
 from tests.conftest import compile_log, random_ids
+from kvjax import drive
 
 
 def greedy_reference(model, ids, n):
@@ -20,7 +21,7 @@ def greedy_reference(model, ids, n):
     """
     from flax import nnx
 
-    forward = nnx.jit(lambda m, x: m(x))
+    forward = nnx.jit(lambda m, x: drive.logits(m, x))
     ids = list(ids)
     total = len(ids) + n
     for _ in range(n):
@@ -159,15 +160,15 @@ def test_prefill_compiles_once_per_plan_not_per_max_len(tiny):
     model = tiny.model
     tokens, positions = pad_left([random_ids(30, 260, seed=42)], 32, 0)
     ring = StreamingLLM(budget=16, sinks=4)
-    assert model.plan(ring, 64, 32) == model.plan(ring, 96, 32)  # 16 slots in every layer either way
-    assert model.plan(FullCache(), 64, 32) != model.plan(FullCache(), 96, 32)
-    assert [lp.sizes for lp in model.plan(FullCache(), 96, 32).layers] == [(96,)] * tiny.config.num_layers
+    assert drive.plan(model, ring, 64, 32) == drive.plan(model, ring, 96, 32)  # 16 slots in every layer either way
+    assert drive.plan(model, FullCache(), 64, 32) != drive.plan(model, FullCache(), 96, 32)
+    assert [lp.sizes for lp in drive.plan(model, FullCache(), 96, 32).layers] == [(96,)] * tiny.config.num_layers
     with compile_log() as ring_log:
         for max_len in (64, 96, 160):
-            engine.prefill(model, tokens, positions, plan=model.plan(ring, max_len, 32))
+            engine.prefill(model, tokens, positions, plan=drive.plan(model, ring, max_len, 32))
     with compile_log() as full_log:
         for max_len in (64, 96, 96):
-            engine.prefill(model, tokens, positions, plan=model.plan(FullCache(), max_len, 32))
+            engine.prefill(model, tokens, positions, plan=drive.plan(model, FullCache(), max_len, 32))
     assert len(ring_log) == 1 and len(full_log) == 2
 
 

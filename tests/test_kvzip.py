@@ -13,6 +13,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import KVzip
 from models import load
 from tests.conftest import compile_log, left_pad, stepper
+from kvjax import drive
 
 T = 100
 REPEAT, CONTINUE, SUFFIX = (5, 6, 7, 8), (9, 10, 11), (12,)  # stand-ins for the tokenizer's ids
@@ -40,7 +41,7 @@ def sdpa_pair(tmp_path_factory):
 def compressed(model, ids, pol, bucket=128):
     prefill, _ = stepper(model, pol, bucket + 1)
     _, cache = prefill(*left_pad(list(ids), bucket))
-    return kvzip.compress(model, cache, model.plan(pol, bucket + 1, bucket), [list(ids)], pol)
+    return kvzip.compress(model, cache, drive.plan(model, pol, bucket + 1, bucket), [list(ids)])
 
 
 @pytest.mark.parametrize("ratio, chunk, layerwise", [(0.5, 2048, False), (0.8, 32, False), (0.6, 40, True)],
@@ -150,7 +151,7 @@ def test_replays_compile_once_per_length_bucket(sdpa_pair):
     _, cache = prefill(*left_pad(np.random.RandomState(2).randint(13, 97, T).tolist(), 128))
     ids = np.random.RandomState(2).randint(13, 97, T).tolist()
     with compile_log() as compiles:
-        kvzip.compress(model, cache, model.plan(pol, 129, 128), [ids], pol)
+        kvzip.compress(model, cache, drive.plan(model, pol, 129, 128), [ids])
     assert compiles == []
 
 
@@ -212,8 +213,10 @@ def test_non_finite_scores_are_an_error(sdpa_pair, monkeypatch):
     """A NaN in the replay's scores stops the eviction with an error naming the replay, instead of sorting anywhere."""
     from kvjax.errors import NonFiniteError
 
+    from kvjax import attention
+
     _, model = sdpa_pair
-    real = kvzip.reconstruction_scores
-    monkeypatch.setattr(kvzip, "reconstruction_scores", lambda *a: real(*a) * jnp.nan)
+    real = attention.reconstruction_scores
+    monkeypatch.setattr(attention, "reconstruction_scores", lambda *a: real(*a) * jnp.nan)
     with pytest.raises(NonFiniteError, match="replay of positions 0-99"):
         compressed(model, np.random.RandomState(1).randint(13, 97, T), policy(0.5, chunk_size=128))

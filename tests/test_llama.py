@@ -9,6 +9,7 @@ import pytest
 from kvjax import FullCache, StreamingLLM
 from models import load
 from tests.conftest import hf_llama, random_ids, stepper
+from kvjax import drive
 
 torch = pytest.importorskip("torch")
 
@@ -39,7 +40,7 @@ def test_logits_match_transformers(tmp_path, kv_heads, tied, rope):
     assert lm.config.rope.rope_type == ("llama3" if rope else "default")
     ids = np.random.RandomState(1).randint(0, 97, (2, 150))
     ref = torch_logits(pt, ids)
-    out = np.asarray(lm.model(jnp.asarray(ids)))
+    out = np.asarray(drive.logits(lm.model, jnp.asarray(ids)))
     assert np.abs(ref).max() > 0.5  # the comparison is not between near-zero logits
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
 
@@ -51,12 +52,12 @@ def test_sharded_safetensors_and_pytorch_bin(tmp_path):
 
     pt.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    np.testing.assert_allclose(np.asarray(load(tmp_path / "sharded").model(jnp.asarray(ids))), ref, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(drive.logits(load(tmp_path / "sharded").model, jnp.asarray(ids))), ref, atol=1e-4)
 
     binary = tmp_path / "bin"
     pt.config.save_pretrained(binary)
     torch.save(pt.state_dict(), binary / "pytorch_model.bin")
-    np.testing.assert_allclose(np.asarray(load(binary).model(jnp.asarray(ids))), ref, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(drive.logits(load(binary).model, jnp.asarray(ids))), ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.1), ("float16", 0.02)])
@@ -65,7 +66,7 @@ def test_half_precision_loading(tmp_path, dtype, tol):
     lm = load(path, dtype=dtype)
     assert lm.model.layers[0].self_attn.q_proj.kernel.get_value().dtype == jnp.dtype(dtype)
     ids = np.random.RandomState(3).randint(0, 97, (1, 32))
-    out = np.asarray(lm.model(jnp.asarray(ids)))
+    out = np.asarray(drive.logits(lm.model, jnp.asarray(ids)))
     ref = torch_logits(pt, ids)
     # Tolerance is the half-precision rounding of a 2-layer model, relative to the logit scale.
     assert np.all(np.isfinite(out))
@@ -77,7 +78,7 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     model = tiny.model
     seqs = [random_ids(48, 260, seed=4), random_ids(48, 260, seed=5)]
     prompt_lens = [20, 11]
-    full = [np.asarray(model(jnp.asarray([s])))[0] for s in seqs]
+    full = [np.asarray(drive.logits(model, jnp.asarray([s])))[0] for s in seqs]
     bucket = 32
     prefill, decode = stepper(model, FullCache(), max_len=bucket + 48)
     toks = np.zeros((2, bucket), np.int32)

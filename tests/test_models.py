@@ -15,6 +15,7 @@ from kvjax import FullCache, StreamingLLM
 from kvjax.attention import alibi_slopes
 from models import load
 from tests.conftest import left_pad, random_ids, stepper
+from kvjax import drive
 
 torch = pytest.importorskip("torch")
 
@@ -58,13 +59,13 @@ def test_parity_with_transformers(tmp_path, arch):
     with torch.no_grad():
         ref = pt(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(ref).max() > 0.5
-    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(drive.logits(lm.model, jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
     ours, cache = decode_logits(lm.model, ids, 13, FullCache())
     np.testing.assert_allclose(ours, ref[12:], atol=1e-4, rtol=0)
     if arch == "mistral":
         assert lm.config.sliding_window == 8
         assert all(layer.capacity == 8 for layer in cache)  # FullCache keeps a W-slot ring, not the context
-        assert lm.model.native_policy(FullCache()).describe().startswith("LocalWindow(size=8")
+        assert drive.plan(lm.model, FullCache()).policy.describe().startswith("LocalWindow(size=8")
     else:
         assert lm.config.qkv_bias and not lm.config.o_bias
 
@@ -76,10 +77,10 @@ def test_mistral_window_matters(tmp_path):
     save_hf(MistralConfig, MistralForCausalLM, tmp_path, sliding_window=8)
     cfg = json.loads((tmp_path / "config.json").read_text())
     ids = jnp.asarray([random_ids(40, 97, seed=31, low=0)])
-    windowed = np.asarray(load(tmp_path).model(ids))
+    windowed = np.asarray(drive.logits(load(tmp_path).model, ids))
     cfg["sliding_window"] = None
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert np.abs(np.asarray(load(tmp_path).model(ids)) - windowed)[0, 8:].max() > 1e-3
+    assert np.abs(np.asarray(drive.logits(load(tmp_path).model, ids)) - windowed)[0, 8:].max() > 1e-3
 
 
 # ---------------------------------------------------------------- Baichuan
@@ -185,7 +186,7 @@ def test_baichuan_matches_numpy_reference(tmp_path, layout):
     ids = random_ids(30, 300, seed=32, low=0)
     ref = baichuan_reference(w, c, ids)
     assert np.abs(ref).max() > 0.5
-    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(drive.logits(lm.model, jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
     ours, _ = decode_logits(lm.model, ids, 11, FullCache())
     np.testing.assert_allclose(ours, ref[10:], atol=1e-4, rtol=0)
 
@@ -206,7 +207,7 @@ def test_streaming_on_alibi_uses_stored_positions(tmp_path, positions):
     ref = baichuan_reference(w, c, ids, keys_for)
     model = load(tmp_path).model
     policy = StreamingLLM(budget=budget, sinks=sinks, positions=positions, prefill_mode="stream")
-    stream = nnx.jit(lambda m, t, p: m.stream(t, p, m.init_cache(policy, 1, 32), m.plan(policy))[0])
+    stream = nnx.jit(lambda m, t, p: drive.stream(m, t, p, drive.empty_cache(m, drive.plan(m, policy, 32), 1), drive.plan(m, policy))[0])
     ours = np.asarray(stream(model, jnp.asarray([ids]), jnp.arange(30)[None]))[0]
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
     assert np.abs(ref - baichuan_reference(w, c, ids)).max() > 1e-3  # eviction changed something
@@ -274,4 +275,4 @@ def test_rope_parameters_equal_transformers_in_every_family(tmp_path, family, ro
     ids = random_ids(40, 97, seed=31, low=0)
     with torch.no_grad():
         ref = pt(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids]))[0]), ref, atol=1e-4 * max(1, np.abs(ref).max()))
+    np.testing.assert_allclose(np.asarray(drive.logits(lm.model, jnp.asarray([ids]))[0]), ref, atol=1e-4 * max(1, np.abs(ref).max()))

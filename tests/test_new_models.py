@@ -16,6 +16,7 @@ from models import load
 from models.tiny import byte_tokenizer
 from tests.conftest import random_ids
 from tests.test_models import decode_logits
+from kvjax import drive
 
 torch = pytest.importorskip("torch")
 
@@ -66,7 +67,7 @@ def test_logits_equal_transformers_full_and_decode(checkpoint):
     with torch.no_grad():
         ref = pt(torch.tensor([ids])).logits[0].float().numpy()
     assert np.abs(ref).max() > 0.5
-    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(drive.logits(lm.model, jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
     ours, _ = decode_logits(lm.model, ids, 13, FullCache())
     np.testing.assert_allclose(ours, ref[12:], atol=1e-4, rtol=0)
     c = lm.config
@@ -110,7 +111,7 @@ def test_gemma_windows_matter(checkpoint):
     ids = jnp.asarray([random_ids(40, VOCAB, seed=31, low=4)])
     glob = Llama(dataclasses.replace(lm.config, layer_types=None, sliding_window=None), rngs=nnx.Rngs(0))
     nnx.update(glob, nnx.state(lm.model))
-    assert np.abs(np.asarray(glob(ids)) - np.asarray(lm.model(ids)))[0, 8:].max() > 1e-3
+    assert np.abs(np.asarray(drive.logits(glob, ids)) - np.asarray(drive.logits(lm.model, ids)))[0, 8:].max() > 1e-3
 
 
 def test_gemma3_policy_compresses_the_global_layers_only(checkpoint):
@@ -137,7 +138,7 @@ def test_gemma3_policy_compresses_the_global_layers_only(checkpoint):
     # A scored policy on Gemma 3: the same split, kept positions inspectable in both kinds of layer.
     snap = generate(lm.model, [prompt], SnapKV(budget=20, observation_window=4), max_new_tokens=new)
     assert [layer.capacity for layer in snap.cache] == [8, 8, 20 + snap.room, 8]  # budget + the new tokens' buffer
-    assert lm.model.native_policy(SnapKV(budget=20, observation_window=4)).describe().startswith(
+    assert drive.plan(lm.model, SnapKV(budget=20, observation_window=4)).policy.describe().startswith(
         "PerLayer(0-1: LocalWindow(size=8")
 
 
@@ -147,7 +148,7 @@ def test_gemma2_softcap_is_refused_by_the_kernels(checkpoint):
         pytest.skip("Gemma 2 only")
     lm = load(path, attention_impl="pallas")
     with pytest.raises(ValueError, match=r"kernels do not implement attention-logit soft-capping \(softcap=2.0"):
-        lm.model(jnp.asarray([random_ids(8, VOCAB, low=4)]))
+        drive.logits(lm.model, jnp.asarray([random_ids(8, VOCAB, low=4)]))
 
 
 def test_gemma3_multimodal_checkpoint_is_a_clear_error(tmp_path):
@@ -206,7 +207,7 @@ def test_phi3_fused_weights_and_longrope_equal_transformers(phi3_checkpoint, len
     ids = random_ids(length, VOCAB, seed=7, low=4)
     with torch.no_grad():
         ref = pt(torch.tensor([ids])).logits[0].float().numpy()
-    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(drive.logits(lm.model, jnp.asarray([ids])))[0], ref, atol=1e-4, rtol=0)
     ours, _ = decode_logits(lm.model, ids, prompt_len, FullCache(), bucket=128)
     np.testing.assert_allclose(ours, ref[prompt_len - 1:], atol=1e-4, rtol=0)
 

@@ -1,146 +1,146 @@
 """kvjax's policies inside a researcher's own JAX model: a Llama written here as pure functions over a dict of
-arrays (no Flax, nothing from `models/`), whose attention calls `kvjax.layer`. Its logits are checked against
-transformers (full cache) and transformers + kvpress (a compressed prompt), and its decode step compiles once.
+arrays (no Flax, nothing from `models/`), a registered pytree that implements only the one cached forward of
+`kvjax.model.CachedLM`, its attention calling `kvjax.layer.attend`. kvjax drives it: its logits are checked against
+transformers (full cache) and transformers + kvpress (a compressed prompt); it generates through `kvjax.generate`
+the same greedy text as kvjax's own Llama under every policy family, scores text through `kvjax.scoring`, runs a
+suite (`experiments.passkey`), and compiles once per sized plan.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import layer
+from kvjax import drive, engine, layer, scoring
 from kvjax.cache import HeadwiseCache
-from kvjax.policies import H2O, AnchorCache, FullCache, RazorAttention, SnapKV, StreamingLLM
-from kvjax.policies.plan import resolve
+from kvjax.generate import generate
+from kvjax.model import CachedLM
+from kvjax.policies import (H2O, AnchorCache, FullCache, KVzip, Quantized, RazorAttention, SnapKV,
+                            StreamingLLM)
 from tests.conftest import compile_log
 
 torch = pytest.importorskip("torch")
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, THETA, EPS = 8, 2, 8, 2, 10000.0, 1e-6
+# ---- the researcher's model: pure functions over `params`, and one forward --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What kvjax reads of the model (`kvjax.model.LMConfig`), and the shape its functions need."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    theta: float = 10000.0
+    eps: float = 1e-6
+    windows: int | None = None  # no sliding window
+
+
+def rope(cfg: Config):
+    def rotate(x, positions):
+        """Llama's rotate-half RoPE of `x` `[..., t, d]` at `positions` (broadcastable to `x[..., 0]`)."""
+        d = cfg.head_dim
+        inv = 1.0 / cfg.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+        ang = positions[..., None].astype(jnp.float32) * inv
+        cos, sin = jnp.concatenate([jnp.cos(ang)] * 2, -1), jnp.concatenate([jnp.sin(ang)] * 2, -1)
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return (x * cos + jnp.concatenate([-x2, x1], -1) * sin).astype(x.dtype)
+
+    return rotate
+
+
+def rms(x, w, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OwnLlama:
+    """The whole model a researcher writes: parameters (arrays), a static config, and the forward."""
+
+    params: dict
+    cfg: Config = dataclasses.field(metadata=dict(static=True))
+    dtype = jnp.float32  # of its cache
+
+    def __call__(self, tokens, positions, carry, step):
+        c, p = self.cfg, self.params
+        x, new = p["embed"][tokens], []
+        b, t, _ = x.shape
+        split = lambda y, n: y.reshape(b, t, n, c.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        for i, (w, entry) in enumerate(zip(p["layers"], carry, strict=True)):
+            h = rms(x, w["ln1"], c.eps)
+            q, k, v = split(h @ w["q"].T, c.num_heads), split(h @ w["k"].T, c.num_kv_heads), split(h @ w["v"].T,
+                                                                                                c.num_kv_heads)
+            geom = layer.Geometry(layer=i, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  scale=c.head_dim ** -0.5, rope=rope(c))
+            o, entry = layer.attend(geom, step, entry, q, k, v, positions, tokens)  # unrotated q / k: kvjax rotates
+            x = x + o.transpose(0, 2, 1, 3).reshape(b, t, -1) @ w["o"].T
+            h = rms(x, w["ln2"], c.eps)
+            x = x + (jax.nn.silu(h @ w["gate"].T) * (h @ w["up"].T)) @ w["down"].T
+            new.append(entry)
+        return rms(step.select(x), p["norm"], c.eps) @ p["head"].T, tuple(new)
+
+
+def own_model(state: dict, cfg: Config) -> OwnLlama:
+    """The model from a transformers Llama state dict (names as `model.safetensors` holds them)."""
+    names = [("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"), ("q", "self_attn.q_proj"),
+             ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
+             ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj")]
+    sd = {k: jnp.asarray(np.asarray(v), jnp.float32) for k, v in state.items()}
+    return OwnLlama(params={
+        "embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"],
+        "head": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
+        "layers": [{n: sd[f"model.layers.{i}.{w}.weight"] for n, w in names} for i in range(cfg.num_layers)],
+    }, cfg=cfg)
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------------------
+
+LAYERS, KV_HEADS = 2, 2
 
 
 @pytest.fixture(scope="module")
-def pt_and_params():
+def models(tmp_path_factory):
+    """transformers' Llama, the own model on its weights, and kvjax's Llama loaded from its checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models import load
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=THETA,
-                      rms_norm_eps=EPS, max_position_embeddings=512, initializer_range=0.2,
-                      attn_implementation="eager")
+                      num_attention_heads=8, num_key_value_heads=KV_HEADS, head_dim=8, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, max_position_embeddings=512, initializer_range=0.2,
+                      attn_implementation="eager", eos_token_id=2, pad_token_id=0)
     pt = LlamaForCausalLM(cfg).eval()
-    sd = {k: jnp.asarray(v.numpy()) for k, v in pt.state_dict().items()}
-    params = {
-        "embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"], "head": sd["lm_head.weight"],
-        "layers": [{n: sd[f"model.layers.{i}.{w}.weight"] for n, w in [
-            ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"), ("q", "self_attn.q_proj"),
-            ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
-            ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj")]} for i in range(LAYERS)],
-    }
-    return pt, params
+    own = own_model({k: v.numpy() for k, v in pt.state_dict().items()},
+                    Config(vocab_size=97, num_layers=LAYERS, num_heads=8, num_kv_heads=KV_HEADS, head_dim=8,
+                           max_position_embeddings=512, eos_token_ids=(2,), pad_token_id=0))
+    path = tmp_path_factory.mktemp("own")
+    pt.save_pretrained(path)
+    return pt, own, load(path, tokenizer=False).model
 
 
-# ---- the researcher's model: pure functions over `params` --------------------------------------------------
-
-
-def rope(x, positions):
-    """Llama's rotate-half RoPE of `x` `[..., t, d]` at `positions` (broadcastable to `x[..., 0]`)."""
-    inv = 1.0 / THETA ** (jnp.arange(0, HEAD_DIM, 2, dtype=jnp.float32) / HEAD_DIM)
-    ang = positions[..., None].astype(jnp.float32) * inv
-    cos, sin = jnp.concatenate([jnp.cos(ang)] * 2, -1), jnp.concatenate([jnp.sin(ang)] * 2, -1)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return (x * cos + jnp.concatenate([-x2, x1], -1) * sin).astype(x.dtype)
-
-
-def rms(x, w):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * w
-
-
-def geometry(i):
-    return layer.Geometry(layer=i, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                          scale=HEAD_DIM ** -0.5, rope=rope)
-
-
-def qkv(p, h):
-    """`[b, t, model]` -> q `[b, h, t, d]`, k, v `[b, kvh, t, d]` (unrotated: kvjax rotates)."""
-    b, t, _ = h.shape
-    split = lambda y, n: y.reshape(b, t, n, HEAD_DIM).transpose(0, 2, 1, 3)  # noqa: E731
-    return split(h @ p["q"].T, HEADS), split(h @ p["k"].T, KV_HEADS), split(h @ p["v"].T, KV_HEADS)
-
-
-def mlp(p, x):
-    h = rms(x, p["ln2"])
-    return x + (jax.nn.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
-
-
-def _layers(params, plan, caches, tokens, pos, attend):
-    """Every layer over `tokens` `[b, t]`, its attention `attend` (`layer.prefill` or `layer.chunk`): the final
-    hidden states' logits `[b, t, vocab]` and every layer's cache."""
-    x, new = params["embed"][tokens], []
-    for i, (p, lp, c) in enumerate(zip(params["layers"], plan.layers, caches)):
-        q, k, v = qkv(p, rms(x, p["ln1"]))
-        o, c = attend(geometry(i), lp, c, q, k, v, pos, tokens)
-        x = mlp(p, x + o.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) @ p["o"].T)
-        new.append(c)
-    return rms(x, params["norm"]) @ params["head"].T, tuple(new)
-
-
-def prefill(params, plan, caches, tokens, pos):
-    """A whole prompt `[b, t]` (positions -1 on padding): logits `[b, t, vocab]` and every layer's cache."""
-    return _layers(params, plan, caches, tokens, pos, layer.prefill)
-
-
-def decode(params, plan, caches, token, pos):
-    """One token per row (`token`, `pos` `[b]`): logits `[b, vocab]` and the caches."""
-    x, new = params["embed"][token][:, None], []
-    for i, (p, lp, c) in enumerate(zip(params["layers"], plan.layers, caches)):
-        q, k, v = qkv(p, rms(x, p["ln1"]))
-        o, c = layer.decode(geometry(i), lp, c, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos, token)
-        x = mlp(p, x + o.reshape(x.shape[0], 1, -1) @ p["o"].T)
-        new.append(c)
-    return (rms(x, params["norm"]) @ params["head"].T)[:, 0], tuple(new)
-
-
-def chunk(params, plan, caches, tokens, pos):
-    """One chunk of a prompt through the caches (`prefill_mode="chunked"`): the last logits and the caches."""
-    logits, caches = _layers(params, plan, caches, tokens, pos, layer.chunk)
-    return logits[:, -1], caches
-
-
-def read_prompt(params, plan, caches, tokens, pos):
-    """The prompt as the plan's policy reads it: whole, in chunks (a host loop), or token by token."""
-    mode = plan.policy.prefill_mode
-    if mode == "full":
-        logits, caches = prefill(params, plan, caches, tokens, pos)
-        return logits[:, -1], caches
-    caches = tuple(layer.size_rows(lp, c, pos) for lp, c in zip(plan.layers, caches))  # a row's N, before reading
-    if mode == "stream":  # a scan over the tokens: one decode step compiled, not one per token
-        def body(caches, xs):
-            logits, caches = decode(params, plan, caches, *xs)
-            return caches, logits
-
-        caches, logits = jax.lax.scan(body, caches, (tokens.T, pos.T))
-        return logits[-1], caches
-    n = plan.policy.chunk
-    for s in range(0, tokens.shape[1], n):
-        logits, caches = chunk(params, plan, caches, tokens[:, s:s + n], pos[:, s:s + n])
-    return logits, caches
-
-
-def run(params, policy, ids, new_tokens, max_len=64):
-    """Prefill `ids` under `policy`, then teacher-force `new_tokens`: the prompt's logits and each step's."""
-    plan = resolve(policy, LAYERS, KV_HEADS).sized(max_len, len(ids))
-    caches = layer.init_cache(plan, 1, KV_HEADS, HEAD_DIM, jnp.float32)
-    step = jax.jit(lambda c, t, p: decode(params, plan, c, t, p))
-    logits, caches = jax.jit(lambda c, t, p: read_prompt(params, plan, c, t, p))(
-        caches, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None])
+def run(model, policy, ids, new_tokens, max_len=64):
+    """Prefill `ids` under `policy`, then teacher-force `new_tokens`, through kvjax's compiled steps: the prompt's
+    last logits, each step's, and the caches."""
+    plan = drive.plan(model, policy, max_len, len(ids))
+    logits, caches = engine.prefill(model, jnp.asarray([ids], jnp.int32),
+                                    jnp.arange(len(ids), dtype=jnp.int32)[None], plan=plan)
     steps = []
     for j, t in enumerate(new_tokens):
-        out, caches = step(caches, jnp.asarray([t], jnp.int32), jnp.asarray([len(ids) + j], jnp.int32))
-        steps.append(out[0])
-    return np.asarray(logits[0]), np.asarray(steps), caches, step
+        out, caches = engine.decode(model, jnp.asarray([t], jnp.int32), jnp.asarray([len(ids) + j], jnp.int32),
+                                    caches, plan=plan)
+        steps.append(np.asarray(out[0]))
+    return np.asarray(logits[0]), np.asarray(steps), caches
 
 
 def kept(cache) -> list[list[list[int]]]:
@@ -153,20 +153,24 @@ def kept(cache) -> list[list[list[int]]]:
     return [sorted(int(p) for p in row if p >= 0) for row in np.asarray(cache.pos[0])]
 
 
-# ---- tests ----------------------------------------------------------------------------------------------
+# ---- tests ----------------------------------------------------------------------------------------------------
 
 
-def test_own_model_full_cache_matches_transformers(pt_and_params):
+def test_own_model_is_a_cached_lm_with_only_a_forward(models):
+    """The own model satisfies the contract with a forward, a config and a dtype: nothing else."""
+    _, own, _ = models
+    assert isinstance(own, CachedLM)
+    assert [n for n in dir(OwnLlama) if not n.startswith("_")] == ["dtype"]
+
+
+def test_own_model_full_cache_matches_transformers(models):
     from transformers import DynamicCache
 
-    pt, params = pt_and_params
+    pt, own, _ = models
     ids = np.random.RandomState(1).randint(0, 97, 30)
     prompt, new = ids[:24], ids[24:]
-    plan = resolve(FullCache(), LAYERS, KV_HEADS).sized(64, len(prompt))
-    ours_prompt, _ = prefill(params, plan, layer.init_cache(plan, 1, KV_HEADS, HEAD_DIM, jnp.float32),
-                             jnp.asarray([prompt], jnp.int32), jnp.arange(len(prompt), dtype=jnp.int32)[None])
-    ours_prompt = np.asarray(ours_prompt[0])
-    _, ours_steps, _, _ = run(params, FullCache(), prompt, new)
+    ours_prompt = np.asarray(drive.logits(own, jnp.asarray([prompt], jnp.int32))[0])
+    _, ours_steps, _ = run(own, FullCache(), prompt, new)
     with torch.no_grad():
         cache = DynamicCache()
         theirs_prompt = pt(torch.tensor(prompt[None]), past_key_values=cache).logits[0].numpy()
@@ -176,21 +180,21 @@ def test_own_model_full_cache_matches_transformers(pt_and_params):
     np.testing.assert_allclose(ours_steps, np.stack(theirs_steps), atol=2e-4, rtol=1e-4)
 
 
-def test_own_model_snapkv_prompt_matches_kvpress(pt_and_params):
+def test_own_model_snapkv_prompt_matches_kvpress(models):
     """The prompt compressed by SnapKV (kvpress's conventions) inside the own model: the next token's logits equal
     transformers + kvpress's SnapKVPress, and differ from the full cache's (the compression did something)."""
     kvpress = pytest.importorskip("kvpress")
     from transformers import DynamicCache
 
-    pt, params = pt_and_params
+    pt, own, _ = models
     t = 70
     ids = np.random.RandomState(2).randint(0, 97, t + 1)
     ours = SnapKV(ratio=0.6, observation_window=16, kernel=5, pool="avg", group_agg="mean")
-    _, ours_steps, caches, _ = run(params, ours, ids[:t], ids[t:], max_len=128)
-    _, full_steps, _, _ = run(params, FullCache(), ids[:t], ids[t:], max_len=128)
+    _, ours_steps, caches = run(own, ours, ids[:t], ids[t:], max_len=128)
+    _, full_steps, _ = run(own, FullCache(), ids[:t], ids[t:], max_len=128)
     with torch.no_grad(), kvpress.SnapKVPress(compression_ratio=0.6, window_size=16, kernel_size=5)(pt):
         cache = DynamicCache()
-        pt(torch.tensor([ids[:t]]), past_key_values=cache)
+        pt(torch.tensor(np.asarray([ids[:t]])), past_key_values=cache)
     kept_by_kvpress = cache.layers[0].keys.shape[2]  # before decoding appends
     with torch.no_grad():
         theirs = pt(torch.tensor([[ids[t]]]), past_key_values=cache, position_ids=torch.tensor([[t]])).logits[0, -1]
@@ -200,22 +204,31 @@ def test_own_model_snapkv_prompt_matches_kvpress(pt_and_params):
     assert np.abs(ours_steps[0] - full_steps[0]).max() > 1e-3
 
 
-def test_own_model_streaming_decode_evicts_and_compiles_once(pt_and_params):
+def test_own_model_streaming_decode_evicts_and_compiles_once_per_sized_plan(models):
     """StreamingLLM evicting while the own model decodes: after each step the cache holds the 2 sinks and the most
-    recent tokens (hand-computed positions), and the jitted step compiled once for every position."""
-    pt, params = pt_and_params
+    recent tokens (hand-computed positions). Its prompt pass and decode step compile once per sized plan: another
+    prompt of the same length and more steps compile nothing; a plan sized for more tokens compiles both again."""
+    _, own, _ = models
     ids = np.random.RandomState(3).randint(0, 97, 20)
     policy = StreamingLLM(budget=8, sinks=2)
-    _, steps, caches, step = run(params, policy, ids[:12], ids[12:15])
-    assert np.isfinite(steps).all()
+    run(own, policy, ids[:12], ids[12:15])
+    other = np.random.RandomState(4).randint(0, 97, 20)
     with compile_log() as compiled:
-        for j, t in enumerate(ids[15:]):
-            _, caches = step(caches, jnp.asarray([t], jnp.int32), jnp.asarray([15 + j], jnp.int32))
+        _, steps, caches = run(own, policy, other[:12], other[12:])
     assert compiled == []
-    last = len(ids) - 1
+    assert np.isfinite(steps).all()
+    last = len(other) - 1
     for c in caches:
-        kept = sorted(int(p) for p in np.asarray(c.pos[0, 0]) if p >= 0)
-        assert kept == [0, 1, *range(last - 5, last + 1)]
+        assert sorted(int(p) for p in np.asarray(c.pos[0, 0]) if p >= 0) == [0, 1, *range(last - 5, last + 1)]
+    with compile_log() as compiled:
+        run(own, FullCache(), other[:12], other[12:14], max_len=80)
+    assert len(compiled) == 2  # FullCache's plan (80 slots, no other test's): one prompt pass, one decode step
+    with compile_log() as compiled:
+        run(own, FullCache(), ids[:12], ids[12:16], max_len=80)
+    assert compiled == []
+    with compile_log() as compiled:
+        run(own, FullCache(), other[:12], other[12:14], max_len=96)
+    assert len(compiled) == 2  # a larger plan: its own prompt pass and decode step
 
 
 OWN_VS_LLAMA = {
@@ -234,28 +247,80 @@ OWN_VS_LLAMA = {
 
 @pytest.mark.filterwarnings("ignore:.*This is a different method from the paper's")  # chunked H2O / SnapKV, chosen
 @pytest.mark.parametrize("name", list(OWN_VS_LLAMA))
-def test_own_model_keeps_what_llama_keeps(pt_and_params, tmp_path, name):
+def test_own_model_keeps_what_llama_keeps(models, name):
     """The own model and kvjax's Flax Llama (`models/llama.py`, itself checked against transformers and kvpress)
     on the same weights, under each policy: the same kept positions per KV head in every layer after the prompt
     and after decoding, and the same logits, within float32 rounding. A policy that evicts nothing here would
     prove nothing, so each must have evicted."""
-    from models import load
-
-    pt, params = pt_and_params
-    pt.save_pretrained(tmp_path)
-    model = load(tmp_path, tokenizer=False).model
+    _, own, llama = models
     policy, ids, n_prompt = OWN_VS_LLAMA[name](), np.random.RandomState(4).randint(0, 97, 44), 40
-    ours_last, ours_steps, ours_caches, _ = run(params, policy, ids[:n_prompt], ids[n_prompt:])
-
-    theirs_last, caches = model.prefill(jnp.asarray([ids[:n_prompt]], jnp.int32),
-                                        jnp.arange(n_prompt, dtype=jnp.int32)[None], policy, 64)
-    theirs_steps = []
-    for j, t in enumerate(ids[n_prompt:]):
-        out, caches = model.decode(jnp.asarray([t], jnp.int32), jnp.asarray([n_prompt + j], jnp.int32), caches,
-                                   model.plan(policy))
-        theirs_steps.append(np.asarray(out[0]))
-    np.testing.assert_allclose(ours_last, np.asarray(theirs_last[0]), atol=2e-4, rtol=1e-4)
-    np.testing.assert_allclose(ours_steps, np.stack(theirs_steps), atol=2e-4, rtol=1e-4)
+    ours_last, ours_steps, ours_caches = run(own, policy, ids[:n_prompt], ids[n_prompt:])
+    theirs_last, theirs_steps, caches = run(llama, policy, ids[:n_prompt], ids[n_prompt:])
+    np.testing.assert_allclose(ours_last, theirs_last, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(ours_steps, theirs_steps, atol=2e-4, rtol=1e-4)
     for ours, theirs in zip(ours_caches, caches):
         assert kept(ours) == kept(theirs)
     assert min(len(h) for c in ours_caches for h in kept(c)) < len(ids)
+
+
+GENERATE = {
+    **{k: OWN_VS_LLAMA[k] for k in ("streaming", "snapkv", "snapkv-chunked", "mat", "razor-headwise", "h2o")},
+    "full": FullCache,
+    "kvzip": lambda: KVzip(ratio=0.5, repeat_ids=(5, 6, 7), continue_ids=(8, 9), suffix_ids=(10,), chunk_size=16),
+    "4-bit": lambda: Quantized(StreamingLLM(budget=24, sinks=2), bits=4, group=8, residual=8),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*This is a different method from the paper's")
+@pytest.mark.parametrize("name", list(GENERATE))
+def test_own_model_generates_what_llama_generates(models, name):
+    """`kvjax.generate` drives the own model (it implements only the forward): two prompts, greedy, the same
+    tokens as kvjax's Llama on the same weights under every policy family, and the same kept positions."""
+    _, own, llama = models
+    policy = GENERATE[name]()
+    prompts = [np.random.RandomState(5).randint(11, 97, 40).tolist(), np.random.RandomState(6).randint(11, 97, 33)
+               .tolist()]
+    ours = generate(own, prompts, policy, max_new_tokens=10)
+    theirs = generate(llama, prompts, policy, max_new_tokens=10)
+    assert ours.sequences() == theirs.sequences()
+    assert ours.lengths.tolist() == theirs.lengths.tolist()
+    for a, b in zip(ours.cache, theirs.cache):
+        assert kept(a) == kept(b)
+    if name != "full":  # each policy evicted something, or the comparison proves little
+        assert min(len(h) for c in ours.cache for h in kept(c)) < 40 + 10
+
+
+def test_own_model_perplexity_through_scoring(models):
+    """`kvjax.scoring` on the own model: the perplexity under StreamingLLM (compressing after every token, and
+    in chunks) equals kvjax's Llama's, and differs from the full cache's (the cache evicted)."""
+    _, own, llama = models
+    ids = np.random.RandomState(7).randint(0, 97, 120).tolist()
+    for policy in (StreamingLLM(budget=16, sinks=2, prefill_mode="stream"),
+                   StreamingLLM(budget=16, sinks=2, prefill_mode="chunked", chunk=16)):
+        ours = scoring.logprobs(own, ids, policy)
+        np.testing.assert_allclose(ours, scoring.logprobs(llama, ids, policy), atol=2e-4, rtol=1e-4)
+        full = drive.logits(own, jnp.asarray([ids], jnp.int32))[0, :-1]
+        whole = np.take_along_axis(np.asarray(jax.nn.log_softmax(full, -1)), np.asarray(ids[1:])[:, None], 1)[:, 0]
+        assert np.abs(ours - whole).max() > 1e-2
+
+
+def test_own_model_runs_the_passkey_suite(tiny_dir, tiny, tmp_path):
+    """`experiments.passkey` (its Python API) on the own model built from a kvjax checkpoint's weights, with that
+    checkpoint's tokenizer: the same records (outputs) as kvjax's Llama."""
+    from safetensors.numpy import load_file
+
+    from experiments import passkey
+    from experiments.records import ResultLog
+
+    c = tiny.model.cfg
+    own = own_model(load_file(str(tiny_dir / "model.safetensors")),
+                    Config(vocab_size=c.vocab_size, num_layers=c.num_layers, num_heads=c.num_heads,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope.theta, eps=c.rms_norm_eps,
+                           max_position_embeddings=c.max_position_embeddings, eos_token_ids=c.eos_token_ids,
+                           pad_token_id=c.pad_token_id))
+    policy = SnapKV(budget=64, observation_window=8)
+    args = (tiny.tokenizer, policy, [300], [0.0, 1.0], 2)
+    ours = passkey.run(own, *args, ResultLog(tmp_path / "own.jsonl"), progress=False, label="s")
+    theirs = passkey.run(tiny.model, *args, ResultLog(tmp_path / "llama.jsonl"), progress=False, label="s")
+    assert len(ours) == 4
+    assert [(r["id"], r["output"]) for r in ours] == [(r["id"], r["output"]) for r in theirs]

@@ -11,10 +11,11 @@ from experiments import perplexity as ppl_cli
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax.scoring import stream_logprobs
 from models.tiny import make_random_checkpoint, tiny_config
+from kvjax import drive
 
 
 def _full_forward_nll(model, ids):
-    logits = np.asarray(model(np.asarray([ids])), np.float64)[0]
+    logits = np.asarray(drive.logits(model, np.asarray([ids])), np.float64)[0]
     m = logits.max(-1, keepdims=True)
     lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     ids = np.asarray(ids)

@@ -13,6 +13,7 @@ from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
 from kvjax.stats import StatsRequest
+from tests.conftest import prefill_policy
 
 STATS = StatsRequest(colsum=True, first_logit=True, last_queries=frozenset({8}))
 STAT_NAMES = {"colsum": lambda s: s.colsum, "first_logit": lambda s: s.first_logit, "last_probs[8]": lambda s: s.last(8)}
@@ -125,7 +126,7 @@ def test_model_prefill_of_a_long_prompt_equals_transformers(tiny, tiny_dir):
     from tests.conftest import random_ids
 
     ids = random_ids(700, 260, seed=9)
-    logits, _ = tiny.model.prefill(jnp.asarray([ids]), jnp.arange(700, dtype=jnp.int32)[None], FullCache(), 704)
+    logits, _ = prefill_policy(tiny.model, jnp.asarray([ids]), jnp.arange(700, dtype=jnp.int32)[None], FullCache(), 704)
     hf = LlamaForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0, -1].numpy()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import efficiency, eval_anllm, eval_gate, find_heads, passkey
+from tests.conftest import prefill_policy
 
 
 def _lines(path):
@@ -69,8 +70,8 @@ def test_slimkv_table_3_ablations_through_a_suite(tiny_dir, tmp_path):
     model = load(tiny_dir).model
     ids = jnp.asarray(np.random.default_rng(4).integers(4, model.cfg.vocab_size, (1, 96)), jnp.int32)
     pos = jnp.arange(96, dtype=jnp.int32)[None]
-    _, full = model.prefill(ids, pos, FullCache(), 97)
-    kept = {c: kvcache.kept_positions(model.prefill(ids, pos, SlimKV(budget=24, observation_window=8, kernel=1,
+    _, full = prefill_policy(model, ids, pos, FullCache(), 97)
+    kept = {c: kvcache.kept_positions(prefill_policy(model, ids, pos, SlimKV(budget=24, observation_window=8, kernel=1,
                                                                       combine=c), 97)[1])
             for c in ("s1", "s2", "product")}
     for layer, lc in enumerate(full):

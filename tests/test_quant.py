@@ -11,6 +11,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import FullCache, GateEviction, Quantized, SnapKV, StreamingLLM, by_layer, resolve
 from kvjax.quant import KVQuant
 from tests.conftest import compile_log, random_ids
+from kvjax import drive
 
 # ---- NumPy transcription (KIVI, Liu et al. 2024, sec. 3-4; int8: absmax per token) ----------------------
 
@@ -361,8 +362,8 @@ def test_compressed_and_quantized_generation_compiles_once(small):
     with compile_log() as second:
         g = generate(small.model, [random_ids(100, vocab, seed=2)], policy, max_new_tokens=6, eos_ids=())
     assert len(first) >= 2 and second == [] and g.lengths.tolist() == [6]
-    plain = small.model.init_cache(SnapKV(budget=32), 1, 134, 128)
-    packed = small.model.init_cache(policy, 1, 134, 128)
+    plain = drive.empty_cache(small.model, drive.plan(small.model, SnapKV(budget=32), 134, 128), 1)
+    packed = drive.empty_cache(small.model, drive.plan(small.model, policy, 134, 128), 1)
     assert kvcache.kept_positions(plain)[0].shape == kvcache.kept_positions(packed)[0].shape
     for a, b in zip(plain, packed):  # 2-bit codes of float32 keys and values: a 16th of their bytes
         assert b.k_codes.nbytes * 16 == a.k.nbytes and b.v_codes.nbytes * 16 == a.v.nbytes
@@ -403,7 +404,7 @@ def test_a_prompt_compressed_whole_keeps_the_same_tokens_quantized(small):
     from tests.conftest import left_pad
 
     with pytest.raises(InvalidInput, match="share one pool of slots"):  # AdaKV's pool is not stored as codes
-        small.model.plan(Quantized(AdaKV(scorer=SnapKV(budget=48)), 2, 32, 16))
+        drive.plan(small.model, Quantized(AdaKV(scorer=SnapKV(budget=48)), 2, 32, 16))
 
     cfg = small.config
     ids = random_ids(200, cfg.vocab_size, seed=5)
@@ -411,9 +412,9 @@ def test_a_prompt_compressed_whole_keeps_the_same_tokens_quantized(small):
     split = by_head([[h % 2 == 0 for h in range(cfg.num_kv_heads)]] * cfg.num_layers, FullCache(), LocalWindow(size=16))
     for policy in (PyramidKV(budget=48, observation_window=8, beta=2, num_layers=cfg.num_layers), KeyDiff(budget=48),
                    split):
-        plain = engine.prefill(small.model, tokens, positions, plan=small.model.plan(policy, 264, 256))[1]
+        plain = engine.prefill(small.model, tokens, positions, plan=drive.plan(small.model, policy, 264, 256))[1]
         q = Quantized(policy, 2, min(32, cfg.head_dim), 16)
-        packed = engine.prefill(small.model, tokens, positions, plan=small.model.plan(q, 264, 256))[1]
+        packed = engine.prefill(small.model, tokens, positions, plan=drive.plan(small.model, q, 264, 256))[1]
         for a, b in zip(kvcache.kept_positions(plain), kvcache.kept_positions(packed)):
             np.testing.assert_array_equal(a, b)
         assert kvcache.nbytes(packed) < kvcache.nbytes(plain)

@@ -23,6 +23,7 @@ from models.llama import Llama
 from models.tiny import tiny_config
 from tests.conftest import left_pad, random_ids, stepper
 from tests.reference import RefLlama
+from kvjax import drive
 
 RETRIEVAL = ((True, False), (False, True))  # layer x KV head, for the 2-layer, 2-KV-head test models
 
@@ -219,14 +220,14 @@ def test_heads_file_and_cli_policy(tmp_path, tiny):
     save_heads(path, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0], [0, 1]])
     policy = make_policy("razor", heads=str(path), compression=3.0, buffer=8)
     assert policy.retrieval == RETRIEVAL and policy.sinks == 4 and policy.compensate
-    tiny.model.init_cache(policy, 1, 32, 16)  # matches the model
+    drive.empty_cache(tiny.model, drive.plan(tiny.model, policy, 32, 16), 1)  # matches the model
 
     save_heads(path, num_layers=3, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0]] * 3)
     with pytest.raises(ValueError, match=r"heads table is 3 layers x 2 KV heads, the model has 2 layers x 2"):
-        tiny.model.init_cache(make_policy("razor", heads=str(path)), 1, 32, 16)
+        drive.empty_cache(tiny.model, drive.plan(tiny.model, make_policy("razor", heads=str(path)), 32, 16), 1)
     save_heads(path, num_layers=2, num_heads=8, num_kv_heads=4, retrieval_kv_heads=[[1, 0, 0, 0]] * 2)
     with pytest.raises(ValueError, match=r"2 layers x 4 KV heads, the model has 2 layers x 2"):
-        tiny.model.init_cache(make_policy("razor", heads=str(path)), 1, 32, 16)
+        drive.empty_cache(tiny.model, drive.plan(tiny.model, make_policy("razor", heads=str(path)), 32, 16), 1)
     save_heads(path, num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0]])
     with pytest.raises(ValueError, match="not 2 layers x 2 KV heads as it declares"):
         make_policy("razor", heads=str(path))
@@ -350,8 +351,8 @@ def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
     model = Llama(dataclasses.replace(tiny.model.cfg, sliding_window=w), rngs=nnx.Rngs(0))
     nnx.update(model, nnx.state(tiny.model, nnx.Param))
     ids = random_ids(n, 260, seed=12)
-    full = np.asarray(model(jnp.asarray([ids])))[0]
-    assert np.abs(full - np.asarray(tiny.model(jnp.asarray([ids])))[0]).max() > 1e-3  # the window matters
+    full = np.asarray(drive.logits(model, jnp.asarray([ids])))[0]
+    assert np.abs(full - np.asarray(drive.logits(tiny.model, jnp.asarray([ids])))[0]).max() > 1e-3  # the window matters
 
     every = RazorAttention(retrieval=((True, True), (True, True)), buffer=4, sinks=2)
     p = 12
@@ -364,7 +365,7 @@ def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
     np.testing.assert_allclose(np.stack(ours), full[p - 1:], atol=1e-5, rtol=0)
     assert [g.capacity for g in cache[0].groups] == [w]
 
-    mixed = model.init_cache(RazorAttention(retrieval=RETRIEVAL, buffer=4, compression=8, sinks=2), 1, 1000, 900)
+    mixed = drive.empty_cache(model, drive.plan(model, RazorAttention(retrieval=RETRIEVAL, buffer=4, compression=8, sinks=2), 1000, 900), 1)
     for layer in mixed:
         # the retrieval ring, then the local heads' sinks + max(S0, N / C) + compensation (as without a window)
         assert [g.capacity for g in layer.groups] == [w, 2 + math.ceil(900 / 8) + 1]
@@ -375,7 +376,8 @@ def test_retrieval_heads_keep_a_window_ring_on_a_sliding_window_model(tiny):
 def test_equal_bytes_budget_matches_razors_bytes_and_names_its_heads(tiny):
     """At the equal-bytes budget a StreamingLLM cache takes RazorAttention's bytes (within one slot per
     head); two head tables with the same count have different descriptions (records key on them)."""
-    from kvjax.cache import equal_bytes_budget, nbytes
+    from kvjax.cache import nbytes
+    from kvjax.drive import equal_bytes_budget
     from kvjax.policies import StreamingLLM
 
     razor = RazorAttention(retrieval=RETRIEVAL, buffer=16, compression=8, sinks=2)
@@ -383,8 +385,8 @@ def test_equal_bytes_budget_matches_razors_bytes_and_names_its_heads(tiny):
     budget = equal_bytes_budget(tiny.model, razor, prompt, new)
     # by hand: per layer one retrieval head of 208 slots and one local head of 2 + max(16, 25) + 1
     assert budget == (2 * (208 + 2 + 25 + 1)) // 4
-    rz = nbytes(tiny.model.init_cache(razor, 1, prompt + new, prompt))
-    st = nbytes(tiny.model.init_cache(StreamingLLM(budget=budget, sinks=4), 1, prompt + new, prompt))
+    rz = nbytes(drive.empty_cache(tiny.model, drive.plan(tiny.model, razor, prompt + new, prompt), 1))
+    st = nbytes(drive.empty_cache(tiny.model, drive.plan(tiny.model, StreamingLLM(budget=budget, sinks=4), prompt + new, prompt), 1))
     per_slot = st // (2 * 2 * budget)
     assert abs(rz - st) < 2 * 2 * per_slot
     other = RazorAttention(retrieval=((False, True), (True, False)), buffer=16, compression=8, sinks=2)
@@ -614,7 +616,7 @@ def test_table_1_controls_decide_the_protected_heads_of_an_alibi_model(control, 
 def test_a_left_padded_prompt_read_in_chunks_keeps_max_s0_and_n_over_c(sharp_dir, chunk):
     """A 50-token prompt padded to 64, read in chunks (the padding first): a local head keeps its 2 sinks and the
     last max(8, 50 / 2) = 25 tokens, as a whole prompt does; padding-only chunks once reset the window to S0, so
-    it kept 8. Through the model's scan and through `engine.chunked_prefill` (the host loop `generate` runs),
+    it kept 8. Through the model's scan and through `engine.chunks` (the host loop `generate` runs),
     which once skipped `size_rows` and kept S0 for every prompt."""
     from kvjax import engine
 
@@ -623,9 +625,9 @@ def test_a_left_padded_prompt_read_in_chunks_keeps_max_s0_and_n_over_c(sharp_dir
     policy = RazorAttention(retrieval=RETRIEVAL, buffer=8, compression=2.0, sinks=sinks, prefill_mode="chunked",
                             chunk=chunk)
     tokens, positions = left_pad(random_ids(n, 260, seed=82), bucket)
-    plan = lm.model.plan(policy, bucket + 4, bucket)
+    plan = drive.plan(lm.model, policy, bucket + 4, bucket)
     scan = engine.prefill(lm.model, tokens, positions, plan=plan)[1]
-    loop = engine.chunked_prefill(lm.model, tokens, positions, plan)[1]
+    loop = engine.chunks(lm.model, tokens, positions, plan)[1]
     for cache in (scan, loop):
         snap = _ours_snapshot(policy, cache, 0)
         for layer in range(2):

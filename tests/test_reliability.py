@@ -28,6 +28,7 @@ from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong, UserError
 from kvjax.policies import SnapKV
 from kvjax.scoring import stream_logprobs
 from models import load
+from kvjax import drive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -459,8 +460,8 @@ def test_loading_legacy_pytorch_bin_without_mmap(tmp_path):
 
     assert not zipfile.is_zipfile(legacy / "pytorch_model.bin")
     ids = np.arange(5, 25)[None]
-    want = np.asarray(load(d).model(ids, np.arange(20)[None]))
-    np.testing.assert_array_equal(np.asarray(load(legacy).model(ids, np.arange(20)[None])), want)
+    want = np.asarray(drive.logits(load(d).model, ids, np.arange(20)[None]))
+    np.testing.assert_array_equal(np.asarray(drive.logits(load(legacy).model, ids, np.arange(20)[None])), want)
 
 
 def test_loading_remote_code_hint_is_reported_once(tiny_dir, tmp_path, caplog):
@@ -573,7 +574,7 @@ def test_cli_error_degenerate_parameters_are_refused_or_marked(tiny_dir, tmp_pat
     lm = driver.load_model(tiny_dir)
     with pytest.raises(InvalidInput, match=r"split \(shallow layers L_s\)=2 puts all 2 layers of the model in "
                                            r"StreamingLLM"):
-        lm.model.plan(mat(64, 16, shallow_layers=2))
+        drive.plan(lm.model, mat(64, 16, shallow_layers=2))
     assert make_policy("mat", 64, num_layers=2).split == 1  # round(2 * 2 / 32) = 0, at least 1, below 2
     assert make_policy("mat", 64, num_layers=32).split == 2
     with pytest.warns(UserWarning, match=r"SnapKV in every layer: kvpress's pyramid needs budget >= "

@@ -25,6 +25,7 @@ from kvjax.errors import InvalidInput
 from models import fetch, load
 from tests import test_gguf
 from tests.test_gguf import IDS, hf_model, write_gguf
+from kvjax import drive
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -60,7 +61,7 @@ def fake_fetch(monkeypatch, src: Path) -> Path:
 
 
 def logits(lm) -> np.ndarray:
-    return np.asarray(lm.model(jnp.asarray([IDS]))[0])
+    return np.asarray(drive.logits(lm.model, jnp.asarray([IDS]))[0])
 
 
 # ---- 1 and 18: a fetched file is checked on every load ----

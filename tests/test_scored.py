@@ -18,6 +18,7 @@ from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, Sli
 from kvjax.stats import AttentionStats, StatsRequest
 from models import load
 from tests.conftest import random_ids
+from kvjax import drive
 
 B, KVH, G, T, D = 2, 2, 3, 40, 8
 LENGTHS = [40, 27]  # left padding in the second row; neither a multiple of the window or kernel
@@ -300,4 +301,4 @@ def test_adakv_composes_with_by_layer_and_ratios_and_refuses_a_head_group(sharp_
     split = by_head([[True] + [False] * (cfg.num_kv_heads - 1)] * cfg.num_layers, FullCache(),
                     AdaKV(scorer=SnapKV(budget=40, observation_window=8)))
     with pytest.raises(InvalidInput, match="cannot cache one head group"):
-        lm.model.plan(split)
+        drive.plan(lm.model, split)

@@ -12,6 +12,7 @@ from experiments import passkey
 from experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from models import SMALL_DIR
+from kvjax import drive
 
 pytestmark = pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(),
                                 reason="kvjax-small is not in this checkout")
@@ -36,7 +37,7 @@ def test_logits_match_transformers_pytorch(small):
 
     text = "The value of key 4821 is 59302.\nWhat is the pass key? The pass key is"
     ids = small.tokenizer(text)["input_ids"]
-    ours = np.asarray(small.model(np.asarray([ids])))
+    ours = np.asarray(drive.logits(small.model, np.asarray([ids])))
     hf = LlamaForCausalLM.from_pretrained(SMALL_DIR).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.numpy()

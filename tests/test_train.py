@@ -13,6 +13,7 @@ from flax import nnx
 from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.train import TrainConfig, next_token_loss, schedule, train
 from models import load
+from kvjax import drive
 
 
 class Crash(RuntimeError):
@@ -33,7 +34,7 @@ def _batches(crash_at=None):
 
 def anchor_loss(model, batch):
     toks = batch["tokens"]
-    logits = model(toks, anchor_mask=anchor_mask(anchor_flags(toks, (10,))))
+    logits = drive.logits(model, toks, anchors=anchor_mask(anchor_flags(toks, (10,))))
     return next_token_loss(logits, toks), {}
 
 

@@ -11,6 +11,7 @@ from experiments import corpus
 from experiments import train_tiny as tt
 from experiments.records import ResultLog
 from experiments.tasks import PASSKEY_QUESTION, Curriculum, RowSampler
+from kvjax import drive
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_train_tiny_writes_a_model_that_both_frameworks_load_and_resumes(tmp_pat
     lm = load(out)
     assert lm.config.max_position_embeddings == 256 and lm.config.num_kv_heads == 1
     ids = lm.tokenizer("import os\nprint(1)")["input_ids"]
-    ours = np.asarray(lm.model(np.asarray([ids])))
+    ours = np.asarray(drive.logits(lm.model, np.asarray([ids])))
     hf = LlamaForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.numpy()

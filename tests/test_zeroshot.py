@@ -9,6 +9,7 @@ import pytest
 
 from experiments import zeroshot
 from kvjax.policies import FullCache, StreamingLLM
+from kvjax import drive
 
 ITEMS = [
     {"context": "The sky is blue. Grass is green.", "query": " The sky is", "choices": [" blue", " green", " red"],
@@ -24,7 +25,7 @@ def _by_hand(model, tok, row):
     for c in row["choices"]:
         ctx = [tok.bos_token_id] + tok(row["context"] + row["query"], add_special_tokens=False)["input_ids"]
         ch = tok(c, add_special_tokens=False)["input_ids"]
-        logits = np.asarray(model(np.asarray([ctx + ch])), np.float64)[0]
+        logits = np.asarray(drive.logits(model, np.asarray([ctx + ch])), np.float64)[0]
         m = logits.max(-1, keepdims=True)
         lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
         out.append(sum(lp[len(ctx) - 1 + i, t] for i, t in enumerate(ch)))

@@ -99,7 +99,7 @@ class AnchorReduction(LayerPolicy, ChunkRule, PromptMasking, ReadsTokens):
         return kvcache.gather_prompt(cache, k, v, pos, jnp.broadcast_to(src[:, None], (b, kvh, src.shape[1])))
 
     # Chunked: the chunk follows eq. 4 within itself and against the cache (`prefix_visible`, as
-    # `Llama.extend`), after the oldest current-sequence tokens it displaces are dropped (as `step`
+    # `kvjax.drive.extend`), after the oldest current-sequence tokens it displaces are dropped (as `step`
     # drops one before a token attends); then REDUCTION runs over cache ∪ chunk. At chunk 1 this is
     # `step` + `observe` exactly.
     def chunk_visible(self, layer, cache: LayerCache, ctx):

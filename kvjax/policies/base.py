@@ -166,9 +166,6 @@ class StepOnlyWrites(Rule):
     quantized cache then reads the codes directly (`kvjax.quant`) instead of dequantizing the layer first. Any other
     rule's `step` may read the cached keys and values (RazorAttention's compensation token averages them)."""
 
-    # Until `kvjax.layer` asks `isinstance(rule, StepOnlyWrites)`, it reads this flag (True when undeclared).
-    step_reads_kv = False
-
 
 class PooledRule(Rule):
     """A rule whose layer's KV heads share one pool of slots (`kvjax.cache.PooledLayerCache`), so that heads keep
@@ -228,7 +225,7 @@ class PromptMasking(Rule):
         """A `kvjax.masks.AnchorMask` over the prompt at `ctx` (None: no restriction)."""
 
     def prefix_visible(self, layer: int, cache: LayerCache, anchor_mask) -> Bool[Array, "b kvh t c"] | None:
-        """Which slots of `cache` each query of a chunk that extends it may see (`Llama.extend`),
+        """Which slots of `cache` each query of a chunk that extends it may see (`kvjax.drive.extend`),
         given the chunk's `prompt_mask` (None when it has none). None: every valid slot."""
         del layer, cache, anchor_mask
         return None

@@ -1,0 +1,145 @@
+"""What one forward of a model does to its cache: the `step` a model passes, untouched, to `kvjax.layer.attend`.
+
+A model kvjax drives has one cached forward (`kvjax.model.CachedLM`):
+
+    logits, carry = model(tokens, positions, carry, step)
+
+`carry` is a tuple with one entry per layer, which the model hands to `kvjax.layer.attend` in that layer's
+attention and collects back; what an entry holds is the step's business (a layer's cache, the caches of several
+plans, a cache and a replay span, a gate's flags), never the model's. The model picks its logits with
+`step.select(hidden)` (the last position, or every position) before its final norm and head, and reads nothing
+else of the step: rules, plans and masks stay in kvjax.
+
+Every step but `Forward` holds plans (sized where it builds a cache: `kvjax.drive.prompt`; the caches it is given
+carry their shapes otherwise); it is static and hashable, the key of a compiled program, so two calls whose plans
+are equal share one compilation (`kvjax.engine.compiled`). `Forward` (the plain causal pass
+of training and parity tests) is a pytree: its eq. 4 anchor mask is an array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+from jaxtyping import Array, Float
+
+from kvjax.errors import InvalidInput
+from kvjax.masks import AnchorMask
+from kvjax.policies.plan import Plan
+
+
+def _plan(plan: Plan, what: str) -> Plan:
+    if not isinstance(plan, Plan):
+        raise InvalidInput(f"{what} needs a plan (kvjax.drive.plan(model, policy, max_len, prompt_len)), got {plan!r}")
+    return plan
+
+
+class Step:
+    """Base of the steps. `last`: the model's logits are its last position's (`[b, V]`), else every position's."""
+
+    last: bool = True
+
+    def select(self, x: Float[Array, "b t D"]) -> Float[Array, "b D"] | Float[Array, "b t D"]:
+        """The hidden states whose logits this step returns: the last position's, or all."""
+        return x[:, -1] if self.last else x
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Forward(Step):
+    """The plain causal forward, nothing cached: every position's logits; each layer's carry entry in is None and
+    out is its Attention-Gate keep flags `[b, kvh, t]` (None without a gate). `anchors`: AnLLM's eq. 4 mask."""
+
+    anchors: AnchorMask | None = None
+    last = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe(Step):
+    """The plain causal forward, nothing cached, that hands each layer's attention to `read(geometry, q, k,
+    positions)` (unrotated `q` `[b, h, t, d]`, `k` `[b, kvh, t, d]`; the `kvjax.layer.Geometry` rotates and masks as
+    the layer does): each layer's carry entry out is what `read` returns. How the head probes (`kvjax.heads`) ask
+    any model for what they measure."""
+
+    read: Callable
+    last = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt(Step):
+    """A whole prompt attended at once (causal, the plan's eq. 4 mask and gates), then cached by each layer's rules:
+    carry entries are the layers' empty caches in, their caches out; the last position's logits."""
+
+    plan: Plan
+
+    def __post_init__(self):
+        _plan(self.plan, "a prompt step")
+        if self.plan.policy.prefill_mode != "full":
+            raise InvalidInput(f"{self.plan.policy.describe()} reads its prompt {self.plan.policy.prefill_mode}: "
+                               "kvjax.drive.prompt reads it so, not one whole-prompt step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared(Step):
+    """One plain prompt pass cached under several plans (`Plan.plain_prompt_pass`): each carry entry is the layer's
+    tuple of caches, one per plan; the last position's logits, the same for all."""
+
+    plans: tuple[Plan, ...]
+
+    def __post_init__(self):
+        for plan in self.plans:
+            if not _plan(plan, "a shared prompt step").plain_prompt_pass:
+                raise InvalidInput(f"{plan.policy.describe()} does not attend its prompt as a plain causal pass "
+                                   "(chunked or stream prefill, an eq. 4 mask or gates): prefill it alone")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk(Step):
+    """One chunk of a prompt (`prefill_mode="chunked"`): it attends the cache and itself, then each rule folds it
+    in. `last`: only the chunk's last logits (reading a prompt), else all of them (scoring a text)."""
+
+    plan: Plan
+    last: bool = True
+
+    def __post_init__(self):
+        _plan(self.plan, "a chunk step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Token(Step):
+    """One token per row (`tokens`, `positions` `[b, 1]`; position -1: a padding step that changes nothing) through
+    the cache: each rule inserts it, evicting if full; the logits `[b, V]`."""
+
+    plan: Plan
+
+    def __post_init__(self):
+        _plan(self.plan, "a token step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extend(Step):
+    """A chunk (right padded, positions -1) attending a read-only cache and itself (prefix caching): carry entries
+    come back unchanged; every position's logits. Each layer holds one cache array at absolute positions. The plan
+    need not be sized: the cache read has its shapes already."""
+
+    plan: Plan
+    last = False
+
+    def __post_init__(self):
+        for lp in _plan(self.plan, "an extension step").layers:
+            if lp.split or lp.position_mode != "absolute":
+                raise InvalidInput(f"extending a cache needs one cache array per layer in absolute positions; "
+                                   f"{self.plan.policy.describe()} has head groups or rolling positions in layer "
+                                   f"{lp.layer}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay(Extend):
+    """KVzip's replay (`kvjax.kvzip`): an `Extend` whose carry entries are `(cache, span)` in (`span` `[b, 3]`: sinks,
+    chunk start, chunk end) and each cached slot's reconstruction score `[b, kvh, c]` out."""
+
+    last = True
+
+
+__all__ = ["Chunk", "Extend", "Forward", "Probe", "Prompt", "Replay", "Shared", "Step", "Token"]
