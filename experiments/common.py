@@ -5,18 +5,16 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import re
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from experiments import driver
 from experiments.default_model import (  # noqa: F401
     DEFAULT_MODEL_DIR,
     RANDOM_DEFAULT_DIR,
     default_model_dir,
 )
-from experiments.driver import attach_gates
 from experiments.policy_options import POLICY_OPTIONS
 from kvjax.cli import add_compile_cache_flag, model_help  # noqa: F401  (every suite's --model help)
 from kvjax.errors import InvalidInput, MissingFile
@@ -26,9 +24,9 @@ from kvjax.policies import (
     Policy,
     Quantized,
     Recompress,
-    make_policy,
 )
 from kvjax.policies.scored import ScoredPolicy
+
 
 def flag_given(args: argparse.Namespace, dest: str) -> str:
     """The command-line flag of option `dest` (`anchor_slots` -> `--anchor-slots`)."""
@@ -267,16 +265,6 @@ def shipped_heads(args: argparse.Namespace, names: list[str], model_dir) -> None
             args.heads = str(shipped)
 
 
-def kvzip_replay(model_dir) -> dict | None:
-    """KVzip's replay prompts from the tokenizer at `model_dir` (a directory or a GGUF file); None without one.
-    kvjax's suites feed raw text (no chat template), so the replay is raw text too: "\\n" ends its prompt."""
-    from kvjax.kvzip import replay_prompts
-    from models.loading import tokenizer_at
-
-    tok = None if model_dir is None else tokenizer_at(Path(model_dir))
-    return None if tok is None else replay_prompts(tok)
-
-
 def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
     """--policy / --budget / every policy option, plus --compare p1,p2 (`default` when neither is given)."""
     p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: {default})")
@@ -292,8 +280,7 @@ def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_la
     if args.compare and args.policy:
         p.error("give --policy or --compare, not both")
     names = (args.compare or args.policy or args.compare_default).split(",")
-    labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
-    return labels, policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
+    return driver.labels(names), policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
 
 
 def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None,
@@ -304,27 +291,16 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     --budget that none of them takes, or one given with --ratio. A value a policy refuses is
     reported with its command-line flag."""
     shipped_heads(args, names, model_dir)
-    unknown = [n for n in names if n not in REGISTRY]
-    if unknown:
-        raise InvalidInput(f"unknown policy {unknown[0]!r}; available: {sorted(REGISTRY)}")
+    driver.check_names(names)
     budget = _budget(args, names)
-    options = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
-    taken = {k for n in names for k in options if k in inspect.signature(REGISTRY[n]).parameters}
-    if options - taken:
-        flags = ", ".join(flag_given(args, k) for k in sorted(options - taken))
-        raise InvalidInput(f"{flags}: no policy of {','.join(names)} takes it")
+    options = given_options(args)
+    per_policy = refuse_unused(args, names, options)
     check_modes(args, names, options)
     quantize = quantizer(args)
     out = []
-    for n in names:
-        params = inspect.signature(REGISTRY[n]).parameters
-        kw = {k: getattr(args, k) for k in options if k in params}
-        if num_layers is not None and "num_layers" in params:
-            kw["num_layers"] = num_layers
-        if "replay" in params:
-            kw["replay"] = kvzip_replay(model_dir)
+    for n, kw in zip(names, per_policy):
         try:
-            out.append(make_policy(n, None if n in NO_BUDGET else budget, **kw))
+            out.append(driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir))
             if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
                 out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
             out[-1] = quantize(out[-1])
@@ -335,6 +311,21 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
         raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
                            "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
     return out
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """The policy options given on the command line."""
+    return {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+
+
+def refuse_unused(args: argparse.Namespace, names: list[str], options: dict) -> list[dict]:
+    """Each policy's share of `options` (`driver.policy_options`); an option none of them takes is an error
+    naming its flag, as a typo must not be silently ignored."""
+    per_policy, unused = driver.policy_options(names, options)
+    if unused:
+        raise InvalidInput(f"{', '.join(flag_given(args, k) for k in sorted(unused))}: no policy of "
+                           f"{','.join(names)} takes it")
+    return per_policy
 
 
 # Options that say how every policy of a run reads the prompt or positions its keys: in a comparison they
@@ -360,7 +351,7 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
     MAT's beta is a token count, not a share: `--anchor-slots`, or, given `room` (the prompt length all rows
     share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
     shipped_heads(args, names, model_dir)
-    check_modes(args, names, {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None})
+    check_modes(args, names, given_options(args))
     out = []
     for n in names:
         params = inspect.signature(REGISTRY[n]).parameters
@@ -376,11 +367,7 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
             if "anchor_slots" in params and args.anchor_slots is None and room is not None:
                 own.anchor_slots = max(1, math.floor((1 - r) * room) // 4)
             out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers, model_dir=model_dir)[0]))
-    given = {k for k in POLICY_OPTIONS if getattr(args, k, None) is not None} - {"ratio"}
-    unused = given - {k for n in names for k in inspect.signature(REGISTRY[n]).parameters}
-    if unused:
-        raise InvalidInput(f"{', '.join(flag_given(args, k) for k in sorted(unused))}: no policy of "
-                           f"{','.join(names)} takes it")
+    refuse_unused(args, names, {k: v for k, v in given_options(args).items() if k != "ratio"})
     return out
 
 
@@ -398,39 +385,22 @@ def parse_ratios(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--ratios sets each policy's size: leave out --budget and --ratio")
 
 
-# A policy's parameter -> its command-line flag, where the names differ.
-_FLAG_OF = {"every": "recompress_every"}
-
-
 def _as_flags(message: str) -> str:
-    def flag(m):
-        name = _FLAG_OF.get(m.group(1), m.group(1))
-        return f"--{name.replace('_', '-')} " if name in (*POLICY_OPTIONS, "budget", "recompress_every") else m.group(0)
-
-    return re.sub(r"\b([a-z_]+)=", flag, message)
+    """A policy's parameters in `message` as the command line's flags (`every=` is --recompress-every)."""
+    return driver.as_flags(message, {*POLICY_OPTIONS, "budget", "recompress_every"}, {"every": "recompress_every"})
 
 
 def attach_gate_params(args: argparse.Namespace, lm) -> None:
     """Loads --gate-params into the model `lm` (a `LoadedModel`, whose identity records them);
     --policy gate without them is an error."""
     if getattr(args, "gate_params", None):
-        attach_gates(lm, args.gate_params)
+        driver.attach_gates(lm, args.gate_params)
     elif getattr(args, "policy", None) == "gate" or "gate" in (getattr(args, "compare", None) or "").split(","):
         raise InvalidInput("--policy gate needs --gate-params DIR (from python -m experiments.train_gate)")
 
 
 
 # ---- training text (offline) ----
-
-
-def load_with_tokenizer(p: argparse.ArgumentParser, path, **load_kw):
-    """`models.load(path)`, or a command-line error if the directory has no tokenizer."""
-    from models import load
-
-    lm = load(path, **load_kw)
-    if lm.tokenizer is None:
-        p.error(f"{path} has no tokenizer files")
-    return lm
 
 
 def read_text(files: list[str] | None) -> str:

@@ -41,8 +41,9 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
 __all__ = [
-    "ArgumentError", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "call", "cells", "claim", "finish",
-    "labelled", "load_model", "open_records", "policy_options", "positive", "resolve_policies", "width_label",
+    "ArgumentError", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "build_policy", "call", "cells",
+    "check_names", "claim", "finish", "kvzip_replay", "labelled", "labels", "load_model", "open_records",
+    "policy_options", "positive", "resolve_policies", "width_label",
 ]
 
 
@@ -83,13 +84,17 @@ def builtin_task(data: str | None, defaults: Mapping[str, Any], **given: Any) ->
     return {k: defaults[k] if v is None else v for k, v in given.items()}
 
 
-def as_flags(message: str, dests: set[str]) -> str:
+def as_flags(message: str, dests: Iterable[str], rename: Mapping[str, str] | None = None) -> str:
     """`lengths=[9] + new=8` -> `--lengths [9] + --new 8`, and a bare `tasks=` -> `--tasks`, for the
-    names in `dests` (a parser's options); every other `name=` stays."""
+    names in `dests` (a parser's options); every other `name=` stays. `rename` maps a keyword to the
+    option that sets it where the names differ (a policy's `every=` is `--recompress-every`)."""
+    rename, dests = dict(rename or {}), set(dests)
+
     def flag(m: re.Match) -> str:
-        if m.group(1) not in dests:
+        name = rename.get(m.group(1), m.group(1))
+        if name not in dests:
             return m.group(0)
-        return f"--{m.group(1).replace('_', '-')}" + ("" if m.group(2) is not None else " ")
+        return f"--{name.replace('_', '-')}" + ("" if m.group(2) is not None else " ")
 
     return re.sub(r"\b([a-z_]+)=((?=[\s,;:.)]|$))?", flag, message)
 
@@ -108,10 +113,10 @@ class SuiteResult:
 
 
 def load_model(path=None, *, dtype: str = "float32", attention_impl: str = "xla", allow_nonfinite: bool = False,
-               gate_params: str | None = None):
-    """The model a suite runs on, with its tokenizer (`path=None`: the embedded default model), and
-    Attention-Gate parameters attached when `gate_params` names a directory from
-    `experiments.train_gate`. How it was loaded is recorded on it (`lm.load_options`) and is part of
+               gate_params: str | None = None, tokenizer: bool = True):
+    """The model a suite runs on, with its tokenizer (`path=None`: the embedded default model; a
+    directory without one is an error unless `tokenizer=False`), and Attention-Gate parameters
+    attached when `gate_params` names a directory from `experiments.train_gate`. How it was loaded is recorded on it (`lm.load_options`) and is part of
     every results directory's identity."""
     from experiments.default_model import DEFAULT_MODEL_DIR, default_model_dir
     from models import load
@@ -122,7 +127,7 @@ def load_model(path=None, *, dtype: str = "float32", attention_impl: str = "xla"
             print(f"NOTE: RANDOM WEIGHTS - {DEFAULT_MODEL_DIR} is missing, so the default model is a tiny "
                   f"randomly initialised Llama ({path}); its results mean nothing.")
     lm = load(path, dtype=dtype, attention_impl=attention_impl, allow_nonfinite=allow_nonfinite)
-    if lm.tokenizer is None:
+    if tokenizer and lm.tokenizer is None:
         raise InvalidInput(f"{path} has no tokenizer files")
     if gate_params is not None:
         attach_gates(lm, gate_params)
@@ -145,27 +150,57 @@ def policy_options(names: Sequence[str], options: Mapping[str, Any]) -> tuple[li
     return [{k: v for k, v in given.items() if k in ps} for ps in params], set(given) - {k for ps in params for k in ps}
 
 
-def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, num_layers: int | None = None,
-                     **options) -> dict[str, Policy]:
-    """`{label: policy}` for `names` ("full,streaming" or a list), each given the keyword `options` its
-    constructor takes and `budget` if it takes one: the Python form of `--compare`. An option that
-    no policy takes, or a budget none takes, is an error naming the keyword; a name given twice is
-    labelled name#i. `num_layers` goes to the policies that need the depth (PyramidKV)."""
-    names = names.split(",") if isinstance(names, str) else list(names)
+def check_names(names: Sequence[str]) -> None:
+    """An error naming the first of `names` that is no registered policy."""
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise InvalidInput(f"unknown policy {unknown[0]!r}; available: {sorted(REGISTRY)}")
+
+
+def labels(names: Sequence[str]) -> list[str]:
+    """Each name as the label of its policy; a name given twice is labelled name#i (its position)."""
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+def build_policy(name: str, budget: int | None, options: Mapping[str, Any], *, num_layers: int | None = None,
+                 model_dir=None) -> Policy:
+    """Policy `name` with `options` (its share, `policy_options`) and `budget` if it takes one;
+    `num_layers` goes to the policies that need the depth (PyramidKV) and KVzip replays the prompts of
+    the tokenizer at `model_dir` (`kvzip_replay`)."""
+    params, kw = inspect.signature(REGISTRY[name]).parameters, dict(options)
+    if num_layers is not None and "num_layers" in params:
+        kw["num_layers"] = num_layers
+    if "replay" in params and model_dir is not None:
+        kw["replay"] = kvzip_replay(model_dir)
+    return make_policy(name, None if name in NO_BUDGET else budget, **kw)
+
+
+def kvzip_replay(model_dir) -> dict | None:
+    """KVzip's replay prompts from the tokenizer at `model_dir` (a directory or a GGUF file); None without one.
+    kvjax's suites feed raw text (no chat template), so the replay is raw text too: "\\n" ends its prompt."""
+    from kvjax.kvzip import replay_prompts
+    from models.loading import tokenizer_at
+
+    tok = None if model_dir is None else tokenizer_at(Path(model_dir))
+    return None if tok is None else replay_prompts(tok)
+
+
+def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, num_layers: int | None = None,
+                     model_dir=None, **options) -> dict[str, Policy]:
+    """`{label: policy}` for `names` ("full,streaming" or a list), each given the keyword `options` its
+    constructor takes and `budget` if it takes one: the Python form of `--compare`. An option that
+    no policy takes, or a budget none takes, is an error naming the keyword; a name given twice is
+    labelled name#i. `num_layers` goes to the policies that need the depth (PyramidKV); KVzip replays
+    the prompts of `model_dir`'s tokenizer."""
+    names = names.split(",") if isinstance(names, str) else list(names)
+    check_names(names)
     if budget is not None and all(n in NO_BUDGET for n in names):
         raise InvalidInput(f"budget={budget}: no policy of {','.join(names)} takes a budget")
     per_policy, unused = policy_options(names, options)
     if unused:
         raise InvalidInput(f"{', '.join(f'{k}=' for k in sorted(unused))}: no policy of {','.join(names)} takes it")
-    out = {}
-    for i, (n, kw) in enumerate(zip(names, per_policy)):
-        if num_layers is not None and "num_layers" in inspect.signature(REGISTRY[n]).parameters:
-            kw["num_layers"] = num_layers
-        out[n if names.count(n) == 1 else f"{n}#{i}"] = make_policy(n, None if n in NO_BUDGET else budget, **kw)
-    return out
+    return {lab: build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir)
+            for lab, n, kw in zip(labels(names), names, per_policy)}
 
 
 def positive(value, name: str, *, optional: bool = False) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import cli, driver
-from experiments.common import add_run_args, load_with_tokenizer, model_help, nonnegative_int, positive_int
+from experiments.common import add_run_args, model_help, nonnegative_int, positive_int
 from experiments.records import dumps_finite, write_atomic, shown
 from experiments.train_anllm import anchor_ids_of
 from kvjax import fewshot
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args.items, args.shots, args.options, args.distractors = (task[k] for k in ("items", "shots", "options",
                                                                                  "distractors"))
 
-    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     variant, anchor_ids, placement = anchors_of(lm.path, tok, args.anchor_tokens)
     if args.placement is not None:

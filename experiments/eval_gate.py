@@ -37,7 +37,6 @@ from experiments.common import (
     add_run_args,
     fraction_removed,
     held_out_windows,
-    load_with_tokenizer,
     model_help,
     positive_int,
     refuse_trained_text,
@@ -219,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.prefix < 1:
         p.error(f"argument --prefix: {args.prefix} must be in (0, 1)")
-    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
-    driver.attach_gates(lm, args.gate_params)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite, gate_params=args.gate_params)
     refuse_trained_text(args.gate_params, args.data, held_out_only=True)  # it scores the held-out part only
     tokens = held_out(lm.tokenizer, args.data, args.seq_len, args.windows)  # before any record is written
     out = Path(args.out or Path(args.gate_params) / "eval")

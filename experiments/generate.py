@@ -17,12 +17,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     add_policy_args,
     add_run_args,
     attach_gate_params,
-    default_model_dir,
     model_help,
     nonnegative_float,
     nonnegative_int,
@@ -33,7 +32,6 @@ from experiments.common import (
 )
 from kvjax import FullCache, Sampling, generate
 from kvjax.cache import PooledLayerCache, kept_positions, nbytes, num_slots
-from models import load
 
 
 class DecodeProgress:
@@ -78,17 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    if args.model:
-        path, random_weights = args.model, False
-    else:
-        path, random_weights = default_model_dir()
-    lm = load(path, dtype=args.dtype, attention_impl=args.attention_impl, allow_nonfinite=args.allow_nonfinite)
+    lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
+                           allow_nonfinite=args.allow_nonfinite, tokenizer=False)
     attach_gate_params(args, lm)
     policy = policy_from_args(args, num_layers=lm.config.num_layers, model_dir=lm.path)
-    if random_weights:
-        print("NOTE: RANDOM WEIGHTS - the default model is missing, so this is a tiny randomly initialised "
-              f"Llama ({path}); its text is noise. Pass --model DIR for a real checkpoint.\n")
-    if lm.tokenizer is None:
+    path = lm.path
+    if lm.tokenizer is None:  # after the policy, whose own error names what it lacks (KVzip's replay)
         p.error(f"{path} has no tokenizer files")
     tok = lm.tokenizer
     prompts = [tok(t)["input_ids"] for t in args.prompt]

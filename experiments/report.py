@@ -46,7 +46,6 @@ from experiments.common import (
     DEFAULT_MODEL_DIR,
     float_list,
     int_list,
-    kvzip_replay,
     model_help,
     nonnegative_int,
     positive_int,
@@ -299,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
                        recent_size=256)
 
-        replay = kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
+        replay = driver.kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
 
         def at_ratios(room):
             pols = {"full": driver.resolve_policies("full")["full"]}

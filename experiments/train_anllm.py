@@ -22,11 +22,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import cli
+from experiments import cli, driver
 from experiments.common import (
     SPLIT_RULE,
     add_run_args,
-    load_with_tokenizer,
     model_help,
     split_text,
     windows,
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     # never the held-out text: an evaluation of the model on windows of the same text scores only that
     text = split_text(args.data)[0]

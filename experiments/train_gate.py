@@ -30,8 +30,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import cli, eval_gate
-from experiments.common import SPLIT_RULE, add_run_args, load_with_tokenizer, model_help, training_windows
+from experiments import cli, driver, eval_gate
+from experiments.common import SPLIT_RULE, add_run_args, model_help, training_windows
 from experiments.records import training_identity
 from experiments.eval_anllm import fact_task
 from kvjax.errors import InvalidInput
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lr is None:
         args.lr = SFT_LR if args.mode == "sft" else CPT_LR
 
-    lm = load_with_tokenizer(p, args.model, allow_nonfinite=args.allow_nonfinite)
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
     model, tok = lm.model, lm.tokenizer
     overrides = {k: getattr(args, k) for k in ("tau", "gamma", "alpha", "beta") if getattr(args, k) is not None}
     cfg = dataclasses.replace(PRESETS[args.preset or args.mode], heads=args.gate_heads,
