@@ -5,15 +5,18 @@
    seconds, compilation included, and the largest difference between the two log-probabilities.
 2. Prefill of one prompt of 4K .. 128K tokens under SnapKV (budget 256, window 32): the whole prompt
    attended at once (`prefill_mode="full"`) against chunks of 512 (`engine.chunks`, one
-   compiled step looped on the host). Seconds (best of `--repeats` after a compiling call), the
+   compiled step looped on the host). Seconds (the median of `--repeats` after a compiling call, with their
+   range), the
    compiled programs' device memory from XLA's memory analysis (arguments + outputs + temporaries),
    and the process's peak RSS, each (mode, length) in a fresh subprocess.
 
     python -m benchmarks.chunked [--lengths 4096,...,131072] [--full-up-to 32768] [--out benchmarks/results]
 
 Whole-prompt prefills longer than `--full-up-to` are compiled for their memory figure but not run (on
-2 CPU cores one would take tens of minutes). Writes chunked_cpu.{json,md,png}. Numbers are for
-reading, never asserted in tests.
+2 CPU cores one would take tens of minutes). Seconds that include compilation are first compiles: this
+benchmark never uses the persistent compilation cache. The table is refused on a busy machine (`--max-load`,
+`--allow-load`; `benchmarks.timing`). Writes chunked_cpu.{json,md,png}. Numbers are for reading, never
+asserted in tests.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.cli import description
+from benchmarks import timing
+from kvjax.cli import add_compile_cache_flag, description
 from kvjax import drive
 
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -111,30 +115,26 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
         t = time.perf_counter()
         jax.block_until_ready(call())
         out["first_call_s"] = time.perf_counter() - t  # compilation included
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(call())
-            times.append(time.perf_counter() - t)
-        out["seconds"] = min(times)
+        out |= timing.repeat(lambda: jax.block_until_ready(call()), repeats, warmup=0).fields("seconds")
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
-def write(out: Path, result: dict) -> None:
+def write(out: Path, result: dict, guard: timing.LoadGuard) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chunked_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    loadavg = guard.record()
+    (out / "chunked_cpu.json").write_text(json.dumps(guard.stamp(result, loadavg), indent=2) + "\n")
     pp = result["perplexity"]
     mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
     lines = [f"# Chunked prefill, {result['device']} ({result['date']})", "",
              f"Model: kvjax-small (6 layers, d 128, 4 / 2 heads), float32. Command: `{result['command']}`.", "",
              f"## StreamingLLM perplexity over {pp['tokens']} tokens (rolling positions, budget 256, 4 sinks)", "",
-             "| read | seconds (compilation included) | perplexity |", "|---|---|---|",
+             "| read | seconds (one run, compilation included) | perplexity |", "|---|---|---|",
              f"| token by token (stream) | {pp['stream']['seconds']:.1f} | {pp['stream']['ppl']:.4f} |",
              f"| chunks of {pp['chunk']} | {pp['chunked']['seconds']:.1f} | {pp['chunked']['ppl']:.4f} |", "",
              f"Chunked is **{pp['stream']['seconds'] / pp['chunked']['seconds']:.1f}x** faster; the largest "
@@ -146,12 +146,13 @@ def write(out: Path, result: dict) -> None:
     rows = {(r["mode"], r["length"]): r for r in result["prefill"]}
     for n in result["lengths"]:
         f, c = rows[("full", n)], rows[("chunked", n)]
-        sec = lambda r: f"{r['seconds']:.2f}" if "seconds" in r else "not run"  # noqa: E731
+        sec = lambda r: timing.cell(r, "seconds", ".2f") or "not run"  # noqa: E731
         lines.append(f"| {n} | {sec(f)} | {sec(c)} | {mib(f['xla_bytes'])} | {mib(c['xla_bytes'])} | "
                      f"{mib(f['peak_rss_bytes'])} | {mib(c['peak_rss_bytes'])} |")
     lines += ["", "XLA MiB: the compiled program's arguments (weights, cache, prompt) + outputs + temporaries; for "
               "chunked, the one chunk step every length reuses. Peak RSS: the whole process (Python, jax, the "
               "model, compilation), in a fresh subprocess per cell; for an unrun cell, compilation only."]
+    lines = guard.mark(lines, result.get("repeats"), loadavg)
     (out / "chunked_cpu.md").write_text("\n".join(lines) + "\n")
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for mode in ("full", "chunked"):
@@ -176,14 +177,18 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--full-up-to", type=int, default=32768, help="longest whole-prompt prefill actually run")
     p.add_argument("--perplexity-tokens", type=int, default=65536)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: mode,length,run (one subprocess)
+    timing.add_load_args(p)
+    add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
     if args.cell:
         mode, n, run = args.cell.split(",")
         print(json.dumps(one_prefill(mode, int(n), args.repeats, run == "1")))
         return 0
+    guard = timing.LoadGuard(args, cpu=True)  # kvjax-small on the CPU: this table is a CPU table
+    guard.check()
     from tqdm import tqdm
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -196,8 +201,9 @@ def main(argv=None) -> int:
             cells.append(json.loads(res.stdout.strip().splitlines()[-1]))
     result = {"device": f"CPU ({platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores)",
               "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.chunked " + " ".join(argv or sys.argv[1:]),
-              "lengths": lengths, "prefill": cells, "perplexity": streaming_perplexity(args.perplexity_tokens)}
-    write(Path(args.out), result)
+              "repeats": args.repeats, "lengths": lengths, "prefill": cells,
+              "perplexity": streaming_perplexity(args.perplexity_tokens)}
+    write(Path(args.out), result, guard)
     print((Path(args.out) / "chunked_cpu.md").read_text())
     return 0
 
@@ -205,4 +211,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
 
-    raise SystemExit(cli.run(main))
+    raise SystemExit(cli.run(main, compile_cache=False))  # its seconds with compilation are first compiles

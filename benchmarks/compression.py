@@ -2,7 +2,9 @@
 
     python -m benchmarks.compression [--length 8192] [--out benchmarks/results]
 
-Writes compression_<platform>.{json,md}. The goal: compression adds <= 10 % to the prefill.
+Writes compression_<platform>.{json,md}. The goal: compression adds <= 10 % to the prefill. Each time is the
+median of `--repeats` runs after a compiling one, with their range; a CPU table is refused on a busy machine
+(`--max-load`, `--allow-load`; `benchmarks.timing`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -18,26 +19,21 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from benchmarks import timing
 from benchmarks.decode import BENCH_CONFIG
 from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
-from kvjax.cli import description
+from kvjax.cli import add_compile_cache_flag, description
 from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
 
 
-def time_prefill(graphdef, state, tokens, positions, plan, repeats):
+def time_prefill(graphdef, state, tokens, positions, plan, repeats) -> timing.Spread:
     run = lambda: jax.block_until_ready(prefill_fn.pure(graphdef, state, tokens, positions, jax.random.key(0),
                                                    plan=plan, sampling=Sampling()))
-    run()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return timing.repeat(run, repeats)  # after a compiling call
 
 
 def main(argv=None):
@@ -46,7 +42,11 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p)
     args = p.parse_args(argv)
+    guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
+    guard.check()
     tmp = Path(tempfile.mkdtemp())
     make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG))
     model = load(tmp).model
@@ -69,16 +69,21 @@ def main(argv=None):
     for name, policy in tqdm(policies.items(), desc="policies"):
         rows.append(dict(policy=name, prefill_s=time_prefill(graphdef, state, tokens, positions,
                                                                   drive.plan(model, policy, n + 1, n), args.repeats)))
+    for r in rows:
+        r |= r.pop("prefill_s").fields("prefill_s")  # the median, and the range
     base = rows[0]["prefill_s"]
     for r in rows:
         r["overhead_pct"] = 100 * (r["prefill_s"] / base - 1)
     plat = jax.devices()[0].platform
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"compression_{plat}.json").write_text(json.dumps(dict(device=str(jax.devices()[0]), length=n, config=BENCH_CONFIG, rows=rows), indent=2))
+    loadavg = guard.record()
+    (out / f"compression_{plat}.json").write_text(json.dumps(guard.stamp(dict(
+        device=str(jax.devices()[0]), length=n, config=BENCH_CONFIG, repeats=args.repeats, rows=rows), loadavg), indent=2))
     lines = [f"# Prefill + compression at {n} tokens ({jax.devices()[0]})", "",
-             "| policy | prefill s | overhead vs FullCache |", "|---|---|---|"]
-    lines += [f"| {r['policy']} | {r['prefill_s']:.3f} | {r['overhead_pct']:+.1f} % |" for r in rows]
+             "| policy | prefill s | overhead vs FullCache (medians) |", "|---|---|---|"]
+    lines += [f"| {r['policy']} | {timing.cell(r, 'prefill_s')} | {r['overhead_pct']:+.1f} % |" for r in rows]
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"compression_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

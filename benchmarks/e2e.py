@@ -14,7 +14,10 @@ Per (implementation, policy, prompt length, batch): time to first token (the pro
 first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
 backends do not report it; on a CPU the peak resident memory above the idle process while the cell runs,
 sampled every 5 ms) and, for kvjax, the first call's compile seconds of prefill and decode.
-`--compile-layers 16,32` adds the compile-time table of the shape at those depths. Cache bytes are
+`--compile-layers 16,32` adds the compile-time table of the shape at those depths. Compile seconds are first
+compiles: this benchmark never uses the persistent compilation cache. Time to first token and decode speed are
+the median of `--repeats` runs after a warm-up, with their range; a CPU table is refused on a busy machine
+(`--max-load`, `--allow-load`; `benchmarks.timing`), and the load average before and after is under it. Cache bytes are
 kvjax's whole cache (keys, values and each slot's position and statistics, decode slots included)
 and the K/V tensors of transformers' cache. Writes
 benchmarks/results/e2e_<platform>.{json,md,png} (e2e_<platform>_<shape>.* for a shape other than `cpu`).
@@ -54,12 +57,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from benchmarks import timing
 from experiments.efficiency import peak_bytes
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
-from kvjax.cli import description, model_help
+from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
@@ -138,23 +142,23 @@ def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> di
     compiled = prefill_fn.pure.lower(graphdef, state, tokens, positions, key, **kw).compile()
     compile_prefill = time.perf_counter() - t
     pre = functools.partial(compiled, graphdef, state, tokens, positions, key)
-    ttft = min(_seconds(pre)[0] for _ in range(repeats))
-    first, first_finite, cache = pre()
+    first, first_finite, cache = jax.block_until_ready(pre())  # the warm-up
+    ttft = timing.Spread(tuple(_seconds(pre)[0] for _ in range(repeats)))
     lengths = jnp.full((b,), n, jnp.int32)
     args = (first, first_finite, lengths, key, jnp.asarray(eos_array(())), jnp.int32(new), jnp.int32(0), jnp.int32(0))
     dkw = dict(plan=kw["plan"], sampling=Sampling(), buffer=new)
     t = time.perf_counter()
     dec = decode_fn.pure.lower(graphdef, state, cache, *args, **dkw).compile()
     compile_decode = time.perf_counter() - t
-    best, steps = float("inf"), 0
-    for _ in range(repeats):
+    seconds, steps = [], 0
+    for i in range(repeats + 1):  # the first run warms up
         c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
         s, (out, steps, nonfinite, c) = _seconds(lambda: dec(graphdef, state, c, *args))  # noqa: B023
         check_finite_steps(np.asarray(nonfinite))
-        best = min(best, s)
-    return {"ttft_s": ttft, "decode_tok_s": (int(steps) - 1) / best, "cache_bytes": nbytes(c),
-            "peak_bytes": peak_bytes(), "compile_prefill_s": compile_prefill, "compile_decode_s": compile_decode,
-            "prefill_s": ttft}
+        seconds += [s] if i else []
+    return {**ttft.fields("ttft_s"), **timing.Spread(tuple(seconds)).rate(int(steps) - 1).fields("decode_tok_s"),
+            "cache_bytes": nbytes(c), "peak_bytes": peak_bytes(), "compile_prefill_s": compile_prefill,
+            "compile_decode_s": compile_decode, "prefill_s": ttft.median}
 
 
 def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -> dict:
@@ -191,20 +195,23 @@ def time_torch(model, prompts: np.ndarray, new: int, repeats: int, press=None) -
         sync()
         return cache
 
-    ttft = float("inf")
+    first, cache = prefill()  # the warm-up
+    ttft = []
     for _ in range(repeats):
         t = time.perf_counter()
         first, cache = prefill()
-        ttft = min(ttft, time.perf_counter() - t)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
+        ttft.append(time.perf_counter() - t)
+    seconds = []
+    for i in range(repeats + 1):  # the first run warms up
         c = copy.deepcopy(cache)
         t = time.perf_counter()
         c = decode(first, c)
-        best = min(best, time.perf_counter() - t)
+        seconds += [time.perf_counter() - t] if i else []
     kv = sum(t.numel() * t.element_size() for layer in c.layers for t in (layer.keys, layer.values))
     peak = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
-    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / best, "cache_bytes": kv, "peak_bytes": peak, "prefill_s": ttft}
+    ttft = timing.Spread(tuple(ttft))
+    return {**ttft.fields("ttft_s"), **timing.Spread(tuple(seconds)).rate(new - 1).fields("decode_tok_s"),
+            "cache_bytes": kv, "peak_bytes": peak, "prefill_s": ttft.median}
 
 
 def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtype, impl: str = "xla") -> list[dict]:
@@ -224,24 +231,28 @@ def compile_table(shape: dict, layers: list[int], length: int, budget: int, dtyp
     return rows
 
 
-def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], show: bool = True) -> None:
+def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], guard: timing.LoadGuard,
+          show: bool = True) -> None:
     plat = meta["platform"]
     stem = f"e2e_{plat}" if meta["shape"] == "cpu" else f"e2e_{plat}_{meta['shape']}"
     if meta.get("model"):
         stem = f"e2e_{plat}_{meta['model']}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "compile": compile_rows}, indent=2))
+    loadavg = guard.record()
+    (out / f"{stem}.json").write_text(json.dumps(guard.stamp({"meta": meta, "rows": rows, "compile": compile_rows},
+                                                             loadavg), indent=2))
     mib = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
     what = f"{meta['shape']} shape, random weights" if not meta.get("model") else f"{meta['model']}"
     lines = [f"# End to end, {what} ({meta['device']}, jax {meta['jax']})", "",
              f"Shape {meta['config']}, {meta['dtype']}, {meta['new']} new tokens, greedy; kvjax budget "
-             f"{meta['budget']} per layer and KV head, kvpress the same kept count as a ratio. Command: "
+             f"{meta['budget']} per layer and KV head, kvpress the same kept count as a ratio. Time to first token "
+             f"and decode speed: the median of {meta['repeats']} runs after a warm-up (min–max). Command: "
              f"`{meta['command']}`.", "",
              "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | cache MiB | peak MiB | peak RSS MiB | "
              "compile prefill s | compile decode s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         comp = [f"{r[k]:.1f}" if k in r else "" for k in ("compile_prefill_s", "compile_decode_s")]
-        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['batch']} | {r['ttft_s']:.3f} | "
-                     f"{r['decode_tok_s']:.1f} | {mib(r['cache_bytes'])} | {mib(r['peak_bytes'])} | "
+        lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['batch']} | {timing.cell(r, 'ttft_s')} | "
+                     f"{timing.cell(r, 'decode_tok_s', '.1f')} | {mib(r['cache_bytes'])} | {mib(r['peak_bytes'])} | "
                      f"{mib(r.get('rss_bytes'))} | {comp[0]} | {comp[1]} |")
     lines += ["", "Peak RSS: the process's peak resident memory above its level when the cell started (both "
                   "implementations share the process; the weights are loaded before), so a cell's own temporaries "
@@ -254,6 +265,7 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], sho
                   "| layers | policy | prefill s | decode s |", "|---|---|---|---|"]
         lines += [f"| {r['layers']} | {r['policy']} | {r['compile_prefill_s']:.1f} | {r['compile_decode_s']:.1f} |"
                   for r in compile_rows]
+    lines = guard.mark(lines, meta.get("repeats"), loadavg)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     if show:
         print("\n".join(lines))
@@ -289,7 +301,7 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per cell, after a warm-up; the median is shown")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
     p.add_argument("--policies", default="", help="kvjax policies to run, comma-separated (default: all of them); "
@@ -298,7 +310,10 @@ def main(argv=None):
                    help="kvjax's attention: the jnp reference or the Pallas kernels (a GPU's plain prompts: cuDNN)")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
+    guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")  # the load before the run
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
@@ -342,7 +357,9 @@ def main(argv=None):
             "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
             "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
             "attention_impl": args.attention_impl, "model": args.model and Path(args.model).name.removesuffix(".gguf"),
+            "repeats": args.repeats,
             "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+    guard.check()  # after the model loaded: an error in the command line or the model is said first
     rows = []
     cells = [(n, b) for n in lengths for b in batches if n * b <= args.max_batch_tokens]
     for n, b in tqdm(cells, desc="cells"):
@@ -351,7 +368,7 @@ def main(argv=None):
             with rss_peak() as rss:
                 r = time_kvjax(model, prompts, policy, args.new, args.repeats)
             rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
-        write(out, meta, rows, [], show=False)
+        write(out, meta, rows, [], guard, show=False)
         if torch_model is not None:
             from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
 
@@ -367,13 +384,13 @@ def main(argv=None):
                 with rss_peak() as rss:
                     r = time_torch(torch_model, prompts, args.new, args.repeats, press=press)
                 rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
-        write(out, meta, rows, [], show=False)
+        write(out, meta, rows, [], guard, show=False)
     layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
     write(out, meta, rows, compile_table(shape, layers, lengths[0], args.budget, dtype, args.attention_impl)
-          if layers else [])
+          if layers else [], guard)
 
 
 if __name__ == "__main__":
     from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
 
-    raise SystemExit(cli.run(main))
+    raise SystemExit(cli.run(main, compile_cache=False))  # its compile seconds are first compiles

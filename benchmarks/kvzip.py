@@ -5,9 +5,11 @@
 KVzip (`kvjax.kvzip`) caches the context whole, then replays it through the model (the repeat prompt and the
 context again, 2048 tokens per replay, attending the cached context) to score every slot. Per context length, one
 row of batch 1 with random token ids: the prompt pass under KVzip's plan (the full cache's), the replay and
-eviction (`kvzip.compress`), and SnapKV's prompt pass at the same ratio, each the best of `--repeats` after a
-compiling call (compile times beside them). Writes kvzip_<platform>[_<model>].json / .md; numbers are for
-reading, never asserted in tests.
+eviction (`kvzip.compress`), and SnapKV's prompt pass at the same ratio, each the median of `--repeats` runs
+(with their range) after a compiling call (its seconds beside them: first compiles, as this benchmark never uses
+the persistent compilation cache). A CPU table is refused on a busy machine (`--max-load`, `--allow-load`;
+`benchmarks.timing`). Writes kvzip_<platform>[_<model>].json / .md; numbers are for reading, never asserted in
+tests.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import jax
@@ -26,22 +27,16 @@ from tqdm import tqdm
 from kvjax import engine, kvzip
 from kvjax.engine import bucket_length
 from kvjax.policies import KVzip, SnapKV
-from kvjax.cli import description, model_help
+from benchmarks import timing
+from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax import drive
 from models import load
 
 
-def best(fn, repeats: int) -> tuple[float, float]:
-    """(first call's seconds, compile included; best of `repeats` after it)."""
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return first, min(times)
+def best(fn, repeats: int) -> tuple[float, timing.Spread]:
+    """(first call's seconds, compile included; the seconds of `repeats` calls after it)."""
+    first, _ = timing.timed(lambda: jax.block_until_ready(fn()))
+    return first, timing.repeat(lambda: jax.block_until_ready(fn()), repeats, warmup=0)
 
 
 def measure(lm, length: int, ratio: float, repeats: int) -> dict:
@@ -57,11 +52,13 @@ def measure(lm, length: int, ratio: float, repeats: int) -> dict:
     zip_plan = drive.plan(model, zip_policy, bucket + 16, bucket)
     snap_plan = drive.plan(model, SnapKV(ratio=ratio), bucket + 16, bucket)
     row = dict(length=length)
-    row["prefill_first_s"], row["prefill_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=zip_plan), repeats)
+    row["prefill_first_s"], spread = best(lambda: engine.prefill(model, tokens, pos, plan=zip_plan), repeats)
+    row |= spread.fields("prefill_s")
     _, cache = engine.prefill(model, tokens, pos, plan=zip_plan)
-    row["replay_first_s"], row["replay_s"] = best(lambda: kvzip.compress(model, cache, zip_plan, [ids]),
-                                                  repeats)
-    row["snapkv_first_s"], row["snapkv_s"] = best(lambda: engine.prefill(model, tokens, pos, plan=snap_plan), repeats)
+    row["replay_first_s"], spread = best(lambda: kvzip.compress(model, cache, zip_plan, [ids]), repeats)
+    row |= spread.fields("replay_s")
+    row["snapkv_first_s"], spread = best(lambda: engine.prefill(model, tokens, pos, plan=snap_plan), repeats)
+    row |= spread.fields("snapkv_s")
     row["replays"] = len(kvzip.replays(ids, zip_policy))
     row["replay_tokens"] = sum(len(r[2]) for r in kvzip.replays(ids, zip_policy))
     for k, v in row.items():
@@ -75,12 +72,16 @@ def main(argv=None):
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--ratio", type=float, default=0.75)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
     from experiments.common import DEFAULT_MODEL_DIR
 
+    guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")  # the load before the run
     lm = load(args.model or DEFAULT_MODEL_DIR)
+    guard.check()  # after the model loaded: an error in the command line or the model is said first
     name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
     rows = [measure(lm, n, args.ratio, args.repeats) for n in tqdm([int(x) for x in args.lengths.split(",")],
                                                                    desc="context lengths")]
@@ -91,20 +92,23 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"kvzip_{plat}" + ("" if args.model is None else f"_{name}")
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    loadavg = guard.record()
+    (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     lines = [f"# KVzip's replay cost ({meta['device']}, {name} model, jax {jax.__version__})", "",
-             f"Batch 1, random token ids, ratio {args.ratio}; seconds, best of {args.repeats} after a compiling call "
-             "(first call in brackets). Prompt pass: KVzip's (the full cache's); replay: `kvzip.compress` (every "
+             f"Batch 1, random token ids, ratio {args.ratio}; seconds, the median of {args.repeats} runs after a "
+             "compiling call (min–max in brackets, then the first call's seconds, compilation included, in square "
+             "brackets). Prompt pass: KVzip's (the full cache's); replay: `kvzip.compress` (every "
              "replay and the eviction); SnapKV: its prompt pass at the same ratio. `python -m benchmarks.kvzip "
              + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`.", "",
              "| context | prompt pass s | replay s | replays (tokens) | KVzip total / prompt pass | SnapKV prompt pass s |"
              " KVzip total / SnapKV |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["prefill_s"] + r["replay_s"]
-        lines.append(f"| {r['length']} | {r['prefill_s']:.3f} ({r['prefill_first_s']:.1f}) | {r['replay_s']:.3f} "
-                     f"({r['replay_first_s']:.1f}) | {r['replays']} ({r['replay_tokens']}) | "
-                     f"{total / r['prefill_s']:.2f} | {r['snapkv_s']:.3f} ({r['snapkv_first_s']:.1f}) | "
+        lines.append(f"| {r['length']} | {timing.cell(r, 'prefill_s')} [{r['prefill_first_s']:.1f}] | "
+                     f"{timing.cell(r, 'replay_s')} [{r['replay_first_s']:.1f}] | {r['replays']} ({r['replay_tokens']}) | "
+                     f"{total / r['prefill_s']:.2f} | {timing.cell(r, 'snapkv_s')} [{r['snapkv_first_s']:.1f}] | "
                      f"{total / r['snapkv_s']:.2f} |")
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -112,4 +116,4 @@ def main(argv=None):
 if __name__ == "__main__":
     from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
 
-    raise SystemExit(cli.run(main))
+    raise SystemExit(cli.run(main, compile_cache=False))  # its first calls' seconds include first compiles

@@ -4,8 +4,8 @@ every tile (as before it), and transformers' PyTorch SDPA, side by side in one r
     python -m benchmarks.prefill [--lengths 1024,4096,16384] [--sparse-length 16384] [--out benchmarks/results]
 
 The model is issue #25's: a random Llama of 4 layers, d 256, 8 / 2 heads, vocabulary 8192, float32.
-Each figure is the best of `--repeats` timed calls after one compiling call (kvjax) or warm-up
-(torch). A second table times one attention layer of the model's shape at `--sparse-length` tokens under
+Each figure is the median of `--repeats` timed calls (with their range) after one compiling call (kvjax) or
+warm-up (torch); a CPU table is refused on a busy machine (`--max-load`, `--allow-load`; `benchmarks.timing`). A second table times one attention layer of the model's shape at `--sparse-length` tokens under
 block-sparse masks (Attention-Gate flags evicting whole key blocks, AnLLM's eq. 4), skipping against
 every tile. Writes prefill_<platform>.json / .md. Numbers are for reading, never asserted in tests.
 """
@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -27,7 +26,8 @@ from tqdm import tqdm
 from kvjax import FullCache, attention, engine
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
-from kvjax.cli import description
+from benchmarks import timing
+from kvjax.cli import add_compile_cache_flag, description
 from kvjax import drive
 from models import load
 from models.tiny import make_random_checkpoint, tiny_config
@@ -36,17 +36,12 @@ CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layer
               head_dim=32, max_position_embeddings=32768)
 
 
-def best_of(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def seconds_of(run, repeats: int) -> timing.Spread:
+    """The seconds of `repeats` calls after a compiling (or warm-up) one."""
+    return timing.repeat(run, repeats)
 
 
-def time_kvjax(model, ids: np.ndarray, repeats: int, skip: bool) -> float:
+def time_kvjax(model, ids: np.ndarray, repeats: int, skip: bool) -> timing.Spread:
     tokens = jnp.asarray(ids[None])
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
     original = attention.prefill_attention
@@ -56,12 +51,12 @@ def time_kvjax(model, ids: np.ndarray, repeats: int, skip: bool) -> float:
     try:
         plan = drive.plan(model, FullCache(), len(ids), len(ids))
         run = lambda: jax.block_until_ready(engine.prefill(model, tokens, pos, plan=plan))  # noqa: E731
-        return best_of(run, repeats)
+        return seconds_of(run, repeats)
     finally:
         attention.prefill_attention = original
 
 
-def time_torch(path: Path, ids: np.ndarray, repeats: int) -> float:
+def time_torch(path: Path, ids: np.ndarray, repeats: int) -> timing.Spread:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -72,7 +67,7 @@ def time_torch(path: Path, ids: np.ndarray, repeats: int) -> float:
         with torch.no_grad():
             model(x, use_cache=True)
 
-    return best_of(run, repeats)
+    return seconds_of(run, repeats)
 
 
 def sparse_cases(t: int, kv_heads: int, block: int = attention.PREFILL_BLOCK) -> dict:
@@ -99,7 +94,7 @@ def time_sparse(t: int, repeats: int) -> list[dict]:
         for key, skip in (("every_tile_s", False), ("skipping_s", True)):
             f = jax.jit(lambda q, k, v, m, skip=skip: attention.prefill_attention(
                 q, k, v, pos, pos, scale=d**-0.5, self_attention=skip, mask=m)[0])
-            row[key] = best_of(lambda f=f: jax.block_until_ready(f(q, k, v, masks)), repeats)
+            row |= seconds_of(lambda f=f: jax.block_until_ready(f(q, k, v, masks)), repeats).fields(key)
         row["speedup"] = row["every_tile_s"] / row["skipping_s"]
         rows.append(row)
     return rows
@@ -111,17 +106,21 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sparse-length", type=int, default=16384, help="tokens of the block-sparse table (0: none)")
     p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p)
     args = p.parse_args(argv)
     plat = jax.devices()[0].platform
+    guard = timing.LoadGuard(args, cpu=plat == "cpu")
+    guard.check()
     tmp = Path(tempfile.mkdtemp())
     make_random_checkpoint(tmp, tiny_config(**CONFIG), seed=0)
     model = load(tmp).model
     rows = []
     for n in tqdm([int(x) for x in args.lengths.split(",")], desc="prefill"):
         ids = np.random.default_rng(n).integers(4, CONFIG["vocab_size"], n).astype(np.int32)
-        row = {"prompt": n, "torch_sdpa_s": time_torch(tmp, ids, args.repeats),
-               "kvjax_every_tile_s": time_kvjax(model, ids, args.repeats, skip=False),
-               "kvjax_skipping_s": time_kvjax(model, ids, args.repeats, skip=True)}
+        row = {"prompt": n, **time_torch(tmp, ids, args.repeats).fields("torch_sdpa_s"),
+               **time_kvjax(model, ids, args.repeats, skip=False).fields("kvjax_every_tile_s"),
+               **time_kvjax(model, ids, args.repeats, skip=True).fields("kvjax_skipping_s")}
         row["skipping_vs_torch"] = row["torch_sdpa_s"] / row["kvjax_skipping_s"]
         row["skipping_vs_every_tile"] = row["kvjax_every_tile_s"] / row["kvjax_skipping_s"]
         rows.append(row)
@@ -131,20 +130,24 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     meta = {"platform": plat, "machine": platform.processor() or platform.machine(), "config": CONFIG,
             "jax": jax.__version__, "repeats": args.repeats}
-    (out / f"prefill_{plat}.json").write_text(json.dumps({"meta": meta, "rows": rows, "sparse": sparse}, indent=2))
+    loadavg = guard.record()
+    (out / f"prefill_{plat}.json").write_text(json.dumps(guard.stamp({"meta": meta, "rows": rows, "sparse": sparse},
+                                                                     loadavg), indent=2))
     lines = [f"# Prefill on {plat} ({meta['machine']}), issue #25's model: 4 layers, d 256, 8/2 heads, vocab 8192, f32",
-             "", "Best of {r} calls after a compiling one, side by side in one run. Speed-up > 1: kvjax faster.".format(
-                 r=args.repeats), "",
+             "", "The median of {r} calls after a compiling one (min–max), side by side in one run. Speed-up > 1: "
+             "kvjax faster (from the medians).".format(r=args.repeats), "",
              "| prompt | torch SDPA s | kvjax every tile s | kvjax skipping s | vs torch | vs every tile |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['prompt']} | {r['torch_sdpa_s']:.2f} | {r['kvjax_every_tile_s']:.2f} | {r['kvjax_skipping_s']:.2f} "
-              f"| {r['skipping_vs_torch']:.2f}x | {r['skipping_vs_every_tile']:.2f}x |" for r in rows]
+    lines += [f"| {r['prompt']} | {timing.cell(r, 'torch_sdpa_s', '.2f')} | {timing.cell(r, 'kvjax_every_tile_s', '.2f')} | "
+              f"{timing.cell(r, 'kvjax_skipping_s', '.2f')} | {r['skipping_vs_torch']:.2f}x | "
+              f"{r['skipping_vs_every_tile']:.2f}x |" for r in rows]
     if sparse:
         lines += ["", f"One attention layer (8 / 2 heads, d 32, f32) at {args.sparse_length} tokens under block-sparse "
                   "masks: the skipping path against every tile, same run.", "",
                   "| mask | every tile s | skipping s | speed-up |", "|---|---|---|---|"]
-        lines += [f"| {r['mask']} | {r['every_tile_s']:.2f} | {r['skipping_s']:.2f} | {r['speedup']:.2f}x |"
-                  for r in sparse]
+        lines += [f"| {r['mask']} | {timing.cell(r, 'every_tile_s', '.2f')} | {timing.cell(r, 'skipping_s', '.2f')} | "
+                  f"{r['speedup']:.2f}x |" for r in sparse]
+    lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"prefill_{plat}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from tqdm import tqdm
 
-from kvjax import tpu
+from kvjax import cli, tpu
 from kvjax.errors import InvalidInput
 from kvjax import drive
 
@@ -464,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--specs", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--records", type=Path, default=None, help=argparse.SUPPRESS)
+    cli.add_compile_cache_flag(p, measures_compile=True)
     a = p.parse_args(argv)
     if a.worker:
         worker(a.worker, json.loads(a.specs.read_text()), a.records)
@@ -494,6 +495,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvjax import cli
-
-    sys.exit(cli.run(main))
+    sys.exit(cli.run(main, compile_cache=False))  # its compile seconds are first compiles

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/model_card",
                    help="where the card is written (default: results/model_card), never the model's own directory by default (--out models/default "
                         "rewrites the committed card)")
+    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     out = Path(args.model)
     meta_file = out / "eval.json"

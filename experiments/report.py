@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                             "its verdict states it")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
     p.add_argument("--out", default="results/report")
+    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,7 @@ def parse(argv):
     p.add_argument("--save-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eval", action="store_true")
+    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     if args.from_ and not args.extend_steps:
         p.error(f"--from {args.from_} runs only the extension stage: pass --extend-steps N (N > 0)")

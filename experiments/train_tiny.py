@@ -157,6 +157,7 @@ def parse(argv):
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
+    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden {args.hidden} must divide by --heads {args.heads}, and --heads by --kv-heads "

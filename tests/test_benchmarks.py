@@ -18,10 +18,15 @@ def test_e2e_refuses_an_unknown_policy_by_name(capsys):
 
 def test_e2e_runs_only_the_chosen_policies_and_names_its_files_by_shape(tmp_path):
     e2e.main(["--shape", "issue25", "--lengths", "64", "--batches", "1", "--new", "4", "--budget", "32",
-              "--policies", "streaming", "--no-torch", "--compile-layers", "", "--repeats", "1",
-              "--out", str(tmp_path)])
+              "--policies", "streaming", "--no-torch", "--compile-layers", "", "--repeats", "2",
+              "--out", str(tmp_path), "--allow-load"])
     record = json.loads((tmp_path / "e2e_cpu_issue25.json").read_text())
     assert [(r["impl"], r["policy"], r["prompt"]) for r in record["rows"]] == [("kvjax", "streaming", 64)]
+    (row,) = record["rows"]  # the median of the repeats, with their range, and the load around the run
+    assert row["ttft_s_min"] <= row["ttft_s"] <= row["ttft_s_max"]
+    assert row["decode_tok_s_min"] <= row["decode_tok_s"] <= row["decode_tok_s_max"]
+    assert len(record["load"]["before"]) == len(record["load"]["after"]) == 3 and record["meta"]["repeats"] == 2
+    assert (tmp_path / "e2e_cpu_issue25.md").read_text().rstrip().splitlines()[-1].startswith("Load average")
     assert record["meta"]["config"]["hidden_size"] == 256
     assert (tmp_path / "e2e_cpu_issue25.md").exists() and (tmp_path / "e2e_cpu_issue25.png").exists()
     assert not (tmp_path / "e2e_cpu.json").exists()
@@ -82,7 +87,7 @@ def test_kvzip_benchmark_writes_its_table_and_counts_the_replays(tmp_path):
     from kvjax.kvzip import replay_prompts
     from models.loading import load_tokenizer
 
-    bench.main(["--lengths", "300", "--repeats", "1", "--out", str(tmp_path)])
+    bench.main(["--lengths", "300", "--repeats", "1", "--out", str(tmp_path), "--allow-load"])
     (row,) = json.loads((tmp_path / "kvzip_cpu.json").read_text())["rows"]
     prompts = replay_prompts(load_tokenizer(DEFAULT_MODEL_DIR))
     assert row["replays"] == 1 and row["replay_tokens"] == 300 + len(prompts["repeat_ids"]) + len(prompts["suffix_ids"])

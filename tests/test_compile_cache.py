@@ -139,3 +139,27 @@ def test_the_flag_is_in_no_runs_identity(tiny_dir, tmp_path, capsys):
     assert passkey.main(argv + ["--no-compile-cache", "--compare", "full,streaming"]) == 0
     assert "compile" not in ident and (out / "identity.json").read_text() == ident
     assert (out / "samples.jsonl").read_text().startswith(records)
+
+
+ENTRY_POINTS = sorted(".".join(p.relative_to(REPO).with_suffix("").parts)
+                      for d in ("benchmarks", "experiments", "models") for p in (REPO / d).rglob("*.py")
+                      if "cli.run(main" in p.read_text())
+
+
+def test_the_entry_points_are_found():
+    assert {"experiments.report", "experiments.ruler.__main__", "benchmarks.e2e", "models.fetch"} <= set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_command_that_compiles_documents_the_flag(module, capsys):
+    import importlib
+
+    source = (REPO / (module.replace(".", "/") + ".py")).read_text()
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    if "compile_cache=None" in source:  # a command that compiles nothing (a download, data files)
+        assert "--no-compile-cache" not in text
+    else:
+        assert "--no-compile-cache" in text, module
