@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import inspect
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,9 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
 __all__ = [
-    "ArgumentError", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "build_policy", "call", "cells",
-    "check_names", "claim", "finish", "kvzip_replay", "labelled", "labels", "load_model", "open_records",
-    "policy_options", "positive", "resolve_policies", "width_label",
+    "ArgumentError", "Suite", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "batches", "build_policy",
+    "call", "cells", "check_names", "claim", "fill", "finish", "kvzip_replay", "labelled", "labels", "load_model", "open_records",
+    "policy_options", "positive", "resolve_policies", "run_suite", "width_label",
 ]
 
 
@@ -265,6 +265,66 @@ def open_records(out: str | Path, lm, log: str, options: Mapping[str, Any], *, k
                  ) -> ResultLog:
     """`claim(out, lm, options, **identity)`, then the records of `out/log` keyed by `key` (resumable)."""
     return ResultLog(claim(out, lm, options, **identity) / log, key=key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """What a suite declares; `run_suite` does the rest (identity, locking, resume, progress, tables).
+
+    `cells` are every cell of the run in order, `record_id(cell)` the key of its record in OUT/`log`;
+    `batches(todo)` groups the cells not yet recorded into the calls of `run`, each returning the
+    records of its cells (in the order they are kept); `report(log)` turns the records into
+    (markdown, JSON summary, figures). Cells sharing a record id are computed once."""
+
+    name: str
+    log: str
+    cells: Sequence[Any]
+    record_id: Callable[[Any], str]
+    run: Callable[[list], Iterable[dict]]
+    report: Callable[[ResultLog], tuple[str, Mapping[str, Any], Sequence[Path]]]
+    batches: Callable[[list], Iterable[list]] = lambda todo: ([c] for c in todo)
+
+
+def run_suite(suite: Suite, out: str | Path, lm, options: Mapping[str, Any], policies: Mapping[str, Policy | str], *,
+              progress: bool = True, **identity) -> SuiteResult:
+    """Claims `out` (`claim`: this configuration's, locked; `identity` as `claim`'s keywords), runs the
+    cells of `suite` without a record in OUT/`suite.log` with a progress bar, and writes its tables
+    (`finish`)."""
+    log = open_records(out, lm, suite.log, options, **identity)
+    fill(suite, log, progress)
+    table, summary, figures = suite.report(log)
+    return finish(suite.name, out, table, summary, policies, figures)
+
+
+def fill(suite: Suite, log: ResultLog, progress: bool = True) -> None:
+    """Adds to `log` the record of each cell of `suite` it lacks, with a progress bar over them."""
+    todo, ids = [], set()
+    for c in suite.cells:
+        if (rid := suite.record_id(c)) not in log and rid not in ids:
+            todo.append(c)
+            ids.add(rid)
+    with tqdm(total=len(todo), desc=suite.name, disable=not progress) as bar:
+        for batch in suite.batches(todo):
+            for record in suite.run(batch):
+                log.add(record)
+                bar.update(1)
+
+
+def batches(todo: Sequence, size: int, group: Callable[[Any], Any] = lambda c: None,
+            unit: Callable[[Any], Any] = lambda c: c) -> Iterator[list]:
+    """`todo` in runs of consecutive cells of one `group(c)`, each run cut so that a batch holds at most
+    `size` distinct `unit(c)` (a prompt that several policies' cells share counts once)."""
+    batch, units, key = [], [], None
+    for c in todo:
+        if batch and (group(c) != key or (unit(c) not in units and len(units) == size)):
+            yield batch
+            batch, units = [], []
+        key = group(c)
+        if unit(c) not in units:
+            units.append(unit(c))
+        batch.append(c)
+    if batch:
+        yield batch
 
 
 def cells(todo: Sequence, desc: str, progress: bool = True) -> tqdm:

@@ -160,31 +160,36 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
         raise driver.ArgumentError(f"depths={list(depths)} must each be a percentage in [0, 100]")
     hay = tok(haystack_text(haystack), add_special_tokens=False)["input_ids"]
     policies = driver.labelled(policies)
-    log = driver.open_records(out, lm, "cells.jsonl", {"haystack": haystack, "needle": needle, "question": question,
-                                                       "answer": answer, "batch": batch, "protocol": protocol},
-                              files=("haystack",))
     setting = f"{needle}|{question}"
     q_ids = tok(question, add_special_tokens=False)["input_ids"]  # needle_prompt's question tokens
-    for lab, pol in policies.items():
-        todo = [(L, d) for L in lengths for d in depths if f"{pol.describe()}|{setting}|{L}|{d}" not in log]
-        for L in driver.cells(lengths, f"needle {lab}", progress):
-            cells = [(L2, d) for L2, d in todo if L2 == L]
-            for s in range(0, len(cells), batch):
-                chunk = cells[s : s + batch]
-                prompts = [needle_prompt(tok, hay, L, d, needle, question) for _, d in chunk]
-                contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts), protocol)
-                gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS,
-                               sampling=Sampling())
-                for (_, d), (_, at), seq in zip(chunk, prompts, gen.sequences()):
-                    text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
-                    log.add({"id": f"{pol.describe()}|{setting}|{L}|{d}", "label": lab, "policy": pol.describe(),
-                             "length": L, "depth": d, "needle_at": at, "answer": text,
-                             "rouge1_recall": rouge1_recall(text, needle), "exact": exact_match(text, answer)})
-    wanted = {f"{pol.describe()}|{setting}|{L}|{d}": lab for lab, pol in policies.items()
-              for L in lengths for d in depths}
-    records = [r | {"label": wanted[r["id"]]} for r in log if r["id"] in wanted]
-    table, summary, figures = write_report(Path(out), records, list(policies))
-    return driver.finish("needle", out, table, summary, policies, figures)
+    rid = lambda cell: f"{policies[cell[0]].describe()}|{setting}|{cell[1]}|{cell[2]}"  # (label, L, d)
+
+    def run(chunk: list) -> list[dict]:
+        lab, L = chunk[0][:2]
+        pol = policies[lab]
+        prompts = [needle_prompt(tok, hay, L, d, needle, question) for _, _, d in chunk]
+        contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts), protocol)
+        gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
+        records = []
+        for cell, (_, at), seq in zip(chunk, prompts, gen.sequences()):
+            text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
+            records.append({"id": rid(cell), "label": lab, "policy": pol.describe(), "length": L, "depth": cell[2],
+                            "needle_at": at, "answer": text, "rouge1_recall": rouge1_recall(text, needle),
+                            "exact": exact_match(text, answer)})
+        return records
+
+    cells = [(lab, L, d) for lab in policies for L in lengths for d in depths]
+    wanted = {rid(cell): cell[0] for cell in cells}
+
+    def report(log):
+        records = [r | {"label": wanted[r["id"]]} for r in log if r["id"] in wanted]
+        return write_report(Path(out), records, list(policies))
+
+    suite = driver.Suite("needle", "cells.jsonl", cells, rid, run, report,
+                         lambda todo: driver.batches(todo, batch, group=lambda cell: cell[:2]))
+    return driver.run_suite(suite, out, lm, {"haystack": haystack, "needle": needle, "question": question,
+                                             "answer": answer, "batch": batch, "protocol": protocol}, policies,
+                            progress=progress, files=("haystack",))
 
 
 def main(argv: list[str] | None = None) -> int:

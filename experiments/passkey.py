@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import (
@@ -98,36 +97,46 @@ def run_many(model, tok, policies: dict, lengths, depths, samples: int, log: Res
     """`run` for several policies (`{label: policy}`, records labelled by `label`): per batch of prompts, the
     policies still missing a record run together (`generate_many`: those whose prompt is one plain pass
     share it). Returns each label's records."""
-    cells = []
+    driver.fill(cells(model, tok, policies, lengths, depths, samples, seed=seed, batch=batch, protocol=protocol),
+                log, progress)
+    return {lab: [r for r in log if r["policy"] == lab] for lab in policies}
+
+
+def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: int = 0, batch: int = 8,
+          protocol: str = "aware", report=None) -> driver.Suite:
+    """The passkey suite: a cell per (length, depth, sample, policy label), its record `label|length|depth|sample`;
+    a batch is up to `batch` prompts of one length (one compilation per length), run by the policies still
+    missing one of their records together (`generate_many`)."""
+    prompts = []
     for length in lengths:
         for depth in depths:
             for i in range(samples):
                 rng = np.random.default_rng([seed, length, int(round(depth * 1000)), i])
-                cells.append((length, depth, i, int(rng.integers(10000, 100000))))
-    rid = lambda label, c: f"{label}|{c[0]}|{c[1]}|{c[2]}"  # noqa: E731
-    todo = [c for c in cells if any(rid(lab, c) not in log for lab in policies)]
-    bar = tqdm(total=sum(rid(lab, c) not in log for lab in policies for c in cells),
-               desc=f"passkey ({len(policies)} policies)", disable=not progress)
-    for length in lengths:  # one compilation per length
-        rows = [c for c in todo if c[0] == length]
-        for s in range(0, len(rows), batch):
-            chunk = rows[s : s + batch]
-            wanted = {lab: p for lab, p in policies.items() if any(rid(lab, c) not in log for c in chunk)}
-            prompts = [passkey_prompt(tok, length, d, k) for _, d, _, k in chunk]
-            contexts, questions = split_question([p for p, _ in prompts], [len(_encode(tok, PASSKEY_QUESTION))] *
-                                                 len(prompts), protocol)
-            outs = generate_many(model, contexts, list(wanted.values()), questions=questions,
-                                 max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
-            for lab, out in zip(wanted, outs):
-                for c, (_, at), seq in zip(chunk, prompts, out.sequences()):
-                    if rid(lab, c) in log:
-                        continue
+                prompts.append((length, depth, i, int(rng.integers(10000, 100000))))
+    rid = lambda cell: f"{cell[0]}|{cell[1][0]}|{cell[1][1]}|{cell[1][2]}"  # (label, prompt)
+
+    def run(todo: list) -> list[dict]:
+        chunk = list(dict.fromkeys(c for _, c in todo))
+        wanted = {lab: policies[lab] for lab in dict.fromkeys(lab for lab, _ in todo)}
+        asked = set(todo)
+        length = chunk[0][0]
+        made = [passkey_prompt(tok, length, d, k) for _, d, _, k in chunk]
+        contexts, questions = split_question([p for p, _ in made], [len(_encode(tok, PASSKEY_QUESTION))] * len(made),
+                                             protocol)
+        outs = generate_many(model, contexts, list(wanted.values()), questions=questions,
+                             max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
+        records = []
+        for lab, out in zip(wanted, outs):
+            for c, (_, at), seq in zip(chunk, made, out.sequences()):
+                if (lab, c) in asked:
                     text = tok.decode(seq, skip_special_tokens=True)
-                    log.add({"id": rid(lab, c), "policy": lab, "length": length, "depth": c[1], "key": c[3],
-                             "needle_at": at, "output": text, "correct": first_int(text) == c[3]})
-                    bar.update(1)
-    bar.close()
-    return {lab: [r for r in log if r["policy"] == lab] for lab in policies}
+                    records.append({"id": rid((lab, c)), "policy": lab, "length": length, "depth": c[1], "key": c[3],
+                                    "needle_at": at, "output": text, "correct": first_int(text) == c[3]})
+        return records
+
+    return driver.Suite("passkey", "samples.jsonl", [(lab, c) for c in prompts for lab in policies], rid, run, report,
+                        lambda todo: driver.batches(todo, batch, group=lambda cell: cell[1][0],
+                                                    unit=lambda cell: cell[1]))
 
 
 def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
@@ -193,14 +202,17 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     if too_short:
         raise driver.ArgumentError(f"lengths={too_short} are shorter than the passkey prompt without garbage "
                                    f"({min_length(tok)} tokens with this tokenizer)")
-    log = driver.open_records(out, lm, "samples.jsonl", {"seed": seed, "batch": batch, "protocol": protocol})
     policies = driver.labelled(policies)
-    run_many(lm.model, tok, {pol.describe(): pol for pol in policies.values()}, lengths, list(depths), samples, log,
-             seed=seed, protocol=protocol, batch=batch, progress=progress)
-    tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in dict.fromkeys(
-        r["policy"] for r in log)}
-    table, summary, figures = write_report(Path(out), tables)
-    return driver.finish("passkey", out, table, summary, policies, figures)
+
+    def report(log):
+        tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in dict.fromkeys(
+            r["policy"] for r in log)}
+        return write_report(Path(out), tables)
+
+    run = cells(lm.model, tok, {pol.describe(): pol for pol in policies.values()}, lengths, list(depths), samples,
+                seed=seed, batch=batch, protocol=protocol, report=report)
+    return driver.run_suite(run, out, lm, {"seed": seed, "batch": batch, "protocol": protocol}, policies,
+                            progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,30 +128,34 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
         raise driver.ArgumentError(f"the text has {len(ids)} tokens, fewer than sequences={sequences} x the longest "
                                    f"lengths={max(lengths)}")
     policies = driver.labelled(policies)
-    log = driver.open_records(out, lm, "runs.jsonl", {"text": text}, files=("text",))
     key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
-    todo = [(lab, pol, L, i) for lab, pol in policies.items() for L in lengths for i in range(sequences)
-            if key(pol, L, i) not in log]
-    for lab, pol, L, i in driver.cells(todo, "perplexity", progress):
+
+    def run(cell: list) -> list[dict]:
+        (lab, pol, L, i), = cell
         rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
         if beyond_window(drive.plan(lm.model, pol), L, n):
             rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
         else:
             rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
-        log.add(rec)
-    done = {r["id"]: r for r in log}
-    records = []
-    for lab, pol in policies.items():
-        for L in lengths:
-            runs = [done[key(pol, L, i)] for i in range(sequences)]
-            if any("skipped" in r for r in runs):
-                records.append(runs[0] | {"label": lab})
-                continue
-            nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
-            records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
-                                      "ppl_per_sequence": [r["ppl"] for r in runs]})
-    table, summary, figures = write_report(Path(out), records, list(policies), lengths, n)
-    return driver.finish("perplexity", out, table, summary, policies, figures)
+        return [rec]
+
+    def report(log):
+        done = {r["id"]: r for r in log}
+        records = []
+        for lab, pol in policies.items():
+            for L in lengths:
+                runs = [done[key(pol, L, i)] for i in range(sequences)]
+                if any("skipped" in r for r in runs):
+                    records.append(runs[0] | {"label": lab})
+                    continue
+                nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
+                records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
+                                          "ppl_per_sequence": [r["ppl"] for r in runs]})
+        return write_report(Path(out), records, list(policies), lengths, n)
+
+    cells = [(lab, pol, L, i) for lab, pol in policies.items() for L in lengths for i in range(sequences)]
+    suite = driver.Suite("perplexity", "runs.jsonl", cells, lambda cell: key(*cell[1:]), run, report)
+    return driver.run_suite(suite, out, lm, {"text": text}, policies, progress=progress, files=("text",))
 
 
 def main(argv: list[str] | None = None) -> int:
