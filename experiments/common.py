@@ -283,6 +283,29 @@ def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_la
     return driver.labels(names), policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
 
 
+def suite_model(args: argparse.Namespace, **load):
+    """The model of a suite's command line: --model (the default model without it) loaded with `load` and
+    --allow-nonfinite, with --gate-params attached."""
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite, **load)
+    attach_gate_params(args, lm)
+    return lm
+
+
+def compared(p: argparse.ArgumentParser | None, args: argparse.Namespace, num_layers: int, model_dir=None, *,
+             by_room: bool = False):
+    """`{label: policy}` of --compare / --policy (`chosen_policies`), or with --ratios each policy at each ratio
+    (`policies_at_ratios`); `by_room`: a function of a cell's prompt room giving them (MAT's default beta a
+    quarter of that ratio's share of the room)."""
+    if not getattr(args, "ratios", None):
+        return dict(zip(*chosen_policies(p, args, num_layers, model_dir=model_dir)))
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    names = (args.compare or args.policy or args.compare_default).split(",")
+    at = lambda room=None: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room,  # noqa: E731
+                                                   model_dir=model_dir))
+    return at if by_room else at()
+
+
 def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None,
                        model_dir=None) -> list[Policy]:
     """One policy per name (`--compare p1,p2`), each given the command-line options it takes.

@@ -29,11 +29,11 @@ from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     int_list,
     model_help,
     positive_int,
+    suite_model,
 )
 from experiments.records import shown
 from kvjax import Sampling
@@ -155,11 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
     args = p.parse_args(argv)
-    lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
-                       allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths, new=args.new,
+    lm = suite_model(args, dtype=args.dtype, attention_impl=args.attention_impl)
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths, new=args.new,
                       batch=args.batch, repeats=args.repeats)
     print(res.table)
     return 0

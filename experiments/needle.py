@@ -28,13 +28,13 @@ from experiments.common import (
     add_compare_args,
     add_protocol_arg,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     float_list,
     int_list,
     model_help,
     positive_int,
     split_question,
+    suite_model,
     utf8_text,
 )
 from kvjax import Sampling, generate
@@ -210,10 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
-    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths, depths=args.depths,
+    lm = suite_model(args)
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths, depths=args.depths,
                       haystack=args.haystack, needle=args.needle, question=args.question, answer=args.answer,
                       batch=args.batch, protocol=args.protocol)
     print(res.table)

@@ -24,14 +24,14 @@ from experiments.common import (
     add_compare_args,
     add_protocol_arg,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     float_list,
     int_list,
     model_help,
     nonnegative_int,
     positive_int,
     split_question,
+    suite_model,
 )
 from experiments.records import ResultLog
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
@@ -231,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
-    _, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
+    lm = suite_model(args)
+    policies = list(compared(p, args, lm.config.num_layers, lm.path).values())
     res = driver.call(p, suite, lm, policies, args.out, lengths=args.lengths, depths=args.depths,
                       samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol)
     print(res.table)

@@ -31,13 +31,13 @@ from experiments.records import write_csv_atomic
 from experiments.common import (
     add_compare_args,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     int_list,
     model_help,
     positive_int,
     read_text,
     refuse_trained_text,
+    suite_model,
 )
 from kvjax.scoring import logprobs
 from kvjax import drive
@@ -170,11 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
+    lm = suite_model(args)
     refuse_trained_text(args.gate_params, args.text, "--text")  # the default text: the held-out topics and modules
-    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, lengths=args.lengths,
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
                       sequences=args.sequences, text=args.text)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}}, perplexity.png")

@@ -33,14 +33,13 @@ from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     model_help,
     nonnegative_int,
     parse_ratios,
-    policies_at_ratios,
     positive_int,
     refuse_trained_text,
+    suite_model,
 )
 from kvjax import cache as kvcache
 from kvjax import fewshot, scoring
@@ -253,18 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     parse_ratios(p, args)
 
-    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
+    lm = suite_model(args)
     # the built-in task's passages are the default text's held-out topics (Attention-Gate's Table 1 protocol)
     refuse_trained_text(args.gate_params, [args.data] if args.data else None)
-    if args.ratios:
-        if args.compare and args.policy:
-            p.error("give --policy or --compare, not both")
-        names = (args.compare or args.policy or args.compare_default).split(",")
-        labelled = dict(policies_at_ratios(args, names, lm.config.num_layers, args.ratios, model_dir=lm.path))
-    else:
-        labelled = dict(zip(*chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)))
-    res = driver.call(p, suite, lm, labelled, args.out, data=args.data, items=args.items, seed=args.seed,
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, data=args.data, items=args.items, seed=args.seed,
                       facts=args.facts, scoring=args.scoring)
     print(res.table)
     return 0

@@ -355,11 +355,13 @@ def decode_attention(
 def reconstruction_scores(
     q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], pos: Int[Array, "b t"],
     cache_k: Float[Array, "b kvh c d"], cache_pos: Int[Array, "b kvh c"], span: Int[Array, "b 3"], scale: float,
+    weights: tuple[Float[Array, "b t"], Float[Array, "b kvh g c"]] | None = None,
 ) -> Float[Array, "b kvh c"]:
     """Each cached slot's KVzip score in one layer: the largest probability any replay query of its KV group
     gives it, the softmax running over the sinks (positions < span[:, 0]), the chunk (span[:, 1] <= position
     < span[:, 2]) and the replay's own keys (causal); 0 outside the chunk. `q`, `k`: the replay's rotated
-    queries and keys, `pos` its positions (-1 on padding); `cache_k` rotated at absolute positions."""
+    queries and keys, `pos` its positions (-1 on padding); `cache_k` rotated at absolute positions. `weights`
+    (KVzip+): `(per query, per query head and slot)` factors applied to the probabilities before the maximum."""
     b, h, t, d = q.shape
     kvh = cache_k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, t, d).astype(jnp.float32)
@@ -377,4 +379,7 @@ def reconstruction_scores(
     total = jnp.sum(e_cache, axis=-1, keepdims=True) + jnp.sum(e_self, axis=-1, keepdims=True)
     p = e_cache / jnp.where(total > 0, total, 1.0)
     p = jnp.where((pos >= 0)[:, None, None, :, None], p, 0.0)
+    if weights is not None:
+        per_query, per_slot = weights
+        p = p * per_query[:, None, None, :, None] * per_slot[:, :, :, None, :]
     return jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)

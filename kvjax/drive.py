@@ -148,10 +148,10 @@ def extend(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
 
 
 def replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
-           span: Int[Array, "b 3"]) -> tuple[Float[Array, "b kvh c"], ...]:
+           span: Int[Array, "b 3"], plus: bool = False) -> tuple[Float[Array, "b kvh c"], ...]:
     """KVzip's replay (`kvjax.kvzip`): the tokens extend the read-only `cache` (right padded), and each layer returns
-    its cached slots' reconstruction scores for the context chunk `span` = (sinks, start, end)."""
-    return model(tokens, positions, tuple((c, span) for c in cache), steps.Replay(plan))[1]
+    its cached slots' reconstruction scores for the context chunk `span` = (sinks, start, end); KVzip+'s with `plus`."""
+    return model(tokens, positions, tuple((c, span) for c in cache), steps.Replay(plan, plus))[1]
 
 
 def shrink(model: CachedLM, plan: Plan, cache: Cache, max_len: int, prompt_len: int) -> tuple[Plan, Cache]:

@@ -70,9 +70,9 @@ def replays(context: list[int], policy: KVzip) -> list[tuple[int, int, list[int]
     return out
 
 
-@compiled(static=("plan",))
-def replay_fn(model, tokens, positions, cache, span, *, plan):
-    return drive.replay(model, tokens, positions, cache, plan, span)
+@compiled(static=("plan", "plus"))
+def replay_fn(model, tokens, positions, cache, span, *, plan, plus=False):
+    return drive.replay(model, tokens, positions, cache, plan, span, plus)
 
 
 def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: int = 0) -> np.ndarray:
@@ -90,7 +90,7 @@ def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: in
         positions[0, :n] = len(context) + np.arange(n)  # right padded, as `extend` takes a chunk
         span = np.asarray([[min(policy.sinks, start), start, end]], np.int32)
         got = replay_fn.pure(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), layers,
-                             jnp.asarray(span), plan=plan)
+                             jnp.asarray(span), plan=plan, plus=policy.plus)
         got = np.stack([np.asarray(x[0], np.float32) for x in got])  # [L, kvh, c] by slot
         if not np.all(np.isfinite(got)):  # a NaN would sort anywhere and evict silently
             raise NonFiniteError(f"KVzip: non-finite reconstruction scores in the replay of positions {start}-{end - 1}")
@@ -136,7 +136,7 @@ def compress(model, cache: Cache, plan, prompts: list[list[int]], memo: dict | N
     memo = {} if memo is None else memo
     # what the scores depend on (the sinks are in each replay's softmax)
     replay = (policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
-              policy.suffix_ids)
+              policy.suffix_ids, policy.plus)
     pos = [np.array(lc.pos) for lc in cache]
     for row, context in enumerate(prompts):
         key = (replay, row, tuple(context))

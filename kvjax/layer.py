@@ -49,7 +49,11 @@ class Geometry:
 
     `rope(x, positions)` rotates `x` at `positions` (None: the model has no rotary positions, e.g. ALiBi);
     `alibi`: the ALiBi slopes of its query heads (None: no ALiBi); `window`: how far back a query sees
-    (None: the whole context); `softcap`: Gemma 2's logit cap; `impl`: "xla" (the jnp reference) or "pallas"."""
+    (None: the whole context); `softcap`: Gemma 2's logit cap; `impl`: "xla" (the jnp reference) or "pallas".
+    `out_proj`: the layer's output projection split by query head, `[num_heads, head_dim, hidden]`: query head i's
+    output `o_i` adds `o_i @ out_proj[i]` to the residual stream (a Llama's o_proj weight `[h * d, hidden]` reshaped;
+    query head i reads KV head `i // (num_heads // num_kv_heads)`, as transformers' `repeat_kv`). None: the model
+    gives none, and the rules that weigh a token by what it writes (CriticalKV, KVzip+) refuse it."""
 
     layer: int
     num_heads: int
@@ -61,6 +65,7 @@ class Geometry:
     window: int | None = None
     softcap: float | None = None
     impl: str = "xla"
+    out_proj: Array | None = None
 
     def rotate(self, x, positions):
         return x if self.rope is None else self.rope(x, positions)
@@ -185,8 +190,7 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
     )
     if plan is None:
         return o, cache
-    if wanted.query_moments:
-        stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
+    stats = _layer_stats(geom, wanted, stats, q, v, pos, plan.describe)
     if gate_keep is not None:
         stats = dataclasses.replace(stats, gate_keep=gate_keep)
     return o, cache_prompt(geom, plan, cache, k, k_rot, v, pos, tokens, stats)
@@ -205,8 +209,7 @@ def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v
         q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), mask=geom.mask(),
         impl=geom.impl, self_attention=True,
     )
-    if wanted.query_moments:
-        stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
+    stats = _layer_stats(geom, wanted, stats, q, v, pos, lambda: " / ".join(lp.describe() for lp in plans))
     return o, tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats) for lp, c in zip(plans, caches))
 
 
@@ -251,6 +254,43 @@ def query_moments(geom: Geometry, q, pos, requests):
     return out
 
 
+def output_norms(geom: Geometry, v: Float[Array, "b kvh t d"], orders, who: str) -> dict:
+    """For each p of `orders`, ‖v W_o^i‖_p: each value `v` through each query head i's block of the output projection
+    (`geom.out_proj`), `[b, kvh, g, t]` (query head i = KV head * g + its rank in the group), computed one query head
+    at a time so that the `[b, t, hidden]` products of only one head are ever held. `who` is named when the model
+    gives no output projection."""
+    h, d, kvh = geom.num_heads, geom.head_dim, geom.num_kv_heads
+    if geom.out_proj is None:
+        raise InvalidInput(f"{who} weighs each token by its output projection, and this model gives none: "
+                           f"kvjax.layer.Geometry.out_proj is None (the o_proj weight as [num_heads, head_dim, hidden])")
+    w = jnp.asarray(geom.out_proj)
+    if w.ndim != 3 or w.shape[:2] != (h, d):
+        raise InvalidInput(f"kvjax.layer.Geometry.out_proj has shape {w.shape}; expected [num_heads, head_dim, hidden] "
+                           f"= ({h}, {d}, hidden)")
+    g = h // kvh
+    v32 = v.astype(jnp.float32)
+
+    def head(args):
+        i, wi = args
+        y = jnp.einsum("btd,dD->btD", jnp.take(v32, i // g, axis=1), wi.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+        return jnp.stack([jnp.linalg.norm(y, ord=p, axis=-1) for p in sorted(orders)])  # [P, b, t]
+
+    out = jax.lax.map(head, (jnp.arange(h), w))  # [h, P, b, t]
+    b, t = v.shape[0], v.shape[2]
+    out = jnp.moveaxis(out, 1, 0).transpose(0, 2, 1, 3).reshape(len(orders), b, kvh, g, t)
+    return {p: out[i] for i, p in enumerate(sorted(orders))}
+
+
+def _layer_stats(geom: Geometry, wanted, stats, q, v, pos, who):
+    """The prompt's statistics the layer computes itself, not attention: the query moments and the output norms."""
+    if wanted.query_moments:
+        stats = dataclasses.replace(stats, query_moments=query_moments(geom, q, pos, wanted.query_moments))
+    if wanted.out_norms:
+        stats = dataclasses.replace(stats, out_norms=output_norms(geom, v, wanted.out_norms, who()))
+    return stats
+
+
 def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
     """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
     if isinstance(cache, PooledLayerCache):
@@ -265,15 +305,28 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
     return o
 
 
-def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, span):
+def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, span, *, plus: bool = False,
+           hidden=None):
     """`extend` for KVzip's replay (`kvjax.kvzip`): the output, and each cached slot's reconstruction score
-    `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end)."""
+    `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end). `plus` (KVzip+): each
+    probability divided by its query's attention input norm ‖h‖ (`hidden` `[b, t, D]`, the replay's input to the
+    layer's projections) and multiplied by ‖v W_o^i‖_2, its slot's value through its query head's output projection,
+    before the maximum (kvpress's `kvzip_plus_normalization`)."""
     if not geom.mask().plain:
         raise InvalidInput("KVzip's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
     o = extend(geom, plan, cache, q, k, v, pos)
     cache = read(cache, pos)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
-    return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale)
+    weights = None
+    if plus:
+        who = f"{plan.describe()} with KVzip+'s normalisation"
+        if hidden is None:
+            raise InvalidInput(f"{who} divides each replay query's scores by its input's norm, and this model gives "
+                               "none: pass hidden (the attention's input, [b, t, D]) to kvjax.layer.attend")
+        h_norm = jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1)  # [b, t]
+        per_query = jnp.where(pos >= 0, 1.0, 0.0)
+        weights = (per_query, output_norms(geom, cache.v, {2}, who)[2])
+    return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale, weights)
 
 
 # ---- a plan's sizes: a rule that keeps every token never evicts one ------------------------------------
@@ -464,12 +517,14 @@ def _decode_codes(geom: Geometry, rule: Rule, qc: QuantizedLayerCache, q, k, v, 
 # ---- the one function a model's attention calls ----------------------------------------------------------
 
 
-def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *, gate=None):
+def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *, gate=None, hidden=None):
     """A layer's attention under `step` (`kvjax.step`), from its unrotated `q` `[b, h, t, d]`, `k`, `v`
     `[b, kvh, t, d]` at `pos` `[b, t]` (-1 on padding): `(output [b, h, t, d], carry)`, `carry` this layer's entry of
     the model's carry, as the step defines it. `tokens` `[b, t]`: the ids (AnLLM's anchors, MAT's rules read them).
     `gate`: the layer's Attention-Gate as a thunk returning its keep flags `[b, kvh, t]` (None: the layer has none);
-    kvjax calls it where the step needs it (the plain forward, a prompt under gated rules)."""
+    kvjax calls it where the step needs it (the plain forward, a prompt under gated rules). `hidden`: the layer's
+    input to its q / k / v projections `[b, t, D]` (KVzip+'s replay divides by its norm; None: the model gives none,
+    and KVzip+ refuses it)."""
     i = geom.layer
     if isinstance(step, steps.Forward):
         keep = None if gate is None else gate()
@@ -500,7 +555,7 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
         return o[:, :, None], carry
     if isinstance(step, steps.Replay):
         cache, span = carry
-        return replay(geom, step.plan.layers[i], cache, q, k, v, pos, span)
+        return replay(geom, step.plan.layers[i], cache, q, k, v, pos, span, plus=step.plus, hidden=hidden)
     if isinstance(step, steps.Extend):
         lp = step.plan.layers[i]
         return extend(geom, lp, carry, q, k, v, pos, lp.prompt_mask(Context(pos, tokens))), carry
@@ -508,4 +563,4 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
 
 
 __all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
-           "prefill_shared", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]
+           "prefill_shared", "output_norms", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

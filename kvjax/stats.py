@@ -31,6 +31,10 @@ class StatsRequest:
     * `query_moments`: for each `(sinks, future)`, the mean and covariance of the prompt's unrotated queries
       (positions from `sinks` on), both rotated by RoPE averaged over the `future` positions after the prompt
       (ExpectedAttention's statistics of future queries). The model computes them (it knows its RoPE).
+    * `out_norms`: for each p in {1, 2}, the p-norm of each prompt token's value through each query head's block
+      of the layer's output projection, ‖v W_o^i‖_p (query head i reads KV head i // g), `[b, kvh, g, t]`
+      grouped by KV head: the size of what the token writes into the residual stream (CriticalKV's p = 1).
+      kvjax computes them from the model's `kvjax.layer.Geometry.out_proj`; a model that gives none is refused.
     """
 
     first_logit: bool = False
@@ -39,6 +43,7 @@ class StatsRequest:
     probs: bool = False
     gate_keep: bool = False
     query_moments: frozenset[tuple[int, int]] = frozenset()
+    out_norms: frozenset[int] = frozenset()
 
     def __post_init__(self):
         last = frozenset(self.last_queries)
@@ -49,6 +54,10 @@ class StatsRequest:
         if any(len(m) != 2 or m[0] < 0 or m[1] < 1 for m in moments):
             raise ValueError(f"StatsRequest: query_moments={sorted(moments)} must be (sinks >= 0, future >= 1) pairs")
         object.__setattr__(self, "query_moments", moments)
+        orders = frozenset(self.out_norms)
+        if not orders <= {1, 2}:
+            raise ValueError(f"StatsRequest: out_norms={sorted(orders, key=str)} must be norm orders 1 or 2")
+        object.__setattr__(self, "out_norms", orders)
 
     @classmethod
     def last(cls, w: int) -> StatsRequest:
@@ -58,22 +67,24 @@ class StatsRequest:
     def __or__(self, other: StatsRequest) -> StatsRequest:
         return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
                             self.last_queries | other.last_queries, self.probs or other.probs,
-                            self.gate_keep or other.gate_keep, self.query_moments | other.query_moments)
+                            self.gate_keep or other.gate_keep, self.query_moments | other.query_moments,
+                            self.out_norms | other.out_norms)
 
     def __bool__(self) -> bool:
         return (self.first_logit or self.colsum or bool(self.last_queries) or self.probs or self.gate_keep
-                or bool(self.query_moments))
+                or bool(self.query_moments) or bool(self.out_norms))
 
     def attention_part(self) -> StatsRequest:
-        """What attention itself measures (the query moments are the model's)."""
-        return dataclasses.replace(self, query_moments=frozenset())
+        """What attention itself measures (the query moments and the output norms are the layer's)."""
+        return dataclasses.replace(self, query_moments=frozenset(), out_norms=frozenset())
 
     def names(self) -> list[str]:
         """The requested statistics in words, for error messages."""
         flags = [f.name for f in dataclasses.fields(self)
-                 if f.name not in ("last_queries", "query_moments") and getattr(self, f.name)]
+                 if f.name not in ("last_queries", "query_moments", "out_norms") and getattr(self, f.name)]
         return (flags + [f"last_probs[{w}]" for w in sorted(self.last_queries)]
-                + [f"query_moments[{m}]" for m in sorted(self.query_moments)])
+                + [f"query_moments[{m}]" for m in sorted(self.query_moments)]
+                + [f"out_norms[{p}]" for p in sorted(self.out_norms)])
 
 
 NO_STATS = StatsRequest()
@@ -95,6 +106,8 @@ class AttentionStats:
     gate_keep: Array | None = None
     # (sinks, future) -> (mean [b, kvh, g, d], covariance [b, kvh, g, d, d]), grouped by KV head
     query_moments: Mapping[tuple[int, int], tuple[Array, Array]] = dataclasses.field(default_factory=dict)
+    # p -> ‖v W_o^i‖_p of each token's value through each query head's output projection, [b, kvh, g, t]
+    out_norms: Mapping[int, Array] = dataclasses.field(default_factory=dict)
 
     def last(self, w: int) -> Array:
         """The last `w` queries' probabilities; a KeyError naming what was computed otherwise."""

@@ -137,8 +137,10 @@ class Extend(Step):
 @dataclasses.dataclass(frozen=True)
 class Replay(Extend):
     """KVzip's replay (`kvjax.kvzip`): an `Extend` whose carry entries are `(cache, span)` in (`span` `[b, 3]`: sinks,
-    chunk start, chunk end) and each cached slot's reconstruction score `[b, kvh, c]` out."""
+    chunk start, chunk end) and each cached slot's reconstruction score `[b, kvh, c]` out; `plus`: KVzip+'s scores
+    (`kvjax.layer.replay`)."""
 
+    plus: bool = False
     last = True
 
 

@@ -252,12 +252,16 @@ class Attention(nnx.Module):
 
     @property
     def geometry(self) -> layer_fns.Geometry:
-        """This layer's attention for `kvjax.layer`: scale, window, soft-cap, ALiBi slopes and its RoPE."""
+        """This layer's attention for `kvjax.layer`: scale, window, soft-cap, ALiBi slopes, its RoPE and its output
+        projection per query head (o_proj's kernel `[h * d, D]` as `[h, d, D]`; none under LoRA, whose o_proj is no
+        plain Linear)."""
         c = self.cfg
+        out = self.o_proj.kernel[...].reshape(c.num_heads, c.head_dim, -1) if isinstance(self.o_proj, nnx.Linear) \
+            else None
         return layer_fns.Geometry(
             layer=self.layer, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             scale=self.scale, rope=self._rotate if c.position_embedding == "rope" else None, alibi=self._alibi(),
-            window=self.window, softcap=self.softcap, impl=c.attention_impl)
+            window=self.window, softcap=self.softcap, impl=c.attention_impl, out_proj=out)
 
     def __call__(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], carry, step: Step,
                  tokens: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t D"], object]:
@@ -265,7 +269,7 @@ class Attention(nnx.Module):
         The layer's Attention-Gate (if attached) goes to kvjax as a thunk, run where the step needs its flags."""
         q, k, v = self.qkv(x)
         gate = None if self.gate is None else functools.partial(self.gate, x, pos)
-        o, carry = layer_fns.attend(self.geometry, step, carry, q, k, v, pos, tokens, gate=gate)
+        o, carry = layer_fns.attend(self.geometry, step, carry, q, k, v, pos, tokens, gate=gate, hidden=x)
         return self._out(o), carry
 
     def _rotate(self, x, positions):

@@ -44,13 +44,17 @@ def compressed(model, ids, pol, bucket=128):
     return kvzip.compress(model, cache, drive.plan(model, pol, bucket + 1, bucket), [list(ids)])
 
 
-@pytest.mark.parametrize("ratio, chunk, layerwise", [(0.5, 2048, False), (0.8, 32, False), (0.6, 40, True)],
-                         ids=["one-replay", "four-replays", "layerwise"])
-def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkeypatch, ratio, chunk, layerwise):
+@pytest.mark.parametrize("ratio, chunk, layerwise, plus", [(0.5, 2048, False, False), (0.8, 32, False, False),
+                                                           (0.6, 40, True, False), (0.7, 32, False, True),
+                                                           (0.5, 2048, True, True)],
+                         ids=["one-replay", "four-replays", "layerwise", "plus-four-replays", "plus-layerwise"])
+def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkeypatch, ratio, chunk, layerwise, plus):
     """Per layer and KV head, the positions KVzip keeps are those kvpress's KVzipPress leaves unmasked: one replay
     of the whole context, four replays of 32 tokens (later ones opened by the previous chunk's last 8 tokens, with
-    the sinks in their softmax), and per-layer budgets; then the next token's logits agree. kvpress's tokenizer
-    (a hub download) is replaced by the same prompt ids; no chat template, as for a base model."""
+    the sinks in their softmax), and per-layer budgets; then the next token's logits agree. KVzip+ (`plus`, kvpress's
+    `kvzip_plus_normalization`): the same, each probability divided by its replay query's input norm and multiplied
+    by the slot's ‖v W_o‖_2 per query head. kvpress's tokenizer (a hub download) is replaced by the same prompt ids;
+    no chat template, as for a base model."""
     import torch
     from transformers import DynamicCache
 
@@ -69,15 +73,19 @@ def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkey
 
     monkeypatch.setattr(kvzip_press.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
     ids = np.random.RandomState(9).randint(13, 97, T + 1)
-    press = kvpress.KVzipPress(compression_ratio=ratio, chunk_size=chunk, layerwise=layerwise)
+    press = kvpress.KVzipPress(compression_ratio=ratio, chunk_size=chunk, layerwise=layerwise,
+                               kvzip_plus_normalization=plus)
     cache_pt = DynamicCache()
     with torch.no_grad():
         with press(pt):
             pt.model(input_ids=torch.tensor(ids[None, :T]), past_key_values=cache_pt)
         theirs = pt(torch.tensor([[ids[T]]]), past_key_values=cache_pt, position_ids=torch.tensor([[T]])).logits[0, -1]
 
-    pol = policy(ratio, chunk_size=chunk, layerwise=layerwise)
+    pol = policy(ratio, chunk_size=chunk, layerwise=layerwise, plus=plus)
     cache = compressed(model, ids[:T], pol)
+    if plus:  # the normalisation changes what is kept
+        assert kept_sets(cache) != kept_sets(compressed(model, ids[:T], policy(ratio, chunk_size=chunk,
+                                                                              layerwise=layerwise)))
     kept = kept_sets(cache)
     counts = []
     for layer in range(3):

@@ -30,14 +30,13 @@ from experiments import cli, driver
 from experiments.common import (
     add_compare_args,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     int_list,
     model_help,
     nonnegative_int,
     parse_ratios,
-    policies_at_ratios,
     positive_int,
+    suite_model,
 )
 from experiments.records import ResultLog, content_fingerprint, shown, write_atomic, write_csv_atomic
 from experiments.ruler import scoring
@@ -100,10 +99,7 @@ def cell_policies(p, args, num_layers: int, model_dir=None):
     """The command line's policies: a `{label: policy}`, or with --ratios a function of a cell's prompt
     room (length - generated) giving each policy at each ratio (MAT's default beta a quarter of that
     ratio's share of the room)."""
-    if not args.ratios:
-        return dict(zip(*chosen_policies(p, args, num_layers, model_dir=model_dir)))
-    names = (args.compare or args.policy or args.compare_default).split(",")
-    return lambda room: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room, model_dir=model_dir))
+    return compared(p, args, num_layers, model_dir, by_room=True)
 
 
 def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int, data_dir=None
@@ -298,9 +294,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
-    lm = driver.load_model(args.model, dtype=args.dtype, attention_impl=args.attention_impl,
-                       allow_nonfinite=args.allow_nonfinite)
-    attach_gate_params(args, lm)
+    lm = suite_model(args, dtype=args.dtype, attention_impl=args.attention_impl)
     res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out,
                       lengths=args.lengths, tasks=args.task_names, samples=args.samples, seed=args.seed,
                       protocol=args.protocol, max_new_tokens=args.max_new_tokens, batch=args.batch,

@@ -15,6 +15,7 @@ from kvjax.policies.base import (
     Rule,
     StepOnlyWrites,
 )
+from kvjax.policies.chunkkv import ChunkKV
 from kvjax.policies.compose import (
     EVERY_LAYER,
     ByHead,
@@ -36,6 +37,7 @@ from kvjax.policies.mat import (
     mat_with_sink,
 )
 from kvjax.policies.kvzip import KVzip
+from kvjax.policies.critical import CriticalAdaKV, CriticalKV
 from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.quantized import Quantized
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
@@ -149,6 +151,11 @@ REGISTRY.update({
     "adakv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
     adakv_alpha=0.2: AdaKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel,
                                           pool=pool, group_agg=group_agg), alpha=adakv_alpha),
+    # ChunkKV on SnapKV's score: whole chunks of chunk_length (kvpress's 20) contiguous tokens, ranked by their mean
+    # score summed over the KV heads
+    "chunkkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    chunk_length=20: ChunkKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel,
+                                            pool=pool, group_agg=group_agg), chunk_length=chunk_length),
     "expected-attention": lambda budget, ratio=None, observation_window=0, sinks=4, positions="absolute",
     prefill_mode="full", chunk=None: _scored(ExpectedAttention, budget, ratio, observation_window=observation_window,
                                              sinks=sinks, positions=positions, prefill_mode=prefill_mode, chunk=chunk),
@@ -182,20 +189,31 @@ REGISTRY.update({
     # (`replay`, given by the suites from the model's tokenizer: kvjax.kvzip.replay_prompts)
     "kvzip": lambda budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None: _kvzip(
         ratio, sinks, kvzip_chunk, kvzip_layerwise, replay),
+    # KVzip+: KVzip's replay scores divided by each replay query's input norm and multiplied by the pair's ‖v W_o‖_2
+    "kvzip-plus": lambda budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None: _kvzip(
+        ratio, sinks, kvzip_chunk, kvzip_layerwise, replay, plus=True),
+    # CriticalKV / CriticalAdaKV on SnapKV's score (the Python API wraps any scorer): epsilon 1e-4 and a first stage
+    # of half the count, kvpress's defaults
+    "criticalkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean":
+    CriticalKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool,
+                              group_agg=group_agg)),
+    "critical-adakv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    adakv_alpha=0.2: CriticalAdaKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window,
+                                                  kernel=kernel, pool=pool, group_agg=group_agg), alpha=adakv_alpha),
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus"})
 
 
-def _kvzip(ratio, sinks, chunk, layerwise, replay) -> KVzip:
+def _kvzip(ratio, sinks, chunk, layerwise, replay, plus=False) -> KVzip:
     if ratio is None:
         raise InvalidInput("KVzip evicts a share of all layers' slots together: give ratio (--ratio)")
     if replay is None:
         raise InvalidInput("KVzip's replay prompts are token ids of the model's tokenizer, and this model has none "
                            "(or give replay=kvjax.kvzip.replay_prompts(tokenizer))")
     kw = {k: v for k, v in dict(sinks=sinks, chunk_size=chunk, layerwise=layerwise).items() if v is not None}
-    return KVzip(ratio=ratio, **replay, **kw)
+    return KVzip(ratio=ratio, **replay, **kw, plus=plus)
 
 
 def reduces_to(policy: Policy) -> str | None:
@@ -223,9 +241,10 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
+    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",
+    "CriticalAdaKV", "CriticalKV",
 ]

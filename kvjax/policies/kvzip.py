@@ -16,6 +16,12 @@ and so of a run's identity: `repeat_ids` opens the first chunk's replay, `contin
 chunk's last 8 tokens) the others, `suffix_ids` (the chat template's assistant header, or "\\n") ends both.
 `prefix`: the chat template's tokens before the context, which are not replayed (their scores stay 0, as in
 kvpress, so they are evicted first after the sinks).
+
+KVzip+ (`plus=True`, kvpress's `kvzip_plus_normalization`, from the KVzap paper, arXiv:2601.07891): each replay
+query's probability of a pair is divided by the norm of that query's attention input ‖h‖ and multiplied by
+‖v W_o^i‖_2, the pair's value through the query head's block of the output projection, before the maximum over the
+group's heads and the replay's queries (docs/policies/kvzip-plus.md). The model gives W_o
+(`kvjax.layer.Geometry.out_proj`) and h (`kvjax.layer.attend(..., hidden=)`); one that gives neither is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from kvjax.policies.base import LayerPolicy, StepOnlyWrites
 class KVzip(LayerPolicy, StepOnlyWrites):
     """KVzip at compression `ratio` (the share of all layers' and heads' context slots evicted; per layer with
     `layerwise`), the first `sinks` positions kept, `chunk_size` context tokens per replay; the replay prompts'
-    token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length. See the module."""
+    token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length; `plus`: KVzip+'s
+    scores. See the module."""
 
     ratio: float
     repeat_ids: tuple[int, ...]
@@ -44,6 +51,7 @@ class KVzip(LayerPolicy, StepOnlyWrites):
     chunk_size: int = 2048
     layerwise: bool = False
     prefix: int = 0
+    plus: bool = False  # KVzip+'s normalisation (see the module)
     evicts_while_decoding = False
     chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
                      "prefill (a cache bounded while the prompt is read) never holds")
@@ -79,7 +87,8 @@ class KVzip(LayerPolicy, StepOnlyWrites):
     def describe(self) -> str:
         return (f"KVzip(ratio={self.ratio!r}, sinks={self.sinks}, chunk_size={self.chunk_size}, "
                 f"layerwise={self.layerwise}, prefix={self.prefix}, repeat_ids={list(self.repeat_ids)}, "
-                f"continue_ids={list(self.continue_ids)}, suffix_ids={list(self.suffix_ids)})")
+                f"continue_ids={list(self.continue_ids)}, suffix_ids={list(self.suffix_ids)}"
+                + (", plus=True)" if self.plus else ")"))  # KVzip's description stays what its records are keyed by
 
 
 __all__ = ["KVzip"]

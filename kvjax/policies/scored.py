@@ -461,7 +461,23 @@ class AdaKV(LayerPolicy, PooledRule, StepOnlyWrites):
         return self.scorer.capacity(layer, max_len, prompt_len) - room, room
 
     def prefill(self, layer, cache: PooledLayerCache, k, v, ctx, stats) -> PooledLayerCache:
-        pos = ctx.pos
+        return kvcache.pool_prompt(cache, k, v, ctx.pos, self.keep(layer, k, v, ctx.pos, stats))
+
+    def keep(self, layer, k, v, pos, stats):
+        """Bool `[b, kvh, t]`: the prompt tokens each KV head keeps (`kvh x` the scorer's count per row in all)."""
+        return self._layer_top(*self._safeguarded(layer, k, v, pos, stats))
+
+    @staticmethod
+    def _layer_top(score, real, n_keep):
+        """The layer's `kvh x n_keep` highest `score`s of each row, over all its KV heads (ties: the earlier)."""
+        b, kvh, t = score.shape
+        flat = score.reshape(b, kvh * t)
+        grank = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1).reshape(b, kvh, t)
+        return real & (grank < (kvh * n_keep)[:, None, None])
+
+    def _safeguarded(self, layer, k, v, pos, stats):
+        """`(score, real, n_keep)`: the scorer's score `[b, kvh, t]` (padding -inf, the window above every scored key),
+        each head's `alpha` share of `n_keep` `[b]` raised to the float32 maximum (the safeguard)."""
         sc = self.scorer
         length = jnp.max(pos, axis=1) + 1  # [b]
         p = pos[:, None, :]
@@ -474,11 +490,7 @@ class AdaKV(LayerPolicy, PooledRule, StepOnlyWrites):
         n_safe = jnp.where(n_keep > 0, jnp.maximum(1, jnp.floor(n_keep * self.alpha)), 0).astype(jnp.int32)
         rank = jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1)
         score = jnp.where(real & (rank < n_safe[:, None, None]), jnp.finfo(jnp.float32).max, score)
-        b, kvh, t = score.shape
-        flat = score.reshape(b, kvh * t)
-        grank = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1).reshape(b, kvh, t)
-        keep = real & (grank < (kvh * n_keep)[:, None, None])
-        return kvcache.pool_prompt(cache, k, v, pos, keep)
+        return score, real, n_keep
 
     def step(self, layer, cache: PooledLayerCache, k, v, ctx) -> PooledLayerCache:
         return kvcache.pool_append(cache, k, v, ctx.pos)
