@@ -324,7 +324,7 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
             raise InvalidInput(f"{who} divides each replay query's scores by its input's norm, and this model gives "
                                "none: pass hidden (the attention's input, [b, t, D]) to kvjax.layer.attend")
         h_norm = jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1)  # [b, t]
-        per_query = jnp.where(pos >= 0, 1.0, 0.0)
+        per_query = jnp.where(pos >= 0, 1.0 / jnp.where(pos >= 0, h_norm, 1.0), 0.0)
         weights = (per_query, output_norms(geom, cache.v, {2}, who)[2])
     return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale, weights)
 

@@ -33,6 +33,9 @@ def sdpa_pair(tmp_path_factory):
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
                       attn_implementation="sdpa")  # kvpress's KVzip refuses eager attention
     pt = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # RMSNorm weights of 1 give every attention input the norm sqrt(hidden): KVzip+ divides by it
+        for lay in pt.model.layers:
+            lay.input_layernorm.weight.copy_(1 + 0.5 * torch.randn(cfg.hidden_size))
     path = tmp_path_factory.mktemp("kvzip")
     pt.save_pretrained(path)
     return pt, load(path).model
@@ -228,3 +231,22 @@ def test_non_finite_scores_are_an_error(sdpa_pair, monkeypatch):
     monkeypatch.setattr(attention, "reconstruction_scores", lambda *a: real(*a) * jnp.nan)
     with pytest.raises(NonFiniteError, match="replay of positions 0-99"):
         compressed(model, np.random.RandomState(1).randint(13, 97, T), policy(0.5, chunk_size=128))
+
+
+def test_kvzip_plus_refuses_a_model_without_its_inputs_and_is_registered():
+    """KVzip+ reads each replay query's attention input and the layer's output projection: a model that gives neither
+    (`kvjax.layer.attend(..., hidden=)`, `Geometry.out_proj`) is refused in one line naming what is missing."""
+    from kvjax import layer
+    from kvjax.policies import make_policy, resolve
+
+    pol = policy(0.5, plus=True)
+    assert make_policy("kvzip-plus", ratio=0.5, replay=dict(repeat_ids=REPEAT, continue_ids=CONTINUE,
+                                                            suffix_ids=SUFFIX, prefix=0)) == pol
+    lp = resolve(pol, 1, 2).sized(16, 8).layers[0]
+    cache = layer.init_layer_cache(lp, 1, 2, 8, jnp.float32)
+    geom = layer.Geometry(layer=0, num_heads=4, num_kv_heads=2, head_dim=8, scale=8 ** -0.5)
+    q, kv, pos, span = jnp.ones((1, 4, 4, 8)), jnp.ones((1, 2, 4, 8)), jnp.arange(8, 12)[None], jnp.asarray([[0, 0, 8]])
+    for hidden, missing in ((None, "pass hidden"), (jnp.ones((1, 4, 64)), r"Geometry\.out_proj is None")):
+        with pytest.raises(InvalidInput, match=missing) as e:
+            layer.replay(geom, lp, cache, q, kv, kv, pos, span, plus=True, hidden=hidden)
+        assert "\n" not in str(e.value)
