@@ -35,7 +35,7 @@ from kvjax.cache import AnyLayerCache, HeadwiseCache, LayerCache, PooledLayerCac
 from kvjax.errors import InvalidInput
 from kvjax.masks import Mask
 from kvjax.policies import base as rule_kinds
-from kvjax.policies.base import Context, PooledRule, Rule
+from kvjax.policies.base import Context
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
 from kvjax.stats import NO_STATS, AttentionStats
@@ -101,7 +101,7 @@ def init_cache(plan, batch: int, num_kv_heads: int, head_dim: int, dtype) -> tup
     return tuple(init_layer_cache(lp, batch, num_kv_heads, head_dim, dtype) for lp in plan.layers)
 
 
-def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, Rule, LayerCache]]:
+def rule_groups(plan: LayerPlan, cache: AnyLayerCache) -> list[tuple[list[int] | None, rule_kinds.Rule, LayerCache]]:
     """`[(kv_heads, rule, cache)]` of a layer's plan: its one rule over all its KV heads (`kv_heads` None), or
     each head group's heads, rule and cache. Every function below goes through it."""
     if not plan.split:
@@ -402,7 +402,7 @@ def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, t
     return _poisoned(o, past), cache
 
 
-def _chunk_heads(geom: Geometry, q, k, v, pos, rule: Rule, cache: LayerCache, tokens, mask: Mask):
+def _chunk_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, tokens, mask: Mask):
     ctx = Context(pos, tokens)
     cache = rule.make_room(geom.layer, cache, ctx)
     slot_visible, chunk_visible = rule.chunk_visible(geom.layer, cache, ctx)
@@ -446,7 +446,7 @@ def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     return _poisoned(o, past), cache
 
 
-def _decode_heads(geom: Geometry, q, k, v, pos, rule: Rule, cache: LayerCache, mask: Mask, tokens=None):
+def _decode_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, mask: Mask, tokens=None):
     b, kvh = k.shape[:2]
     rolling = rule.position_mode(geom.layer) == "rolling"
     k_store = k if rolling else geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
@@ -470,7 +470,7 @@ def _decode_heads(geom: Geometry, q, k, v, pos, rule: Rule, cache: LayerCache, m
     return o, rule.observe(geom.layer, cache, ctx, stats)
 
 
-def _decode_pooled(geom: Geometry, rule: PooledRule, cache: PooledLayerCache, q, k, v, pos, tokens=None):
+def _decode_pooled(geom: Geometry, rule: rule_kinds.PooledRule, cache: PooledLayerCache, q, k, v, pos, tokens=None):
     """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in its decode
     slots, and each KV head's queries attend the slots it owns (`attention.pooled_decode_attention`)."""
     if rule.stats(geom.layer).decode:
@@ -490,7 +490,7 @@ def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
             and plan.rule.position_mode(geom.layer) == "absolute" and geom.mask().plain)
 
 
-def _decode_codes(geom: Geometry, rule: Rule, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
+def _decode_codes(geom: Geometry, rule: rule_kinds.Rule, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
     """A decode step that never dequantizes the layer's cache as a whole: the rule places the token from the
     slots' positions and statistics (its keys and values are placeholders it only writes to, which XLA drops),
     `quant.write_token` stores that one token, `quant.attend` reads the codes block by block, and the rule
