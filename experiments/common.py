@@ -239,6 +239,7 @@ NO_BUDGET_WHY = {
     "full": "full keeps every token",
     "kvzip": "kvzip evicts --ratio of all layers' slots together",
     "kvzip-plus": "kvzip-plus evicts --ratio of all layers' slots together",
+    "kvgrad": "kvgrad evicts --ratio of all layers' slots together",
     "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
     "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
     "duo": "duo's streaming heads keep --sinks + --recent tokens and its other heads everything",

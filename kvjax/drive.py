@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
-from kvjax import layer
+from kvjax import attention, layer
 from kvjax import step as steps
 from kvjax.cache import Cache
 from kvjax.model import CachedLM
@@ -154,6 +154,30 @@ def replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     return model(tokens, positions, tuple((c, span) for c in cache), steps.Replay(plan, plus))[1]
 
 
+def grad_replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
+                span: Int[Array, "b 3"]) -> tuple[Float[Array, "b kvh c"], ...]:
+    """KVgrad's replay (`kvjax.kvzip`, `kvjax.policies.KVgrad`): `replay`'s extension of the read-only `cache`, then one
+    backward pass (`jax.vjp` of the forward, nothing but each layer's zero `tap` differentiated, the weights and the
+    cache constant) of Φ = Σ_p ‖h_p^L‖² over the replay's last hidden states: per layer, each slot of the chunk `span`
+    scored max over the replay's queries p and the group's query heads i of A_{p,c} ‖v_c W_o^i‖_2 ‖∂Φ/∂a_p‖_2
+    (`attention.reconstruction_scores` with those factors), a_p the layer's attention output after W_o."""
+    b, t = tokens.shape
+    step = steps.GradReplay(plan)
+
+    def forward(taps):
+        return model(tokens, positions, tuple((c, span, tap) for c, tap in zip(cache, taps)), step)
+
+    taps = tuple(jnp.zeros((b, t), jnp.float32) for _ in cache)
+    logits, pullback, parts = jax.vjp(forward, taps, has_aux=True)
+    (grad_norms,) = pullback(jnp.zeros_like(logits))  # `GradReplay.select` puts Φ's gradient in
+    out = []
+    for c, (q, k, out_norms, scale), grad_norm in zip(cache, parts, grad_norms):
+        c = layer.read(c, positions)
+        per_query = jnp.where(positions >= 0, grad_norm, 0.0)
+        out.append(attention.reconstruction_scores(q, k, positions, c.k, c.pos, span, scale, (per_query, out_norms)))
+    return tuple(out)
+
+
 def shrink(model: CachedLM, plan: Plan, cache: Cache, max_len: int, prompt_len: int) -> tuple[Plan, Cache]:
     """After a prompt of `prompt_len` (padded) tokens under `plan` (sized for `max_len`): a policy that sizes its cache
     from what the prompt kept (the Attention-Gate) cuts the cache on the host. Returns the plan of the cut cache
@@ -176,5 +200,5 @@ def equal_bytes_budget(model: CachedLM, policy: Policy, prompt_len: int, new_tok
     return max(1, kvcache.num_slots(cache) // (model.cfg.num_layers * model.cfg.num_kv_heads))
 
 
-__all__ = ["chunk", "decode", "empty_cache", "equal_bytes_budget", "extend", "forward", "logits", "plan", "probe", "prompt", "replay", "shared",
+__all__ = ["chunk", "decode", "empty_cache", "equal_bytes_budget", "extend", "forward", "grad_replay", "logits", "plan", "probe", "prompt", "replay", "shared",
            "shrink", "size_rows", "stream"]

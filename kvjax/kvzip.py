@@ -13,6 +13,10 @@ Cost: a row's replays read about `context + chunks x (prompt + suffix)` tokens a
 so KVzip's prefill is about twice the prompt pass plus the replay's attention to the whole context (kvpress's
 warning: "2-3 times the initial prefilling cost"); `benchmarks/results/kvzip_cpu_smollm2.md`: the replay takes
 2.5-2.9x the prompt pass on SmolLM2 at 1K-4K tokens.
+
+KVgrad (`kvjax.policies.KVgrad`) replays the same chunks through `kvjax.drive.grad_replay`: each replay is one
+forward and one backward pass (`jax.vjp`), one compiled program per replay length as KVzip's; its activations, and
+so its peak memory, are those of one replay (the chunk, its prompt and their attention to the cached context).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvjax import drive, engine
 from kvjax.cache import Cache, LayerCache
 from kvjax.engine import compiled
 from kvjax.errors import InvalidInput, NonFiniteError
-from kvjax.policies.kvzip import KVzip
+from kvjax.policies.kvzip import KVgrad, KVzip
 
 POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
 # Replays are padded to a multiple of this many tokens: a power-of-two bucket would double a 2048-token chunk's
@@ -75,6 +79,11 @@ def replay_fn(model, tokens, positions, cache, span, *, plan, plus=False):
     return drive.replay(model, tokens, positions, cache, plan, span, plus)
 
 
+@compiled(static=("plan",))
+def grad_replay_fn(model, tokens, positions, cache, span, *, plan):
+    return drive.grad_replay(model, tokens, positions, cache, plan, span)
+
+
 def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: int = 0) -> np.ndarray:
     """`[layers, kv_heads, len(context)]`: the KVzip score of each context position of batch row `row`, after
     all replays (sinks not yet raised). The cache is read only."""
@@ -89,11 +98,15 @@ def scores(model, cache: Cache, plan, context: list[int], policy: KVzip, row: in
         tokens[0, :n] = ids
         positions[0, :n] = len(context) + np.arange(n)  # right padded, as `extend` takes a chunk
         span = np.asarray([[min(policy.sinks, start), start, end]], np.int32)
-        got = replay_fn.pure(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), layers,
-                             jnp.asarray(span), plan=plan, plus=policy.plus)
+        args = (graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), layers, jnp.asarray(span))
+        if isinstance(policy, KVgrad):  # one forward and one backward pass
+            got = grad_replay_fn.pure(*args, plan=plan)
+        else:
+            got = replay_fn.pure(*args, plan=plan, plus=policy.plus)
         got = np.stack([np.asarray(x[0], np.float32) for x in got])  # [L, kvh, c] by slot
         if not np.all(np.isfinite(got)):  # a NaN would sort anywhere and evict silently
-            raise NonFiniteError(f"KVzip: non-finite reconstruction scores in the replay of positions {start}-{end - 1}")
+            raise NonFiniteError(f"{type(policy).__name__}: non-finite reconstruction scores in the replay of positions "
+                                 f"{start}-{end - 1}")
         total = got if total is None else total + got  # a slot belongs to one chunk: 0 elsewhere
     out = np.zeros((len(layers), layers[0].pos.shape[1], len(context)), np.float32)
     if total is None:
@@ -135,7 +148,7 @@ def compress(model, cache: Cache, plan, prompts: list[list[int]], memo: dict | N
         raise InvalidInput("KVzip: every layer must hold one cache array (no head groups, no quantized cache)")
     memo = {} if memo is None else memo
     # what the scores depend on (the sinks are in each replay's softmax)
-    replay = (policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
+    replay = (type(policy), policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
               policy.suffix_ids, policy.plus)
     pos = [np.array(lc.pos) for lc in cache]
     for row, context in enumerate(prompts):

@@ -329,6 +329,50 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
     return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale, weights)
 
 
+@jax.custom_vjp
+def _gradient_tap(o, tap, out_proj):
+    return o
+
+
+def _gradient_tap_fwd(o, tap, out_proj):
+    return o, out_proj
+
+
+def _gradient_tap_bwd(out_proj, g):
+    """`g` = ∂Φ/∂o `[b, h, t, d]` passes on; `tap`'s cotangent is ‖∂Φ/∂a‖ `[b, t]`, a = o W_o the attention's output
+    after the projection: ∂Φ/∂o = ∂Φ/∂a W_oᵀ, solved for ∂Φ/∂a (W_o `[h d, D]` of rank D)."""
+    b, h, t, d = g.shape
+    w = out_proj.reshape(h * d, -1).astype(jnp.float32)
+    rhs = g.transpose(0, 2, 1, 3).reshape(b * t, h * d).astype(jnp.float32).T  # [h d, b t] = W (∂Φ/∂a)ᵀ
+    with jax.default_matmul_precision("float32"):
+        if w.shape[0] != w.shape[1]:  # more rows than columns: the normal equations
+            rhs, w = w.T @ rhs, w.T @ w
+        grad_a = jnp.linalg.solve(w, rhs)  # [D, b t]
+    return g, jnp.linalg.norm(grad_a, axis=0).reshape(b, t), None
+
+
+_gradient_tap.defvjp(_gradient_tap_fwd, _gradient_tap_bwd)
+
+
+def grad_replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, tap):
+    """`extend` for KVgrad's replay (`kvjax.drive.grad_replay`): the output, through which the backward pass writes
+    each replay query's ‖∂Φ/∂a‖ into `tap`'s cotangent (a: the layer's attention output after W_o), and what the
+    scores are made of once it has: the replay's rotated queries and keys, each cached slot's ‖v W_o^i‖_2 per query
+    head, the softmax scale. A padding query's output is zero, so nothing it computes reaches a real one's gradient."""
+    if not geom.mask().plain:
+        raise InvalidInput("KVgrad's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
+    who = plan.describe()
+    norms = output_norms(geom, read(cache, pos).v, {2}, who)[2]  # refuses a model without out_proj
+    w = jnp.asarray(geom.out_proj)
+    if geom.num_heads * geom.head_dim < w.shape[-1]:
+        raise InvalidInput(f"{who}: the gradient of the attention's output after W_o ({w.shape[-1]} wide) cannot be "
+                           f"recovered through W_o from its {geom.num_heads * geom.head_dim}-wide input's")
+    o = extend(geom, plan, cache, q, k, v, pos)
+    o = _gradient_tap(jnp.where((pos >= 0)[:, None, :, None], o, 0), tap, jax.lax.stop_gradient(w))
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    return o, (q_rot, k_rot, norms, jnp.asarray(geom.scale, jnp.float32))
+
+
 # ---- a plan's sizes: a rule that keeps every token never evicts one ------------------------------------
 
 
@@ -556,11 +600,14 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
     if isinstance(step, steps.Replay):
         cache, span = carry
         return replay(geom, step.plan.layers[i], cache, q, k, v, pos, span, plus=step.plus, hidden=hidden)
+    if isinstance(step, steps.GradReplay):
+        cache, span, tap = carry
+        return grad_replay(geom, step.plan.layers[i], cache, q, k, v, pos, tap)
     if isinstance(step, steps.Extend):
         lp = step.plan.layers[i]
         return extend(geom, lp, carry, q, k, v, pos, lp.prompt_mask(Context(pos, tokens))), carry
     raise InvalidInput(f"kvjax.layer.attend: {step!r} is not a kvjax.step")
 
 
-__all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "init_cache", "init_layer_cache", "prefill",
+__all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "grad_replay", "init_cache", "init_layer_cache", "prefill",
            "prefill_shared", "output_norms", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

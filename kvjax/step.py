@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from kvjax.errors import InvalidInput
@@ -144,4 +145,37 @@ class Replay(Extend):
     last = True
 
 
-__all__ = ["Chunk", "Extend", "Forward", "Probe", "Prompt", "Replay", "Shared", "Step", "Token"]
+@jax.custom_vjp
+def _objective(x):
+    return x[:, -1]
+
+
+def _objective_fwd(x):
+    return x[:, -1], x
+
+
+def _objective_bwd(x, _):
+    # Φ = Σ_p ‖x_p‖² over every replay position (in float32, as kvpress sums it): its gradient replaces whatever
+    # reaches the logits, so the forward's vjp, whatever its cotangent, is Φ's gradient
+    return ((2 * x.astype(jnp.float32)).astype(x.dtype),)
+
+
+_objective.defvjp(_objective_fwd, _objective_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReplay(Extend):
+    """KVgrad's replay (`kvjax.drive.grad_replay`): an `Extend` whose carry entries are `(cache, span, tap)` in (`tap`
+    `[b, t]` float32 zeros, whose cotangent is each replay query's ‖∂Φ/∂(attention output after W_o)‖) and
+    `(q, k, out_norms, scale)` out (the replay's rotated queries and keys, each slot's ‖v W_o^i‖_2 `[b, kvh, g, c]`,
+    the layer's softmax scale), from which the scores are made once the backward pass has run. `select` gives the
+    model the last position's hidden state and, backwards, Φ = Σ_p ‖h_p^L‖²'s gradient 2 h^L at every position."""
+
+    last = True
+
+    def select(self, x: Float[Array, "b t D"]) -> Float[Array, "b D"]:
+        """The last position's hidden states; backwards, Φ's gradient 2x at every position (the logits' ignored)."""
+        return _objective(x)
+
+
+__all__ = ["Chunk", "Extend", "Forward", "GradReplay", "Probe", "Prompt", "Replay", "Shared", "Step", "Token"]

@@ -36,7 +36,7 @@ from kvjax.policies.mat import (
     mat_with_anchor,
     mat_with_sink,
 )
-from kvjax.policies.kvzip import KVzip
+from kvjax.policies.kvzip import KVgrad, KVzip
 from kvjax.policies.critical import CriticalAdaKV, CriticalKV
 from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.quantized import Quantized
@@ -192,6 +192,10 @@ REGISTRY.update({
     # KVzip+: KVzip's replay scores divided by each replay query's input norm and multiplied by the pair's ‖v W_o‖_2
     "kvzip-plus": lambda budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None: _kvzip(
         ratio, sinks, kvzip_chunk, kvzip_layerwise, replay, plus=True),
+    # KVgrad: KVzip's replay probabilities times ‖v W_o‖_2 times the norm of the gradient of the replay's last hidden
+    # states' squared norm w.r.t. each query's attention output; --kvzip-chunk defaults to 512 (kvpress's KVgradPress)
+    "kvgrad": lambda budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None: _kvzip(
+        ratio, sinks, kvzip_chunk, kvzip_layerwise, replay, kind=KVgrad),
     # CriticalKV / CriticalAdaKV on SnapKV's score (the Python API wraps any scorer): epsilon 1e-4 and a first stage
     # of half the count, kvpress's defaults
     "criticalkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean":
@@ -203,17 +207,17 @@ REGISTRY.update({
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus", "kvgrad"})
 
 
-def _kvzip(ratio, sinks, chunk, layerwise, replay, plus=False) -> KVzip:
+def _kvzip(ratio, sinks, chunk, layerwise, replay, plus=False, kind=KVzip) -> KVzip:
     if ratio is None:
         raise InvalidInput("KVzip evicts a share of all layers' slots together: give ratio (--ratio)")
     if replay is None:
         raise InvalidInput("KVzip's replay prompts are token ids of the model's tokenizer, and this model has none "
                            "(or give replay=kvjax.kvzip.replay_prompts(tokenizer))")
     kw = {k: v for k, v in dict(sinks=sinks, chunk_size=chunk, layerwise=layerwise).items() if v is not None}
-    return KVzip(ratio=ratio, **replay, **kw, plus=plus)
+    return kind(ratio=ratio, **replay, **kw, **({"plus": True} if plus else {}))
 
 
 def reduces_to(policy: Policy) -> str | None:
@@ -242,7 +246,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 __all__ = [
     "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
-    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
+    "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVgrad", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",

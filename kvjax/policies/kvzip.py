@@ -91,4 +91,28 @@ class KVzip(LayerPolicy, StepOnlyWrites):
                 + (", plus=True)" if self.plus else ")"))  # KVzip's description stays what its records are keyed by
 
 
-__all__ = ["KVzip"]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVgrad(KVzip):
+    """KVgrad (kvpress 0.5.5's `KVgradPress`, https://openreview.net/forum?id=cg1wTCJjjk): KVzip's replay, each pair
+    scored by input x gradient attribution, max over the replay's queries p and the group's query heads i of
+    A_{p,c} ‖v_c W_o^i‖_2 ‖∂Φ/∂a_p‖_2, where A is KVzip's reconstruction probability, a_p the layer's attention output
+    (after W_o) at replay query p and Φ = Σ_p ‖h_p^L‖² over the replay's last hidden states (before the final norm);
+    one forward and one backward pass (`jax.vjp`) per replay of `chunk_size` context tokens
+    (`kvjax.drive.grad_replay`). The model gives W_o (`kvjax.layer.Geometry.out_proj`, of rank hidden: the gradient
+    of a_p is recovered from the gradient of the attention's output before W_o); one that gives none is refused.
+    Eviction, sinks, `layerwise`, the replay prompts and the refusal of a chunked prefill are KVzip's. See
+    docs/policies/kvgrad.md."""
+
+    chunk_size: int = 512  # kvpress 0.5.5's KVgradPress default (KVzipPress: 2048)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.plus:
+            raise InvalidInput("KVgrad always weighs the replay's probabilities by ‖v W_o‖ and by the gradient's norm: "
+                               "KVzip+'s normalisation (plus=True) does not apply (kvpress's KVgradPress has none)")
+
+    def describe(self) -> str:
+        return "KVgrad" + super().describe()[len("KVzip"):]
+
+
+__all__ = ["KVgrad", "KVzip"]
