@@ -102,8 +102,11 @@ def _one_of_each_policy():
         H2O, KNorm, KVzip, PyramidKV, RazorAttention, SlimKV, SnapKV, TOVA, AdaKV, AnchorCache, ExpectedAttention,
         GateEviction, KeyDiff, LocalWindow, ObservedAttention, Recompress)
     from kvjax.policies.anllm import AnchorReduction
+    from kvjax.policies.chunkkv import ChunkKV
     from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
+    from kvjax.policies.critical import CriticalAdaKV, CriticalKV
     from kvjax.policies.duo import DuoAttention
+    from kvjax.policies.kvzip import KVgrad
     from kvjax.policies.razor import CompensatedWindow
 
     snap = SnapKV(budget=64)
@@ -116,7 +119,8 @@ def _one_of_each_policy():
             LocalWindow(size=16), StreamingLLM(budget=16), snap,
             PyramidKV(budget=64, observation_window=4, beta=2, num_layers=2), SlimKV(budget=64),
             ObservedAttention(budget=16), TOVA(budget=16), KNorm(budget=16), ExpectedAttention(budget=16),
-            KeyDiff(budget=16), AdaKV(scorer=snap)]
+            KeyDiff(budget=16), AdaKV(scorer=snap), CriticalKV(scorer=snap), CriticalAdaKV(scorer=snap),
+            ChunkKV(scorer=snap), KVgrad(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=())]
 
 
 def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
