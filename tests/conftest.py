@@ -41,6 +41,29 @@ if not jax.config.jax_compilation_cache_dir:
 settings.register_profile("no_shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
+def sdpa_llama(path, *, seed: int, input_norm_noise: float = 0.0):
+    """kvpress's test model: a random GQA Llama (hidden 64, 3 layers, 8 query heads on 2 KV heads of size 8) with SDPA
+    attention (kvpress's head-wise presses and KVzip refuse eager attention), saved to `path`: (transformers' model,
+    kvjax's). `input_norm_noise`: the attention norms' weights drawn around 1 (weights of 1 give every attention input
+    the norm sqrt(hidden), which KVzip+ divides by)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models import load
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
+                      attn_implementation="sdpa")
+    pt = LlamaForCausalLM(cfg).eval()
+    if input_norm_noise:
+        with torch.no_grad():
+            for lay in pt.model.layers:
+                lay.input_layernorm.weight.copy_(1 + input_norm_noise * torch.randn(cfg.hidden_size))
+    pt.save_pretrained(path)
+    return pt, load(path).model
+
+
 def hf_llama(path, *, seed=0, init_range=0.1, **overrides):
     """A random `transformers` LlamaForCausalLM saved to `path`; returns (torch model, path)."""
     torch = pytest.importorskip("torch")

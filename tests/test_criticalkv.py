@@ -14,8 +14,7 @@ from kvjax.cache import kept_sets
 from kvjax.errors import InvalidInput
 from kvjax.policies import KNorm, SnapKV, make_policy, resolve
 from kvjax.policies.critical import CriticalAdaKV, CriticalKV
-from models import load
-from tests.conftest import left_pad, stepper
+from tests.conftest import left_pad, sdpa_llama, stepper
 
 torch = pytest.importorskip("torch")
 kvpress = pytest.importorskip("kvpress")
@@ -25,17 +24,7 @@ T, WINDOW, KERNEL = 100, 16, 5
 
 @pytest.fixture(scope="module")
 def sdpa_pair(tmp_path_factory):
-    """A GQA Llama (8 query heads on 2 KV heads) with SDPA attention (kvpress's head-wise presses refuse eager)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
-                      attn_implementation="sdpa")
-    pt = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("criticalkv")
-    pt.save_pretrained(path)
-    return pt, load(path).model
+    return sdpa_llama(tmp_path_factory.mktemp("criticalkv"), seed=3)
 
 
 def scorers(ratio):

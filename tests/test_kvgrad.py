@@ -13,7 +13,7 @@ from kvjax.cache import kept_sets
 from kvjax.errors import InvalidInput
 from kvjax.policies import KVgrad, KVzip
 from tests.conftest import left_pad, stepper
-from tests.test_kvzip import CONTINUE, REPEAT, SUFFIX, T, sdpa_pair  # noqa: F401  (the fixture)
+from tests.test_kvzip import CONTINUE, REPEAT, SUFFIX, T, sdpa_pair, stub_replay_tokenizer  # noqa: F401  (the fixture)
 
 RTOL = 1e-4  # kvjax's scores against kvpress's: float32, summed in another order (and ∂Φ/∂a solved through W_o)
 
@@ -39,19 +39,9 @@ def test_scores_kept_positions_and_next_logits_match_kvpress(sdpa_pair, monkeypa
     from transformers import DynamicCache
 
     import kvpress
-    from kvpress.presses import kvzip_press
 
     pt, model = sdpa_pair
-    texts = {"": [], "\n": SUFFIX, "\n\nRepeat the previous context exactly.": REPEAT,
-             "\n\nRepeat the part of the previous context exactly, starting with": CONTINUE}
-
-    class Tokenizer:
-        chat_template = None
-
-        def encode(self, text, return_tensors=None, add_special_tokens=False):
-            return torch.tensor([texts[text]], dtype=torch.long)
-
-    monkeypatch.setattr(kvzip_press.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    stub_replay_tokenizer(monkeypatch)
     press = kvpress.KVgradPress(compression_ratio=ratio, chunk_size=chunk, layerwise=layerwise)
     theirs_scores = []
     real_post = type(press).compress_post

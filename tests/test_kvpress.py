@@ -16,7 +16,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
 from kvjax.policies import TOVA, ExpectedAttention, KeyDiff, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
 from models import load
-from tests.conftest import left_pad, stepper
+from tests.conftest import left_pad, sdpa_llama, stepper
 
 torch = pytest.importorskip("torch")
 kvpress = pytest.importorskip("kvpress")
@@ -98,17 +98,7 @@ def test_kept_positions_and_next_logits_match_kvpress(model_pair, name):
 
 @pytest.fixture(scope="module")
 def sdpa_pair(tmp_path_factory):
-    """A GQA Llama with SDPA attention (kvpress's head-wise presses refuse eager attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
-                      attn_implementation="sdpa")
-    pt = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("kvpress_sdpa")
-    pt.save_pretrained(path)
-    return pt, load(path).model
+    return sdpa_llama(tmp_path_factory.mktemp("kvpress_sdpa"), seed=1)
 
 
 def test_duo_attention_kept_positions_match_kvpress_for_a_fixed_pattern(sdpa_pair):

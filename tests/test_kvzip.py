@@ -11,8 +11,7 @@ from kvjax import kvzip
 from kvjax.cache import kept_sets
 from kvjax.errors import InvalidInput
 from kvjax.policies import KVzip
-from models import load
-from tests.conftest import compile_log, left_pad, stepper
+from tests.conftest import compile_log, left_pad, sdpa_llama, stepper
 from kvjax import drive
 
 T = 100
@@ -25,20 +24,25 @@ def policy(ratio, **kw):
 
 @pytest.fixture(scope="module")
 def sdpa_pair(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return sdpa_llama(tmp_path_factory.mktemp("kvzip"), seed=1, input_norm_noise=0.5)
 
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
-                      attn_implementation="sdpa")  # kvpress's KVzip refuses eager attention
-    pt = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # RMSNorm weights of 1 give every attention input the norm sqrt(hidden): KVzip+ divides by it
-        for lay in pt.model.layers:
-            lay.input_layernorm.weight.copy_(1 + 0.5 * torch.randn(cfg.hidden_size))
-    path = tmp_path_factory.mktemp("kvzip")
-    pt.save_pretrained(path)
-    return pt, load(path).model
+
+def stub_replay_tokenizer(monkeypatch):
+    """kvpress's KVzip family loads the model's tokenizer for its replay prompts: a stub that gives this file's ids
+    (`REPEAT`, `CONTINUE`, `SUFFIX`) for kvpress's texts, no chat template."""
+    import torch
+    from kvpress.presses import kvzip_press
+
+    texts = {"": [], "\n": SUFFIX, "\n\nRepeat the previous context exactly.": REPEAT,
+             "\n\nRepeat the part of the previous context exactly, starting with": CONTINUE}
+
+    class Tokenizer:
+        chat_template = None
+
+        def encode(self, text, return_tensors=None, add_special_tokens=False):
+            return torch.tensor([texts[text]], dtype=torch.long)
+
+    monkeypatch.setattr(kvzip_press.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
 
 
 def compressed(model, ids, pol, bucket=128):
@@ -62,19 +66,9 @@ def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkey
     from transformers import DynamicCache
 
     import kvpress
-    from kvpress.presses import kvzip_press
 
     pt, model = sdpa_pair
-    texts = {"": [], "\n": SUFFIX, "\n\nRepeat the previous context exactly.": REPEAT,
-             "\n\nRepeat the part of the previous context exactly, starting with": CONTINUE}
-
-    class Tokenizer:
-        chat_template = None
-
-        def encode(self, text, return_tensors=None, add_special_tokens=False):
-            return torch.tensor([texts[text]], dtype=torch.long)
-
-    monkeypatch.setattr(kvzip_press.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    stub_replay_tokenizer(monkeypatch)
     ids = np.random.RandomState(9).randint(13, 97, T + 1)
     press = kvpress.KVzipPress(compression_ratio=ratio, chunk_size=chunk, layerwise=layerwise,
                                kvzip_plus_normalization=plus)
