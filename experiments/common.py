@@ -285,10 +285,13 @@ def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_la
     return driver.labels(names), policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
 
 
-def suite_model(args: argparse.Namespace, **load):
+def suite_model(args: argparse.Namespace, *, check=None, **load):
     """The model of a suite's command line: --model (the default model without it) loaded with `load` and
-    --allow-nonfinite, with --gate-params attached."""
+    --allow-nonfinite, `check(lm)` run (a suite's own checks of its options against the model, reported before
+    the gates'), with --gate-params attached."""
     lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite, **load)
+    if check is not None:
+        check(lm)
     attach_gate_params(args, lm)
     return lm
 

@@ -12,10 +12,11 @@ command line, the flag (`--lengths 9`).
     result = passkey.suite(lm, driver.resolve_policies("full,streaming", budget=256), "results/pk")
     result.summary["streaming"]          # {length: {depth: accuracy}}
 
-The steps every suite shares live here: `open_records` (the identity of OUT is the model as loaded
-plus the suite's options that change a result, so a rerun resumes and another configuration is
-refused), `cells` (the loop over what is not yet recorded, with progress) and `finish` (the
-tables, written atomically, returned typed).
+A suite declares a `Suite` (its cells, a cell's record id, how a batch of cells runs, how the records
+become tables and plots) and hands it to `run_suite`, which does the steps every suite shares: `claim`
+(the identity of OUT is the model as loaded plus the suite's options that change a result, so a
+rerun resumes and another configuration is refused), `fill` (the cells not yet recorded, with
+progress) and `finish` (the tables, written atomically, returned typed).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
 __all__ = [
-    "ArgumentError", "Suite", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "batches", "build_policy",
-    "call", "cells", "check_names", "claim", "fill", "finish", "kvzip_replay", "labelled", "labels", "load_model", "open_records",
-    "policy_options", "positive", "resolve_policies", "run_suite", "width_label",
+    "ArgumentError", "InMemory", "Suite", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "batches",
+    "build_policy", "call", "check_names", "claim", "fill", "finish", "kvzip_replay", "labelled", "labels",
+    "load_model", "open_records", "policy_options", "positive", "resolve_policies", "run_suite", "width_label",
 ]
 
 
@@ -271,35 +272,60 @@ def open_records(out: str | Path, lm, log: str, options: Mapping[str, Any], *, k
 class Suite:
     """What a suite declares; `run_suite` does the rest (identity, locking, resume, progress, tables).
 
-    `cells` are every cell of the run in order, `record_id(cell)` the key of its record in OUT/`log`;
-    `batches(todo)` groups the cells not yet recorded into the calls of `run`, each returning the
-    records of its cells (in the order they are kept); `report(log)` turns the records into
-    (markdown, JSON summary, figures). Cells sharing a record id are computed once."""
+    `cells` are every cell of the run in order (or a function giving them, called once OUT is claimed:
+    cells whose making writes into OUT, as RULER's samples), `record_id(cell)` the key of its record in
+    OUT/`log`; `batches(todo)` groups the cells not yet recorded into the calls of `run`, each returning
+    the records of its cells (in the order they are kept); `report(log)` turns the records into
+    (markdown, JSON summary, figures). Cells sharing a record id are computed once. `log=None`: the suite
+    keeps its records itself (LongBench's predictions per policy and dataset), so every cell runs and its
+    record is kept in memory for `report`."""
 
     name: str
-    log: str
-    cells: Sequence[Any]
+    log: str | None
+    cells: Sequence[Any] | Callable[[], Sequence[Any]]
     record_id: Callable[[Any], str]
     run: Callable[[list], Iterable[dict]]
     report: Callable[[ResultLog], tuple[str, Mapping[str, Any], Sequence[Path]]]
     batches: Callable[[list], Iterable[list]] = lambda todo: ([c] for c in todo)
 
 
-def run_suite(suite: Suite, out: str | Path, lm, options: Mapping[str, Any], policies: Mapping[str, Policy | str], *,
+def run_suite(suite: Suite, out: str | Path, lm, options: Mapping[str, Any],
+              policies: Mapping[str, Policy | str] | Callable[[], Mapping[str, Policy | str]], *,
               progress: bool = True, **identity) -> SuiteResult:
     """Claims `out` (`claim`: this configuration's, locked; `identity` as `claim`'s keywords), runs the
     cells of `suite` without a record in OUT/`suite.log` with a progress bar, and writes its tables
-    (`finish`)."""
-    log = open_records(out, lm, suite.log, options, **identity)
+    (`finish`). `policies` may be a function giving them once the cells are made (RULER's labels, which
+    depend on each cell's prompt room)."""
+    if suite.log is None:
+        claim(out, lm, options, **identity)
+        log = InMemory()
+    else:
+        log = open_records(out, lm, suite.log, options, **identity)
     fill(suite, log, progress)
     table, summary, figures = suite.report(log)
-    return finish(suite.name, out, table, summary, policies, figures)
+    return finish(suite.name, out, table, summary, policies() if callable(policies) else policies, figures)
 
 
-def fill(suite: Suite, log: ResultLog, progress: bool = True) -> None:
+class InMemory:
+    """The records of a suite that keeps its own on disk (`Suite.log` None), keyed by "id"."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def __contains__(self, key) -> bool:
+        return False  # the suite resumes itself: every cell runs
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.records.values())
+
+    def add(self, record: dict) -> None:
+        self.records[str(record["id"])] = record
+
+
+def fill(suite: Suite, log: ResultLog | InMemory, progress: bool = True) -> None:
     """Adds to `log` the record of each cell of `suite` it lacks, with a progress bar over them."""
     todo, ids = [], set()
-    for c in suite.cells:
+    for c in suite.cells() if callable(suite.cells) else suite.cells:
         if (rid := suite.record_id(c)) not in log and rid not in ids:
             todo.append(c)
             ids.add(rid)
@@ -325,11 +351,6 @@ def batches(todo: Sequence, size: int, group: Callable[[Any], Any] = lambda c: N
         batch.append(c)
     if batch:
         yield batch
-
-
-def cells(todo: Sequence, desc: str, progress: bool = True) -> tqdm:
-    """The loop over the cells not yet recorded, with a progress bar."""
-    return tqdm(todo, desc=desc, disable=not progress)
 
 
 def finish(suite: str, out: str | Path, table: str, summary: Mapping[str, Any], policies: Mapping[str, Policy | str],

@@ -124,21 +124,25 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
             raise driver.ArgumentError(
                 f"lengths={too_long} + new={new} exceed max_position_embeddings={n} under {lab} (rolling positions "
                 "with prefill_mode=stream or chunked lift the limit)")
-    log = driver.open_records(out, lm, "cells.jsonl", {"new": new, "batch": batch, "repeats": repeats})
     dtype, impl = lm.load_options.get("dtype", "float32"), lm.load_options.get("attention_impl", "xla")
-    rows = []
-    for L in driver.cells(lengths, "context lengths", progress):
-        prompts = np.random.default_rng(L).integers(4, cfg.vocab_size, (batch, L)).tolist()
-        for lab, pol in policies.items():
-            rid = f"{lm.path}|{dtype}|{impl}|{pol.describe()}|{L}|{batch}|{new}"
-            if rid not in log:  # a rerun keeps the cells already timed
-                log.add({"id": rid, "policy": pol.describe(), "length": L,
-                         **time_policy(lm.model, prompts, pol, new, repeats)})
-            rows.append(log.records[rid] | {"label": lab})
-    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": shown(lm.path), "batch": batch,
-            "new": new, "dtype": dtype}
-    table, summary, figures = write_report(Path(out), rows, meta)
-    return driver.finish("efficiency", out, table, summary, policies, figures)
+    rid = lambda cell: f"{lm.path}|{dtype}|{impl}|{policies[cell[1]].describe()}|{cell[0]}|{batch}|{new}"  # noqa: E731
+    prompts = lambda L: np.random.default_rng(L).integers(4, cfg.vocab_size, (batch, L)).tolist()  # noqa: E731
+
+    def run(cell: list) -> list[dict]:
+        (L, lab), = cell
+        pol = policies[lab]
+        return [{"id": rid((L, lab)), "policy": pol.describe(), "length": L,
+                 **time_policy(lm.model, prompts(L), pol, new, repeats)}]
+
+    def report(log):
+        rows = [log.records[rid(cell)] | {"label": cell[1]} for cell in cells]
+        meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "model": shown(lm.path), "batch": batch,
+                "new": new, "dtype": dtype}
+        return write_report(Path(out), rows, meta)
+
+    cells = [(L, lab) for L in lengths for lab in policies]  # a rerun keeps the cells already timed
+    return driver.run_suite(driver.Suite("efficiency", "cells.jsonl", cells, rid, run, report), out, lm,
+                            {"new": new, "batch": batch, "repeats": repeats}, policies, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,19 +200,34 @@ def suite(lm, policies, out, *, data: str | None = None, items: int | None = Non
     task = data or f"builtin(items={items}, seed={seed}" + (f", facts={facts})" if facts != 4 else ")")
     policies = driver.labelled(policies)
     # records are keyed by policy, so the policies (and --ratios) may grow across reruns
-    log = driver.open_records(out, lm, "items.jsonl", {"data": data, "items": items, "seed": seed,
-                                                       "facts": facts, "scoring": scoring}, files=("data",))
-    summary = {}
-    for lab, pol in policies.items():
-        ids = [f"{task}|{pol.describe()}|{i}" for i in range(len(rows))]
-        for rid, row in driver.cells(list(zip(ids, rows)), f"zeroshot {lab}", progress):
-            if rid not in log:
-                log.add({"id": rid, "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, row, pol, scoring)})
-        recs = [log.records[r] for r in ids]
-        shares = [r.get("kv_share") for r in recs]
-        summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
-                        "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs),
-                        "kv_share": None if None in shares else float(np.mean(shares))}
+    rid = lambda cell: f"{task}|{policies[cell[0]].describe()}|{cell[1]}"  # noqa: E731  (label, item)
+
+    def run(cell: list) -> list[dict]:
+        (lab, i), = cell
+        pol = policies[lab]
+        return [{"id": rid((lab, i)), "policy": pol.describe(), **score_item(lm.model, lm.tokenizer, rows[i], pol,
+                                                                              scoring)}]
+
+    def report(log):
+        summary = {}
+        for lab, pol in policies.items():
+            recs = [log.records[rid((lab, i))] for i in range(len(rows))]
+            shares = [r.get("kv_share") for r in recs]
+            summary[lab] = {"policy": pol.describe(), "acc": float(np.mean([r["acc"] for r in recs])),
+                            "acc_norm": float(np.mean([r["acc_norm"] for r in recs])), "items": len(recs),
+                            "kv_share": None if None in shares else float(np.mean(shares))}
+        return write_report(Path(out), summary, task, rows, scoring)
+
+    cells = [(lab, i) for lab in policies for i in range(len(rows))]
+    return driver.run_suite(driver.Suite("zeroshot", "items.jsonl", cells, rid, run, report), out, lm,
+                            {"data": data, "items": items, "seed": seed, "facts": facts, "scoring": scoring},
+                            policies, progress=progress, files=("data",))
+
+
+def write_report(out: Path, summary: dict, task: str, rows: list[dict], scoring: str
+                 ) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures) of the accuracies `summary` (per label); draws OUT/accuracy_vs_kv.png
+    when a label is `name@r`."""
     chance = float(np.mean([1 / len(r["choices"]) for r in rows]))
     lines = [f"Zero-shot multiple choice: {task} ({len(rows)} items, chance {100 * chance:.0f} %), {scoring} scoring",
              "",
@@ -225,11 +240,9 @@ def suite(lm, policies, out, *, data: str | None = None, items: int | None = Non
                   "holds, averaged over items (prefix scoring; the plot uses it)."]
     figures = []
     if any("@" in lab for lab in summary):
-        figures.append(Path(out) / "accuracy_vs_kv.png")
+        figures.append(out / "accuracy_vs_kv.png")
         plot_vs_kv(figures[-1], summary)
-    return driver.finish("zeroshot", out, "\n".join(lines),
-                         {"task": task, "scoring": scoring, "chance": chance, "results": summary},
-                         policies, figures)
+    return "\n".join(lines), {"task": task, "scoring": scoring, "chance": chance, "results": summary}, figures
 
 
 def main(argv: list[str] | None = None) -> int:

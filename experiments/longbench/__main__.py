@@ -23,10 +23,10 @@ from experiments.common import (
     add_compare_args,
     add_protocol_arg,
     add_run_args,
-    attach_gate_params,
-    chosen_policies,
+    compared,
     model_help,
     positive_int,
+    suite_model,
 )
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
@@ -124,44 +124,46 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
     driver.positive(batch, "batch")
     data_dir, names = chosen_datasets(lm, data_dir, datasets, e)
     policies = driver.labelled(policies)
-    # The templates, generation budgets and metrics (config.json) shape every prediction: records made under
-    # another config are not this run's. Each policy's predictions are in their own directory.
-    driver.claim(out, lm, {"data_dir": data_dir, "e": e, "max_length": max_length,
-                                                  "batch": batch, "chat": chat, "protocol": protocol},
-                 files=("data_dir",), extra={"--data-dir": str(Path(data_dir).resolve()),
-                                             "harness config": content_fingerprint(harness.CONFIG_FILE)})
     out = Path(out)
     opts = harness.Options(max_length=max_length, batch=batch, samples=samples, chat=chat, e=e, protocol=protocol)
-    scores: dict[str, dict] = {label: {} for label in policies}
     t0 = time.time()
-    for d in driver.cells(names, f"{len(policies)} policies", progress):  # the policies of a dataset run together
-        for label, preds in zip(policies, harness.predict_many(lm, list(policies.values()), Path(data_dir), d, out,
-                                                               opts, progress)):
-            scores[label][d] = harness.score_dataset(d, preds, e)
-    result = {"model": shown(lm.path), "data_dir": shown(data_dir), "datasets": names, "e": e,
-              "policies": {lab: pol.describe() for lab, pol in policies.items()},
-              "slugs": {lab: harness.policy_slug(pol) for lab, pol in policies.items()},
-              "scores": scores, "seconds": round(time.time() - t0, 1)}
-    write_atomic(out / "result.json", dumps_finite(result))
-    table, summary, figures = write_tables(out, result)
-    return driver.finish("longbench", out, table, summary, policies, figures)
+
+    def run(cell: list) -> list[dict]:  # the policies of a dataset run together; each keeps its own predictions
+        d, = cell
+        preds = harness.predict_many(lm, list(policies.values()), Path(data_dir), d, out, opts, progress)
+        return [{"id": d, "scores": {label: harness.score_dataset(d, p, e) for label, p in zip(policies, preds)}}]
+
+    def report(log):
+        scores = {label: {d: log.records[d]["scores"][label] for d in names} for label in policies}
+        result = {"model": shown(lm.path), "data_dir": shown(data_dir), "datasets": names, "e": e,
+                  "policies": {lab: pol.describe() for lab, pol in policies.items()},
+                  "slugs": {lab: harness.policy_slug(pol) for lab, pol in policies.items()},
+                  "scores": scores, "seconds": round(time.time() - t0, 1)}
+        write_atomic(out / "result.json", dumps_finite(result))
+        return write_tables(out, result)
+
+    # The templates, generation budgets and metrics (config.json) shape every prediction: records made under
+    # another config are not this run's. Each policy's predictions are in their own directory (`log=None`).
+    return driver.run_suite(driver.Suite("longbench", None, names, lambda d: d, run, report), out, lm,
+                            {"data_dir": data_dir, "e": e, "max_length": max_length, "batch": batch, "chat": chat,
+                             "protocol": protocol}, policies, progress=progress, files=("data_dir",),
+                            extra={"--data-dir": str(Path(data_dir).resolve()),
+                                   "harness config": content_fingerprint(harness.CONFIG_FILE)})
 
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
-    model = args.model or (SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else None)
-    lm = driver.load_model(model, dtype=args.dtype, attention_impl=args.attention_impl,
-                       allow_nonfinite=args.allow_nonfinite)
+    args.model = args.model or (SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else None)
     datasets = args.datasets.split(",") if args.datasets else None
-    chosen_datasets(lm, args.data_dir, datasets, args.e)  # a wrong dataset is reported before a wrong policy
-    attach_gate_params(args, lm)
+    # a wrong dataset is reported before a wrong policy (and before --gate-params)
+    lm = suite_model(args, dtype=args.dtype, attention_impl=args.attention_impl,
+                     check=lambda lm: chosen_datasets(lm, args.data_dir, datasets, args.e))
     chosen = (args.compare or args.policy or args.compare_default).split(",")
     if "razor" in chosen and args.buffer is None and args.compression is None:
         # RazorAttention's S0 = 4000 (the paper's, for 7B models at long contexts) would keep these whole
         # prompts: its local heads keep the budget instead (the description records it)
         args.buffer = args.budget or args.default_budget
-    labels, policies = chosen_policies(p, args, lm.config.num_layers, model_dir=lm.path)
-    res = driver.call(p, suite, lm, dict(zip(labels, policies)), args.out, data_dir=args.data_dir,
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, data_dir=args.data_dir,
                       datasets=datasets, e=args.e, samples=args.samples,
                       max_length=args.max_length, batch=args.batch, chat=args.chat, protocol=args.protocol)
     print(res.table)

@@ -22,9 +22,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import (
@@ -38,7 +38,7 @@ from experiments.common import (
     positive_int,
     suite_model,
 )
-from experiments.records import ResultLog, content_fingerprint, shown, write_atomic, write_csv_atomic
+from experiments.records import content_fingerprint, shown, write_atomic, write_csv_atomic
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
 from kvjax import Sampling, generate_many
@@ -127,35 +127,51 @@ def encode(tok, sample: T.Sample) -> tuple[list[int], list[int]]:
                                                     add_special_tokens=False)["input_ids"]
 
 
-def predict(lm, policies: dict, task: T.Task, length: int, samples, log: ResultLog, protocol: str, batch: int,
-            gen: int, bar):
-    """Every sample of a cell under each of `policies` (`{label: policy}`), appended to `log` as they finish:
-    per batch of samples, the policies still missing a record run together (`generate_many`: the prompt
-    compressors share one pass over the prompts). Returns the records, per label."""
+class Cell(NamedTuple):
+    """One sample of a task at a length under one policy; `policies` those of its task and length."""
+
+    task: T.Task
+    length: int
+    gen: int  # tokens to generate
+    sample: T.Sample
+    label: str
+    policies: dict
+
+    @property
+    def policy(self):
+        return self.policies[self.label]
+
+
+def record_id(protocol: str, task: T.Task, length: int, policy, sample: T.Sample) -> str:
+    return f"{policy.describe()}|{protocol}|{task.name}|{length}|{sample.index}"
+
+
+def predict(lm, cells: list[Cell], protocol: str) -> list[dict]:
+    """The records of `cells` (a batch of samples of one task and length): the policies of the batch run together
+    (`generate_many`: the prompt compressors share one pass over the prompts)."""
     tok = lm.tokenizer
-    key = lambda p, s: f"{p.describe()}|{protocol}|{task.name}|{length}|{s.index}"  # noqa: E731
-    bar.update(sum(key(p, s) in log for p in policies.values() for s in samples))
-    todo = [s for s in samples if any(key(p, s) not in log for p in policies.values())]
-    for i in range(0, len(todo), batch):
-        chunk = todo[i:i + batch]
-        wanted = {lab: p for lab, p in policies.items() if any(key(p, s) not in log for s in chunk)}
-        ids = [encode(tok, s) for s in chunk]
-        if protocol == "agnostic":
-            outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
-                                 max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
-        else:
-            outs = generate_many(lm.model, [c + q for c, q in ids], list(wanted.values()), max_new_tokens=gen,
-                                 sampling=Sampling(), pad_id=tok.pad_token_id)
-        for (label, policy), gen_out in zip(wanted.items(), outs):
-            for s, seq in zip(chunk, gen_out.sequences()):
-                if key(policy, s) in log:
-                    continue
-                pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
-                log.add({"id": key(policy, s), "label": label, "policy": policy.describe(), "task": task.name,
-                         "length": length, "index": s.index, "pred": pred, "outputs": list(s.outputs),
-                         "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind])})
-                bar.update(1)
-    return {lab: [log.records[key(p, s)] for s in samples] for lab, p in policies.items()}
+    task, length, gen = cells[0].task, cells[0].length, cells[0].gen
+    chunk = list({c.sample.index: c.sample for c in cells}.values())
+    asked = {(c.sample.index, c.label) for c in cells}
+    wanted = {lab: p for lab, p in cells[0].policies.items() if any(c.label == lab for c in cells)}
+    ids = [encode(tok, s) for s in chunk]
+    if protocol == "agnostic":
+        outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
+                             max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
+    else:
+        outs = generate_many(lm.model, [c + q for c, q in ids], list(wanted.values()), max_new_tokens=gen,
+                             sampling=Sampling(), pad_id=tok.pad_token_id)
+    records = []
+    for (label, policy), gen_out in zip(wanted.items(), outs):
+        for s, seq in zip(chunk, gen_out.sequences()):
+            if (s.index, label) not in asked:
+                continue
+            pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
+            records.append({"id": record_id(protocol, task, length, policy, s), "label": label,
+                            "policy": policy.describe(), "task": task.name, "length": length, "index": s.index,
+                            "pred": pred, "outputs": list(s.outputs),
+                            "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind])})
+    return records
 
 
 def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
@@ -267,29 +283,39 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
     if qa_files:
         options["qa_data"] = {f: content_fingerprint(Path(data_dir) / f) if (Path(data_dir) / f).is_file() else None
                               for f in qa_files}
-    log = driver.open_records(out, lm, "preds.jsonl", options)
-    rows, described = [], {}
-    for n in lengths:
-        for name in tasks:
-            task = T.TASKS[name]
-            gen = max_new_tokens or task.tokens_to_generate
-            try:
-                cell = cell_samples(out, lm, task, n, samples, seed, gen, data_dir)
-            except InvalidInput as err:
-                raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
-                                           "max_new_tokens=", usage=False) from None
-            pols = per_cell(n - gen)
-            described.update({label: policy.describe() for label, policy in pols.items()})
-            with tqdm(total=len(cell) * len(pols), desc=f"{name} {n} ({len(pols)} policies)", leave=False,
-                      disable=not progress) as bar:
-                for recs in predict(lm, pols, task, n, cell, log, protocol, batch, gen, bar).values():
-                    rows += recs
-    meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed, "policies": described,
-            "not_run": not_run}
-    if not rows:
-        raise driver.ArgumentError(f"no task to run: {'; '.join(not_run)}", usage=False)
-    table, summary, figures = write_report(out, rows, meta)
-    return driver.finish("ruler", out, table, summary, described, figures)
+    groups, described = [], {}  # (task, length, tokens to generate, samples, {label: policy}) per cell
+
+    def cells() -> list:  # the samples are written into OUT/data, so they are made once OUT is claimed
+        for n in lengths:
+            for name in tasks:
+                task = T.TASKS[name]
+                gen = max_new_tokens or task.tokens_to_generate
+                try:
+                    cell = cell_samples(out, lm, task, n, samples, seed, gen, data_dir)
+                except InvalidInput as err:
+                    raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
+                                               "max_new_tokens=", usage=False) from None
+                pols = per_cell(n - gen)
+                described.update({label: policy.describe() for label, policy in pols.items()})
+                groups.append((task, n, gen, cell, pols))
+        return [Cell(task, n, gen, s, lab, pols) for task, n, gen, cell, pols in groups for s in cell for lab in pols]
+
+    rid = lambda c: record_id(protocol, c.task, c.length, c.policy, c.sample)  # noqa: E731
+
+    def report(log):
+        rows = [log.records[record_id(protocol, task, n, pol, s)] for task, n, _, cell, pols in groups
+                for pol in pols.values() for s in cell]
+        meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed,
+                "policies": described, "not_run": not_run}
+        if not rows:
+            raise driver.ArgumentError(f"no task to run: {'; '.join(not_run)}", usage=False)
+        return write_report(out, rows, meta)
+
+    # per batch of samples, the policies still missing a record run together
+    suite = driver.Suite("ruler", "preds.jsonl", cells, rid, lambda batch_: predict(lm, batch_, protocol), report,
+                         lambda todo: driver.batches(todo, batch, group=lambda c: (c.task.name, c.length),
+                                                     unit=lambda c: c.sample.index))
+    return driver.run_suite(suite, out, lm, options, lambda: described, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
