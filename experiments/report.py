@@ -34,10 +34,12 @@ to include their results; without them the report says they were not run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +128,333 @@ RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What every section of one report reads: the parser (its errors), the flags, the model loaded once, OUT,
+    and the settings derived from the model."""
+
+    p: argparse.ArgumentParser
+    args: argparse.Namespace
+    lm: Any
+    out: Path
+    cfg: Any
+    n: int  # the model's window
+    depth: int  # its layers
+    shallow: int  # MAT's L_s
+    window: dict  # SnapKV's observation window, where the model's window is short
+    ppl_lengths: list[int]
+
+
+def perplexity_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 1: MAT vs StreamingLLM perplexity at equal budget: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    n, depth, shallow, ppl_lengths = run.n, run.depth, run.shallow, run.ppl_lengths
+    md, claims = [], []
+    d = out / "perplexity"
+    full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full",
+                       lengths=[x for x in ppl_lengths if x <= n], text=args.ppl_text)
+    md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
+           full.table, ""]
+    for budget in args.budgets:
+        pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
+                                       num_layers=depth)
+        res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
+                          text=args.ppl_text)
+        roll = res.summary["ppl"]
+        md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
+               f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
+        # per length, StreamingLLM's log-perplexity minus MAT's (positive: MAT's is lower), paired over the
+        # sequences; one sequence has no standard error, so its length is inconclusive whatever the gap
+        said, hows = [], []
+        for k in [k for k, v in roll["mat"].items() if v is not None and roll["streaming"][k] is not None]:
+            gaps = _log_ppl_gaps(res.summary.get("nll_per_sequence", {}), "streaming", "mat", k)
+            diff = float(np.mean(gaps)) if gaps else math.log(roll["streaming"][k] / roll["mat"][k])
+            se = paired_se(gaps)
+            said.append(verdict(diff, se))
+            hows.append(f"{k} tokens: log-perplexity " + evidence(diff, se, paired=True, n=max(len(gaps), 1),
+                                                                  of="sequences"))
+        claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: "
+                      f"**{all_of(said)}** (MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in "
+                      f"window {full.summary['ppl']['full']}; " + "; ".join(hows) + ")")
+    return md, claims
+
+
+def razor_section(run: Run, heads: Path, kv_mask: np.ndarray) -> tuple[list[str], list[str]]:
+    """Section 2: RazorAttention on passkey at equal cache bytes (`kv_mask`: `heads`' retrieval KV heads):
+    (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    n = run.n
+    md, claims = [], []
+    from kvjax.drive import equal_bytes_budget
+
+    d = out / "razor"
+    lengths = args.razor_lengths or passkey.default_lengths(lm.tokenizer, n)
+    longest = max(lengths)
+    razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
+    same_bytes = equal_bytes_budget(lm.model, razor, longest, passkey.MAX_NEW_TOKENS)
+    pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
+    res = driver.call(p, passkey.suite, lm, pols, d, lengths=lengths, samples=args.razor_samples)
+    md += [f"The probe's retrieval heads: {int(kv_mask.sum())} of {kv_mask.size} KV heads "
+           f"({kv_mask.mean():.0%}; the paper finds about 15 % of query heads), in layers "
+           f"{sorted({int(i) for i in np.nonzero(kv_mask.any(axis=1))[0]})}.", ""]
+    md += ["## 2. Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "",
+           f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
+           f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
+           f"many slots as a {same_bytes}-token budget per layer and KV head, the budget StreamingLLM and H2O "
+           "get here. Accuracy % per prompt length and key depth:", "", res.table, "",
+           "![passkey at equal bytes](razor/results.png)", ""]
+    cells = {lab: [a for row in res.summary[pol.describe()].values() for a in row.values()]
+             for lab, pol in pols.items()}
+    acc = {lab: round(float(np.mean(c)), 3) for lab, c in cells.items()}
+    items = args.razor_samples * len(cells["full"])
+    said, how = _binomial(acc["razor"], max(acc["streaming"], acc["h2o"]), items)
+    claims.append(f"RazorAttention retrieves at least as well as StreamingLLM and H2O at equal cache bytes "
+                  f"(budget {same_bytes}): **{said}** (passkey accuracy {acc}; the better baseline against Razor, "
+                  f"{how}"
+                  + _evidence(acc["full"], max(acc["streaming"], acc["h2o"]), "StreamingLLM's or H2O's", items))
+    return md, claims
+
+
+def longbench_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 3: SlimKV vs SnapKV on the LongBench-format suite: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    window = run.window
+    md, claims = [], []
+    md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
+    for budget in args.longbench_budgets or args.budgets:
+        d = out / "longbench" / f"budget-{budget}"
+        pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
+        res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
+        avg = res.summary["average"]
+        md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
+        claims.append(_slimkv_claim(f"average over the LongBench-format suite at budget {budget} (averages {avg})",
+                                    avg["slimkv"], avg["snapkv"], avg["full"],
+                                    args.samples * len(res.summary["table"])))
+    return md, claims
+
+
+def ruler_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 4: RULER, question-agnostic, at --ruler-ratios: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    n, depth = run.n, run.depth
+    md, claims = [], []
+    from experiments.ruler import __main__ as ruler
+
+    length = args.ruler_length or min(4096, n)
+    tasks = args.ruler_tasks.split(",")
+
+    duo = out / "duo.json"
+    if not duo.is_file():  # DuoAttention's head scores on the fly (kvpress's method), on offline text
+        from experiments.common import default_text
+        from kvjax.heads import duo_scores, save_heads
+
+        ids = lm.tokenizer(default_text(), add_special_tokens=False)["input_ids"]
+        win = min(1024, n)
+        rows = [ids[i:i + win] for i in range(0, 8 * win, win)]
+        save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
+                   recent_size=256)
+
+    replay = driver.kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
+
+    def at_ratios(room):
+        pols = {"full": driver.resolve_policies("full")["full"]}
+        for r in args.ruler_ratios:
+            for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth,
+                                                     replay=replay).items():
+                pols[f"{name}@{r:g}"] = pol
+            pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
+        return pols
+
+    res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
+                      samples=args.ruler_samples, protocol="agnostic", batch=args.ruler_batch)
+    scores = {lab: row[str(length)] for lab, row in res.summary["average"].items()}
+    md += [f"## 4. RULER at {length} tokens, question-agnostic (SlimKV / SnapKV and the baselines)", "",
+           f"kvpress's protocol: each context is compressed without its question, which then extends the "
+           f"compressed cache; `name@r` removes a share r of each prompt. Tasks {', '.join(tasks)}, "
+           f"{args.ruler_samples} samples each (one sample is {100 / args.ruler_samples:.0f} points of a task).",
+           "", res.table, ""]
+    md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
+           f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
+           f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
+           "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
+           "replay: raw text, chunks of 2048 tokens, kvpress's prompts).", ""]
+    for r in args.ruler_ratios:
+        new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
+                                                      "duo")}
+        claims.append(f"The 2026 baselines on RULER-{length} at ratio {r:g} (average %): "
+                      + ", ".join(f"{k} {v}" for k, v in new.items()) + f"; full {scores['full']}")
+    for r in args.ruler_ratios:
+        slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
+        n_items = args.ruler_samples * len(tasks)
+        claims.append(_slimkv_claim(f"RULER-{length} at ratio {r:g}", slim, snap, scores["full"], n_items))
+    return md, claims
+
+
+def zeroshot_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 5: zero-shot multiple choice (and the sweep of --zeroshot-ratios): (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    depth, shallow, window = run.depth, run.shallow, run.window
+    md, claims = [], []
+    pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
+                                   num_layers=depth, **window)
+    zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot", facts=args.zeroshot_facts)
+    res = zs.summary["results"]
+    md += ["## 5. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
+    if args.zeroshot_ratios:
+        from experiments.zeroshot import builtin_task
+
+        sweep = {"full": pols["full"]}
+        # MAT's beta is a count, one per policy: a quarter of the kept share of the median context
+        ctx = sorted(len(lm.tokenizer(row["context"])["input_ids"])
+                     for row in builtin_task(40, 0, args.zeroshot_facts))
+        for r in args.zeroshot_ratios:
+            room = max(1, int((1 - r) * ctx[len(ctx) // 2]) // 4)
+            for name, pol in driver.resolve_policies("streaming,mat,snapkv", ratio=r, num_layers=depth,
+                                                     shallow_layers=shallow, anchor_slots=room).items():
+                sweep[f"{name}@{r:g}"] = pol
+        sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep", facts=args.zeroshot_facts)
+        md += ["MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
+               "MAT's beta is a quarter of the kept share of the median context, one value per ratio (the paper "
+               "grid-searches beta per budget; this sweep does not).", "", sw.table, "",
+               "![accuracy vs KV](zeroshot-sweep/accuracy_vs_kv.png)", ""]
+        sres = sw.summary["results"]
+        # each ratio by the rule (unpaired binomial: the summary keeps accuracies, not items), the sweep by all_of
+        at = {r: _binomial(sres[f"mat@{r:g}"]["acc"], sres[f"streaming@{r:g}"]["acc"], sres[f"mat@{r:g}"]["items"])
+              for r in args.zeroshot_ratios}
+        claims.append(f"MAT's accuracy >= StreamingLLM's at every KV share of the sweep: "
+                      f"**{all_of([v for v, _ in at.values()])}** (at "
+                      + ", ".join(f"r={r:g}: {sres[f'mat@{r:g}']['acc']:.3f} vs {sres[f'streaming@{r:g}']['acc']:.3f}"
+                                  f" ({at[r][1]})" for r in args.zeroshot_ratios)
+                      + f"; full {sres['full']['acc']:.3f}, chance {sw.summary['chance']:.3f}"
+                      + _evidence(sres["full"]["acc"], sw.summary["chance"], "chance", sres["full"]["items"]))
+    said, how = _binomial(res["mat"]["acc"], res["streaming"]["acc"], res["mat"]["items"])
+    claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: **{said}** "
+                  f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})}, chance {zs.summary['chance']:.3f}; "
+                  f"{how}"
+                  + (_evidence(res["full"]["acc"], zs.summary["chance"], "chance", res["full"]["items"])
+                     if _evicted(res) else f"; no policy evicted anything: every context fits the budget of "
+                                     f"{args.budget}, so this is no evidence either way)"))
+    return md, claims
+
+
+def passkey_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 6: passkey retrieval: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    depth, shallow = run.depth, run.shallow
+    md, claims = [], []
+    pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
+                                   num_layers=depth)
+    res = driver.call(p, passkey.suite, lm, pols, out / "passkey")
+    md += ["## 6. Passkey retrieval (accuracy %)", "", res.table, ""]
+    return md, claims
+
+
+def efficiency_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 7: efficiency: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    depth, shallow = run.depth, run.shallow
+    md, claims = [], []
+    pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
+                                   num_layers=depth)
+    res = driver.call(p, efficiency.suite, lm, pols, out / "efficiency")
+    md += ["## 7. Efficiency (MAT Table 6)", "", res.table, "",
+           "![efficiency](efficiency/efficiency.png)", ""]
+    return md, claims
+
+
+def quantization_section(run: Run) -> tuple[list[str], list[str]]:
+    """Section 8: a quantized cache (KIVI), alone and under eviction: (markdown, claims)."""
+    p, args, lm, out = run.p, run.args, run.lm, run.out
+    cfg, window, ppl_lengths = run.cfg, run.window, run.ppl_lengths
+    md, claims = [], []
+    from kvjax.policies import Quantized
+
+    d = out / "quantization"
+    group = 32 if cfg.head_dim % 32 == 0 else cfg.head_dim
+    widths = {16: None, 8: dict(bits=8), 4: dict(bits=4, group=group, residual=128),
+              2: dict(bits=2, group=group, residual=128)}
+
+    def at_widths(base):  # labelled `full`, `full (8-bit KV)`, ... as every suite labels a quantized cache
+        return driver.labelled({f"{lab}@{w}": pol if q is None else Quantized(pol, **q)
+                                for lab, pol in base.items() for w, q in widths.items()})
+
+    length = args.quant_ppl_length or min(ppl_lengths)
+    ppl = driver.call(p, perplexity.suite, lm, at_widths(
+        driver.resolve_policies("full") | driver.resolve_policies("streaming", budget=args.budget)),
+        d / "perplexity", lengths=[length], text=args.ppl_text)
+    keys = driver.call(p, passkey.suite, lm, at_widths(
+        driver.resolve_policies("full") | driver.resolve_policies("snapkv", budget=args.budget, **window)),
+        d / "passkey", lengths=args.razor_lengths, samples=args.razor_samples)
+    md += ["## 8. A quantized cache (KIVI), alone and under eviction", "",
+           f"16: the model's dtype; 8: int8 per token; 4 and 2: KIVI (keys per channel, values per token, group "
+           f"{group}, the 128 most recent tokens in full precision, fewer where that would make the cache larger than "
+           f"16-bit). StreamingLLM and SnapKV at budget "
+           f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({length} tokens):",
+           "", ppl.table, "", "Passkey accuracy %: the prompt is attended in full precision and then stored, as KIVI "
+           "prefills, so the width acts on the answer's tokens:", "", keys.table, ""]
+    full_ppl = ppl.summary["ppl"]
+    two, sixteen = full_ppl["full@2 (2-bit KV)"][str(length)], full_ppl["full@16"][str(length)]
+    if two is None or sixteen is None:  # a length past the window at absolute positions is not run
+        claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: **not run** ({length} "
+                      "tokens is past the model's window)")
+    else:
+        # the margin left under the claimed 5 %, in log-perplexity, paired over the sequences
+        gaps = _log_ppl_gaps(ppl.summary.get("nll_per_sequence", {}), "full@16", "full@2 (2-bit KV)", str(length))
+        diff = math.log(1.05) + (float(np.mean(gaps)) if gaps else math.log(sixteen / two))
+        se = paired_se(gaps)
+        claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: "
+                      f"**{verdict(diff, se)}** ({two:.2f} vs {sixteen:.2f} over {length} tokens; log(1.05) minus "
+                      "the log-perplexity gap, "
+                      + evidence(diff, se, paired=True, n=max(len(gaps), 1), of="sequences") + ")")
+    return md, claims
+
+
+def trained_section(run: Run, name: str, path: str | None, how: str) -> tuple[list[str], list[str]]:
+    """The AnLLM or Attention-Gate section: the results of the trained variant in `path` (`how` it is made),
+    read from the directory the user gave: (markdown, claims)."""
+    args = run.args
+    md, claims = [], []
+    md += [f"## {name}", ""]
+    if path:
+        md += [(Path(path) / "results.md").read_text(), ""]
+        r = _json(Path(path) / "results.json")
+        if name == "AnLLM":  # Table 1: anchors keep the accuracy while the cache shrinks by C_down
+            # the margin left inside 0.05, paired over the items where their scores are in the directory
+            gaps = _anllm_gaps(Path(path) / "items.jsonl")
+            diff = r["acc_ansan"] - r["acc_full"] + 0.05
+            se = paired_se(gaps) if gaps else binomial_se(r["acc_ansan"], r["acc_full"], r["items"])
+            claims.append(f"AnLLM with anchor caching (AnSAN) keeps full attention's accuracy (within 0.05) "
+                          f"while cutting the demonstrations' cache by {r['C_down']:.0%}: **{verdict(diff, se)}** "
+                          f"(accuracy {r['acc_ansan']:.3f} vs {r['acc_full']:.3f}, chance {r['chance']:.3f}; "
+                          + evidence(diff, se, paired=bool(gaps), n=r["items"],
+                                     training_share=args.anllm_training_share)
+                          + _evidence(r["acc_full"], r["chance"], "chance", r["items"]))
+        else:  # Table 1: at the same eviction, the gates lose less than the training-free baselines
+            c = r["continuation_nll"]
+            best = min(("local", "streaming", "h2o"), key=c.get)
+            diff = c[best] - c["gate"]  # positive: the gates lose less than the best baseline
+            se = (r.get("gate_minus_baseline") or {}).get(best, {}).get("se")  # paired over the windows
+            claims.append(f"Attention-Gate's continuation NLL <= the best baseline's at the same eviction "
+                          f"({r['baseline_eviction']:.0%}): **{verdict(diff, se)}** "
+                          f"(NLL {', '.join(f'{k} {v:.3f}' for k, v in c.items())}; the best baseline, {best}, "
+                          f"minus the gates: "
+                          + evidence(diff, se, paired=True, n=r["windows"], of="windows",
+                                     training_share=args.gate_training_share, digits=4) + ")")
+    else:
+        md += [f"Not run: {name} needs a trained variant of the model ({how}); pass its output with "
+               f"--{'anllm' if name == 'AnLLM' else 'gate'} DIR.", ""]
+        claims.append(f"{name}'s claims: **not run** (no trained variant given)")
+
+    return md, claims
+
+
+SECTION_RUNS = {"perplexity": perplexity_section, "longbench": longbench_section, "ruler": ruler_section,
+                "zeroshot": zeroshot_section, "passkey": passkey_section, "efficiency": efficiency_section,
+                "quantization": quantization_section}  # razor_section takes the heads main reads
+
+
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.report", description=cli.description(__doc__))
     small = SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else DEFAULT_MODEL_DIR
@@ -206,260 +535,27 @@ def main(argv: list[str] | None = None) -> int:
     for r in (*args.ruler_ratios, *(args.zeroshot_ratios or ())):
         if not 0 <= r < 1:
             p.error(f"ratio {r}: a share of the prompt removed must be in [0, 1)")
-    ppl_lengths = args.ppl_lengths or [n // 2, n, 2 * n]
-    if "perplexity" not in skip:
-        d = out / "perplexity"
-        full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full",
-                           lengths=[x for x in ppl_lengths if x <= n], text=args.ppl_text)
-        md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
-               full.table, ""]
-        for budget in args.budgets:
-            pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
-                                           num_layers=depth)
-            res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
-                              text=args.ppl_text)
-            roll = res.summary["ppl"]
-            md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
-                   f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
-            # per length, StreamingLLM's log-perplexity minus MAT's (positive: MAT's is lower), paired over the
-            # sequences; one sequence has no standard error, so its length is inconclusive whatever the gap
-            said, hows = [], []
-            for k in [k for k, v in roll["mat"].items() if v is not None and roll["streaming"][k] is not None]:
-                gaps = _log_ppl_gaps(res.summary.get("nll_per_sequence", {}), "streaming", "mat", k)
-                diff = float(np.mean(gaps)) if gaps else math.log(roll["streaming"][k] / roll["mat"][k])
-                se = paired_se(gaps)
-                said.append(verdict(diff, se))
-                hows.append(f"{k} tokens: log-perplexity " + evidence(diff, se, paired=True, n=max(len(gaps), 1),
-                                                                      of="sequences"))
-            claims.append(f"MAT's perplexity <= StreamingLLM's at budget {budget} at every length: "
-                          f"**{all_of(said)}** (MAT {roll['mat']}, StreamingLLM {roll['streaming']}; full cache in "
-                          f"window {full.summary['ppl']['full']}; " + "; ".join(hows) + ")")
-
-    if "razor" not in skip:
-        from kvjax.drive import equal_bytes_budget
-
-        d = out / "razor"
-        heads = Path(args.model) / "heads.json"
-        if not heads.is_file():
-            heads = out / "heads.json"
+    run = Run(p, args, lm, out, cfg, n, depth, shallow, window, args.ppl_lengths or [n // 2, n, 2 * n])
+    for name in SECTIONS:
+        if name in skip:
+            continue
+        if name == "razor":  # the one file the report reads back: the retrieval heads (the model's, or found here)
+            heads = Path(args.model) / "heads.json"
             if not heads.is_file():
-                driver.call(p, find_heads.find, lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
-        lengths = args.razor_lengths or passkey.default_lengths(lm.tokenizer, n)
-        longest = max(lengths)
-        razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
-        same_bytes = equal_bytes_budget(lm.model, razor, longest, passkey.MAX_NEW_TOKENS)
-        pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
-        kv_mask = np.asarray(_json(heads)["retrieval_kv_heads"], bool)
-        res = driver.call(p, passkey.suite, lm, pols, d, lengths=lengths, samples=args.razor_samples)
-        md += [f"The probe's retrieval heads: {int(kv_mask.sum())} of {kv_mask.size} KV heads "
-               f"({kv_mask.mean():.0%}; the paper finds about 15 % of query heads), in layers "
-               f"{sorted({int(i) for i in np.nonzero(kv_mask.any(axis=1))[0]})}.", ""]
-        md += ["## 2. Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "",
-               f"RazorAttention's local heads keep {args.budget} tokens (+ 4 sinks and the compensation token) and "
-               f"its retrieval heads the whole prompt; at the longest length ({longest} tokens) its cache holds as "
-               f"many slots as a {same_bytes}-token budget per layer and KV head, the budget StreamingLLM and H2O "
-               "get here. Accuracy % per prompt length and key depth:", "", res.table, "",
-               "![passkey at equal bytes](razor/results.png)", ""]
-        cells = {lab: [a for row in res.summary[pol.describe()].values() for a in row.values()]
-                 for lab, pol in pols.items()}
-        acc = {lab: round(float(np.mean(c)), 3) for lab, c in cells.items()}
-        items = args.razor_samples * len(cells["full"])
-        said, how = _binomial(acc["razor"], max(acc["streaming"], acc["h2o"]), items)
-        claims.append(f"RazorAttention retrieves at least as well as StreamingLLM and H2O at equal cache bytes "
-                      f"(budget {same_bytes}): **{said}** (passkey accuracy {acc}; the better baseline against Razor, "
-                      f"{how}"
-                      + _evidence(acc["full"], max(acc["streaming"], acc["h2o"]), "StreamingLLM's or H2O's", items))
-
-    if "longbench" not in skip:
-        md += ["## 3. LongBench-format suite (SlimKV / SnapKV)", ""]
-        for budget in args.longbench_budgets or args.budgets:
-            d = out / "longbench" / f"budget-{budget}"
-            pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
-            res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
-            avg = res.summary["average"]
-            md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
-            claims.append(_slimkv_claim(f"average over the LongBench-format suite at budget {budget} (averages {avg})",
-                                        avg["slimkv"], avg["snapkv"], avg["full"],
-                                        args.samples * len(res.summary["table"])))
-
-    if "ruler" not in skip:
-        from experiments.ruler import __main__ as ruler
-
-        length = args.ruler_length or min(4096, n)
-        tasks = args.ruler_tasks.split(",")
-
-        duo = out / "duo.json"
-        if not duo.is_file():  # DuoAttention's head scores on the fly (kvpress's method), on offline text
-            from experiments.common import default_text
-            from kvjax.heads import duo_scores, save_heads
-
-            ids = lm.tokenizer(default_text(), add_special_tokens=False)["input_ids"]
-            win = min(1024, n)
-            rows = [ids[i:i + win] for i in range(0, 8 * win, win)]
-            save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
-                       recent_size=256)
-
-        replay = driver.kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
-
-        def at_ratios(room):
-            pols = {"full": driver.resolve_policies("full")["full"]}
-            for r in args.ruler_ratios:
-                for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth,
-                                                         replay=replay).items():
-                    pols[f"{name}@{r:g}"] = pol
-                pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
-            return pols
-
-        res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
-                          samples=args.ruler_samples, protocol="agnostic", batch=args.ruler_batch)
-        scores = {lab: row[str(length)] for lab, row in res.summary["average"].items()}
-        md += [f"## 4. RULER at {length} tokens, question-agnostic (SlimKV / SnapKV and the baselines)", "",
-               f"kvpress's protocol: each context is compressed without its question, which then extends the "
-               f"compressed cache; `name@r` removes a share r of each prompt. Tasks {', '.join(tasks)}, "
-               f"{args.ruler_samples} samples each (one sample is {100 / args.ruler_samples:.0f} points of a task).",
-               "", res.table, ""]
-        md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
-               f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
-               f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
-               "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
-               "replay: raw text, chunks of 2048 tokens, kvpress's prompts).", ""]
-        for r in args.ruler_ratios:
-            new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
-                                                          "duo")}
-            claims.append(f"The 2026 baselines on RULER-{length} at ratio {r:g} (average %): "
-                          + ", ".join(f"{k} {v}" for k, v in new.items()) + f"; full {scores['full']}")
-        for r in args.ruler_ratios:
-            slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
-            n_items = args.ruler_samples * len(tasks)
-            claims.append(_slimkv_claim(f"RULER-{length} at ratio {r:g}", slim, snap, scores["full"], n_items))
-
-    if "zeroshot" not in skip:
-        pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
-                                       num_layers=depth, **window)
-        zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot", facts=args.zeroshot_facts)
-        res = zs.summary["results"]
-        md += ["## 5. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
-        if args.zeroshot_ratios:
-            from experiments.zeroshot import builtin_task
-
-            sweep = {"full": pols["full"]}
-            # MAT's beta is a count, one per policy: a quarter of the kept share of the median context
-            ctx = sorted(len(lm.tokenizer(row["context"])["input_ids"])
-                         for row in builtin_task(40, 0, args.zeroshot_facts))
-            for r in args.zeroshot_ratios:
-                room = max(1, int((1 - r) * ctx[len(ctx) // 2]) // 4)
-                for name, pol in driver.resolve_policies("streaming,mat,snapkv", ratio=r, num_layers=depth,
-                                                         shallow_layers=shallow, anchor_slots=room).items():
-                    sweep[f"{name}@{r:g}"] = pol
-            sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep", facts=args.zeroshot_facts)
-            md += ["MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
-                   "MAT's beta is a quarter of the kept share of the median context, one value per ratio (the paper "
-                   "grid-searches beta per budget; this sweep does not).", "", sw.table, "",
-                   "![accuracy vs KV](zeroshot-sweep/accuracy_vs_kv.png)", ""]
-            sres = sw.summary["results"]
-            # each ratio by the rule (unpaired binomial: the summary keeps accuracies, not items), the sweep by all_of
-            at = {r: _binomial(sres[f"mat@{r:g}"]["acc"], sres[f"streaming@{r:g}"]["acc"], sres[f"mat@{r:g}"]["items"])
-                  for r in args.zeroshot_ratios}
-            claims.append(f"MAT's accuracy >= StreamingLLM's at every KV share of the sweep: "
-                          f"**{all_of([v for v, _ in at.values()])}** (at "
-                          + ", ".join(f"r={r:g}: {sres[f'mat@{r:g}']['acc']:.3f} vs {sres[f'streaming@{r:g}']['acc']:.3f}"
-                                      f" ({at[r][1]})" for r in args.zeroshot_ratios)
-                          + f"; full {sres['full']['acc']:.3f}, chance {sw.summary['chance']:.3f}"
-                          + _evidence(sres["full"]["acc"], sw.summary["chance"], "chance", sres["full"]["items"]))
-        said, how = _binomial(res["mat"]["acc"], res["streaming"]["acc"], res["mat"]["items"])
-        claims.append(f"MAT's accuracy >= StreamingLLM's on the zero-shot task: **{said}** "
-                      f"(acc {({k: round(v['acc'], 3) for k, v in res.items()})}, chance {zs.summary['chance']:.3f}; "
-                      f"{how}"
-                      + (_evidence(res["full"]["acc"], zs.summary["chance"], "chance", res["full"]["items"])
-                         if _evicted(res) else f"; no policy evicted anything: every context fits the budget of "
-                                         f"{args.budget}, so this is no evidence either way)"))
-
-    if "passkey" not in skip:
-        pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
-                                       num_layers=depth)
-        md += ["## 6. Passkey retrieval (accuracy %)", "", driver.call(p, passkey.suite, lm, pols, out / "passkey").table, ""]
-
-    if "efficiency" not in skip:
-        pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
-                                       num_layers=depth)
-        md += ["## 7. Efficiency (MAT Table 6)", "", driver.call(p, efficiency.suite, lm, pols, out / "efficiency").table, "",
-               "![efficiency](efficiency/efficiency.png)", ""]
-
-    if "quantization" not in skip:
-        from kvjax.policies import Quantized
-
-        d = out / "quantization"
-        group = 32 if cfg.head_dim % 32 == 0 else cfg.head_dim
-        widths = {16: None, 8: dict(bits=8), 4: dict(bits=4, group=group, residual=128),
-                  2: dict(bits=2, group=group, residual=128)}
-
-        def at_widths(base):  # labelled `full`, `full (8-bit KV)`, ... as every suite labels a quantized cache
-            return driver.labelled({f"{lab}@{w}": pol if q is None else Quantized(pol, **q)
-                                    for lab, pol in base.items() for w, q in widths.items()})
-
-        length = args.quant_ppl_length or min(ppl_lengths)
-        ppl = driver.call(p, perplexity.suite, lm, at_widths(
-            driver.resolve_policies("full") | driver.resolve_policies("streaming", budget=args.budget)),
-            d / "perplexity", lengths=[length], text=args.ppl_text)
-        keys = driver.call(p, passkey.suite, lm, at_widths(
-            driver.resolve_policies("full") | driver.resolve_policies("snapkv", budget=args.budget, **window)),
-            d / "passkey", lengths=args.razor_lengths, samples=args.razor_samples)
-        md += ["## 8. A quantized cache (KIVI), alone and under eviction", "",
-               f"16: the model's dtype; 8: int8 per token; 4 and 2: KIVI (keys per channel, values per token, group "
-               f"{group}, the 128 most recent tokens in full precision, fewer where that would make the cache larger than "
-               f"16-bit). StreamingLLM and SnapKV at budget "
-               f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({length} tokens):",
-               "", ppl.table, "", "Passkey accuracy %: the prompt is attended in full precision and then stored, as KIVI "
-               "prefills, so the width acts on the answer's tokens:", "", keys.table, ""]
-        full_ppl = ppl.summary["ppl"]
-        two, sixteen = full_ppl["full@2 (2-bit KV)"][str(length)], full_ppl["full@16"][str(length)]
-        if two is None or sixteen is None:  # a length past the window at absolute positions is not run
-            claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: **not run** ({length} "
-                          "tokens is past the model's window)")
+                heads = out / "heads.json"
+                if not heads.is_file():
+                    driver.call(p, find_heads.find, lm, heads, k=max(16, (n - 1) // 4), repeats=4, progress=True)
+            part = razor_section(run, heads, np.asarray(_json(heads)["retrieval_kv_heads"], bool))
         else:
-            # the margin left under the claimed 5 %, in log-perplexity, paired over the sequences
-            gaps = _log_ppl_gaps(ppl.summary.get("nll_per_sequence", {}), "full@16", "full@2 (2-bit KV)", str(length))
-            diff = math.log(1.05) + (float(np.mean(gaps)) if gaps else math.log(sixteen / two))
-            se = paired_se(gaps)
-            claims.append(f"KIVI 2-bit (R = 128) keeps perplexity within 5 % of full precision: "
-                          f"**{verdict(diff, se)}** ({two:.2f} vs {sixteen:.2f} over {length} tokens; log(1.05) minus "
-                          "the log-perplexity gap, "
-                          + evidence(diff, se, paired=True, n=max(len(gaps), 1), of="sequences") + ")")
+            part = SECTION_RUNS[name](run)
+        md, claims = md + part[0], claims + part[1]
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
                                                     "experiments.eval_anllm"),
                             ("Attention-Gate", args.gate, "experiments.train_gate (CPT) then experiments.eval_gate "
                                                           "(baselines at the gates' own eviction ratio)")):
-        md += [f"## {name}", ""]
-        if path:
-            md += [(Path(path) / "results.md").read_text(), ""]
-            r = _json(Path(path) / "results.json")
-            if name == "AnLLM":  # Table 1: anchors keep the accuracy while the cache shrinks by C_down
-                # the margin left inside 0.05, paired over the items where their scores are in the directory
-                gaps = _anllm_gaps(Path(path) / "items.jsonl")
-                diff = r["acc_ansan"] - r["acc_full"] + 0.05
-                se = paired_se(gaps) if gaps else binomial_se(r["acc_ansan"], r["acc_full"], r["items"])
-                claims.append(f"AnLLM with anchor caching (AnSAN) keeps full attention's accuracy (within 0.05) "
-                              f"while cutting the demonstrations' cache by {r['C_down']:.0%}: **{verdict(diff, se)}** "
-                              f"(accuracy {r['acc_ansan']:.3f} vs {r['acc_full']:.3f}, chance {r['chance']:.3f}; "
-                              + evidence(diff, se, paired=bool(gaps), n=r["items"],
-                                         training_share=args.anllm_training_share)
-                              + _evidence(r["acc_full"], r["chance"], "chance", r["items"]))
-            else:  # Table 1: at the same eviction, the gates lose less than the training-free baselines
-                c = r["continuation_nll"]
-                best = min(("local", "streaming", "h2o"), key=c.get)
-                diff = c[best] - c["gate"]  # positive: the gates lose less than the best baseline
-                se = (r.get("gate_minus_baseline") or {}).get(best, {}).get("se")  # paired over the windows
-                claims.append(f"Attention-Gate's continuation NLL <= the best baseline's at the same eviction "
-                              f"({r['baseline_eviction']:.0%}): **{verdict(diff, se)}** "
-                              f"(NLL {', '.join(f'{k} {v:.3f}' for k, v in c.items())}; the best baseline, {best}, "
-                              f"minus the gates: "
-                              + evidence(diff, se, paired=True, n=r["windows"], of="windows",
-                                         training_share=args.gate_training_share, digits=4) + ")")
-        else:
-            md += [f"Not run: {name} needs a trained variant of the model ({how}); pass its output with "
-                   f"--{'anllm' if name == 'AnLLM' else 'gate'} DIR.", ""]
-            claims.append(f"{name}'s claims: **not run** (no trained variant given)")
+        part = trained_section(run, name, path, how)
+        md, claims = md + part[0], claims + part[1]
 
     md += ["## Which claims hold in miniature", ""] + [f"- {c}" for c in claims] + [
         "", f"A {cfg.num_layers}-layer model with a {n}-token window is a miniature: a claim that fails here may "
