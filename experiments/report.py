@@ -125,6 +125,8 @@ RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "
 # The 2026 baselines (AdaKV, ExpectedAttention, KeyDiff, KVzip; DuoAttention from the model's own head scores)
 # beside them
 RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
+# section 4's sweep: the leaderboard's ratios, to 16:1 and 32:1 (issue 63: 8:1 no longer separates methods)
+RULER_RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
@@ -484,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ruler-batch", type=positive_int, default=4,
                    help="section 4's prompts per call (memory: a batch of 4 4K prompts under 23 policies held 16 GB "
                         "on SmolLM2; part of the section's identity)")
-    p.add_argument("--ruler-ratios", type=float_list, default=[0.5, 0.875],
-                   help="section 4's compression ratios (share of each prompt removed)")
+    p.add_argument("--ruler-ratios", type=float_list, default=list(RULER_RATIOS),
+                   help="section 4's compression ratios (share of each prompt removed; default: "
+                        f"{','.join(f'{r:g}' for r in RULER_RATIOS)}, to 32:1)")
     p.add_argument("--zeroshot-ratios", type=float_list,
                    help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
     p.add_argument("--zeroshot-facts", type=positive_int, default=4,

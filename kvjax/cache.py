@@ -54,6 +54,16 @@ class LayerCache:
     def nbytes(self) -> int:
         return tree_nbytes(self)
 
+    def held_bytes(self) -> np.ndarray:
+        """`[b]` bytes of keys and values in the slots holding a token (pos >= 0), per row (`kvjax.cache.held_bytes`)."""
+        valid = np.asarray(self.pos) >= 0
+        return valid.sum(axis=(1, 2)) * (2 * self.k.shape[-1] * self.k.dtype.itemsize)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values at every KV head, unquantized (the full cache's per token)."""
+        return 2 * self.k.shape[1] * self.k.shape[-1] * self.k.dtype.itemsize
+
 
 def tree_nbytes(tree) -> int:
     """Bytes of every array leaf of `tree` (shapes only: works on abstract values too)."""
@@ -85,6 +95,13 @@ class HeadwiseCache:
     @property
     def num_kv_heads(self) -> int:
         return sum(len(h) for h in self.heads)
+
+    def held_bytes(self) -> np.ndarray:
+        return sum(g.held_bytes() for g in self.groups)
+
+    @property
+    def token_bytes(self) -> int:
+        return sum(g.token_bytes for g in self.groups)
 
     def positions(self) -> np.ndarray:
         """`[b, kvh, C_max]` slot positions in head order, groups padded with -1 to the largest capacity."""
@@ -130,6 +147,14 @@ class PooledLayerCache:
     @property
     def nbytes(self) -> int:
         return tree_nbytes(self)
+
+    def held_bytes(self) -> np.ndarray:
+        valid = np.asarray(self.pos) >= 0
+        return valid.sum(axis=1) * (2 * self.k.shape[-1] * self.k.dtype.itemsize)
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.k.shape[-1] * self.k.dtype.itemsize
 
     def positions(self) -> np.ndarray:
         """`[b, kvh, P]` each head's positions (-1 in the slots it does not own)."""
@@ -429,6 +454,28 @@ def kept_sets(cache: Cache, row: int = 0) -> list[list[list[int]]]:
 
 def nbytes(cache: Cache) -> int:
     return sum(layer.nbytes for layer in cache)
+
+
+def held_bytes(cache: Cache) -> np.ndarray:
+    """`[b]` the KV bytes each row's cache really holds: per layer, the keys and values of its slots that hold a
+    token (pos >= 0), not the slots allocated. Empty and DISABLED slots, and slots a policy emptied (KVzip, a
+    ratio budget's spare rows), count nothing; a head-wise cache (RazorAttention, DuoAttention) counts each group's
+    own slots, a pooled one (AdaKV) its valid pool slots, a quantized one its codes, scales and zeros and the
+    residual's full-precision tokens (`kvjax.quant.QuantizedLayerCache.held_bytes`). Positions, logit biases and a
+    rule's statistics are bookkeeping, not KV, and are not counted (nor in `full_bytes`)."""
+    return np.asarray(sum(layer.held_bytes() for layer in cache), np.int64)
+
+
+def full_bytes(cache: Cache, tokens) -> np.ndarray:
+    """The full cache's KV bytes for `tokens` tokens per row (an int or `[b]`): every token's keys and values at
+    every layer and KV head, in the model's dtype."""
+    return np.asarray(tokens, np.int64) * sum(layer.token_bytes for layer in cache)
+
+
+def held_fraction(cache: Cache, tokens) -> np.ndarray:
+    """`[b]` `held_bytes / full_bytes`: the share of the full cache's KV bytes for the same `tokens` that `cache`
+    holds (1 for the full cache; what every policy reports as its compression, whatever its own ratio means)."""
+    return held_bytes(cache) / np.maximum(full_bytes(cache, tokens), 1)
 
 
 def num_slots(cache: Cache) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from kvjax import drive, engine, kvzip, sharding
+from kvjax import cache as kvcache
 from kvjax.cache import Cache
 from kvjax.cache import tree_nbytes as kvcache_bytes
 from kvjax.engine import MIN_BUCKET, bucket_length, compiled
@@ -231,6 +232,16 @@ class Generation:
     prefill_s: float
     decode_s: float
     decode_steps: int  # loop iterations run (tokens after the first)
+    # [b] KV bytes the compressed prompt's cache holds (`kvjax.cache.held_bytes`: its slots holding a token, measured
+    # once the prompt is compressed, before the question and the new tokens), and the full cache's for the same
+    # prompt tokens (`kvjax.cache.full_bytes`)
+    held_bytes: np.ndarray | None = None
+    full_bytes: np.ndarray | None = None
+
+    @property
+    def held_fraction(self) -> np.ndarray | None:
+        """`[b]` held_bytes / full_bytes: the share of the full cache's KV bytes the policy really holds."""
+        return None if self.held_bytes is None else self.held_bytes / np.maximum(self.full_bytes, 1)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -502,9 +513,11 @@ def _continue(model, graphdef, state, mesh, plan, cache, first, first_finite, pr
         cache = kvzip.compress(model, cache, plan, prompts, replays)
     plan, cache = drive.shrink(model, plan, cache, bucket + room, bucket)  # Attention-Gate: cut to what was kept
     ends = np.asarray([len(p) for p in prompts], np.int32)
+    held, full = kvcache.held_bytes(cache), kvcache.full_bytes(cache, ends)
     if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question
         cache = jax.tree.map(lambda x: jnp.repeat(x, len(questions), axis=0), cache)
         ends = np.repeat(ends, len(questions))
+        held, full = np.repeat(held, len(questions)), np.repeat(full, len(questions))
     if questions is not None:
         # Left padded, so every row's last step is its question's last token; positions continue the context's.
         q_tokens, q_pos = pad_left(questions, q_bucket, pad)
@@ -545,4 +558,6 @@ def _continue(model, graphdef, state, mesh, plan, cache, first, first_finite, pr
         prefill_s=shared_s + t1 - t0,
         decode_s=t2 - t1,
         decode_steps=int(steps) - 1,
+        held_bytes=held,
+        full_bytes=full,
     )

@@ -52,6 +52,7 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
@@ -276,6 +277,33 @@ class QuantizedLayerCache:
     @property
     def nbytes(self) -> int:
         return kvcache.tree_nbytes(self)
+
+    def held_bytes(self) -> np.ndarray:
+        """`[b]` KV bytes of the slots holding a token (`kvjax.cache.held_bytes`): their key and value codes, their
+        per-slot scales (int8; KIVI's values' scales and zeros), each KIVI key group's per-channel scales and zeros
+        where the group holds a token, and the residual's full-precision keys and values that hold one."""
+        nb = lambda x: int(np.prod(x.shape[3:], dtype=np.int64)) * x.dtype.itemsize  # noqa: E731  per slot
+        valid = np.asarray(self.pos) >= 0  # [b, kvh, C]
+        per_slot = nb(self.k_codes) + nb(self.v_codes) + nb(self.v_scale)
+        per_slot += nb(self.v_zero) if self.v_zero is not None else 0
+        held = valid.sum(axis=(1, 2)) * per_slot
+        if self.spec.kivi:  # keys' scale and zero per channel per group of G slots
+            g = self.spec.group
+            c = valid.shape[2]
+            pad = np.pad(valid, ((0, 0), (0, 0), (0, -c % g)))
+            groups = pad.reshape(*valid.shape[:2], -1, g).any(-1).sum(axis=(1, 2))
+            held = held + groups * (nb(self.k_scale) + nb(self.k_zero))
+        else:
+            held = held + valid.sum(axis=(1, 2)) * nb(self.k_scale)
+        if self.res_pos is not None:
+            held = held + (np.asarray(self.res_pos) >= 0).sum(axis=(1, 2)) * (nb(self.res_k) + nb(self.res_v))
+        return held
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values at every KV head in the model's dtype (the full cache's per token)."""
+        head_dim = self.k_codes.shape[-1] * 8 // self.spec.bits
+        return 2 * self.pos.shape[1] * head_dim * jnp.dtype(self.dtype).itemsize
 
 
 jax.tree_util.register_dataclass(

@@ -319,6 +319,10 @@ def test_cli_ratios_sweep_and_task_that_does_not_fit(tmp_path, capsys):
     # StreamingLLM has a ratio mode too now: each row keeps floor(n * (1 - ratio)) of its prompt
     assert result["policies"]["streaming@0.75"].startswith("StreamingLLM(budget=None, sinks=4, ratio=0.75,")
     assert (out / "score_vs_ratio.png").is_file()
+    # every record says the share of the full cache's KV bytes it held; the full cache all of it
+    records = [json.loads(line) for line in (out / "preds.jsonl").read_text().splitlines()]
+    assert all(0 < r["kv_held"] <= 1 for r in records)
+    assert result["kv_held"]["full"] == {"512": 1.0} and result["kv_held"]["snapkv@0.75"]["512"] < 0.5
     capsys.readouterr()
     code = cli.run(ruler_cli.main, ["--tasks", "vt", "--out", str(tmp_path / "vt")])
     err = capsys.readouterr().err
@@ -327,7 +331,7 @@ def test_cli_ratios_sweep_and_task_that_does_not_fit(tmp_path, capsys):
 
 def test_leaderboard_preset_mirrors_kvpress():
     _, args = ruler_cli.parse(["--preset", "leaderboard"])
-    assert args.ratios == (0.25, 0.5, 0.75, 0.875)
+    assert args.ratios == (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)  # to 16:1 and 32:1 (issue 63)
     names = args.compare.split(",")
     assert {"full", "streaming", "snapkv", "pyramidkv", "tova", "knorm", "h2o-prefill"} <= set(names)  # kvpress's
     assert {"mat", "slimkv"} <= set(names) and "razor" not in names  # razor needs --heads
@@ -390,3 +394,20 @@ def test_qa_without_its_data_is_said_not_run(default, tmp_path, capsys):
     code = cli.run(ruler_cli.main, ["--tasks", "qa_1,qa_2", "--compare", "full", "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and "no task to run: qa_1 (its squad file" in err and "qa_2 (its hotpotqa file" in err
+
+
+def test_table_has_the_kv_held_column_and_old_records_show_it_blank(tmp_path):
+    rows = [{"label": lab, "task": "niah_single_1", "length": 512, "index": i, "pred": "7", "outputs": ["7"],
+             **({} if held is None else {"kv_held": held})}
+            for lab, helds in (("full", (1.0, 1.0)), ("duo@0.5", (0.6, 0.7)), ("snapkv@0.5", (0.5, None)))
+            for i, held in enumerate(helds)]
+    meta = {"model": "m", "protocol": "agnostic", "samples": 2, "seed": 0, "not_run": [],
+            "policies": {"full": "FullCache()", "duo@0.5": "DuoAttention(...)", "snapkv@0.5": "SnapKV(...)"}}
+    md, summary, figures = ruler_cli.write_report(tmp_path, rows, meta)
+    lines = md.splitlines()
+    assert "| policy | length | KV held | niah_single_1 | average |" in lines
+    assert "| duo@0.5 | 512 | 0.6500 | 100.00 | **100.00** |" in lines  # DuoAttention on its bytes
+    assert "| snapkv@0.5 | 512 |  | 100.00 | **100.00** |" in lines  # a record without the field: blank
+    assert summary["kv_held"] == {"full": {"512": 1.0}, "duo@0.5": {"512": 0.65}, "snapkv@0.5": {"512": None}}
+    assert (tmp_path / "results.csv").read_text().splitlines()[0].startswith("policy,length,kv_held,")
+    assert tmp_path / "score_vs_ratio.png" in figures

@@ -13,7 +13,9 @@ its question, then appends the question (with RULER's answer prefix) to the comp
 and gate) removes that fraction of each prompt; MAT's beta, a count, defaults to a quarter of that
 share of the cell's prompt room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
 per sample to OUT/preds.jsonl (a rerun resumes), scores in OUT/results.{md,csv,json} and the plots
-OUT/score_vs_length.png and (with --ratios) OUT/score_vs_ratio.png.
+OUT/score_vs_length.png and (with --ratios) OUT/score_vs_ratio.png, each method's score against the KV bytes
+it really held (a record's `kv_held`: the share of the full cache's bytes for its prompt, `kvjax.cache.held_bytes`),
+the tables' "KV held" column.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kvjax.errors import InvalidInput
 
 # kvpress's public leaderboard: RULER at 4K, these compression ratios, the presses kvjax shares with
 # kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
-LEADERBOARD_RATIOS = (0.25, 0.5, 0.75, 0.875)
+LEADERBOARD_RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)  # to 32:1 (kvpress #286, #288)
 LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "knorm", "h2o-prefill", "mat", "slimkv",
                         "h2o", "adakv", "expected-attention", "keydiff", "kvzip")
 
@@ -68,8 +70,8 @@ def parse(argv):
                    help="override RULER's tokens to generate (niah 128, vt 30, cwe 120, fwe 50), also in the fitting")
     p.add_argument("--ratios", help="comma-separated compression ratios: every policy at each")
     p.add_argument("--preset", choices=["leaderboard"],
-                   help="leaderboard: kvpress's ratios 0.25,0.5,0.75,0.875 and the policies kvjax shares with "
-                        "kvpress plus the papers' (razor with --heads, gate with --gate-params)")
+                   help="leaderboard: the ratios 0.25,0.5,0.75,0.875,0.9375,0.96875 (to 32:1) and the policies kvjax "
+                        "shares with kvpress plus the papers' (razor with --heads, gate with --gate-params)")
     p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
@@ -163,15 +165,29 @@ def predict(lm, cells: list[Cell], protocol: str) -> list[dict]:
                              sampling=Sampling(), pad_id=tok.pad_token_id)
     records = []
     for (label, policy), gen_out in zip(wanted.items(), outs):
-        for s, seq in zip(chunk, gen_out.sequences()):
+        for s, seq, held in zip(chunk, gen_out.sequences(), gen_out.held_fraction):
             if (s.index, label) not in asked:
                 continue
             pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
             records.append({"id": record_id(protocol, task, length, policy, s), "label": label,
                             "policy": policy.describe(), "task": task.name, "length": length, "index": s.index,
                             "pred": pred, "outputs": list(s.outputs),
-                            "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind])})
+                            "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind]),
+                            "kv_held": kv_held(held)})
     return records
+
+
+def kv_held(fraction) -> float:
+    """A record's `kv_held`: the share of the full cache's KV bytes its compressed prompt held
+    (`kvjax.Generation.held_fraction`), rounded."""
+    return round(float(fraction), 6)
+
+
+def mean_held(records: list[dict]) -> float | None:
+    """The mean `kv_held` of `records`; None if any lacks it (a record written before the field: shown blank,
+    not recomputed)."""
+    held = [r.get("kv_held") for r in records]
+    return None if not held or None in held else round(float(np.mean(held)), 4)
 
 
 def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
@@ -185,8 +201,10 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
     labels = list(dict.fromkeys(r["label"] for r in rows))
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     lengths = sorted({r["length"] for r in rows})
-    table = {}
+    table, held = {}, {}
     for lab in labels:
+        for n in lengths:
+            held.setdefault(lab, {})[n] = mean_held([r for r in rows if r["label"] == lab and r["length"] == n])
         for t in tasks:
             for n in lengths:
                 cell = [r for r in rows if r["label"] == lab and r["task"] == t and r["length"] == n]
@@ -197,17 +215,20 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
                  for n in lengths} for lab in labels}
     result = {**meta, "scores": {lab: {t: {str(n): v for n, v in row.items()} for t, row in ts.items()}
                                  for lab, ts in table.items()},
-              "average": {lab: {str(n): v for n, v in row.items()} for lab, row in avg.items()}}
+              "average": {lab: {str(n): v for n, v in row.items()} for lab, row in avg.items()},
+              "kv_held": {lab: {str(n): v for n, v in row.items()} for lab, row in held.items()}}
     lines = [f"RULER ({meta['protocol']} protocol, {meta['samples']} samples per cell, seed {meta['seed']}): "
              f"{meta['model']}", "", "Policies: " + "; ".join(f"**{lab}** = `{meta['policies'][lab]}`" for lab in labels),
-             "", "| policy | length | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
-    rows = [["policy", "length", *tasks, "average"]]
+             "", "| policy | length | KV held | " + " | ".join(tasks) + " | average |",
+             "|---|---|---|" + "---|" * (len(tasks) + 1)]
+    rows = [["policy", "length", "kv_held", *tasks, "average"]]
     for lab in labels:
         for n in lengths:
             cells = [table[lab].get(t, {}).get(n) for t in tasks]
-            lines.append(f"| {lab} | {n} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells)
-                         + f" | **{avg[lab][n]:.2f}** |")
-            rows.append([lab, n, *cells, avg[lab][n]])
+            h = held[lab][n]
+            lines.append(f"| {lab} | {n} | {'' if h is None else f'{h:.4f}'} | "
+                         + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + f" | **{avg[lab][n]:.2f}** |")
+            rows.append([lab, n, "" if h is None else h, *cells, avg[lab][n]])
     write_csv_atomic(out / "results.csv", rows)
     unofficial = [t for t in tasks if not T.TASKS[t].official]
     if unofficial:
@@ -215,6 +236,10 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
     if any(T.TASKS[t].kind == "qa" for t in tasks):
         lines += ["", "QA is scored as RULER scores it: a sample counts when any reference is in the prediction "
                       "(string_match_part); the other tasks by the share of references found (string_match_all)."]
+    lines += ["", "KV held: the share of the full cache's KV bytes the compressed prompt really holds (keys and values "
+                  "of the slots holding a token, quantized ones by their codes, scales and residual; mean over the "
+                  "cell's samples; blank where a record predates the measurement), whatever the policy's own ratio "
+                  "means (DuoAttention's is a share of heads)."]
     if meta.get("not_run"):
         lines += ["", f"Not run: {'; '.join(meta['not_run'])}."]
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -226,20 +251,17 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
     figures = [out / "score_vs_length.png"]
     fig.savefig(figures[0], dpi=110)
     plt.close(fig)
-    ratio_of = {lab: float(lab.rsplit("@", 1)[1]) for lab in labels if "@" in lab}
-    if ratio_of:  # the leaderboard's plot: score against compression ratio, one panel per task
-        methods = list(dict.fromkeys(lab.rsplit("@", 1)[0] for lab in ratio_of))
+    if any("@" in lab for lab in labels):  # the leaderboard's plot: score against KV bytes held, one panel per task
         n = lengths[-1]
+        methods = list(dict.fromkeys(lab.rsplit("@", 1)[0] for lab in labels))
         fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3), squeeze=False)
         for ax, t in zip(axes[0], tasks):
-            for m in methods:
-                pts = sorted((ratio_of[lab], table[lab][t][n]) for lab in ratio_of
-                             if lab.rsplit("@", 1)[0] == m and n in table[lab].get(t, {}))
-                ax.plot(*zip(*pts), marker="o", label=m)
-            for lab in labels:
-                if lab not in ratio_of and n in table[lab].get(t, {}):
-                    ax.axhline(table[lab][t][n], ls="--", lw=0.8, color="k", label=lab)
-            ax.set(title=f"{t} @ {n}", xlabel="compression ratio", ylim=(-2, 102))
+            for m in methods:  # each method on the bytes it held: a label whose records predate the field is left out
+                pts = sorted((held[lab][n], table[lab][t][n]) for lab in labels if lab.rsplit("@", 1)[0] == m
+                             and n in table[lab].get(t, {}) and held[lab][n] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=m)
+            ax.set(title=f"{t} @ {n}", xlabel="KV bytes held (share of the full cache)", xscale="log", ylim=(-2, 102))
         axes[0][0].set_ylabel("string_match_all")
         axes[0][-1].legend(fontsize=6)
         fig.tight_layout()
