@@ -128,6 +128,68 @@ def split_question(prompts: list[list[int]], question_lengths: list[int], protoc
                                                                           zip(prompts, question_lengths)]
 
 
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    """--chat-template auto|on|off: the model's prompt format, for every suite that builds prompts."""
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                   help="wrap each context in the tokenizer's chat template as kvpress's pipeline does (context in "
+                        "the user turn; question, end of turn, assistant header, answer prefix after it): on, off "
+                        "(raw text), or auto (on iff the tokenizer has a template, as kvpress). Default auto")
+
+
+def chat_template_on(tok, mode: str) -> bool:
+    """`mode` ("auto" / "on" / "off") resolved for tokenizer `tok`: auto is on iff `tok.chat_template` is not None
+    (kvpress's rule); "on" for a tokenizer without a template is an `InvalidInput`."""
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise InvalidInput(f"chat_template={mode!r} is not one of {', '.join(CHAT_TEMPLATE_MODES)}")
+    has = getattr(tok, "chat_template", None) is not None
+    if mode == "on" and not has:
+        raise InvalidInput("--chat-template on: the model's tokenizer has no chat template; pass --chat-template off "
+                           "or auto")
+    return has if mode == "auto" else mode == "on"
+
+
+def chat_template_mode(tok, mode: str) -> str:
+    """--chat-template resolved for `tok`, "on" or "off" (what a run's identity and tables record); "on" without a
+    template is an `InvalidInput` (one `error:` line, exit 2)."""
+    return "on" if chat_template_on(tok, mode) else "off"
+
+
+def chat_parts(tok, on: bool, *, enable_thinking: bool = False) -> tuple[str, str]:
+    """(text before the context, text between the question and the answer prefix), as kvpress's
+    `KVPressTextGenerationPipeline.preprocess` makes them: with the template, the user turn's opening and the end of
+    the turn + the assistant header (the template applied to the context + a separator, split there); without,
+    the BOS token's text and "\n"."""
+    if not on:
+        return getattr(tok, "bos_token", None) or "", "\n"
+    context = "kvjax chat template probe"
+    separator = "#" * (len(context) + 10)
+    text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                   tokenize=False, enable_thinking=enable_thinking)
+    head, suffix = text.split(separator)
+    return head[: len(head) - len(context)], suffix
+
+
+def prompt_ids(tok, context: str, question: str, answer_prefix: str = "", *, on: bool) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of one prompt as kvpress's pipeline builds them (`preprocess`): with the template
+    (`on`), the chat template around the context (the user turn's opening, then the context) and the question + the
+    end of the turn + the assistant header + `answer_prefix`; without, BOS + context and question + "\n" +
+    `answer_prefix`. Each part is tokenized alone, without special tokens (the BOS is text in the context). The
+    question-agnostic protocol compresses the first and appends the second; the aware one reads both together."""
+    head, suffix = chat_parts(tok, on)
+    if on:  # kvpress applies the template to the context itself: the split is the template's
+        separator = "#" * (len(context) + 10)
+        text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                       tokenize=False, enable_thinking=False)
+        ctx, suffix = text.split(separator)
+    else:
+        ctx = head + context
+    return (tok.encode(ctx, add_special_tokens=False),
+            tok.encode(question + suffix + answer_prefix, add_special_tokens=False))
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """--allow-nonfinite, --debug and --no-compile-cache, for every command that loads a model."""
     g = p.add_argument_group("run")
@@ -328,7 +390,8 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     out = []
     for n, kw in zip(names, per_policy):
         try:
-            out.append(driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir))
+            out.append(driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
+                                           chat=getattr(args, "replay_chat", False)))
             if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
                 out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
             out[-1] = quantize(out[-1])

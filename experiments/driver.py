@@ -43,7 +43,7 @@ from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
 __all__ = [
     "ArgumentError", "InMemory", "Suite", "SuiteResult", "as_flags", "as_keywords", "attach_gates", "batches",
-    "build_policy", "call", "check_names", "claim", "fill", "finish", "kvzip_replay", "labelled", "labels",
+    "build_policy", "call", "check_names", "check_replay", "claim", "fill", "finish", "kvzip_replay", "labelled", "labels",
     "load_model", "open_records", "policy_options", "positive", "resolve_policies", "run_suite", "width_label",
 ]
 
@@ -164,35 +164,53 @@ def labels(names: Sequence[str]) -> list[str]:
 
 
 def build_policy(name: str, budget: int | None, options: Mapping[str, Any], *, num_layers: int | None = None,
-                 model_dir=None) -> Policy:
+                 model_dir=None, chat: bool = False) -> Policy:
     """Policy `name` with `options` (its share, `policy_options`) and `budget` if it takes one;
     `num_layers` goes to the policies that need the depth (PyramidKV) and KVzip replays the prompts of
-    the tokenizer at `model_dir` (`kvzip_replay`)."""
+    the tokenizer at `model_dir` (`kvzip_replay`; `chat`: for prompts in its chat template)."""
     params, kw = inspect.signature(REGISTRY[name]).parameters, dict(options)
     if num_layers is not None and "num_layers" in params:
         kw["num_layers"] = num_layers
     if "replay" in params and model_dir is not None:
-        kw["replay"] = kvzip_replay(model_dir)
+        kw["replay"] = kvzip_replay(model_dir, chat)
     return make_policy(name, None if name in NO_BUDGET else budget, **kw)
 
 
-def kvzip_replay(model_dir) -> dict | None:
+def kvzip_replay(model_dir, chat: bool = False) -> dict | None:
     """KVzip's replay prompts from the tokenizer at `model_dir` (a directory or a GGUF file); None without one.
-    kvjax's suites feed raw text (no chat template), so the replay is raw text too: "\\n" ends its prompt."""
+    `chat`: the suite's prompts are in the tokenizer's chat template (--chat-template on), so the replay is too
+    (the template's assistant header ends it, and the user turn's opening is its prefix, as kvpress); otherwise
+    raw text: "\\n" ends its prompt."""
     from kvjax.kvzip import replay_prompts
     from models.loading import tokenizer_at
 
     tok = None if model_dir is None else tokenizer_at(Path(model_dir))
-    return None if tok is None else replay_prompts(tok)
+    return None if tok is None else replay_prompts(tok, chat=chat)
+
+
+def check_replay(policies: Mapping[str, Policy], model_dir, chat: bool) -> None:
+    """An error naming each KVzip-family policy of `policies` whose replay prompts are not those of the prompt
+    format (`kvzip_replay(model_dir, chat)`): a replay in raw text over a context in the chat template (or the
+    reverse) is not kvpress's KVzip."""
+    family = {lab: p for lab, p in policies.items() if hasattr(p, "suffix_ids")}
+    want = kvzip_replay(model_dir, chat) if family and model_dir is not None else None
+    if want is None:
+        return
+    wrong = [lab for lab, p in family.items()
+             if (tuple(p.suffix_ids), p.prefix) != (tuple(want["suffix_ids"]), want["prefix"])]
+    if wrong:
+        raise ArgumentError(f"{', '.join(wrong)}: KVzip's replay prompts are not those of chat_template="
+                            f"{'on' if chat else 'off'}; build them with driver.resolve_policies(..., chat={chat}) "
+                            f"(or replay=driver.kvzip_replay(model, chat={chat}))", usage=False)
 
 
 def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, num_layers: int | None = None,
-                     model_dir=None, **options) -> dict[str, Policy]:
+                     model_dir=None, chat: bool = False, **options) -> dict[str, Policy]:
     """`{label: policy}` for `names` ("full,streaming" or a list), each given the keyword `options` its
     constructor takes and `budget` if it takes one: the Python form of `--compare`. An option that
     no policy takes, or a budget none takes, is an error naming the keyword; a name given twice is
     labelled name#i. `num_layers` goes to the policies that need the depth (PyramidKV); KVzip replays
-    the prompts of `model_dir`'s tokenizer."""
+    the prompts of `model_dir`'s tokenizer (`chat`: in its chat template, for a suite run with it on)."""
     names = names.split(",") if isinstance(names, str) else list(names)
     check_names(names)
     if budget is not None and all(n in NO_BUDGET for n in names):
@@ -200,7 +218,7 @@ def resolve_policies(names: str | Sequence[str], *, budget: int | None = None, n
     per_policy, unused = policy_options(names, options)
     if unused:
         raise InvalidInput(f"{', '.join(f'{k}=' for k in sorted(unused))}: no policy of {','.join(names)} takes it")
-    return {lab: build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir)
+    return {lab: build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir, chat=chat)
             for lab, n, kw in zip(labels(names), names, per_policy)}
 
 

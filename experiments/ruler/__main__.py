@@ -9,6 +9,9 @@ model's own tokenizer, scored as RULER scores (string_match_all).
 `--protocol agnostic` (kvpress's protocol, the default) compresses each sample's context without
 its question, then appends the question (with RULER's answer prefix) to the compressed cache;
 `--protocol aware` compresses context and question together. Both read the same token ids.
+`--chat-template auto|on|off` (default auto: on iff the tokenizer has a template, as kvpress's pipeline): the
+context wrapped in the chat template's user turn, the question, the end of the turn, the assistant header and
+the answer prefix after it; off: BOS + context, then question + "\n" + answer prefix (kvpress without a template).
 `--ratios` runs every policy at each compression ratio: each policy with a ratio mode (all but full
 and gate) removes that fraction of each prompt; MAT's beta, a count, defaults to a quarter of that
 share of the cell's prompt room (length - tokens to generate). Generated samples are kept in OUT/data, predictions appended
@@ -30,14 +33,18 @@ import numpy as np
 
 from experiments import cli, driver
 from experiments.common import (
+    add_chat_template_arg,
     add_compare_args,
     add_run_args,
+    chat_template_mode,
+    chat_template_on,
     compared,
     int_list,
     model_help,
     nonnegative_int,
     parse_ratios,
     positive_int,
+    prompt_ids,
     suite_model,
 )
 from experiments.records import content_fingerprint, shown, write_atomic, write_csv_atomic
@@ -66,6 +73,7 @@ def parse(argv):
     p.add_argument("--seed", type=nonnegative_int, default=T.DEFAULT_SEED, help="RULER's random_seed")
     p.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic",
                    help="agnostic: compress the context without the question (kvpress); aware: with it")
+    add_chat_template_arg(p)
     p.add_argument("--max-new-tokens", type=positive_int,
                    help="override RULER's tokens to generate (niah 128, vt 30, cwe 120, fwe 50), also in the fitting")
     p.add_argument("--ratios", help="comma-separated compression ratios: every policy at each")
@@ -104,8 +112,8 @@ def cell_policies(p, args, num_layers: int, model_dir=None):
     return compared(p, args, num_layers, model_dir, by_room=True)
 
 
-def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int, data_dir=None
-                 ) -> list[T.Sample]:
+def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int, gen: int, data_dir=None,
+                 chat: bool = False) -> list[T.Sample]:
     """The cell's `count` samples, generated once and kept in OUT/data (the identity ties them to the
     tokenizer and the seed)."""
     path = out / "data" / f"{task.name}-{length}.jsonl"
@@ -117,16 +125,25 @@ def cell_samples(out: Path, lm, task: T.Task, length: int, count: int, seed: int
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
             raise InvalidInput(f"{path} is not a sample file kvjax wrote ({type(err).__name__}: {err}); delete it to "
                                "generate the samples again") from None
-    samples = T.generate(task, length, count, T.token_counter(lm.tokenizer), seed=seed, tokens_to_generate=gen,
+    samples = T.generate(task, length, count, prompt_counter(lm.tokenizer, chat), seed=seed, tokens_to_generate=gen,
                          data_dir=data_dir)
     write_atomic(path, "".join(json.dumps(s.__dict__ | {"outputs": list(s.outputs)}) + "\n" for s in samples))
     return samples
 
 
-def encode(tok, sample: T.Sample) -> tuple[list[int], list[int]]:
-    """(context ids with BOS, question + answer prefix ids): one tokenisation for both protocols."""
-    return tok(sample.context)["input_ids"], tok(sample.question + sample.answer_prefix,
-                                                    add_special_tokens=False)["input_ids"]
+def encode(tok, sample: T.Sample, chat: bool) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) as kvpress's pipeline makes them (`experiments.common.prompt_ids`: with the chat
+    template, or BOS + context and question + "\n" + answer prefix): one tokenisation for both protocols."""
+    return prompt_ids(tok, sample.context, sample.question, sample.answer_prefix, on=chat)
+
+
+def prompt_counter(tok, chat: bool):
+    """Tokens of the prompt the model reads for RULER's text (input + answer prefix): `T.token_counter`'s, plus what
+    the prompt format adds (`encode`: the template's turns, or "\n" before the answer prefix), so a sample fits its
+    length in that format."""
+    count = T.token_counter(tok)
+    extra = sum(map(len, prompt_ids(tok, "", "", "", on=chat))) - count("")
+    return lambda text: count(text) + extra
 
 
 class Cell(NamedTuple):
@@ -144,11 +161,12 @@ class Cell(NamedTuple):
         return self.policies[self.label]
 
 
-def record_id(protocol: str, task: T.Task, length: int, policy, sample: T.Sample) -> str:
-    return f"{policy.describe()}|{protocol}|{task.name}|{length}|{sample.index}"
+def record_id(protocol: str, task: T.Task, length: int, policy, sample: T.Sample, chat: str = "off") -> str:
+    """A record's key; the chat template's ("template-on") only when on, so the raw-text key is what it was."""
+    return f"{policy.describe()}|{protocol}{'|template-on' if chat == 'on' else ''}|{task.name}|{length}|{sample.index}"
 
 
-def predict(lm, cells: list[Cell], protocol: str) -> list[dict]:
+def predict(lm, cells: list[Cell], protocol: str, chat: str = "off") -> list[dict]:
     """The records of `cells` (a batch of samples of one task and length): the policies of the batch run together
     (`generate_many`: the prompt compressors share one pass over the prompts)."""
     tok = lm.tokenizer
@@ -156,7 +174,7 @@ def predict(lm, cells: list[Cell], protocol: str) -> list[dict]:
     chunk = list({c.sample.index: c.sample for c in cells}.values())
     asked = {(c.sample.index, c.label) for c in cells}
     wanted = {lab: p for lab, p in cells[0].policies.items() if any(c.label == lab for c in cells)}
-    ids = [encode(tok, s) for s in chunk]
+    ids = [encode(tok, s, chat == "on") for s in chunk]
     if protocol == "agnostic":
         outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
                              max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
@@ -169,7 +187,7 @@ def predict(lm, cells: list[Cell], protocol: str) -> list[dict]:
             if (s.index, label) not in asked:
                 continue
             pred = scoring.postprocess(tok.decode(seq, skip_special_tokens=True))
-            records.append({"id": record_id(protocol, task, length, policy, s), "label": label,
+            records.append({"id": record_id(protocol, task, length, policy, s, chat), "label": label,
                             "policy": policy.describe(), "task": task.name, "length": length, "index": s.index,
                             "pred": pred, "outputs": list(s.outputs),
                             "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind]),
@@ -217,7 +235,8 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
                                  for lab, ts in table.items()},
               "average": {lab: {str(n): v for n, v in row.items()} for lab, row in avg.items()},
               "kv_held": {lab: {str(n): v for n, v in row.items()} for lab, row in held.items()}}
-    lines = [f"RULER ({meta['protocol']} protocol, {meta['samples']} samples per cell, seed {meta['seed']}): "
+    lines = [f"RULER ({meta['protocol']} protocol, chat template {meta.get('chat_template', 'off')}, "
+             f"{meta['samples']} samples per cell, seed {meta['seed']}): "
              f"{meta['model']}", "", "Policies: " + "; ".join(f"**{lab}** = `{meta['policies'][lab]}`" for lab in labels),
              "", "| policy | length | KV held | " + " | ".join(tasks) + " | average |",
              "|---|---|---|" + "---|" * (len(tasks) + 1)]
@@ -273,12 +292,15 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, li
 
 def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[str] | None = None, samples: int = 10,
           seed: int = T.DEFAULT_SEED, protocol: str = "agnostic", max_new_tokens: int | None = None, batch: int = 4,
-          progress: bool = True, data_dir=None) -> driver.SuiteResult:
+          progress: bool = True, data_dir=None, chat_template: str = "auto") -> driver.SuiteResult:
     """RULER's `tasks` (default: its offline ones) at each sequence length (default: the model's
     window) under each policy, into `out`; summary `{"scores": {label: {task: {length: score}}},
     "average": ..., ...}`. `policies` is `{label: policy}` (a list, or one), or a function of a cell's
     prompt room (length - tokens generated) giving them, as a ratio sweep needs. `data_dir`: RULER's QA files
-    (`T.QA_FILES`); qa_1 / qa_2 without it are not run, and the table says so."""
+    (`T.QA_FILES`); qa_1 / qa_2 without it are not run, and the table says so. `chat_template`: "auto" (on iff the
+    tokenizer has one, as kvpress), "on" or "off" (`experiments.common.prompt_ids`); the resolved mode is in the
+    identity, every record's key and the table. KVzip's replay must be built for the same mode
+    (`driver.resolve_policies(..., chat=True)`): a mismatch is an error."""
     driver.positive(samples, "samples")
     driver.positive(batch, "batch")
     tasks = list(tasks or T.OFFICIAL)
@@ -287,6 +309,10 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
         raise driver.ArgumentError(f"tasks={unknown[0]!r} is unknown; RULER's offline tasks: {', '.join(T.TASKS)}")
     if protocol not in ("agnostic", "aware"):
         raise driver.ArgumentError(f"protocol={protocol!r} is not 'agnostic' or 'aware'")
+    try:
+        chat = "on" if chat_template_on(lm.tokenizer, chat_template) else "off"
+    except InvalidInput as err:
+        raise driver.ArgumentError(str(err).replace("--chat-template", "chat_template=")) from None
     n_pos = lm.config.max_position_embeddings
     lengths = list(lengths or [n_pos])
     too_long = [n for n in lengths if n > n_pos]
@@ -301,7 +327,9 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
     tasks = [n for n in tasks if not (n in T.NEEDS_DATA and data_dir is None)]
     qa_files = sorted({T.QA_FILES[T.TASKS[n].arg("dataset")] for n in tasks if n in T.NEEDS_DATA})
     # the QA files' content is part of what the samples are
-    options = {"seed": seed, "protocol": protocol, "max_new_tokens": max_new_tokens, "batch": batch}
+    # the resolved prompt format: records made before the option (no such key) are another configuration
+    options = {"seed": seed, "protocol": protocol, "chat_template": chat, "max_new_tokens": max_new_tokens,
+               "batch": batch}
     if qa_files:
         options["qa_data"] = {f: content_fingerprint(Path(data_dir) / f) if (Path(data_dir) / f).is_file() else None
                               for f in qa_files}
@@ -313,28 +341,29 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
                 task = T.TASKS[name]
                 gen = max_new_tokens or task.tokens_to_generate
                 try:
-                    cell = cell_samples(out, lm, task, n, samples, seed, gen, data_dir)
+                    cell = cell_samples(out, lm, task, n, samples, seed, gen, data_dir, chat == "on")
                 except InvalidInput as err:
                     raise driver.ArgumentError(f"{err}; pass tasks= without {name}, a longer lengths=, or a smaller "
                                                "max_new_tokens=", usage=False) from None
                 pols = per_cell(n - gen)
+                driver.check_replay(pols, lm.path, chat == "on")
                 described.update({label: policy.describe() for label, policy in pols.items()})
                 groups.append((task, n, gen, cell, pols))
         return [Cell(task, n, gen, s, lab, pols) for task, n, gen, cell, pols in groups for s in cell for lab in pols]
 
-    rid = lambda c: record_id(protocol, c.task, c.length, c.policy, c.sample)  # noqa: E731
+    rid = lambda c: record_id(protocol, c.task, c.length, c.policy, c.sample, chat)  # noqa: E731
 
     def report(log):
-        rows = [log.records[record_id(protocol, task, n, pol, s)] for task, n, _, cell, pols in groups
+        rows = [log.records[record_id(protocol, task, n, pol, s, chat)] for task, n, _, cell, pols in groups
                 for pol in pols.values() for s in cell]
-        meta = {"model": shown(lm.path), "protocol": protocol, "samples": samples, "seed": seed,
+        meta = {"model": shown(lm.path), "protocol": protocol, "chat_template": chat, "samples": samples, "seed": seed,
                 "policies": described, "not_run": not_run}
         if not rows:
             raise driver.ArgumentError(f"no task to run: {'; '.join(not_run)}", usage=False)
         return write_report(out, rows, meta)
 
     # per batch of samples, the policies still missing a record run together
-    suite = driver.Suite("ruler", "preds.jsonl", cells, rid, lambda batch_: predict(lm, batch_, protocol), report,
+    suite = driver.Suite("ruler", "preds.jsonl", cells, rid, lambda batch_: predict(lm, batch_, protocol, chat), report,
                          lambda todo: driver.batches(todo, batch, group=lambda c: (c.task.name, c.length),
                                                      unit=lambda c: c.sample.index))
     return driver.run_suite(suite, out, lm, options, lambda: described, progress=progress)
@@ -343,10 +372,11 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
 def main(argv: list[str] | None = None) -> int:
     p, args = parse(argv)
     lm = suite_model(args, dtype=args.dtype, attention_impl=args.attention_impl)
+    args.replay_chat = chat_template_mode(lm.tokenizer, args.chat_template) == "on"  # KVzip replays in that format
     res = driver.call(p, suite, lm, cell_policies(p, args, lm.config.num_layers, lm.path), args.out,
                       lengths=args.lengths, tasks=args.task_names, samples=args.samples, seed=args.seed,
                       protocol=args.protocol, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                      data_dir=args.data_dir)
+                      data_dir=args.data_dir, chat_template=args.chat_template)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}} and " + ", ".join(str(f) for f in res.figures))
     return 0
