@@ -46,6 +46,8 @@ import numpy as np
 from experiments import cli, driver, efficiency, find_heads, passkey, perplexity, zeroshot
 from experiments.common import (
     DEFAULT_MODEL_DIR,
+    add_chat_template_arg,
+    chat_template_on,
     float_list,
     int_list,
     model_help,
@@ -256,7 +258,8 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
         save_heads(duo, duo_scores=duo_scores(lm.model, rows), duo_texts=len(rows), duo_len=win, sink_size=128,
                    recent_size=256)
 
-    replay = driver.kvzip_replay(lm.path)  # KVzip's replay prompts, from the model's tokenizer
+    chat = chat_template_on(lm.tokenizer, args.chat_template)  # the prompts' format: kvpress's, from the tokenizer
+    replay = driver.kvzip_replay(lm.path, chat=chat)  # KVzip's replay prompts, in the prompts' format
 
     def at_ratios(room):
         pols = {"full": driver.resolve_policies("full")["full"]}
@@ -268,7 +271,8 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
         return pols
 
     res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
-                      samples=args.ruler_samples, protocol="agnostic", batch=args.ruler_batch)
+                      samples=args.ruler_samples, protocol="agnostic", batch=args.ruler_batch,
+                      chat_template=args.chat_template)
     scores = {lab: row[str(length)] for lab, row in res.summary["average"].items()}
     md += [f"## 4. RULER at {length} tokens, question-agnostic (SlimKV / SnapKV and the baselines)", "",
            f"kvpress's protocol: each context is compressed without its question, which then extends the "
@@ -279,7 +283,8 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
            f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
            f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
            "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
-           "replay: raw text, chunks of 2048 tokens, kvpress's prompts).", ""]
+           f"replay: {'in the chat template' if chat else 'raw text'}, as the prompts are, chunks of 2048 tokens, "
+           "kvpress's prompts).", ""]
     for r in args.ruler_ratios:
         new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
                                                       "duo")}
@@ -489,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ruler-ratios", type=float_list, default=list(RULER_RATIOS),
                    help="section 4's compression ratios (share of each prompt removed; default: "
                         f"{','.join(f'{r:g}' for r in RULER_RATIOS)}, to 32:1)")
+    add_chat_template_arg(p)  # section 4's prompt format (and KVzip's replay in it)
     p.add_argument("--zeroshot-ratios", type=float_list,
                    help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
     p.add_argument("--zeroshot-facts", type=positive_int, default=4,
