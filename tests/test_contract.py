@@ -211,21 +211,23 @@ def test_the_model_contract_is_what_generation_calls(tiny):
     read, cfg_read, called = set(), set(), 0
     for name in ("generate.py", "scoring.py", "fewshot.py", "engine.py", "drive.py", "kvzip.py"):
         tree = ast.parse((root / name).read_text())
-        aliases = {"cfg", "c"}  # names bound to `model.cfg`
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg":
-                aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model":
-                read.add(node.attr)
-            cfg = isinstance(node, ast.Attribute) and (
-                (isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"
-                 and isinstance(node.value.value, ast.Name) and node.value.value.id == "model")
-                or (isinstance(node.value, ast.Name) and node.value.id in aliases))
-            if cfg:
-                cfg_read.add(node.attr)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model":
-                called += 1
+        for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            # names bound to `model.cfg` in this function (`cfg = model.cfg`, `c = model.cfg`)
+            aliases = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                       and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"
+                       and isinstance(node.value.value, ast.Name) and node.value.value.id == "model"
+                       for t in node.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model":
+                    read.add(node.attr)
+                cfg = isinstance(node, ast.Attribute) and (
+                    (isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"
+                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "model")
+                    or (isinstance(node.value, ast.Name) and node.value.id in aliases))
+                if cfg:
+                    cfg_read.add(node.attr)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model":
+                    called += 1
     declared = {n for n in dir(CachedLM) if not n.startswith("_")} | set(CachedLM.__annotations__)
     assert read and read <= declared, read - declared
     assert read == {"cfg", "dtype"}, read  # the model is read for its config and dtype, and called
