@@ -93,3 +93,29 @@ def test_kvzip_benchmark_writes_its_table_and_counts_the_replays(tmp_path):
     assert row["replays"] == 1 and row["replay_tokens"] == 300 + len(prompts["repeat_ids"]) + len(prompts["suffix_ids"])
     assert all(row[k] > 0 for k in ("prefill_s", "replay_s", "snapkv_s"))
     assert "| 300 |" in (tmp_path / "kvzip_cpu.md").read_text()
+
+
+def test_compile_benchmark_compiles_every_program_cold_at_every_repeat(tmp_path):
+    """Each repeat of each program is compiled by XLA, none loaded from the persistent compilation cache (which
+    conftest sets for the suite, and which would answer every repeat after the first), and the table holds one row
+    per program."""
+    import jax
+
+    from benchmarks import compile as bench
+
+    events = []
+
+    def listener(name, *args, **kwargs):
+        events.append(name)
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        bench.main(["--programs", "prefill full,decode loop", "--length", "32", "--repeats", "2", "--out",
+                    str(tmp_path), "--allow-load"])
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    assert "/jax/compilation_cache/cache_hits" not in events
+    rows = json.loads((tmp_path / "compile_cpu.json").read_text())["rows"]
+    assert [r["program"] for r in rows] == ["prefill full", "decode loop"]
+    assert all(r["compile_s_min"] > 0 and r["lower_s"] > 0 for r in rows)
+    assert "| decode loop |" in (tmp_path / "compile_cpu.md").read_text()

@@ -1,0 +1,149 @@
+"""Compile seconds of kvjax's whole-model programs (issue #64's baseline): each program lowered and compiled from a
+cold cache, `--repeats` times (the in-memory caches cleared between), on the CPU.
+
+    python -m benchmarks.compile --model smollm2 [--length 4096] [--repeats 3] [--out benchmarks/results]
+
+The programs: the prompt pass (`kvjax.engine.prefill`, what `generate` compiles for one policy) under FullCache,
+SnapKV, MAT (its prompt read token by token: a scan over the decode step) and RazorAttention (head-wise groups);
+the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens); and one plain prompt pass shared by four
+plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm, StreamingLLM), batch 1, `--length` tokens. Each
+figure is the median of `--repeats` cold compilations (min–max), split into tracing + lowering to StableHLO and
+XLA's compilation. A CPU table is refused on a busy machine (`benchmarks.timing`). Writes
+compile_<platform>[_<model>].json / .md. Numbers are for reading, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import timing
+from kvjax import drive, engine
+from kvjax.cli import add_compile_cache_flag, description, model_help
+from kvjax.errors import InvalidInput
+from kvjax.generate import Sampling, decode_fn, prefill_fn, prefill_many_fn
+from kvjax.policies import KNorm, TOVA, AnchorCache, FullCache, RazorAttention, SnapKV, StreamingLLM
+from models import load
+
+NEW_TOKENS = 32
+PROGRAMS = ("prefill full", "prefill snapkv", "prefill mat", "prefill razor", "decode loop", "shared pass of 4")
+
+
+def _policies(cfg) -> dict:
+    half = cfg.num_kv_heads // 2 or 1  # RazorAttention: the first half of each layer's KV heads are retrieval heads
+    retrieval = tuple(tuple(h < half for h in range(cfg.num_kv_heads)) for _ in range(cfg.num_layers))
+    return {"full": FullCache(), "snapkv": SnapKV(ratio=0.5), "mat": AnchorCache(budget=512, anchor_slots=128),
+            "razor": RazorAttention(retrieval=retrieval, buffer=256, sinks=4, compression=5)}
+
+
+def program(lm, name: str, length: int):
+    """`(jitted program, its arguments, its static keywords)` of one of `PROGRAMS`, on abstract arguments."""
+    model, cfg = lm.model, lm.model.cfg
+    graphdef, state = engine.split(model)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    max_len = length + NEW_TOKENS
+    pols = _policies(cfg)
+    if name.startswith("prefill "):
+        plan = drive.plan(model, pols[name.split()[1]], max_len, length)
+        return engine.prefill.pure, (graphdef, state, ints(1, length), ints(1, length)), {"plan": plan}
+    if name == "decode loop":
+        plan = drive.plan(model, pols["snapkv"], max_len, length)
+        cache = jax.eval_shape(lambda: drive.empty_cache(model, plan, 1))
+        done = jax.ShapeDtypeStruct((1,), jnp.bool_)
+        args = (graphdef, state, cache, ints(1), done, ints(1), key, ints(4), ints(), ints(), ints())
+        return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
+    if name == "shared pass of 4":
+        plans = tuple(drive.plan(model, p, max_len, length) for p in (
+            SnapKV(ratio=0.5), TOVA(ratio=0.5), KNorm(ratio=0.5), StreamingLLM(budget=length // 2)))
+        return prefill_many_fn.pure, (graphdef, state, ints(1, length), ints(1, length), key), {
+            "plans": plans, "sampling": Sampling()}
+    raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}")
+
+
+def compile_seconds(fn, args, kw) -> tuple[float, float]:
+    """(trace + lower, XLA compile) seconds of one cold compilation: jax's in-memory caches cleared first, and no
+    persistent compilation cache read or written (however this process was started)."""
+    jax.clear_caches()
+    kept = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args, **kw)
+        t1 = time.perf_counter()
+        lowered.compile()
+        return t1 - t0, time.perf_counter() - t1
+    finally:
+        jax.config.update("jax_enable_compilation_cache", kept)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=description(__doc__))
+    p.add_argument("--model", help=model_help("the embedded default model"))
+    p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--programs", default=",".join(PROGRAMS), help=f"a comma list of: {', '.join(PROGRAMS)}")
+    p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
+    p.add_argument("--out", default="benchmarks/results")
+    timing.add_load_args(p)
+    add_compile_cache_flag(p, measures_compile=True)
+    args = p.parse_args(argv)
+    from experiments.common import DEFAULT_MODEL_DIR
+
+    names = [n.strip() for n in args.programs.split(",") if n.strip()]
+    for n in names:
+        if n not in PROGRAMS:
+            raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}")
+    if args.repeats < 1:
+        raise InvalidInput(f"--repeats {args.repeats}: at least 1")
+    guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
+    lm = load(args.model or DEFAULT_MODEL_DIR)
+    if not 16 <= args.length <= lm.model.cfg.max_position_embeddings - NEW_TOKENS:
+        raise InvalidInput(f"--length {args.length}: between 16 and the model's window less {NEW_TOKENS} "
+                           f"({lm.model.cfg.max_position_embeddings - NEW_TOKENS})")
+    guard.check()  # after the model loaded: an error in the command line or the model is said first
+    rows = []
+    for name in tqdm(names, desc="programs"):
+        fn, fargs, kw = program(lm, name, args.length)
+        runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
+        row = {"program": name}
+        row |= timing.Spread(tuple(a for a, _ in runs)).fields("lower_s")
+        row |= timing.Spread(tuple(b for _, b in runs)).fields("compile_s")
+        row |= timing.Spread(tuple(a + b for a, b in runs)).fields("total_s")
+        rows.append(row)
+    plat = jax.devices()[0].platform
+    name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+                model=str(args.model or DEFAULT_MODEL_DIR), layers=lm.model.cfg.num_layers, length=args.length,
+                repeats=args.repeats, jax=jax.__version__, scan_over_layers=False)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"compile_{plat}" + ("" if args.model is None else f"_{name}")
+    loadavg = guard.record()
+    (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
+    lines = [f"# Compile seconds, {name} model ({meta['layers']} layers, unrolled), {meta['device']}, "
+             f"jax {jax.__version__}", "",
+             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens; each program lowered and compiled "
+             f"cold {args.repeats} times (median, min–max). `python -m benchmarks.compile "
+             + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`.", "",
+             "| program | trace + lower s | XLA compile s | total s |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['program']} | {timing.cell(r, 'lower_s', '.1f')} | {timing.cell(r, 'compile_s', '.1f')} | "
+                     f"{timing.cell(r, 'total_s', '.1f')} |")
+    lines = guard.mark(lines, args.repeats, loadavg)
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    from kvjax import cli  # a user error: one line, exit 2 (kvjax.cli)
+
+    raise SystemExit(cli.run(main, compile_cache=False))  # compile seconds are cold compiles
