@@ -22,14 +22,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 from benchmarks import timing
 from kvjax import drive, engine
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax.errors import InvalidInput
-from kvjax.generate import Sampling, decode_fn, prefill_fn, prefill_many_fn
+from kvjax.generate import Sampling, decode_fn, prefill_many_fn
 from kvjax.policies import KNorm, TOVA, AnchorCache, FullCache, RazorAttention, SnapKV, StreamingLLM
 from models import load
 
