@@ -60,12 +60,16 @@ def program(lm, name: str, length: int):
         done = jax.ShapeDtypeStruct((1,), jnp.bool_)
         args = (graphdef, state, cache, ints(1), done, ints(1), key, ints(4), ints(), ints(), ints())
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
-    if name == "shared pass of 4":
-        plans = tuple(drive.plan(model, p, max_len, length) for p in (
-            SnapKV(ratio=0.5), TOVA(ratio=0.5), KNorm(ratio=0.5), StreamingLLM(budget=length // 2)))
+    if name.startswith("shared pass of "):
+        n = int(name.rsplit(" ", 1)[1])
+        kinds = (lambda r: SnapKV(ratio=r), lambda r: TOVA(ratio=r), lambda r: KNorm(ratio=r),
+                 lambda r: StreamingLLM(budget=max(8, int(length * (1 - r)))))
+        ratios = (0.5, 0.75, 0.875, 0.25, 0.9375, 0.96875)  # distinct plans: a kind at each ratio in turn
+        plans = tuple(drive.plan(model, kinds[i % 4](ratios[i // 4 % len(ratios)]), max_len, length)
+                      for i in range(n))
         return prefill_many_fn.pure, (graphdef, state, ints(1, length), ints(1, length), key), {
             "plans": plans, "sampling": Sampling()}
-    raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}")
+    raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N'")
 
 
 def compile_seconds(fn, args, kw) -> tuple[float, float]:
@@ -88,7 +92,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
-    p.add_argument("--programs", default=",".join(PROGRAMS), help=f"a comma list of: {', '.join(PROGRAMS)}")
+    p.add_argument("--programs", default=",".join(PROGRAMS),
+                   help=f"a comma list of: {', '.join(PROGRAMS)}; or 'shared pass of N' (N plans: SnapKV, TOVA, KNorm, "
+                   "StreamingLLM in turn, at ratios 0.5, 0.75, ...)")
     p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
     p.add_argument("--out", default="benchmarks/results")
     timing.add_load_args(p)
@@ -98,8 +104,10 @@ def main(argv=None):
 
     names = [n.strip() for n in args.programs.split(",") if n.strip()]
     for n in names:
-        if n not in PROGRAMS:
-            raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}")
+        shared = n.startswith("shared pass of ") and n.rsplit(" ", 1)[1].isdigit() and 1 <= int(n.rsplit(" ", 1)[1]) <= 24
+        if n not in PROGRAMS and not shared:
+            raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N' "
+                               "(N from 1 to 24)")
     if args.repeats < 1:
         raise InvalidInput(f"--repeats {args.repeats}: at least 1")
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
