@@ -13,7 +13,8 @@ from kvjax.cache import kept_sets
 from kvjax.errors import InvalidInput
 from kvjax.policies import KVgrad, KVzip
 from tests.conftest import left_pad, stepper
-from tests.test_kvzip import CONTINUE, REPEAT, SUFFIX, T, sdpa_pair, stub_replay_tokenizer  # noqa: F401  (the fixture)
+from tests.test_kvzip import (  # noqa: F401  (sdpa_pair: the fixture)
+    CONTINUE, REPEAT, SUFFIX, T, kvpress_kept, sdpa_pair, stub_replay_tokenizer)
 
 RTOL = 1e-4  # kvjax's scores against kvpress's: float32, summed in another order (and ∂Φ/∂a solved through W_o)
 
@@ -69,13 +70,8 @@ def test_scores_kept_positions_and_next_logits_match_kvpress(sdpa_pair, monkeypa
         pol_zip = other(ratio=ratio, repeat_ids=REPEAT, continue_ids=CONTINUE, suffix_ids=SUFFIX, chunk_size=chunk,
                         layerwise=layerwise)
         assert kept != kept_sets(compressed(model, ids[:T], pol_zip))
-    counts = []
-    for layer in range(3):
-        masked = pt.model.layers[layer].self_attn.masked_key_indices
-        for h in range(2):
-            gone = {int(s) for b, hh, s in zip(*masked) if int(hh) == h}
-            assert kept[layer][h] == sorted(set(range(T)) - gone), (layer, h)
-            counts.append(len(kept[layer][h]))
+    assert kept == kvpress_kept(pt)
+    counts = [len(h) for layer in kept for h in layer]
     assert sum(counts) == 6 * T - int(6 * T * ratio)
     ours, _ = decode(jnp.asarray([ids[T]], jnp.int32), jnp.asarray([T], jnp.int32), cache)
     np.testing.assert_allclose(np.asarray(ours[0]), theirs.numpy(), atol=1e-4, rtol=0)

@@ -27,6 +27,15 @@ def sdpa_pair(tmp_path_factory):
     return sdpa_llama(tmp_path_factory.mktemp("kvzip"), seed=1, input_norm_noise=0.5)
 
 
+def kvpress_kept(pt) -> list[list[list[int]]]:
+    """Per layer and KV head, the context positions (of `T`) kvpress's press left unmasked after its prefill."""
+    out = []
+    for layer in pt.model.layers:
+        masked = layer.self_attn.masked_key_indices
+        out.append([sorted(set(range(T)) - {int(s) for b, hh, s in zip(*masked) if int(hh) == h}) for h in range(2)])
+    return out
+
+
 def stub_replay_tokenizer(monkeypatch):
     """kvpress's KVzip family loads the model's tokenizer for its replay prompts: a stub that gives this file's ids
     (`REPEAT`, `CONTINUE`, `SUFFIX`) for kvpress's texts, no chat template."""
@@ -84,13 +93,8 @@ def test_kept_positions_per_head_and_next_logits_match_kvpress(sdpa_pair, monkey
         assert kept_sets(cache) != kept_sets(compressed(model, ids[:T], policy(ratio, chunk_size=chunk,
                                                                               layerwise=layerwise)))
     kept = kept_sets(cache)
-    counts = []
-    for layer in range(3):
-        masked = pt.model.layers[layer].self_attn.masked_key_indices
-        for h in range(2):
-            gone = {int(s) for b, hh, s in zip(*masked) if int(hh) == h}
-            assert kept[layer][h] == sorted(set(range(T)) - gone), (layer, h)
-            counts.append(len(kept[layer][h]))
+    assert kept == kvpress_kept(pt)
+    counts = [len(h) for layer in kept for h in layer]
     assert sum(counts) == 6 * T - int(6 * T * ratio) and len(set(counts)) > 1  # one global share, uneven heads
     _, decode = stepper(model, pol, 129)
     import jax.numpy as jnp
