@@ -344,26 +344,24 @@ def zeroshot_section(run: Run) -> tuple[list[str], list[str]]:
     return md, claims
 
 
+def _full_streaming_mat(run: Run) -> dict:
+    """The full cache, StreamingLLM and MAT at the report's budget (sections 6 and 7)."""
+    return driver.resolve_policies("full,streaming,mat", budget=run.args.budget, shallow_layers=run.shallow,
+                                   num_layers=run.depth)
+
+
 def passkey_section(run: Run) -> tuple[list[str], list[str]]:
     """Section 6: passkey retrieval: (markdown, claims)."""
-    p, args, lm, out = run.p, run.args, run.lm, run.out
-    depth, shallow = run.depth, run.shallow
     md, claims = [], []
-    pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
-                                   num_layers=depth)
-    res = driver.call(p, passkey.suite, lm, pols, out / "passkey")
+    res = driver.call(run.p, passkey.suite, run.lm, _full_streaming_mat(run), run.out / "passkey")
     md += ["## 6. Passkey retrieval (accuracy %)", "", res.table, ""]
     return md, claims
 
 
 def efficiency_section(run: Run) -> tuple[list[str], list[str]]:
     """Section 7: efficiency: (markdown, claims)."""
-    p, args, lm, out = run.p, run.args, run.lm, run.out
-    depth, shallow = run.depth, run.shallow
     md, claims = [], []
-    pols = driver.resolve_policies("full,streaming,mat", budget=args.budget, shallow_layers=shallow,
-                                   num_layers=depth)
-    res = driver.call(p, efficiency.suite, lm, pols, out / "efficiency")
+    res = driver.call(run.p, efficiency.suite, run.lm, _full_streaming_mat(run), run.out / "efficiency")
     md += ["## 7. Efficiency (MAT Table 6)", "", res.table, "",
            "![efficiency](efficiency/efficiency.png)", ""]
     return md, claims
