@@ -1,5 +1,5 @@
 """Compile seconds of kvjax's whole-model programs (issue #64's baseline): each program lowered and compiled from a
-cold cache, `--repeats` times (the in-memory caches cleared between), on the CPU.
+cold cache, `--repeats` times (jax's caches cleared between), on the CPU.
 
     python -m benchmarks.compile --model smollm2 [--length 4096] [--repeats 3] [--out benchmarks/results]
 
