@@ -29,7 +29,15 @@ from kvjax import drive, engine
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax.errors import InvalidInput
 from kvjax.generate import Sampling, decode_fn, prefill_many_fn
-from kvjax.policies import KNorm, TOVA, AnchorCache, FullCache, RazorAttention, SnapKV, StreamingLLM
+from kvjax.policies import (
+    TOVA,
+    AnchorCache,
+    FullCache,
+    KNorm,
+    RazorAttention,
+    SnapKV,
+    StreamingLLM,
+)
 from models import load
 
 NEW_TOKENS = 32
@@ -72,20 +80,34 @@ def program(lm, name: str, length: int):
     raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N'")
 
 
+HIT = "/jax/compilation_cache/cache_hits"
+
+
 def compile_seconds(fn, args, kw) -> tuple[float, float]:
-    """(trace + lower, XLA compile) seconds of one cold compilation: jax's in-memory caches cleared first, and no
-    persistent compilation cache read or written (however this process was started)."""
+    """(trace + lower, XLA compile) seconds of one cold compilation: jax's in-memory caches cleared first. A program
+    loaded from a persistent compilation cache is refused: jax decides once per process whether it uses that cache
+    (at its first compilation), so only a process that turned it off before compiling anything measures cold
+    compiles; `python -m benchmarks.compile` does (`kvjax.cli.run(compile_cache=False)`)."""
     jax.clear_caches()
-    kept = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    hits = []
+
+    def listener(name, *args, **kwargs):
+        if name == HIT:
+            hits.append(name)
+
+    jax.monitoring.register_event_listener(listener)
     try:
         t0 = time.perf_counter()
         lowered = fn.lower(*args, **kw)
         t1 = time.perf_counter()
         lowered.compile()
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
     finally:
-        jax.config.update("jax_enable_compilation_cache", kept)
+        jax.monitoring.unregister_event_listener(listener)
+    if hits:
+        raise InvalidInput("a program came from the persistent compilation cache, not a cold compile: this process "
+                           "uses the cache; run python -m benchmarks.compile, which turns it off before compiling")
+    return t1 - t0, t2 - t1
 
 
 def main(argv=None):
