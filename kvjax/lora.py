@@ -41,11 +41,11 @@ class LoRALinear(nnx.Module):
 def attach_lora(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = TARGETS, *, seed: int = 0):
     """Wraps the attention projections `targets` of every layer (in place; returns the model)."""
     rngs = nnx.Rngs(seed)
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         for name in targets:
             base = getattr(layer.self_attn, name)
             if isinstance(base, LoRALinear):
-                raise ValueError(f"{name} of layer {layer.self_attn.layer} already has a LoRA adapter")
+                raise ValueError(f"{name} of layer {i} already has a LoRA adapter")
             setattr(layer.self_attn, name, LoRALinear(base, rank, alpha, rngs=rngs))
     return model
 

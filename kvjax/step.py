@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from kvjax import layer_runs
 from kvjax.errors import InvalidInput
+from kvjax.layer_runs import Runs
 from kvjax.masks import AnchorMask
 from kvjax.policies.plan import Plan
 
@@ -44,6 +46,17 @@ class Step:
     def select(self, x: Float[Array, "b t D"]) -> Float[Array, "b D"] | Float[Array, "b t D"]:
         """The hidden states whose logits this step returns: the last position's, or all."""
         return x[:, -1] if self.last else x
+
+    def layer_runs(self, num_layers: int) -> Runs:
+        """The runs of neighbouring layers this step treats alike (`kvjax.layer_runs`): a model may run each as one
+        compiled body (a scan), whose `kvjax.layer.attend` is given the run's first layer index. The plain forwards:
+        every layer alike; a step with plans: the layers their plans treat alike (`Plan.runs`)."""
+        plans = self.plans_held()
+        return layer_runs.split(*(p.runs() for p in plans)) if plans else ((0, num_layers),)
+
+    def plans_held(self) -> tuple[Plan, ...]:
+        """The plans this step runs (none for the plain forwards)."""
+        return ()
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +87,9 @@ class Prompt(Step):
 
     plan: Plan
 
+    def plans_held(self):
+        return (self.plan,)
+
     def __post_init__(self):
         _plan(self.plan, "a prompt step")
         if self.plan.policy.prefill_mode != "full":
@@ -87,6 +103,9 @@ class Shared(Step):
     tuple of caches, one per plan; the last position's logits, the same for all."""
 
     plans: tuple[Plan, ...]
+
+    def plans_held(self):
+        return self.plans
 
     def __post_init__(self):
         for plan in self.plans:
@@ -103,6 +122,9 @@ class Chunk(Step):
     plan: Plan
     last: bool = True
 
+    def plans_held(self):
+        return (self.plan,)
+
     def __post_init__(self):
         _plan(self.plan, "a chunk step")
 
@@ -113,6 +135,15 @@ class Token(Step):
     the cache: each rule inserts it, evicting if full; the logits `[b, V]`."""
 
     plan: Plan
+
+    def plans_held(self):
+        return (self.plan,)
+
+    def layer_runs(self, num_layers):
+        """Every layer its own run: a token's step is unrolled. Scanned, each step stacked every layer's weights and
+        cache entry and split them again, copies that made SmolLM2's decode at 4K 4.7x slower on the CPU
+        (`benchmarks/results/compile_cpu_smollm2.md`), while its unrolled program compiles in about 3 s."""
+        return layer_runs.every_layer(num_layers)
 
     def __post_init__(self):
         _plan(self.plan, "a token step")
@@ -126,6 +157,9 @@ class Extend(Step):
 
     plan: Plan
     last = False
+
+    def plans_held(self):
+        return (self.plan,)
 
     def __post_init__(self):
         for lp in _plan(self.plan, "an extension step").layers:

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention
+from kvjax import attention, layer_runs
 from kvjax import layer as layer_fns
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 from kvjax.step import Step
@@ -65,9 +65,14 @@ class LlamaConfig:
     local_rope: RopeConfig | None = None  # Gemma 3: the RoPE of sliding layers, when it differs
     model_type: str = "llama"
     attention_impl: str = "xla"  # or "pallas" (kvjax.pallas); a run-time choice, not saved to config.json
+    # "scan": each run of layers alike is one scanned body (`Llama.__call__`); "unroll": every layer traced. How the
+    # program is built, not what it computes; a run-time choice, not saved to config.json
+    layer_loop: str = "scan"
 
     def __post_init__(self):
         attention.check_impl(self.attention_impl)
+        if self.layer_loop not in ("scan", "unroll"):
+            raise ValueError(f"layer_loop={self.layer_loop!r}; expected 'scan' or 'unroll'")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -226,7 +231,6 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _norm(cfg, hd, dtype), _norm(cfg, hd, dtype)
         self.cfg = cfg
-        self.layer = layer
         # This layer's attention: how far back it sees, its scale, soft-cap and RoPE.
         self.window = cfg.window_of(layer)
         self.scale = cfg.attention_scale
@@ -250,26 +254,27 @@ class Attention(nnx.Module):
         b, h, t, d = o.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, h * d))
 
-    @property
-    def geometry(self) -> layer_fns.Geometry:
-        """This layer's attention for `kvjax.layer`: scale, window, soft-cap, ALiBi slopes, its RoPE and its output
-        projection per query head (o_proj's kernel `[h * d, D]` as `[h, d, D]`; none under LoRA, whose o_proj is no
+    def geometry(self, layer: int) -> layer_fns.Geometry:
+        """This layer's attention for `kvjax.layer`, as layer `layer` (its index, or the first of the run of layers
+        it is scanned with): scale, window, soft-cap, ALiBi slopes, its RoPE and its output projection per query head (o_proj's kernel `[h * d, D]` as `[h, d, D]`; none under LoRA, whose o_proj is no
         plain Linear)."""
         c = self.cfg
         out = self.o_proj.kernel[...].reshape(c.num_heads, c.head_dim, -1) if isinstance(self.o_proj, nnx.Linear) \
             else None
         return layer_fns.Geometry(
-            layer=self.layer, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            layer=layer, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             scale=self.scale, rope=self._rotate if c.position_embedding == "rope" else None, alibi=self._alibi(),
             window=self.window, softcap=self.softcap, impl=c.attention_impl, out_proj=out)
 
     def __call__(self, x: Float[Array, "b t D"], pos: Int[Array, "b t"], carry, step: Step,
-                 tokens: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t D"], object]:
-        """Attention of the normed input `x` under `step`: projections, `kvjax.layer.attend`, output projection.
-        The layer's Attention-Gate (if attached) goes to kvjax as a thunk, run where the step needs its flags."""
+                 tokens: Int[Array, "b t"] | None, layer: int) -> tuple[Float[Array, "b t D"], object]:
+        """Attention of the normed input `x` under `step`, as layer `layer`: projections, `kvjax.layer.attend`, output
+        projection. The layer's Attention-Gate (if attached) goes to kvjax as a thunk, run where the step needs its
+        flags. The index is an argument, not an attribute, so that layers alike have one structure (`nnx.graphdef`)
+        and scan as one body."""
         q, k, v = self.qkv(x)
         gate = None if self.gate is None else functools.partial(self.gate, x, pos)
-        o, carry = layer_fns.attend(self.geometry, step, carry, q, k, v, pos, tokens, gate=gate, hidden=x)
+        o, carry = layer_fns.attend(self.geometry(layer), step, carry, q, k, v, pos, tokens, gate=gate, hidden=x)
         return self._out(o), carry
 
     def _rotate(self, x, positions):
@@ -324,8 +329,8 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def __call__(self, x, pos, carry, step: Step, tokens=None):
-        a, carry = self.self_attn(self.input_layernorm(x), pos, carry, step, tokens)
+    def __call__(self, x, pos, carry, step: Step, tokens, layer: int):
+        a, carry = self.self_attn(self.input_layernorm(x), pos, carry, step, tokens, layer)
         return self._finish(x, a), carry
 
 
@@ -370,10 +375,41 @@ class Llama(nnx.Module):
     def __call__(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], carry: tuple, step: Step
                  ) -> tuple[Float[Array, "b V"] | Float[Array, "b t V"], tuple]:
         """The one cached forward (`kvjax.model.CachedLM`): every layer under `step`, each with its entry of `carry`;
-        the logits of `step.select` of the final hidden states, and the layers' new carry entries."""
+        the logits of `step.select` of the final hidden states, and the layers' new carry entries.
+
+        Each run of layers alike in structure and in what the step does with them (`kvjax.layer_runs`) is one
+        `lax.scan` over their stacked parameters and carry entries (`cfg.layer_loop == "scan"`), so a program
+        compiles one body per run instead of one per layer; "unroll" traces every layer."""
+        if len(carry) != self.cfg.num_layers:
+            raise ValueError(f"carry has {len(carry)} entries; the model has {self.cfg.num_layers} layers")
         x = self.embed(tokens)
         out = []
-        for layer, c in zip(self.layers, carry, strict=True):
-            x, c = layer(x, positions, c, step, tokens)
-            out.append(c)
+        runs = (layer_runs.every_layer(self.cfg.num_layers) if self.cfg.layer_loop == "unroll" else
+                layer_runs.split(step.layer_runs(self.cfg.num_layers), self.structure_runs()))
+        for start, stop in runs:
+            if stop - start == 1:
+                x, c = self.layers[start](x, positions, carry[start], step, tokens, start)
+                out.append(c)
+            else:
+                x, cs = self._scan(start, stop, x, positions, carry[start:stop], step, tokens)
+                out.extend(cs)
         return self._logits(step.select(x)), tuple(out)
+
+    def structure_runs(self) -> layer_runs.Runs:
+        """The runs of neighbouring layers of one structure (`nnx.graphdef`: their modules, shapes, windows, RoPE,
+        gates or adapters)."""
+        return layer_runs.runs_of([nnx.graphdef(layer) for layer in self.layers])
+
+    def _scan(self, start, stop, x, positions, carry, step, tokens):
+        """Layers `start .. stop - 1` as one scanned body over their stacked parameters and carry entries, each
+        attending as layer `start` (the step treats them alike)."""
+        stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+        graph = nnx.graphdef(self.layers[start])
+        params = jax.tree.map(stack, *(nnx.state(layer) for layer in self.layers[start:stop]))
+
+        def body(x, xs):
+            state, c = xs
+            return nnx.merge(graph, state)(x, positions, c, step, tokens, start)
+
+        x, cs = jax.lax.scan(body, x, (params, jax.tree.map(stack, *carry)))
+        return x, tuple(jax.tree.map(lambda a, i=i: a[i], cs) for i in range(stop - start))

@@ -279,12 +279,13 @@ def hf_parameters(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
 
 def load(
     path_or_id: str | Path, *, dtype="float32", tokenizer: bool = True, attention_impl: str = "xla",
-    allow_nonfinite: bool = False,
+    allow_nonfinite: bool = False, layer_loop: str = "scan",
 ) -> LoadedModel:
     """Loads a model (and its tokenizer, if there is one) from a local HF directory, a GGUF file
     (`models.gguf`: dequantized tensor by tensor to `dtype`) or a fetched model's name ("smollm2").
 
-    `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`. A weight
+    `attention_impl="pallas"` runs attention through the kernels of `kvjax.pallas`; `layer_loop="unroll"` traces
+    every layer instead of scanning each run of layers alike (`models.llama.Llama.__call__`). A weight
     holding NaN or inf is refused (`NonFiniteError`, naming the tensor) unless `allow_nonfinite`;
     a checkpoint tensor the config does not use (e.g. a config with fewer layers) is refused too."""
     if isinstance(dtype, str):
@@ -314,7 +315,7 @@ def load(
         tensors = _Tensors(path)
         if arch.tensors is not None:
             tensors = arch.tensors(tensors, cfg, raw)
-    cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
+    cfg = dataclasses.replace(cfg, attention_impl=attention_impl, layer_loop=layer_loop)
     # The checkpoint's depth against the config's before anything is built (a config claiming 100000
     # layers once built for minutes before its weights were found missing)
     layers = {int(n.split(".")[2]) for n in tensors.names() if n.startswith("model.layers.") and n.split(".")[2].isdigit()}

@@ -262,8 +262,8 @@ def test_by_layer_anchors_in_layer_0_and_streaming_in_layer_1(tiny):
     flags = jnp.asarray([[t == ANCHOR for t in ids]])
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     x = model.embed(jnp.asarray([ids]))
-    x = model.layers[0](x, pos, None, Forward(anchor_mask(flags)))[0]
-    x = model.layers[1](x, pos, None, Forward())[0]
+    x = model.layers[0](x, pos, None, Forward(anchor_mask(flags)), None, 0)[0]
+    x = model.layers[1](x, pos, None, Forward(), None, 1)[0]
     ref = np.asarray(model._logits(x))[0]
     everywhere = np.asarray(drive.logits(model, jnp.asarray([ids]), anchors=anchor_mask(flags)))[0]
     assert np.abs(ref - everywhere)[p:].max() > 1e-3  # the layers' rules really differ

@@ -172,7 +172,7 @@ def test_attention_logits_are_q_dot_k_over_sqrt_d_and_softmax_to_the_maps(tiny):
     layer0 = tiny.model.layers[0]
     q, k, _ = layer0.self_attn.qkv(layer0.input_layernorm(tiny.model.embed(tokens)))
     pos = jnp.arange(tokens.shape[1])[None, None, :]
-    q, k = layer0.self_attn.geometry.rotate(q, pos), layer0.self_attn.geometry.rotate(k, pos)
+    q, k = layer0.self_attn.geometry(0).rotate(q, pos), layer0.self_attn.geometry(0).rotate(k, pos)
     d = tiny.config.head_dim
     want = np.einsum("hd,d->h", np.asarray(q[0, :, 5]), np.asarray(k[0, 0, 2])) / np.sqrt(d)
     np.testing.assert_allclose(logits[0][0, :2, 5, 2], want[:2], rtol=1e-5)  # heads 0-1 share KV head 0

@@ -46,7 +46,7 @@ import dataclasses
 import math
 import numbers
 import warnings
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
@@ -137,6 +137,15 @@ class Rule(abc.ABC):
         each row's prompt (a ratio) is set here, since `step` sees one token at a time. Default: nothing."""
         del layer, ctx
         return cache
+
+    def layer_key(self, layer: int) -> Hashable:
+        """What this rule's methods read of `layer` once its slots are sized (a budget that varies with depth:
+        PyramidKV's): layers whose sized plans are equal and whose rules give equal keys run as one compiled body,
+        a scan over those layers (`kvjax.layer_runs`), called with the first of them. None: every layer alike. A
+        rule that holds rules (CriticalKV's, ChunkKV's scorer) reads what they read."""
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        inner = tuple(x.layer_key(layer) for x in (getattr(self, f.name) for f in fields) if isinstance(x, Rule))
+        return inner if any(k is not None for k in inner) else None
 
     def stats(self, layer: int) -> RuleStats:
         """Statistics attention must return to this rule (see `kvjax.attention`): the prompt's (to `prefill`, and

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Hashable
 
 from kvjax.errors import InvalidInput
+from kvjax.layer_runs import Runs, runs_of
 from kvjax.policies.base import Context, Policy, PooledRule, PositionMode, PromptMasking, Rule
 from kvjax.policies.quantized import Quantized
 from kvjax.quant import KVQuant
@@ -101,6 +103,11 @@ class LayerPlan:
         """Which slots of `cache` a chunk extending it sees (`kvjax.layer.extend`); None: every valid slot."""
         return None if self.masking is None else self.masking.prefix_visible(self.layer, cache, anchor_mask)
 
+    def body_key(self) -> Hashable:
+        """What decides the layer's computation under a step: its plan but for its index, and what its rules read of
+        the index (`Rule.layer_key`). Neighbouring layers with equal keys run as one compiled body."""
+        return dataclasses.replace(self, layer=0), tuple(g.rule.layer_key(self.layer) for g in self.groups)
+
     def capacities(self, max_len: int, prompt_len: int = 0) -> tuple[int, ...]:
         """Each group's slot count for sequences of at most `max_len` tokens (prompts padded to `prompt_len`);
         a pooled layer's `(prompt slots per head, decode slots per head)`."""
@@ -134,6 +141,10 @@ class Plan:
         (padded) prompt is `prompt_len` long."""
         return dataclasses.replace(self, layers=tuple(
             dataclasses.replace(lp, sizes=lp.capacities(max_len, prompt_len)) for lp in self.layers))
+
+    def runs(self) -> Runs:
+        """The runs of neighbouring layers the plan treats alike (`LayerPlan.body_key`), each one compiled body."""
+        return runs_of([lp.body_key() for lp in self.layers])
 
     @property
     def absolute(self) -> bool:

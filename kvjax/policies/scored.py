@@ -238,6 +238,9 @@ class PyramidKV(SnapKV):
         if num_layers != self.num_layers:
             raise InvalidInput(f"PyramidKV: num_layers={self.num_layers} but the model has {num_layers} layers")
 
+    def layer_key(self, layer):
+        return layer  # each layer's count differs (`keep_count`)
+
     def keep_count(self, layer, length):
         xp = jnp if isinstance(length, jax.Array) else np
         q = length.astype(xp.float32) if xp is jnp else np.asarray(length, np.float64)
