@@ -1,15 +1,18 @@
-"""Compile seconds of kvjax's whole-model programs (issue #64's baseline): each program lowered and compiled from a
-cold cache, `--repeats` times (jax's caches cleared between), on the CPU.
+"""Compile and run seconds of kvjax's whole-model programs (issue #64), with the model's layers unrolled and
+scanned: each program lowered and compiled from a cold cache `--repeats` times (jax's caches cleared between), then
+run `--repeats` times, on the CPU.
 
-    python -m benchmarks.compile --model smollm2 [--length 4096] [--repeats 3] [--out benchmarks/results]
+    python -m benchmarks.compile --model smollm2 [--length 4096] [--repeats 3] [--layer-loop unroll,scan]
 
 The programs: the prompt pass (`kvjax.engine.prefill`, what `generate` compiles for one policy) under FullCache,
 SnapKV, MAT (its prompt read token by token: a scan over the decode step) and RazorAttention (head-wise groups);
 the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens); and one plain prompt pass shared by four
 plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm, StreamingLLM), batch 1, `--length` tokens. Each
-figure is the median of `--repeats` cold compilations (min–max), split into tracing + lowering to StableHLO and
-XLA's compilation. A CPU table is refused on a busy machine (`benchmarks.timing`). Writes
-compile_<platform>[_<model>].json / .md. Numbers are for reading, never asserted in tests.
+figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
+compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
+layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
+(`benchmarks.timing`). Writes compile_<platform>[_<model>].json / .md. Numbers are for reading, never asserted in
+tests.
 """
 
 from __future__ import annotations
@@ -52,21 +55,24 @@ def _policies(cfg) -> dict:
 
 
 def program(lm, name: str, length: int):
-    """`(jitted program, its arguments, its static keywords)` of one of `PROGRAMS`, on abstract arguments."""
+    """`(jitted program, its array arguments, its static keywords)` of one of `PROGRAMS`: batch 1, a random prompt of
+    `length` tokens (the arrays are real, so the compiled program also runs: `run_seconds`)."""
     model, cfg = lm.model, lm.model.cfg
     graphdef, state = engine.split(model)
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    key = jax.eval_shape(lambda: jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(0), (1, length), 4, cfg.vocab_size, jnp.int32)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+    key = jax.random.key(0)
     max_len = length + NEW_TOKENS
     pols = _policies(cfg)
     if name.startswith("prefill "):
         plan = drive.plan(model, pols[name.split()[1]], max_len, length)
-        return engine.prefill.pure, (graphdef, state, ints(1, length), ints(1, length)), {"plan": plan}
-    if name == "decode loop":
+        return engine.prefill.pure, (graphdef, state, tokens, positions), {"plan": plan}
+    if name == "decode loop":  # 32 tokens after a SnapKV prompt of `length` (its cache's slots, zeros)
         plan = drive.plan(model, pols["snapkv"], max_len, length)
-        cache = jax.eval_shape(lambda: drive.empty_cache(model, plan, 1))
-        done = jax.ShapeDtypeStruct((1,), jnp.bool_)
-        args = (graphdef, state, cache, ints(1), done, ints(1), key, ints(4), ints(), ints(), ints())
+        cache = drive.empty_cache(model, plan, 1)
+        i32 = lambda *x: jnp.asarray(x, jnp.int32)  # noqa: E731
+        args = (graphdef, state, cache, i32(5), jnp.ones((1,), bool), i32(length), key, i32(-1, -1, -1, -1),
+                jnp.int32(NEW_TOKENS), jnp.int32(0), jnp.int32(0))
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
     if name.startswith("shared pass of "):
         n = int(name.rsplit(" ", 1)[1])
@@ -75,9 +81,25 @@ def program(lm, name: str, length: int):
         ratios = (0.5, 0.75, 0.875, 0.25, 0.9375, 0.96875)  # distinct plans: a kind at each ratio in turn
         plans = tuple(drive.plan(model, kinds[i % 4](ratios[i // 4 % len(ratios)]), max_len, length)
                       for i in range(n))
-        return prefill_many_fn.pure, (graphdef, state, ints(1, length), ints(1, length), key), {
+        return prefill_many_fn.pure, (graphdef, state, tokens, positions, key), {
             "plans": plans, "sampling": Sampling()}
     raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N'")
+
+
+def run_seconds(fn, args, kw, repeats: int) -> tuple[float, ...]:
+    """Seconds of each of `repeats` runs of the compiled program (after one untimed run), on fresh copies of its
+    arguments (a donated cache is consumed by each run)."""
+    exe = fn.lower(*args, **kw).compile()
+
+    def once():
+        fresh = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, args)
+        jax.block_until_ready(fresh)
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*fresh))
+        return time.perf_counter() - t0
+
+    once()
+    return tuple(once() for _ in range(repeats))
 
 
 HIT = "/jax/compilation_cache/cache_hits"
@@ -118,6 +140,9 @@ def main(argv=None):
                    help=f"a comma list of: {', '.join(PROGRAMS)}; or 'shared pass of N' (N plans: SnapKV, TOVA, KNorm, "
                    "StreamingLLM in turn, at ratios 0.5, 0.75, ...)")
     p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
+    p.add_argument("--layer-loop", default="unroll,scan",
+                   help="how each program runs the model's layers, a comma list of: unroll, scan (default both)")
+    p.add_argument("--no-run", action="store_true", help="compile only (no run seconds)")
     p.add_argument("--out", default="benchmarks/results")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
@@ -133,39 +158,55 @@ def main(argv=None):
     if args.repeats < 1:
         raise InvalidInput(f"--repeats {args.repeats}: at least 1")
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
-    lm = load(args.model or DEFAULT_MODEL_DIR)
-    if not 16 <= args.length <= lm.model.cfg.max_position_embeddings - NEW_TOKENS:
+    loops = [x.strip() for x in args.layer_loop.split(",") if x.strip()]
+    if not loops or set(loops) - {"unroll", "scan"}:
+        raise InvalidInput(f"--layer-loop {args.layer_loop!r}: a comma list of unroll, scan")
+    cfg = load(args.model or DEFAULT_MODEL_DIR, tokenizer=False).model.cfg
+    if not 16 <= args.length <= cfg.max_position_embeddings - NEW_TOKENS:
         raise InvalidInput(f"--length {args.length}: between 16 and the model's window less {NEW_TOKENS} "
-                           f"({lm.model.cfg.max_position_embeddings - NEW_TOKENS})")
+                           f"({cfg.max_position_embeddings - NEW_TOKENS})")
     guard.check()  # after the model loaded: an error in the command line or the model is said first
     rows = []
-    for name in tqdm(names, desc="programs"):
-        fn, fargs, kw = program(lm, name, args.length)
-        runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
-        row = {"program": name}
-        row |= timing.Spread(tuple(a for a, _ in runs)).fields("lower_s")
-        row |= timing.Spread(tuple(b for _, b in runs)).fields("compile_s")
-        row |= timing.Spread(tuple(a + b for a, b in runs)).fields("total_s")
-        rows.append(row)
+    for loop in tqdm(loops, desc="layer loops"):
+        lm = load(args.model or DEFAULT_MODEL_DIR, tokenizer=False, layer_loop=loop)
+        for name in tqdm(names, desc=f"programs ({loop})", leave=False):
+            fn, fargs, kw = program(lm, name, args.length)
+            runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
+            row = {"program": name, "layer_loop": loop}
+            row |= timing.Spread(tuple(a for a, _ in runs)).fields("lower_s")
+            row |= timing.Spread(tuple(b for _, b in runs)).fields("compile_s")
+            row |= timing.Spread(tuple(a + b for a, b in runs)).fields("total_s")
+            if not args.no_run:
+                row |= timing.Spread(run_seconds(fn, fargs, kw, args.repeats)).fields("run_s")
+            rows.append(row)
+        del lm
+        jax.clear_caches()
     plat = jax.devices()[0].platform
     name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
     meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
-                model=str(args.model or DEFAULT_MODEL_DIR), layers=lm.model.cfg.num_layers, length=args.length,
-                repeats=args.repeats, jax=jax.__version__, scan_over_layers=False)
+                model=str(args.model or DEFAULT_MODEL_DIR), layers=cfg.num_layers, length=args.length,
+                repeats=args.repeats, jax=jax.__version__, layer_loops=loops)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"compile_{plat}" + ("" if args.model is None else f"_{name}")
     loadavg = guard.record()
     (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
-    lines = [f"# Compile seconds, {name} model ({meta['layers']} layers, unrolled), {meta['device']}, "
+    by = {(r["program"], r["layer_loop"]): r for r in rows}
+    cols = [(loop, what) for what in ("total_s", "run_s") for loop in loops if what != "run_s" or not args.no_run]
+    head = {"total_s": "compile s", "run_s": "run s"}
+    lines = [f"# Compile and run seconds, {name} model ({meta['layers']} layers), {meta['device']}, "
              f"jax {jax.__version__}", "",
-             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens; each program lowered and compiled "
-             f"cold {args.repeats} times (median, min–max). `python -m benchmarks.compile "
+             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and compiled "
+             f"cold {args.repeats} times, then run {args.repeats} times after one untimed run (median, min–max), "
+             "with its layers unrolled (`layer_loop=\"unroll\"`: every layer traced, what kvjax did before) and "
+             "scanned (`\"scan\"`, the default: one body per run of layers alike; a token's step stays unrolled, "
+             "`kvjax.step.Token.layer_runs`). `python -m benchmarks.compile "
              + " ".join(argv if argv is not None else __import__("sys").argv[1:]) + "`.", "",
-             "| program | trace + lower s | XLA compile s | total s |", "|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['program']} | {timing.cell(r, 'lower_s', '.1f')} | {timing.cell(r, 'compile_s', '.1f')} | "
-                     f"{timing.cell(r, 'total_s', '.1f')} |")
+             "| program | " + " | ".join(f"{head[w]} ({lp})" for lp, w in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for prog in names:
+        lines.append(f"| {prog} | " + " | ".join(timing.cell(by[prog, lp], w, ".1f" if w == "total_s" else ".2f")
+                                                  for lp, w in cols) + " |")
     lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

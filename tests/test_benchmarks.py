@@ -121,6 +121,8 @@ def test_compile_benchmark_times_cold_compiles_only(tmp_path):
                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     rows = json.loads((tmp_path / "compile_cpu.json").read_text())["rows"]
-    assert [r["program"] for r in rows] == ["prefill full", "shared pass of 2"]
-    assert all(r["compile_s_min"] > 0 and r["lower_s"] > 0 for r in rows)
-    assert "| shared pass of 2 |" in (tmp_path / "compile_cpu.md").read_text()
+    assert [(r["program"], r["layer_loop"]) for r in rows] == [
+        (p, loop) for loop in ("unroll", "scan") for p in ("prefill full", "shared pass of 2")]
+    assert all(r["compile_s_min"] > 0 and r["lower_s"] > 0 and r["run_s_min"] > 0 for r in rows)
+    table = (tmp_path / "compile_cpu.md").read_text()
+    assert "| shared pass of 2 |" in table and "| compile s (unroll) | compile s (scan) | run s (unroll) |" in table
