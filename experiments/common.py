@@ -240,6 +240,12 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                    help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
     g.add_argument("--adakv-alpha", type=probability,
                    help="AdaKV: the share of its count each head keeps before the top-k over the layer; default 0.2")
+    g.add_argument("--chunk-length", type=positive_int,
+                   help="ChunkKV: contiguous tokens per chunk, kept or evicted whole; default 20 (kvpress's)")
+    g.add_argument("--epsilon", type=positive_float,
+                   help="CriticalKV: added to each score before it is weighed by ||v W_o||_1; default 1e-4 (kvpress's)")
+    g.add_argument("--first-stage-ratio", type=probability,
+                   help="CriticalKV: the share of the count chosen by the score alone; default 0.5 (kvpress's)")
     g.add_argument("--kvzip-chunk", type=positive_int,
                    help="KVzip: context tokens per replay; default 2048 (kvpress's chunk_size)")
     g.add_argument("--kvzip-layerwise", action="store_const", const=True,

@@ -141,3 +141,26 @@ def test_registry_and_refusals():
         CriticalKV(scorer=SnapKV(budget=32), first_stage_ratio=1.5)
     with pytest.raises(InvalidInput, match="not a prompt compressor"):
         CriticalKV(scorer=make_policy("streaming", 16))
+
+
+def test_command_line_flags_reach_criticalkv_and_chunkkv():
+    """`--epsilon`, `--first-stage-ratio` (CriticalKV, CriticalAdaKV) and `--chunk-length` (ChunkKV) reach the policy
+    they belong to; given to a policy that does not take them, they are refused by name."""
+    import argparse
+
+    from experiments.common import add_policy_args, policy_from_args
+    from kvjax.errors import InvalidInput
+    from kvjax.policies.chunkkv import ChunkKV
+
+    p = argparse.ArgumentParser()
+    add_policy_args(p, default="snapkv", budget=128)
+    got = policy_from_args(p.parse_args(["--policy", "criticalkv", "--ratio", "0.5", "--epsilon", "0.01",
+                                         "--first-stage-ratio", "0.25"]))
+    assert got == CriticalKV(scorer=SnapKV(ratio=0.5), epsilon=0.01, first_stage_ratio=0.25)
+    got = policy_from_args(p.parse_args(["--policy", "critical-adakv", "--ratio", "0.5", "--epsilon", "0.01"]))
+    assert got.epsilon == 0.01 and got.first_stage_ratio == 0.5
+    got = policy_from_args(p.parse_args(["--policy", "chunkkv", "--ratio", "0.5", "--chunk-length", "8"]))
+    assert got == ChunkKV(scorer=SnapKV(ratio=0.5), chunk_length=8)
+    for flag in (["--epsilon", "0.01"], ["--chunk-length", "8"], ["--first-stage-ratio", "0.3"]):
+        with pytest.raises(InvalidInput, match=flag[0]):
+            policy_from_args(p.parse_args(["--policy", "snapkv", "--ratio", "0.5", *flag]))

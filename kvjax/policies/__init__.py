@@ -198,12 +198,14 @@ REGISTRY.update({
         ratio, sinks, kvzip_chunk, kvzip_layerwise, replay, kind=KVgrad),
     # CriticalKV / CriticalAdaKV on SnapKV's score (the Python API wraps any scorer): epsilon 1e-4 and a first stage
     # of half the count, kvpress's defaults
-    "criticalkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean":
+    "criticalkv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
+    epsilon=1e-4, first_stage_ratio=0.5:
     CriticalKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool,
-                              group_agg=group_agg)),
+                              group_agg=group_agg), epsilon=epsilon, first_stage_ratio=first_stage_ratio),
     "critical-adakv": lambda budget, ratio=None, observation_window=32, kernel=7, pool="max", group_agg="mean",
-    adakv_alpha=0.2: CriticalAdaKV(scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window,
-                                                  kernel=kernel, pool=pool, group_agg=group_agg), alpha=adakv_alpha),
+    adakv_alpha=0.2, epsilon=1e-4, first_stage_ratio=0.5: CriticalAdaKV(
+        scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool,
+                       group_agg=group_agg), alpha=adakv_alpha, epsilon=epsilon, first_stage_ratio=first_stage_ratio),
 })
 
 # Policies sized by their own options rather than --budget.
