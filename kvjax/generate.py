@@ -226,7 +226,7 @@ class Generation:
 
     tokens: np.ndarray  # [b, max_new_tokens], pad after EOS
     lengths: np.ndarray  # [b] tokens generated per row, EOS included
-    cache: Cache  # the final cache (inspect with kvjax.cache.kept_positions)
+    cache: Cache | None  # the final cache (inspect with kvjax.cache.kept_positions); None: generate_many(keep_caches=False)
     prompt_bucket: int
     room: int  # cache slots reserved after the prompt bucket: the question bucket + the token buffer
     prefill_s: float
@@ -407,13 +407,16 @@ def generate_many(
     min_bucket: int = MIN_BUCKET,
     progress=None,
     questions: Sequence[Sequence[int]] | None = None,
+    keep_caches: bool = True,
 ) -> list[Generation]:
     """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
     per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
     eq. 4 mask, no gates: SnapKV, PyramidKV, SlimKV, TOVA, KNorm, StreamingLLM, H2O, FullCache, ...) share that
     pass, each compressing it under its own rule (`kvjax.drive.shared`), `SHARED_PASS_PLANS` plans per pass. A
     sweep of prompt compressors then pays for one forward per group of plans instead of one per policy. Prompts are truncated (with `truncate`)
-    to the shortest position limit among the policies."""
+    to the shortest position limit among the policies. `keep_caches=False`: each `Generation.cache` is None, its
+    policy's cache freed once it has generated (a suite that reads only the tokens holds one policy's cache at a time,
+    not every policy's at the end)."""
     cfg = model.cfg
     if not policies:
         raise InvalidInput("policies: give at least one policy")
@@ -472,22 +475,30 @@ def generate_many(
     sized = [plan.sized(bucket + room, bucket) for plan in plans]
     check_memory(model, sized, len(rows), bucket + room, buffer, mesh)
     shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
+    groups = [shared[g:g + SHARED_PASS_PLANS] for g in range(0, len(shared) if len(shared) > 1 else 0,
+                                                             SHARED_PASS_PLANS)]
+    group_of = {i: tuple(group) for group in groups for i in group}
+    # Each group's pass runs when its first policy's turn comes, and its caches are dropped as their policies finish:
+    # the device holds one group's prompt caches at a time, not every shared policy's at once.
     prefilled: dict[int, tuple] = {}
-    for g in range(0, len(shared) if len(shared) > 1 else 0, SHARED_PASS_PLANS):
-        group = shared[g:g + SHARED_PASS_PLANS]
-        t0 = time.perf_counter()
-        first, first_finite, caches = prefill_many_fn.pure(graphdef, state, tokens, positions, k_prefill,
-                                                           plans=tuple(sized[i] for i in group), sampling=sampling)
-        first.block_until_ready()
-        seconds = (time.perf_counter() - t0) / len(group)  # each policy's share of the one pass
-        for i, cache in zip(group, caches):
-            prefilled[i] = (first, first_finite, cache, seconds)
-    out = []
+    out = [None] * len(policies)
     replays: dict = {}  # KVzip's replay scores per row, shared by KVzip policies that evict differently
-    for i, policy in enumerate(policies):
+    order = sorted(range(len(policies)), key=lambda i: (group_of[i][0] if i in group_of else i, i))
+    for i in order:
+        policy = policies[i]
+        if i in group_of and i not in prefilled:
+            group = group_of[i]
+            t0 = time.perf_counter()
+            first, first_finite, caches = prefill_many_fn.pure(graphdef, state, tokens, positions, k_prefill,
+                                                               plans=tuple(sized[j] for j in group), sampling=sampling)
+            first.block_until_ready()
+            seconds = (time.perf_counter() - t0) / len(group)  # each policy's share of the one pass
+            for j, cache in zip(group, caches):
+                prefilled[j] = (first, first_finite, cache, seconds)
+            del caches
         t0 = time.perf_counter()
         if i in prefilled:
-            first, first_finite, cache, shared_s = prefilled[i]
+            first, first_finite, cache, shared_s = prefilled.pop(i)
         else:
             shared_s = 0.0
             if policy.prefill_mode == "chunked":
@@ -499,9 +510,12 @@ def generate_many(
                 first, first_finite, cache = prefill_fn.pure(graphdef, state, tokens, positions, k_prefill,
                                                              plan=sized[i], sampling=sampling)
         first.block_until_ready()
-        out.append(_continue(model, graphdef, state, mesh, sized[i], cache, first, first_finite, prompts, questions,
-                             k_prefill, k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket,
-                             progress, t0, shared_s, replays))
+        out[i] = _continue(model, graphdef, state, mesh, sized[i], cache, first, first_finite, prompts, questions,
+                           k_prefill, k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket,
+                           progress, t0, shared_s, replays)
+        if not keep_caches:
+            out[i] = dataclasses.replace(out[i], cache=None)
+        del cache
     return out
 
 

@@ -181,9 +181,11 @@ def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sha
     from models import load
 
     model = load(sharp_dir).model
-    policies = [FullCache(), StreamingLLM(budget=12, sinks=2), SnapKV(budget=12, observation_window=4, kernel=3),
+    # MAT (read alone) between shared ones: each group's pass runs at its first policy's turn, results in order
+    policies = [FullCache(), StreamingLLM(budget=12, sinks=2), mat(12, 4, shallow_layers=1, sinks=2),
+                SnapKV(budget=12, observation_window=4, kernel=3),
                 PyramidKV(budget=12, observation_window=4, kernel=3, num_layers=2, beta=1), TOVA(budget=12),
-                H2O(budget=12, recent=4), mat(12, 4, shallow_layers=1, sinks=2)]
+                H2O(budget=12, recent=4)]
     prompts = [random_ids(40, 260, seed=60), random_ids(29, 260, seed=61)]
     questions = [random_ids(5, 260, seed=62), random_ids(7, 260, seed=63)]
     for qs in (None, questions):
@@ -193,6 +195,9 @@ def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sha
             assert got.tokens.tolist() == alone.tokens.tolist(), policy.describe()
             for a, b in zip(kept_positions(got.cache), kept_positions(alone.cache)):
                 np.testing.assert_array_equal(a, b)
+        light = generate_many(model, prompts, policies, max_new_tokens=6, questions=qs, keep_caches=False)
+        assert [g.tokens.tolist() for g in light] == [g.tokens.tolist() for g in many]
+        assert all(g.cache is None and g.held_bytes is not None for g in light)
     # one shared program, keyed by the tuple of sized plans: new prompts of the same bucket compile nothing
     with compile_log() as compiles:
         generate_many(model, [random_ids(38, 260, seed=64), random_ids(33, 260, seed=65)], policies,

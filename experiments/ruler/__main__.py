@@ -177,10 +177,10 @@ def predict(lm, cells: list[Cell], protocol: str, chat: str = "off") -> list[dic
     ids = [encode(tok, s, chat == "on") for s in chunk]
     if protocol == "agnostic":
         outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
-                             max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id)
+                             max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False)
     else:
         outs = generate_many(lm.model, [c + q for c, q in ids], list(wanted.values()), max_new_tokens=gen,
-                             sampling=Sampling(), pad_id=tok.pad_token_id)
+                             sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False)
     records = []
     for (label, policy), gen_out in zip(wanted.items(), outs):
         for s, seq, held in zip(chunk, gen_out.sequences(), gen_out.held_fraction):
