@@ -6,8 +6,9 @@ run `--repeats` times, on the CPU.
 
 The programs: the prompt pass (`kvjax.engine.prefill`, what `generate` compiles for one policy) under FullCache,
 SnapKV, MAT (its prompt read token by token: a scan over the decode step) and RazorAttention (head-wise groups);
-the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens); and one plain prompt pass shared by four
-plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm, StreamingLLM), batch 1, `--length` tokens. Each
+the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens), and the same with a token's step traced in
+runs of layers as a prompt's are ("decode loop scanned", the design kvjax declines: not a default
+program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm, StreamingLLM), batch 1, `--length` tokens. Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
 layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
@@ -18,8 +19,10 @@ tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from tqdm import tqdm
 
 from benchmarks import timing
 from kvjax import drive, engine
+from kvjax import step as steps
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax.errors import InvalidInput
 from kvjax.generate import Sampling, decode_fn, prefill_many_fn
@@ -44,7 +48,23 @@ from kvjax.policies import (
 from models import load
 
 NEW_TOKENS = 32
-PROGRAMS = ("prefill full", "prefill snapkv", "prefill mat", "prefill razor", "decode loop", "shared pass of 4")
+PROGRAMS = ("prefill full", "prefill snapkv", "prefill mat", "prefill razor", "decode loop", "shared pass of 4",
+            "decode loop scanned")
+
+
+@contextlib.contextmanager
+def token_step_scanned(name: str):
+    """For "decode loop scanned": a token's step traced with its layers in runs as a prompt's are (what
+    `kvjax.step.Token.layer_runs` declines, with this program's run time as its reason); otherwise nothing."""
+    if name != "decode loop scanned":
+        yield
+        return
+    unrolled = steps.Token.layer_runs
+    steps.Token.layer_runs = steps.Step.layer_runs
+    try:
+        yield
+    finally:
+        steps.Token.layer_runs = unrolled
 
 
 def _policies(cfg) -> dict:
@@ -67,7 +87,7 @@ def program(lm, name: str, length: int):
     if name.startswith("prefill "):
         plan = drive.plan(model, pols[name.split()[1]], max_len, length)
         return engine.prefill.pure, (graphdef, state, tokens, positions), {"plan": plan}
-    if name == "decode loop":  # 32 tokens after a SnapKV prompt of `length` (its cache's slots, zeros)
+    if name.startswith("decode loop"):  # 32 tokens after a SnapKV prompt of `length` (its cache's slots, zeros)
         plan = drive.plan(model, pols["snapkv"], max_len, length)
         cache = drive.empty_cache(model, plan, 1)
         i32 = lambda *x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -136,13 +156,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
-    p.add_argument("--programs", default=",".join(PROGRAMS),
+    p.add_argument("--programs", default=",".join(PROGRAMS[:-1]),
                    help=f"a comma list of: {', '.join(PROGRAMS)}; or 'shared pass of N' (N plans: SnapKV, TOVA, KNorm, "
                    "StreamingLLM in turn, at ratios 0.5, 0.75, ...)")
     p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
     p.add_argument("--layer-loop", default="unroll,scan",
                    help="how each program runs the model's layers, a comma list of: unroll, scan (default both)")
     p.add_argument("--no-run", action="store_true", help="compile only (no run seconds)")
+    p.add_argument("--tag", help="appended to the tables' names (compile_<platform>_<model>_<tag>.md), so that a run of "
+                   "other programs does not replace the main table")
     p.add_argument("--out", default="benchmarks/results")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
@@ -155,6 +177,8 @@ def main(argv=None):
         if n not in PROGRAMS and not shared:
             raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N' "
                                "(N from 1 to 24)")
+    if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.tag):
+        raise InvalidInput(f"--tag {args.tag!r}: letters, digits, '_' and '-' only (it names a file)")
     if args.repeats < 1:
         raise InvalidInput(f"--repeats {args.repeats}: at least 1")
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
@@ -171,13 +195,15 @@ def main(argv=None):
         lm = load(args.model or DEFAULT_MODEL_DIR, tokenizer=False, layer_loop=loop)
         for name in tqdm(names, desc=f"programs ({loop})", leave=False):
             fn, fargs, kw = program(lm, name, args.length)
-            runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
+            with token_step_scanned(name):
+                runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
+                ran = None if args.no_run else run_seconds(fn, fargs, kw, args.repeats)
             row = {"program": name, "layer_loop": loop}
             row |= timing.Spread(tuple(a for a, _ in runs)).fields("lower_s")
             row |= timing.Spread(tuple(b for _, b in runs)).fields("compile_s")
             row |= timing.Spread(tuple(a + b for a, b in runs)).fields("total_s")
-            if not args.no_run:
-                row |= timing.Spread(run_seconds(fn, fargs, kw, args.repeats)).fields("run_s")
+            if ran is not None:
+                row |= timing.Spread(ran).fields("run_s")
             rows.append(row)
         del lm
         jax.clear_caches()
@@ -188,7 +214,7 @@ def main(argv=None):
                 repeats=args.repeats, jax=jax.__version__, layer_loops=loops)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"compile_{plat}" + ("" if args.model is None else f"_{name}")
+    stem = f"compile_{plat}" + ("" if args.model is None else f"_{name}") + (f"_{args.tag}" if args.tag else "")
     loadavg = guard.record()
     (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     by = {(r["program"], r["layer_loop"]): r for r in rows}
