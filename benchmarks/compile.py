@@ -8,7 +8,8 @@ The programs: the prompt pass (`kvjax.engine.prefill`, what `generate` compiles 
 SnapKV, MAT (its prompt read token by token: a scan over the decode step) and RazorAttention (head-wise groups);
 the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens), and the same with a token's step traced in
 runs of layers as a prompt's are ("decode loop scanned", the design kvjax declines: not a default
-program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm, StreamingLLM), batch 1, `--length` tokens. Each
+program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm,
+StreamingLLM), batch 1, `--length` tokens. Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
 layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
@@ -163,8 +164,8 @@ def main(argv=None):
     p.add_argument("--layer-loop", default="unroll,scan",
                    help="how each program runs the model's layers, a comma list of: unroll, scan (default both)")
     p.add_argument("--no-run", action="store_true", help="compile only (no run seconds)")
-    p.add_argument("--tag", help="appended to the tables' names (compile_<platform>_<model>_<tag>.md), so that a run of "
-                   "other programs does not replace the main table")
+    p.add_argument("--tag", help="appended to the tables' names (compile_<platform>_<model>_<tag>.md), so that a "
+                   "run of other programs does not replace the main table")
     p.add_argument("--out", default="benchmarks/results")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
@@ -222,7 +223,8 @@ def main(argv=None):
     head = {"total_s": "compile s", "run_s": "run s"}
     lines = [f"# Compile and run seconds, {name} model ({meta['layers']} layers), {meta['device']}, "
              f"jax {jax.__version__}", "",
-             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and compiled "
+             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and "
+             "compiled "
              f"cold {args.repeats} times, then run {args.repeats} times after one untimed run (median, min–max), "
              "with its layers unrolled (`layer_loop=\"unroll\"`: every layer traced, what kvjax did before) and "
              "scanned (`\"scan\"`, the default: one body per run of layers alike; a token's step stays unrolled, "

@@ -226,7 +226,8 @@ class Generation:
 
     tokens: np.ndarray  # [b, max_new_tokens], pad after EOS
     lengths: np.ndarray  # [b] tokens generated per row, EOS included
-    cache: Cache | None  # the final cache (inspect with kvjax.cache.kept_positions); None: generate_many(keep_caches=False)
+    # the final cache (inspect with kvjax.cache.kept_positions); None: generate_many(keep_caches=False)
+    cache: Cache | None
     prompt_bucket: int
     room: int  # cache slots reserved after the prompt bucket: the question bucket + the token buffer
     prefill_s: float

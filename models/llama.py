@@ -256,8 +256,8 @@ class Attention(nnx.Module):
 
     def geometry(self, layer: int) -> layer_fns.Geometry:
         """This layer's attention for `kvjax.layer`, as layer `layer` (its index, or the first of the run of layers
-        it is scanned with): scale, window, soft-cap, ALiBi slopes, its RoPE and its output projection per query head (o_proj's kernel `[h * d, D]` as `[h, d, D]`; none under LoRA, whose o_proj is no
-        plain Linear)."""
+        it is scanned with): scale, window, soft-cap, ALiBi slopes, its RoPE and its output projection per query
+        head (o_proj's kernel `[h * d, D]` as `[h, d, D]`; none under LoRA, whose o_proj is no plain Linear)."""
         c = self.cfg
         out = self.o_proj.kernel[...].reshape(c.num_heads, c.head_dim, -1) if isinstance(self.o_proj, nnx.Linear) \
             else None
