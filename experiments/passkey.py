@@ -124,7 +124,8 @@ def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: in
         contexts, questions = split_question([p for p, _ in made], [len(_encode(tok, PASSKEY_QUESTION))] * len(made),
                                              protocol)
         outs = generate_many(model, contexts, list(wanted.values()), questions=questions,
-                             max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling(), keep_caches=False)
+                             max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling(), keep_caches=False,
+                             pad_rows=batch)
         records = []
         for lab, out in zip(wanted, outs):
             for c, (_, at), seq in zip(chunk, made, out.sequences()):

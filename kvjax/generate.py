@@ -409,6 +409,7 @@ def generate_many(
     progress=None,
     questions: Sequence[Sequence[int]] | None = None,
     keep_caches: bool = True,
+    pad_rows: int | None = None,
 ) -> list[Generation]:
     """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
     per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
@@ -417,7 +418,9 @@ def generate_many(
     sweep of prompt compressors then pays for one forward per group of plans instead of one per policy. Prompts are truncated (with `truncate`)
     to the shortest position limit among the policies. `keep_caches=False`: each `Generation.cache` is None, its
     policy's cache freed once it has generated (a suite that reads only the tokens holds one policy's cache at a time,
-    not every policy's at the end)."""
+    not every policy's at the end). `pad_rows`: fewer rows than this are run as this many, the last row repeated and
+    its copies' outputs dropped, so a suite's last, smaller batch reuses the programs compiled for its full ones
+    (rows are independent: the results are those of the rows alone)."""
     cfg = model.cfg
     if not policies:
         raise InvalidInput("policies: give at least one policy")
@@ -440,6 +443,15 @@ def generate_many(
         token_ids([pad_id], cfg.vocab_size, "pad_id")
     if eos_ids is not None:  # integers; one outside the vocabulary is never generated, which is harmless
         token_ids(list(eos_ids), np.iinfo(np.int32).max, "eos_ids")
+    real = max(len(prompts), len(questions or ()))  # the rows asked for; padding rows are dropped at the end
+    if pad_rows is not None:
+        if pad_rows < 1:
+            raise InvalidInput(f"pad_rows={pad_rows} must be >= 1")
+        if questions is not None and len(questions) != len(prompts):
+            raise InvalidInput("pad_rows pads prompt rows: give one question per prompt, not several for one prompt")
+        extra = max(0, pad_rows - len(prompts))
+        prompts = prompts + [prompts[-1]] * extra
+        questions = None if questions is None else questions + [questions[-1]] * extra
     asked = questions or [[] for _ in prompts]
     rows = prompts if len(prompts) == len(asked) else prompts * len(asked)  # one prompt, several questions
     longest = max(len(p) + len(q) for p, q in zip(rows, asked))
@@ -516,6 +528,12 @@ def generate_many(
                            progress, t0, shared_s, replays)
         if not keep_caches:
             out[i] = dataclasses.replace(out[i], cache=None)
+        elif real < len(rows):
+            out[i] = dataclasses.replace(out[i], cache=jax.tree.map(lambda x: x[:real], out[i].cache))
+        if real < len(rows):
+            g = out[i]
+            out[i] = dataclasses.replace(g, tokens=g.tokens[:real], lengths=g.lengths[:real],
+                                         held_bytes=g.held_bytes[:real], full_bytes=g.full_bytes[:real])
         del cache
     return out
 

@@ -172,6 +172,34 @@ def test_prefill_compiles_once_per_plan_not_per_max_len(tiny):
     assert len(ring_log) == 1 and len(full_log) == 2
 
 
+def test_pad_rows_runs_a_short_batch_as_a_full_one(sharp_dir):
+    """`generate_many(pad_rows=3)` with two rows: the programs compiled for three rows serve it (nothing compiles),
+    and each row's tokens, held bytes and kept positions are those of the two rows run alone."""
+    from kvjax import generate_many, kept_positions
+    from kvjax.errors import InvalidInput
+    from kvjax.policies import SnapKV
+    from models import load
+
+    model = load(sharp_dir).model
+    policies = [SnapKV(budget=12, observation_window=4, kernel=3), StreamingLLM(budget=12, sinks=2)]
+    prompts = [random_ids(30 + i, 260, seed=70 + i) for i in range(3)]
+    questions = [random_ids(4 + i, 260, seed=80 + i) for i in range(3)]
+    generate_many(model, prompts, policies, max_new_tokens=5, questions=questions, pad_rows=3, keep_caches=False)
+    with compile_log() as compiles:  # as the suites call it (kept caches would be sliced to the real rows)
+        generate_many(model, prompts[:2], policies, max_new_tokens=5, questions=questions[:2], pad_rows=3,
+                      keep_caches=False)
+    assert compiles == []
+    short = generate_many(model, prompts[:2], policies, max_new_tokens=5, questions=questions[:2], pad_rows=3)
+    alone = generate_many(model, prompts[:2], policies, max_new_tokens=5, questions=questions[:2])
+    for s, a in zip(short, alone):
+        assert s.tokens.tolist() == a.tokens.tolist() and s.lengths.tolist() == a.lengths.tolist()
+        np.testing.assert_array_equal(s.held_bytes, a.held_bytes)
+        for x, y in zip(kept_positions(s.cache), kept_positions(a.cache)):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(InvalidInput, match="pad_rows pads prompt rows"):
+        generate_many(model, prompts[:1], policies, max_new_tokens=5, questions=questions, pad_rows=3)
+
+
 def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sharp_dir):
     """`generate_many`: prompt compressors, rings and H2O share one pass over the prompts (one compiled
     program for the tuple of plans), MAT's stream prefill runs alone, and every policy's tokens and kept

@@ -182,7 +182,7 @@ def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Op
             contexts = prompts
         gens = generate_many(lm.model, contexts, [policies[i] for i in wanted], questions=questions,
                              max_new_tokens=max_new, sampling=Sampling(), eos_ids=eos, pad_id=tok.pad_token_id,
-                             truncate=True, keep_caches=False)
+                             truncate=True, keep_caches=False, pad_rows=opts.batch)
         for i, gen in zip(wanted, gens):
             for r, p, seq in zip(chunk, prompts, gen.sequences()):
                 if r["_id"] in logs[i]:

@@ -166,9 +166,10 @@ def record_id(protocol: str, task: T.Task, length: int, policy, sample: T.Sample
     return f"{policy.describe()}|{protocol}{'|template-on' if chat == 'on' else ''}|{task.name}|{length}|{sample.index}"
 
 
-def predict(lm, cells: list[Cell], protocol: str, chat: str = "off") -> list[dict]:
+def predict(lm, cells: list[Cell], protocol: str, chat: str = "off", batch: int | None = None) -> list[dict]:
     """The records of `cells` (a batch of samples of one task and length): the policies of the batch run together
-    (`generate_many`: the prompt compressors share one pass over the prompts)."""
+    (`generate_many`: the prompt compressors share one pass over the prompts), as `batch` rows (a smaller last batch
+    padded, so that it compiles nothing new)."""
     tok = lm.tokenizer
     task, length, gen = cells[0].task, cells[0].length, cells[0].gen
     chunk = list({c.sample.index: c.sample for c in cells}.values())
@@ -177,10 +178,11 @@ def predict(lm, cells: list[Cell], protocol: str, chat: str = "off") -> list[dic
     ids = [encode(tok, s, chat == "on") for s in chunk]
     if protocol == "agnostic":
         outs = generate_many(lm.model, [c for c, _ in ids], list(wanted.values()), questions=[q for _, q in ids],
-                             max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False)
+                             max_new_tokens=gen, sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False,
+                             pad_rows=batch)
     else:
         outs = generate_many(lm.model, [c + q for c, q in ids], list(wanted.values()), max_new_tokens=gen,
-                             sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False)
+                             sampling=Sampling(), pad_id=tok.pad_token_id, keep_caches=False, pad_rows=batch)
     records = []
     for (label, policy), gen_out in zip(wanted.items(), outs):
         for s, seq, held in zip(chunk, gen_out.sequences(), gen_out.held_fraction):
@@ -363,7 +365,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
         return write_report(out, rows, meta)
 
     # per batch of samples, the policies still missing a record run together
-    suite = driver.Suite("ruler", "preds.jsonl", cells, rid, lambda batch_: predict(lm, batch_, protocol, chat), report,
+    suite = driver.Suite("ruler", "preds.jsonl", cells, rid, lambda batch_: predict(lm, batch_, protocol, chat, batch), report,
                          lambda todo: driver.batches(todo, batch, group=lambda c: (c.task.name, c.length),
                                                      unit=lambda c: c.sample.index))
     return driver.run_suite(suite, out, lm, options, lambda: described, progress=progress)
