@@ -129,6 +129,11 @@ RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "
 RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
 # section 4's sweep: the leaderboard's ratios, to 16:1 and 32:1 (issue 63: 8:1 no longer separates methods)
 RULER_RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)
+# SnapKV and SlimKV at each other's pooling and both at kvpress's SnapKVPress settings (window 64, kernel 5,
+# avg-pool): with `snapkv` (its paper's max-pool) and `slimkv` (its own avg-pool), every setting has both scores
+MATCHED_POOLING = {"snapkv-avg": {"pool": "avg"}, "slimkv-max": {"pool": "max"},
+                   "snapkv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"},
+                   "slimkv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"}}
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
@@ -228,12 +233,17 @@ def longbench_section(run: Run) -> tuple[list[str], list[str]]:
     for budget in args.longbench_budgets or args.budgets:
         d = out / "longbench" / f"budget-{budget}"
         pols = driver.resolve_policies("full,streaming,h2o-prefill,snapkv,slimkv", budget=budget, **window)
+        # each at the other's pooling, so that SlimKV's claim is decided on pairs that differ in the score alone
+        for name in ("snapkv-avg", "slimkv-max"):
+            base = name.split("-", 1)[0]
+            pols[name] = driver.resolve_policies(base, budget=budget, **window, **MATCHED_POOLING[name])[base]
         res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
         avg = res.summary["average"]
         md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
-        claims.append(_slimkv_claim(f"average over the LongBench-format suite at budget {budget} (averages {avg})",
-                                    avg["slimkv"], avg["snapkv"], avg["full"],
-                                    args.samples * len(res.summary["table"])))
+        for slim, snap, pool in (("slimkv", "snapkv-avg", "avg"), ("slimkv-max", "snapkv", "max")):
+            claims.append(_slimkv_claim(f"average over the LongBench-format suite at budget {budget}, {pool}-pooled "
+                                        f"both (`{slim}` against `{snap}`; averages {avg})", avg[slim], avg[snap],
+                                        avg["full"], args.samples * len(res.summary["table"])))
     return md, claims
 
 
@@ -242,7 +252,7 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
     p, args, lm, out = run.p, run.args, run.lm, run.out
     n, depth = run.n, run.depth
     md, claims = [], []
-    from experiments.ruler import __main__ as ruler
+    from experiments.ruler import __main__ as ruler, compare
 
     length = args.ruler_length or min(4096, n)
     tasks = args.ruler_tasks.split(",")
@@ -268,6 +278,11 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
                                                      replay=replay).items():
                 pols[f"{name}@{r:g}"] = pol
             pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
+            # SlimKV's claim on matched pairs (issue 65): each one's pooling given to the other, and kvpress's
+            # SnapKVPress settings to both, so that a pair differs in the score alone
+            for name, kw in MATCHED_POOLING.items():
+                base = name.split("-", 1)[0]
+                pols[f"{name}@{r:g}"] = driver.resolve_policies(base, ratio=r, **kw)[base]
         return pols
 
     res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
@@ -284,16 +299,16 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
            f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
            "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
            f"replay: {'in the chat template' if chat else 'raw text'}, as the prompts are, chunks of 2048 tokens, "
-           "kvpress's prompts).", ""]
+           "kvpress's prompts). `snapkv-avg` / `slimkv-max` give each the other's pooling and `snapkv-kvpress` / "
+           "`slimkv-kvpress` both kvpress's SnapKVPress settings (window 64, kernel 5, avg), so that SlimKV's claim "
+           "is decided on pairs that differ in the score alone.", ""]
     for r in args.ruler_ratios:
         new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
                                                       "duo")}
         claims.append(f"The 2026 baselines on RULER-{length} at ratio {r:g} (average %): "
                       + ", ".join(f"{k} {v}" for k, v in new.items()) + f"; full {scores['full']}")
-    for r in args.ruler_ratios:
-        slim, snap = scores.get(f"slimkv@{r:g}"), scores.get(f"snapkv@{r:g}")
-        n_items = args.ruler_samples * len(tasks)
-        claims.append(_slimkv_claim(f"RULER-{length} at ratio {r:g}", slim, snap, scores["full"], n_items))
+    # paired over the section's prompts, matched pairs only (`experiments.ruler.compare`)
+    claims += [f"RULER-{length}: {c}" for c in compare.slimkv_claims(compare.read(out / "ruler"))]
     return md, claims
 
 

@@ -69,3 +69,16 @@ def evidence(diff: float, se: float | None, *, paired: bool, n: int, of: str = "
         text += f"; trained on {training_share:.2g} of the paper's training tokens (1/{1 / training_share:,.0f})"
     return text
 
+
+
+def paired_gap(better: dict, worse: dict) -> tuple[float, float | None, int]:
+    """(mean difference, its paired standard error, samples) of two sides' per-sample scores, `{sample key:
+    score}` each. The two must hold the same samples: a comparison over different samples is not paired, and
+    a missing record is not a zero."""
+    if better.keys() != worse.keys():
+        only = sorted(map(str, better.keys() ^ worse.keys()))
+        raise ValueError(f"paired_gap: the two sides read different samples ({len(only)} unmatched, e.g. {only[0]})")
+    diffs = [better[k] - worse[k] for k in better]
+    if not diffs:
+        raise ValueError("paired_gap: no samples")
+    return sum(diffs) / len(diffs), paired_se(diffs), len(diffs)

@@ -1,0 +1,116 @@
+"""RULER records compared sample by sample: the tables and verdicts a report draws from a run's `preds.jsonl`.
+
+Two policies of one run read the same prompts, so a comparison of them is paired: each prompt's score under one
+minus its score under the other, and the standard error of that mean (`experiments.verdicts.paired_gap`). A
+verdict on SlimKV's claim (SlimKV >= SnapKV, its eqs. 3-5 against SnapKV's score) is given only for a pair whose
+observation window, pooling kernel and pooling agree (read from the records' policy descriptions), so that the
+score is the only difference (issue 65: SnapKV max-pooled against SlimKV avg-pooled measured the pooling). A pair
+that differs in those is shown with its numbers and what differs, and no verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from experiments.verdicts import evidence, paired_gap, verdict
+from kvjax.errors import MissingFile
+
+Key = tuple[str, int, int]  # (task, length, sample index)
+# what SnapKV's and SlimKV's scores are pooled by: a comparison of the two is matched when these agree
+SETTINGS = ("observation_window", "kernel", "pool")
+
+
+def read(run: str | Path) -> list[dict]:
+    """The records of a RULER run directory (its preds.jsonl)."""
+    path = Path(run) / "preds.jsonl"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no RULER records there")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def scores(rows: list[dict], label: str) -> dict[Key, float]:
+    """`{(task, length, index): score}` of `label`'s records."""
+    return {(r["task"], r["length"], r["index"]): float(r["score"]) for r in rows if r["label"] == label}
+
+
+def split_label(label: str) -> tuple[str, float | None]:
+    """("snapkv", 0.5) for "snapkv@0.5"; (label, None) for a label without a ratio ("full")."""
+    name, at, ratio = label.rpartition("@")
+    return (name, float(ratio)) if at else (label, None)
+
+
+def settings(description: str) -> dict[str, str]:
+    """The pooling settings (`SETTINGS`) a policy description names, e.g. {"observation_window": "32",
+    "kernel": "7", "pool": "'max'"}; the outermost policy's where a description nests one (AdaKV's scorer)."""
+    found = {}
+    for name in SETTINGS:
+        m = re.search(rf"\b{name}=('[^']*'|[^,)]*)", description)
+        if m:
+            found[name] = m.group(1)
+    return found
+
+
+def family(description: str) -> str:
+    """The policy class a description opens with ("SnapKV" for "SnapKV(budget=None, ...)")."""
+    return description.split("(", 1)[0]
+
+
+def _described(rows: list[dict]) -> dict[str, str]:
+    return {r["label"]: r["policy"] for r in rows}
+
+
+def _settings_text(s: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v.strip(chr(39))}" for k, v in s.items())
+
+
+def slimkv_claims(rows: list[dict]) -> list[str]:
+    """SlimKV >= SnapKV at each ratio, one line per SnapKV / SlimKV pair of the run (same ratio): a matched
+    pair (same window, kernel, pooling) with its verdict and evidence, an unmatched one with its numbers, what
+    differs, and no verdict."""
+    described, lines = _described(rows), []
+    snaps = [lab for lab, d in described.items() if family(d) == "SnapKV"]
+    slims = [lab for lab, d in described.items() if family(d) == "SlimKV"]
+    for slim in slims:
+        for snap in snaps:
+            if split_label(slim)[1] != split_label(snap)[1]:
+                continue
+            a, b = settings(described[slim]), settings(described[snap])
+            diff, se, n = paired_gap(scores(rows, slim), scores(rows, snap))
+            diff, se = 100 * diff, None if se is None else 100 * se
+            numbers = "in points, " + evidence(diff, se, paired=True, n=n, of="prompts", digits=1)
+            head = f"SlimKV >= SnapKV, `{slim}` against `{snap}`"
+            if a == b:
+                lines.append(f"{head} (matched: {_settings_text(a)}; same prompts, same kept count): "
+                             f"**{verdict(diff, se)}** ({numbers})")
+            else:
+                differs = "; ".join(f"{k} {a.get(k, '-').strip(chr(39))} against {b.get(k, '-').strip(chr(39))}"
+                                    for k in SETTINGS if a.get(k) != b.get(k))
+                lines.append(f"{head}: **no verdict**, not matched ({differs}; {numbers})")
+    return lines
+
+
+def table(rows: list[dict]) -> str:
+    """Prompts found per policy and task (of the task's prompts), the share over all tasks, the KV bytes held
+    (`kv_held`, blank where the records predate it) and each policy's paired difference from the full cache."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    full = scores(rows, "full") if "full" in labels else None
+    per_task = {t: len({(r["length"], r["index"]) for r in rows if r["task"] == t}) for t in tasks}
+    out = ["| policy | KV held | " + " | ".join(f"{t} (of {per_task[t]})" for t in tasks)
+           + " | all tasks, % | against the full cache, points (paired s.e.) |",
+           "|---|---|" + "---|" * len(tasks) + "---|---|"]
+    for lab in labels:
+        mine = scores(rows, lab)
+        held = [r.get("kv_held") for r in rows if r["label"] == lab]
+        held_text = "" if None in held else f"{sum(held) / len(held):.3f}"
+        found = [sum(v for k, v in mine.items() if k[0] == t) for t in tasks]
+        share = 100 * sum(mine.values()) / len(mine)
+        if full is None or lab == "full":
+            gap = ""
+        else:
+            diff, se, _ = paired_gap(mine, full)
+            gap = f"{100 * diff:+.1f}" + ("" if se is None else f" ({100 * se:.1f})")
+        out.append(f"| {lab} | {held_text} | " + " | ".join(f"{f:g}" for f in found) + f" | {share:.0f} | {gap} |")
+    return "\n".join(out)
