@@ -70,6 +70,10 @@ def positive_float(text: str) -> float:
     return _number(float, text, "a finite number > 0", lambda x: x > 0)
 
 
+def finite_float(text: str) -> float:
+    return _number(float, text, "a finite number", lambda x: True)
+
+
 def probability(text: str) -> float:
     """top-p: in (0, 1]."""
     return _number(float, text, "in (0, 1]", lambda x: 0 < x <= 1)
@@ -250,6 +254,17 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
                    help="KVzip: context tokens per replay; default 2048 (kvpress's chunk_size)")
     g.add_argument("--kvzip-layerwise", action="store_const", const=True,
                    help="KVzip: evict --ratio of each layer's slots instead of a share of all layers' together")
+    g.add_argument("--kvzap", help="KVzap: its surrogate, a directory written by python -m experiments.train_kvzap "
+                                   "(kvjax ships SmolLM2's and kvjax-small's under models/kvzap/)")
+    g.add_argument("--threshold", type=finite_float,
+                   help="KVzap: pairs the surrogate scores below this (a log KVzip+ score) are evicted once they leave "
+                        "the sliding window; no default (the share evicted depends on it and on the text)")
+    g.add_argument("--dms-window", type=nonnegative_int,
+                   help="KVzap: the most recent tokens, never evicted (DMSPress's sliding_window_size); default 128")
+    g.add_argument("--kvzap-decoding", action="store_const", const=True,
+                   help="KVzap: also evict while decoding (DMSPress's decoding=True; the question of the "
+                        "question-agnostic protocol is read as decoded tokens): a different method from the default, "
+                        "which compresses the prompt only")
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m experiments.train_gate")
     g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
                                                        "this; default 64")

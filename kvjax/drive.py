@@ -62,7 +62,7 @@ def forward(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b
 
 def probe(model: CachedLM, tokens: Int[Array, "b t"], read) -> tuple:
     """The plain forward over `tokens` (positions 0..t-1), each layer's attention handed to `read(geometry, q, k,
-    positions)` (`kvjax.step.Probe`): what `read` returned, layer by layer."""
+    positions, hidden)` (`kvjax.step.Probe`): what `read` returned, layer by layer."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return model(tokens, positions, (None,) * model.cfg.num_layers, steps.Probe(read))[1]
 

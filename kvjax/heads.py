@@ -69,7 +69,7 @@ def duo_scores(model, rows, q_len: int = 500) -> np.ndarray:
     total = np.zeros((c.num_layers, c.num_kv_heads))
     p = jnp.arange(q_len, dtype=jnp.int32)[None, None, :]
 
-    def read(geom, q, k, pos):
+    def read(geom, q, k, pos, hidden):
         if geom.rope is None:
             raise ValueError("duo_scores needs a RoPE model (the repeated mean query and key are rotated)")
         h, kvh, d = geom.num_heads, geom.num_kv_heads, geom.head_dim
@@ -102,7 +102,7 @@ def attention_maps(model, tokens: Int[Array, "b t"], *, logits: bool = False) ->
     For short inputs: inspection, plots, tests."""
     tokens = jnp.asarray(tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    def read(geom, q, k, pos):
+    def read(geom, q, k, pos, hidden):
         return (_logits if logits else _probs)(*_rotated(geom, q, k, pos), pos, pos, geom.scale, geom.mask())
 
     out = []
@@ -181,7 +181,7 @@ def head_scores(model, tokens: Int[Array, "b t"], progress: bool = False) -> Hea
 
     bar = tqdm(total=c.num_layers, desc="probe layers", unit="layer", disable=not progress)
 
-    def read(geom, q, k, pos):  # run eagerly, layer by layer: each layer's scores as it is reached
+    def read(geom, q, k, pos, hidden):  # run eagerly, layer by layer: each layer's scores as it is reached
         scores = layer_scores(*_rotated(geom, q, k, pos), geom.mask(), geom.scale)
         bar.update()
         return scores

@@ -171,10 +171,11 @@ def check_inputs(call: str, geom: Geometry, plan: LayerPlan | None, q, k, v, pos
 
 
 def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None, q, k, v, pos, tokens=None, *,
-            anchor_mask=None, key_keep=None, gate_keep=None):
+            anchor_mask=None, key_keep=None, gate_keep=None, hidden=None):
     """A prompt attended whole (causal, the layer's window / ALiBi / soft-cap, an eq. 4 `anchor_mask`, gate
     `key_keep` flags), then cached by each of `plan`'s groups: `(output [b, h, t, d], cache)`. With `plan`
-    None, the plain forward (no cache). `gate_keep`: the flags handed to a gate policy (bool `[b, kvh, t]`)."""
+    None, the plain forward (no cache). `gate_keep`: the flags handed to a gate policy (bool `[b, kvh, t]`);
+    `hidden`: the layer's attention input `[b, t, D]`, handed to the rules (`Context.hidden`)."""
     check_inputs("prefill", geom, plan, q, k, v, pos, tokens)
     if plan is not None and plan.prefill_stats().gate_keep:
         want = (k.shape[0], geom.num_kv_heads, k.shape[2])
@@ -193,10 +194,10 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
     stats = _layer_stats(geom, wanted, stats, q, v, pos, plan.describe)
     if gate_keep is not None:
         stats = dataclasses.replace(stats, gate_keep=gate_keep)
-    return o, cache_prompt(geom, plan, cache, k, k_rot, v, pos, tokens, stats)
+    return o, cache_prompt(geom, plan, cache, k, k_rot, v, pos, tokens, stats, hidden)
 
 
-def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v, pos, tokens=None):
+def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v, pos, tokens=None, hidden=None):
     """One prompt attended once for several plans (no eq. 4 mask, no gates: the attention is the same for all),
     each caching it under its own rules: `(output, caches)` (`kvjax.generate.generate_many`)."""
     for lp in plans:
@@ -210,15 +211,16 @@ def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v
         impl=geom.impl, self_attention=True,
     )
     stats = _layer_stats(geom, wanted, stats, q, v, pos, lambda: " / ".join(lp.describe() for lp in plans))
-    return o, tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats) for lp, c in zip(plans, caches))
+    return o, tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats, hidden)
+                    for lp, c in zip(plans, caches))
 
 
-def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats):
+def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats, hidden=None):
     """Each head group of `plan` builds its cache from the attended prompt (`stats` hold at least what its rule
-    asked for); rolling positions cache the keys unrotated."""
+    asked for; `hidden`: the attention input, `Context.hidden`); rolling positions cache the keys unrotated."""
     check_prompt_fits(plan, cache, k.shape[2])
     k_store = k if plan.position_mode == "rolling" else k_rot
-    ctx = Context(pos, tokens)
+    ctx = Context(pos, tokens, hidden)
     return regroup(cache, [
         stored(plan, rule.prefill(geom.layer, read(c, pos), kv_heads(k_store, heads), kv_heads(v, heads), ctx,
                                   stats if heads is None else stats.map(lambda a: a[:, heads])), pos)
@@ -473,28 +475,29 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: Lay
     return o, rule.absorb(geom.layer, cache, k, v, ctx, stats)
 
 
-def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None):
+def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None, hidden=None):
     """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
     observes what it asked for: `(output [b, h, d], cache)`. A token past the cache of a rule that keeps every
-    token is refused (`past_the_plan`)."""
+    token is refused (`past_the_plan`). `hidden` `[b, D]`: the token's attention input (`Context.hidden`)."""
     check_inputs("decode", geom, plan, q, k, v, pos, tokens)
     past = past_the_plan(plan, cache, pos)
     if isinstance(cache, QuantizedLayerCache) and _reads_codes(geom, plan):
-        o, cache = _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens)
+        o, cache = _decode_codes(geom, plan.rule, cache, q, k, v, pos, tokens, hidden)
     elif isinstance(cache, PooledLayerCache):
-        o, cache = _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens)
+        o, cache = _decode_pooled(geom, plan.rule, cache, q, k, v, pos, tokens, hidden)
     else:
-        o, cache = _per_group(geom, plan, cache, q, k, v, pos,
-                              lambda q, k, v, rule, c, mask: _decode_heads(geom, q, k, v, pos, rule, c, mask, tokens))
+        o, cache = _per_group(geom, plan, cache, q, k, v, pos, lambda q, k, v, rule, c, mask: _decode_heads(
+            geom, q, k, v, pos, rule, c, mask, tokens, hidden))
     return _poisoned(o, past), cache
 
 
-def _decode_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, mask: Mask, tokens=None):
+def _decode_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, mask: Mask, tokens=None,
+                  hidden=None):
     b, kvh = k.shape[:2]
     rolling = rule.position_mode(geom.layer) == "rolling"
     k_store = k if rolling else geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
-    ctx = Context(pos, tokens)
+    ctx = Context(pos, tokens, hidden)
     cache = rule.step(geom.layer, cache, k_store, v, ctx)
     if rolling:
         # StreamingLLM: positions are ranks inside the cache, the query being the newest.
@@ -514,13 +517,14 @@ def _decode_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: La
     return o, rule.observe(geom.layer, cache, ctx, stats)
 
 
-def _decode_pooled(geom: Geometry, rule: rule_kinds.PooledRule, cache: PooledLayerCache, q, k, v, pos, tokens=None):
+def _decode_pooled(geom: Geometry, rule: rule_kinds.PooledRule, cache: PooledLayerCache, q, k, v, pos, tokens=None,
+                   hidden=None):
     """A decode step over a pool shared by the KV heads (AdaKV): the rule places each head's token in its decode
     slots, and each KV head's queries attend the slots it owns (`attention.pooled_decode_attention`)."""
     if rule.stats(geom.layer).decode:
         raise InvalidInput(f"{rule.describe()}: a pooled cache's decode computes no statistics")
     cache = rule.step(geom.layer, cache, geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0], v,
-                      Context(pos, tokens))
+                      Context(pos, tokens, hidden))
     q_rot = geom.rotate(q[:, :, None], pos[:, None, None])[:, :, 0]
     return attention.pooled_decode_attention(q_rot, cache, pos, scale=geom.scale, mask=geom.mask(),
                                              impl=geom.impl), cache
@@ -534,12 +538,13 @@ def _reads_codes(geom: Geometry, plan: LayerPlan) -> bool:
             and plan.rule.position_mode(geom.layer) == "absolute" and geom.mask().plain)
 
 
-def _decode_codes(geom: Geometry, rule: rule_kinds.Rule, qc: QuantizedLayerCache, q, k, v, pos, tokens=None):
+def _decode_codes(geom: Geometry, rule: rule_kinds.Rule, qc: QuantizedLayerCache, q, k, v, pos, tokens=None,
+                  hidden=None):
     """A decode step that never dequantizes the layer's cache as a whole: the rule places the token from the
     slots' positions and statistics (its keys and values are placeholders it only writes to, which XLA drops),
     `quant.write_token` stores that one token, `quant.attend` reads the codes block by block, and the rule
     observes what it asked for. The same numbers as reading the cache as a view (tests/test_quant.py)."""
-    ctx = Context(pos, tokens)
+    ctx = Context(pos, tokens, hidden)
     k_store = geom.rotate(k[:, :, None], pos[:, None, None])[:, :, 0]
     shape = (*qc.pos.shape, geom.head_dim)
     meta = LayerCache(k=jnp.zeros(shape, k_store.dtype), v=jnp.zeros(shape, v.dtype), pos=qc.pos, log_w=qc.log_w,
@@ -567,8 +572,8 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
     the model's carry, as the step defines it. `tokens` `[b, t]`: the ids (AnLLM's anchors, MAT's rules read them).
     `gate`: the layer's Attention-Gate as a thunk returning its keep flags `[b, kvh, t]` (None: the layer has none);
     kvjax calls it where the step needs it (the plain forward, a prompt under gated rules). `hidden`: the layer's
-    input to its q / k / v projections `[b, t, D]` (KVzip+'s replay divides by its norm; None: the model gives none,
-    and KVzip+ refuses it)."""
+    input to its q / k / v projections `[b, t, D]` (KVzip+'s replay divides by its norm, KVzap's surrogate reads it,
+    a probe gets it; None: the model gives none, and those refuse it)."""
     i = geom.layer
     if isinstance(step, steps.Forward):
         keep = None if gate is None else gate()
@@ -576,7 +581,7 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
         return o, keep
     if isinstance(step, steps.Probe):
         o, _ = prefill(geom, None, None, q, k, v, pos)
-        return o, step.read(geom, q, k, pos)
+        return o, step.read(geom, q, k, pos, hidden)
     if isinstance(step, steps.Prompt):
         lp = step.plan.layers[i]
         keep = None
@@ -588,14 +593,15 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
             # blocks every head evicted (the plain forward keeps the float flags that carry the gates' gradient)
             keep = gate() > 0
         return prefill(geom, lp, carry, q, k, v, pos, tokens, anchor_mask=lp.prompt_mask(Context(pos, tokens)),
-                       key_keep=keep, gate_keep=keep)
+                       key_keep=keep, gate_keep=keep, hidden=hidden)
     if isinstance(step, steps.Shared):
-        return prefill_shared(geom, tuple(plan.layers[i] for plan in step.plans), carry, q, k, v, pos, tokens)
+        return prefill_shared(geom, tuple(plan.layers[i] for plan in step.plans), carry, q, k, v, pos, tokens,
+                              hidden)
     if isinstance(step, steps.Chunk):
         return chunk(geom, step.plan.layers[i], carry, q, k, v, pos, tokens)
     if isinstance(step, steps.Token):
         o, carry = decode(geom, step.plan.layers[i], carry, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos[:, 0],
-                          None if tokens is None else tokens[:, 0])
+                          None if tokens is None else tokens[:, 0], None if hidden is None else hidden[:, 0])
         return o[:, :, None], carry
     if isinstance(step, steps.Replay):
         cache, span = carry

@@ -72,8 +72,9 @@ class Forward(Step):
 @dataclasses.dataclass(frozen=True)
 class Probe(Step):
     """The plain causal forward, nothing cached, that hands each layer's attention to `read(geometry, q, k,
-    positions)` (unrotated `q` `[b, h, t, d]`, `k` `[b, kvh, t, d]`; the `kvjax.layer.Geometry` rotates and masks as
-    the layer does): each layer's carry entry out is what `read` returns (arrays). How the head probes
+    positions, hidden)` (unrotated `q` `[b, h, t, d]`, `k` `[b, kvh, t, d]`; the `kvjax.layer.Geometry` rotates and
+    masks as the layer does; `hidden` `[b, t, D]`, the layer's input to its projections, None where the model gives
+    none): each layer's carry entry out is what `read` returns (arrays). How the head probes
     (`kvjax.heads`) ask any model for what they measure. A model scanning its layers traces `read` once per run of
     layers alike, with the run's first index in `geometry.layer`: `read` computes from its arguments, never from
     that index."""

@@ -37,6 +37,7 @@ from kvjax.policies.mat import (
     mat_with_sink,
 )
 from kvjax.policies.kvzip import KVgrad, KVzip
+from kvjax.policies.kvzap import KVzap
 from kvjax.policies.critical import CriticalAdaKV, CriticalKV
 from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.quantized import Quantized
@@ -206,10 +207,26 @@ REGISTRY.update({
     adakv_alpha=0.2, epsilon=1e-4, first_stage_ratio=0.5: CriticalAdaKV(
         scorer=_scored(SnapKV, budget, ratio, observation_window=observation_window, kernel=kernel, pool=pool,
                        group_agg=group_agg), alpha=adakv_alpha, epsilon=epsilon, first_stage_ratio=first_stage_ratio),
+    # KVzap under DMS's threshold: a trained surrogate (--kvzap DIR, kvjax.surrogate) scores each pair; those below
+    # --threshold are evicted once older than --dms-window tokens (128, kvpress's); --kvzap-decoding: while decoding too
+    "kvzap": lambda budget, kvzap=None, threshold=None, dms_window=128, kvzap_decoding=False: _kvzap(
+        kvzap, threshold, dms_window, kvzap_decoding),
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus", "kvgrad"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus", "kvgrad", "kvzap"})
+
+
+def _kvzap(path, threshold, window, decoding) -> KVzap:
+    if path is None:
+        raise InvalidInput("KVzap scores pairs with a trained surrogate: give its directory (--kvzap DIR, written by "
+                           "python -m experiments.train_kvzap)")
+    if threshold is None:
+        raise InvalidInput("KVzap evicts the pairs its surrogate scores below a threshold: give it (--threshold)")
+    from kvjax.surrogate import Surrogate, load
+
+    surrogate = path if isinstance(path, Surrogate) else load(path)[0]
+    return KVzap(surrogate=surrogate, threshold=threshold, window=window, decoding=bool(decoding))
 
 
 def _kvzip(ratio, sinks, chunk, layerwise, replay, plus=False, kind=KVzip) -> KVzip:
@@ -252,5 +269,5 @@ __all__ = [
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",
-    "CriticalAdaKV", "CriticalKV",
+    "CriticalAdaKV", "CriticalKV", "KVzap",
 ]

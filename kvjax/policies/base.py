@@ -68,10 +68,13 @@ class Context:
     rule and every call, so no rule needs a flag to be handed what it reads (AnLLM reads the ids).
 
     `pos`: positions, -1 on padding; `tokens`: the token ids (None where the caller has none, e.g. a
-    hidden-state forward). `[b, t]` for a prompt or a chunk, `[b]` for one decode step."""
+    hidden-state forward). `[b, t]` for a prompt or a chunk, `[b]` for one decode step. `hidden`: the layer's
+    input to its q / k / v projections, `[b, t, D]` or `[b, D]` (KVzap's surrogate reads it), given to a whole
+    prompt's and a decode step's rules; None where the model gives none, or for a chunk."""
 
     pos: Int[Array, "b *t"]
     tokens: Int[Array, "b *t"] | None = None
+    hidden: Float[Array, "b *t D"] | None = None
 
 
 PositionMode = Literal["absolute", "rolling"]

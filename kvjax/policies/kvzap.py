@@ -1,0 +1,112 @@
+"""KVzap (Jegou et al. 2026, arXiv:2601.07891) under DMS's threshold (kvpress 0.5.5's `DMSPress(KVzapPress(...))`).
+
+A trained surrogate (`kvjax.surrogate.Surrogate`) scores each token's key-value pair per KV head from the layer's
+attention input. A pair scored below `threshold` is evicted once it has left the sliding window of the `window`
+most recent tokens; the window protects the tokens just written, whatever their score. So how much is evicted
+depends on the text, not on a ratio: the records' `kv_held` says what a run held.
+
+* prompt (dense prefill, DMS's "dense-prefill version"): the whole prompt attends as usual; then every pair
+  older than the row's last `window` tokens is judged, and the kept pairs are written to the cache. The others
+  keep their scores in the cache (`state["score"]`) for later.
+* `decoding=True` (DMSPress's `decoding`): each decoded token (and each token of a question that extends the
+  compressed context) is scored as it is written; after it has attended, the token `window` positions back is
+  judged (kvpress's forward hook runs after the layer's attention: a token still sees the pair its step
+  releases). `decoding=False`: decoding only appends, and the window left by the prompt is never judged.
+
+Evicted slots are emptied, not freed (as KVzip's): the cache keeps a slot for every token of the sequence, and the
+slots a prompt's evictions empty are refilled by decoded tokens. kvpress masks evicted keys in place; what
+attention sees is the same.
+
+Where kvjax differs from kvpress: a question that extends the compressed context (the question-agnostic
+protocol) is read token by token here, so a question token no longer sees a pair that an earlier question token
+released; kvpress reads the question in one forward and evicts after it. A chunked or streamed prefill is refused:
+DMS's sparse prefill is another method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import jax.numpy as jnp
+
+from kvjax import cache as kvcache
+from kvjax.cache import EMPTY, SLOT, LayerCache
+from kvjax.errors import InvalidInput
+from kvjax.policies.base import LayerPolicy, StepOnlyWrites
+from kvjax.surrogate import Surrogate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVzap(LayerPolicy, StepOnlyWrites):
+    """Evicts each pair the `surrogate` scores below `threshold` once it is older than the `window` most recent
+    tokens (DMSPress's `sliding_window_size`, 128); `decoding`: also while decoding. See the module."""
+
+    surrogate: Surrogate
+    threshold: float
+    window: int = 128
+    decoding: bool = False
+    cache_state = MappingProxyType({"score": SLOT})  # each slot's surrogate score, judged when it leaves the window
+    evicts_while_decoding = False  # fed token by token it would judge nothing of the prompt (a stream is refused)
+    chunk_refusal = ("DMS's prefill here is dense: the whole prompt attends, then its pairs are judged (a chunked "
+                     "prefill would be DMS's sparse prefill, another method)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.surrogate, Surrogate):
+            raise InvalidInput(f"KVzap: surrogate must be a kvjax.surrogate.Surrogate, not {type(self.surrogate)}")
+        if self.window < 0:
+            raise InvalidInput(f"KVzap: window={self.window} must be >= 0")
+        if self.prefill_mode != "full":
+            raise InvalidInput(f"KVzap cannot run prefill_mode={self.prefill_mode!r}: {self.chunk_refusal}")
+        if self.positions != "absolute":
+            raise InvalidInput("KVzap: positions must be 'absolute' (its slots are judged by position)")
+
+    def check(self, num_layers, num_kv_heads=None):
+        s = self.surrogate
+        if s.num_layers != num_layers or (num_kv_heads is not None and s.kv_heads != num_kv_heads):
+            raise InvalidInput(f"KVzap: the surrogate has {s.num_layers} layers of {s.kv_heads} KV heads; the model "
+                               f"has {num_layers}" + ("" if num_kv_heads is None else f" of {num_kv_heads}"))
+
+    def capacity(self, layer, max_len, prompt_len=0):
+        return max_len  # a slot for every token: evictions empty slots (see the module)
+
+    def layer_key(self, layer):
+        return layer  # each layer has its own surrogate weights
+
+    def _scores(self, layer, ctx):
+        if ctx.hidden is None:
+            raise InvalidInput(f"{self.describe()} scores each pair from the layer's attention input, and this model "
+                               "gives none: pass hidden (the attention's input) to kvjax.layer.attend")
+        if ctx.hidden.shape[-1] != self.surrogate.input_dim:
+            raise InvalidInput(f"KVzap: the surrogate reads inputs of {self.surrogate.input_dim}; the model's "
+                               f"attention input has {ctx.hidden.shape[-1]}")
+        return self.surrogate.scores(layer, ctx.hidden)
+
+    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
+        score = jnp.moveaxis(self._scores(layer, ctx), -1, 1)  # [b, kvh, t]
+        pos = ctx.pos
+        last = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]: each row's newest position
+        judged = (pos >= 0) & (pos <= last - self.window)  # left the window
+        keep = (pos >= 0)[:, None, :] & ~(judged[:, None, :] & (score < self.threshold))
+        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), state={"score": score})
+
+    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
+        if not self.decoding:
+            return kvcache.append(cache, k, v, ctx.pos)
+        slot = jnp.argmax(cache.pos == EMPTY, axis=-1)
+        return kvcache.write(cache, slot, k, v, ctx.pos, state={"score": self._scores(layer, ctx)})
+
+    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
+        if not self.decoding:
+            return cache
+        leaving = (ctx.pos - self.window)[:, None, None]  # [b, 1, 1]: the token this step moves out of the window
+        gone = (cache.pos == leaving) & (leaving >= 0) & (cache.state["score"] < self.threshold)
+        return dataclasses.replace(cache, pos=jnp.where(gone, EMPTY, cache.pos))
+
+    def describe(self) -> str:
+        return (f"KVzap(surrogate={self.surrogate!r}, threshold={self.threshold!r}, window={self.window}, "
+                f"decoding={self.decoding})")
+
+
+__all__ = ["KVzap"]

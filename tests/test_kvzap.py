@@ -1,0 +1,143 @@
+"""KVzap (`kvjax.policies.KVzap`, `kvjax.surrogate`): kept positions equal to kvpress 0.5.5's
+`DMSPress(KVzapPress(...))` given the same surrogate weights (kvjax's, written into kvpress's `KVzapModel`), in the
+prompt and while decoding; the surrogate's orbax round trip; batch rows alone; refusals."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import kept_sets
+from kvjax.errors import InvalidInput, MissingFile
+from kvjax.policies import KVzap, make_policy
+from kvjax.surrogate import Surrogate, load
+from tests.conftest import left_pad, sdpa_llama, stepper
+
+T, D, KVH, LAYERS = 90, 64, 2, 3
+
+
+def random_surrogate(kind: str, seed: int = 0, hidden: int = 16) -> Surrogate:
+    """Zero biases and symmetric weights: about half the scores fall below a threshold of 0."""
+    rng = np.random.RandomState(seed)
+    if kind == "linear":
+        layers = [{"w": rng.randn(D, KVH) / 8, "b": np.zeros(KVH)} for _ in range(LAYERS)]
+    else:
+        layers = [{"w1": rng.randn(D, hidden) / 8, "b1": rng.randn(hidden) / 4, "w2": rng.randn(hidden, KVH),
+                   "b2": np.zeros(KVH)} for _ in range(LAYERS)]
+    return Surrogate(kind, tuple(layers))
+
+
+@pytest.fixture(scope="module")
+def sdpa_pair(tmp_path_factory):
+    return sdpa_llama(tmp_path_factory.mktemp("kvzap"), seed=2, input_norm_noise=0.5)
+
+
+def kvpress_press(monkeypatch, surrogate: Surrogate, threshold: float, window: int, decoding: bool):
+    """kvpress's DMSPress(KVzapPress) whose surrogate is `surrogate`'s weights in kvpress's KVzapModel (kvpress
+    downloads nvidia/KVzap-*; the download is replaced by this model)."""
+    import torch
+    from kvpress import DMSPress, KVzapPress
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    hidden = None if surrogate.kind == "linear" else surrogate.layers[0]["w1"].shape[1]
+    theirs = KVzapModel(KVzapConfig(input_dim=D, output_dim=KVH, n_modules=LAYERS, hidden_dim=hidden))
+    theirs.load_state_dict({k: torch.tensor(v) for k, v in surrogate.to_kvpress().items()})
+    monkeypatch.setattr(KVzapModel, "from_pretrained", classmethod(lambda cls, name: theirs))
+    return DMSPress(KVzapPress(model_type=surrogate.kind), threshold=threshold, sliding_window_size=window,
+                    decoding=decoding)
+
+
+def kvpress_kept(pt, n: int) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions (of n) kvpress's press left unmasked."""
+    out = []
+    for layer in pt.model.layers:
+        masked = layer.self_attn.masked_key_indices
+        gone = set() if masked is None else {(int(h), int(s)) for _, h, s in zip(*masked)}
+        out.append([[p for p in range(n) if (h, p) not in gone] for h in range(KVH)])
+    return out
+
+
+@pytest.mark.parametrize("kind, window, decoding", [("linear", 16, False), ("mlp", 16, True), ("linear", 0, True)],
+                         ids=["linear-prompt-only", "mlp-decoding", "linear-no-window-decoding"])
+def test_kept_positions_and_logits_match_kvpress_given_the_same_surrogate(sdpa_pair, monkeypatch, kind, window,
+                                                                         decoding):
+    """The prompt's kept positions per layer and KV head equal those kvpress's DMSPress(KVzapPress) leaves unmasked,
+    then (`decoding`) after each of 24 decoded tokens too, with the next-token logits equal at every step."""
+    import torch
+    from transformers import DynamicCache
+
+    pt, model = sdpa_pair
+    surrogate = random_surrogate(kind)
+    ids = np.random.RandomState(4).randint(4, 97, T + 24)
+    press = kvpress_press(monkeypatch, surrogate, 0.0, window, decoding)
+    pol = KVzap(surrogate=surrogate, threshold=0.0, window=window, decoding=decoding)
+    prefill, decode = stepper(model, pol, 128 + 24)
+    _, cache = prefill(*left_pad(ids[:T].tolist(), 128))
+    cache_pt = DynamicCache()
+    with torch.no_grad(), press(pt):
+        pt.model(input_ids=torch.tensor(ids[None, :T]), past_key_values=cache_pt)
+        assert kept_sets(cache) == kvpress_kept(pt, T)
+        kept = sum(len(h) for layer in kept_sets(cache) for h in layer)
+        assert 0.3 * 6 * T < kept < 0.8 * 6 * T  # a real share of the pairs went, and a real share stayed
+        if not decoding:
+            return
+        for i in range(T, T + 24):
+            theirs = pt(torch.tensor([[ids[i]]]), past_key_values=cache_pt, position_ids=torch.tensor([[i]])).logits
+            ours, cache = decode(jnp.asarray([ids[i]], jnp.int32), jnp.asarray([i], jnp.int32), cache)
+            np.testing.assert_allclose(np.asarray(ours[0]), theirs[0, -1].numpy(), atol=1e-4, rtol=0)
+            assert kept_sets(cache) == kvpress_kept(pt, i + 1), f"after position {i}"
+    assert any(p >= T for layer in kept_sets(cache) for h in layer for p in h)  # decoded tokens are cached
+    judged = [p for layer in kept_sets(cache) for h in layer for p in h if T <= p < T + 24 - window]
+    assert len(judged) < 6 * (24 - window)  # and decoded tokens leaving the window were judged too
+
+
+def test_the_surrogate_round_trips_through_orbax_and_refuses_a_mixed_copy(tmp_path):
+    s = random_surrogate("mlp", seed=3)
+    s.save(tmp_path / "z", info={"trained": "here"})
+    got, meta = load(tmp_path / "z")
+    assert got == s and hash(got) == hash(s) and meta["trained"] == "here" and meta["kind"] == "mlp"
+    assert got != random_surrogate("mlp", seed=4)
+    np.testing.assert_array_equal(got.layers[2]["w2"], s.layers[2]["w2"])
+    random_surrogate("mlp", seed=4).save(tmp_path / "other")
+    import shutil
+
+    shutil.rmtree(tmp_path / "z" / "params")
+    shutil.copytree(tmp_path / "other" / "params", tmp_path / "z" / "params")
+    with pytest.raises(InvalidInput, match="digest"):
+        load(tmp_path / "z")
+    with pytest.raises(MissingFile, match="not a KVzap surrogate"):
+        load(tmp_path / "absent")
+
+
+def test_rows_of_a_batch_keep_what_each_keeps_alone(sdpa_pair):
+    """Two prompts of different lengths in one batch (left padded): each row's kept prompt positions are those it
+    keeps alone, the window counted from each row's own last token."""
+    from kvjax.generate import generate
+
+    _, model = sdpa_pair
+    pol = KVzap(surrogate=random_surrogate("linear", seed=5), threshold=0.0, window=8, decoding=True)
+    rng = np.random.RandomState(6)
+    prompts = [rng.randint(4, 97, n).tolist() for n in (70, 41)]
+    both = generate(model, prompts, pol, max_new_tokens=12)
+    for row, ids in enumerate(prompts):
+        alone = generate(model, [ids], pol, max_new_tokens=12)
+        assert kept_sets(both.cache, row) == kept_sets(alone.cache)
+        assert both.sequences()[row] == alone.sequences()[0]
+
+
+def test_refusals(tmp_path):
+    s = random_surrogate("linear")
+    with pytest.raises(InvalidInput, match="dense"):
+        KVzap(surrogate=s, threshold=0.0, prefill_mode="chunked", chunk=16)
+    with pytest.raises(InvalidInput, match="threshold=nan"):
+        KVzap(surrogate=s, threshold=float("nan"))
+    with pytest.raises(InvalidInput, match="surrogate has 3 layers"):
+        KVzap(surrogate=s, threshold=0.0).check(4, 2)
+    with pytest.raises(InvalidInput, match=r"--threshold"):
+        make_policy("kvzap", kvzap=s)
+    with pytest.raises(InvalidInput, match=r"--kvzap DIR"):
+        make_policy("kvzap", threshold=-4.0)
+    with pytest.raises(InvalidInput, match="non-finite"):
+        Surrogate("linear", ({"w": np.full((D, KVH), np.nan), "b": np.zeros(KVH)},))
+    assert "KVzap(surrogate=linear:" in make_policy("kvzap", kvzap=s, threshold=-1.5).describe()
