@@ -141,3 +141,77 @@ def test_refusals(tmp_path):
     with pytest.raises(InvalidInput, match="non-finite"):
         Surrogate("linear", ({"w": np.full((D, KVH), np.nan), "b": np.zeros(KVH)},))
     assert "KVzap(surrogate=linear:" in make_policy("kvzap", kvzap=s, threshold=-1.5).describe()
+
+
+# ---- training (kvjax.kvzap) ----
+
+
+def test_collect_reads_the_attention_inputs_transformers_computes_and_kvzip_plus_scores_kvpress_ranks(
+        sdpa_pair, monkeypatch):
+    """`collect`'s inputs are each layer's normed hidden states as transformers computes them; its targets, the log
+    KVzip+ scores, evict (at ratio 0.5, `kvzip.evicted`) exactly what kvpress's KVzipPress(kvzip_plus_normalization)
+    masks."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress
+    from kvjax import kvzap, kvzip
+    from kvjax.policies import KVzip
+    from tests.test_kvzip import CONTINUE, REPEAT, SUFFIX, kvpress_kept, stub_replay_tokenizer
+
+    pt, model = sdpa_pair
+    ids = np.random.RandomState(9).randint(13, 97, 100)
+    pol = KVzip(ratio=0.5, repeat_ids=REPEAT, continue_ids=CONTINUE, suffix_ids=SUFFIX, plus=True)
+    x, y = kvzap.collect(model, ids[None], pol)
+    assert x.shape == (100, LAYERS, D) and y.shape == (100, LAYERS, KVH)
+    with torch.no_grad():
+        states = pt.model(input_ids=torch.tensor(ids[None]), output_hidden_states=True).hidden_states
+        for i, layer in enumerate(pt.model.layers):
+            np.testing.assert_allclose(x[:, i], layer.input_layernorm(states[i])[0].numpy(), atol=1e-5, rtol=1e-5)
+    stub_replay_tokenizer(monkeypatch)
+    with torch.no_grad(), kvpress.KVzipPress(compression_ratio=0.5, kvzip_plus_normalization=True)(pt):
+        pt.model(input_ids=torch.tensor(ids[None]), past_key_values=DynamicCache())
+    gone = kvzip.evicted(np.exp(y).transpose(1, 2, 0), pol)
+    assert [[[p for p in range(100) if not gone[i, h, p]] for h in range(KVH)] for i in range(LAYERS)] == \
+        kvpress_kept(pt)
+    few, _ = kvzap.collect(model, ids[None], pol, per_context=10, seed=1)
+    assert few.shape == (10, LAYERS, D) and all(any(np.allclose(r, s) for s in x[:, 0]) for r in few[:, 0])
+
+
+def test_ridge_by_hand():
+    # x = 0, 1, 2 and y = x: centred, w = (x.y) / (x.x + alpha) = 2 / (2 + 1), b = mean(y) - w mean(x) = 1 / 3
+    from kvjax import kvzap
+
+    s = kvzap.fit_linear(np.arange(3.0).reshape(3, 1, 1), np.arange(3.0).reshape(3, 1, 1), alpha=1.0)
+    np.testing.assert_allclose(s.layers[0]["w"], [[2 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(s.layers[0]["b"], [1 / 3], rtol=1e-6)
+
+
+def test_spearman_is_scipys():
+    from scipy.stats import spearmanr
+
+    from kvjax import kvzap
+
+    rng = np.random.RandomState(0)
+    a = rng.randn(200)
+    b = a + rng.randn(200)
+    assert kvzap.spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert kvzap.spearman(a, -a) == pytest.approx(-1.0)
+
+
+def test_the_mlp_learns_a_teachers_scores_and_its_loss_falls():
+    """An MLP surrogate trained (optax) on a random MLP teacher's outputs ranks held-out inputs as the teacher does,
+    and its validation loss falls; the linear one, fitted to the same data, ranks them worse (the teacher is not
+    linear)."""
+    from kvjax import kvzap
+
+    teacher = random_surrogate("mlp", seed=7, hidden=8)
+    rng = np.random.RandomState(8)
+    x, held = rng.randn(4000, LAYERS, D).astype(np.float32), rng.randn(500, LAYERS, D).astype(np.float32)
+    y, y_held = kvzap.predict(teacher, x), kvzap.predict(teacher, held)
+    mlp, history = kvzap.fit_mlp(x, y, hidden=32, epochs=12, lr=5e-3, batch=256)
+    assert history["valid"][-1] < 0.2 * history["valid"][0]
+    good = kvzap.rank_correlation(mlp, held, y_held)
+    assert good["spearman_mean_per_head"] > 0.9 and good["pairs"] == 500 * LAYERS * KVH
+    assert kvzap.rank_correlation(kvzap.fit_linear(x, y), held, y_held)["spearman_mean_per_head"] < \
+        good["spearman_mean_per_head"]
