@@ -99,7 +99,7 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, hidden: int, *, epochs: int = 15, lr: 
     """A two-layer MLP per layer (`hidden` units), trained on mean squared error over every layer and KV head at
     once with AdamW (optax; weight decay 0.01, torch's default), the learning rate on a cosine from `lr` to 0 over
     `epochs`, gradients clipped to norm 1, `valid_share` of the rows held out for the validation loss: kvpress's
-    recipe (skorch). `(surrogate, {"train": [loss per epoch], "valid": [...]})`. `progress(epoch, train, valid)`."""
+    recipe (skorch), but for the output bias, which starts at the mean target. `(surrogate, {"train": [loss per epoch], "valid": [...]})`. `progress(epoch, train, valid)`."""
     import optax
 
     n, layers, d = x.shape
@@ -116,8 +116,11 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, hidden: int, *, epochs: int = 15, lr: 
         bound = 1 / math.sqrt(fan_in)
         return jax.random.uniform(k, shape, jnp.float32, -bound, bound)
 
+    # the output bias starts at each layer and head's mean target (log scores sit far from 0: the MLP then learns
+    # the deviations from the first step, where torch's initialisation spends its first epochs on the offset)
     params = {"w1": uniform(k1, (layers, d, hidden), d), "b1": uniform(k2, (layers, hidden), d),
-              "w2": uniform(k3, (layers, hidden, kvh), hidden), "b2": uniform(k4, (layers, kvh), hidden)}
+              "w2": uniform(k3, (layers, hidden, kvh), hidden),
+              "b2": uniform(k4, (layers, kvh), hidden) + jnp.asarray(y[train].mean(0), jnp.float32)}
     schedule = optax.cosine_decay_schedule(lr, epochs * steps_per_epoch)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     state = opt.init(params)

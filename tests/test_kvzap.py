@@ -215,3 +215,32 @@ def test_the_mlp_learns_a_teachers_scores_and_its_loss_falls():
     assert good["spearman_mean_per_head"] > 0.9 and good["pairs"] == 500 * LAYERS * KVH
     assert kvzap.rank_correlation(kvzap.fit_linear(x, y), held, y_held)["spearman_mean_per_head"] < \
         good["spearman_mean_per_head"]
+
+
+def test_the_training_command_writes_both_surrogates_and_resumes(tmp_path, capsys):
+    """`experiments.train_kvzap` on the embedded model: both surrogates load and run as `--policy kvzap`; a rerun
+    asking for more texts collects only the new ones; another --length in the same OUT is refused in one line."""
+    from experiments import generate as gen_cli
+    from experiments import train_kvzap
+
+    out = tmp_path / "kz"
+    argv = ["--out", str(out), "--heldout-texts", "1", "--length", "128", "--per-text", "16", "--epochs", "2"]
+    assert train_kvzap.main(argv + ["--texts", "2"]) == 0
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["heldout-0000.npz", "train-0000.npz",
+                                                                "train-0001.npz"]
+    first = (out / "data" / "train-0000.npz").stat().st_mtime_ns
+    assert train_kvzap.main(argv + ["--texts", "3"]) == 0
+    assert (out / "data" / "train-0000.npz").stat().st_mtime_ns == first and (out / "data" / "train-0002.npz").is_file()
+    text = (out / "results.md").read_text()
+    assert "| linear |" in text and "| mlp |" in text and (out / "loss.png").is_file()
+    for kind in ("linear", "mlp"):
+        s, meta = load(out / kind)
+        assert meta["kind"] == kind and meta["texts"] == 3 and s.num_layers == meta["num_layers"]
+        capsys.readouterr()
+        assert gen_cli.main(["--policy", "kvzap", "--kvzap", str(out / kind), "--threshold", "-5",
+                             "--max-new-tokens", "2", "The sky is blue."]) == 0
+        assert f"KVzap(surrogate={kind}:{s.digest[:12]}" in capsys.readouterr().out
+    from experiments.driver import ArgumentError
+
+    with pytest.raises(ArgumentError, match="length"):
+        train_kvzap.main(["--out", str(out), "--length", "64"])
