@@ -57,7 +57,7 @@ from experiments.common import (
 from experiments.records import shown, write_atomic
 from experiments.verdicts import all_of, binomial_se, evidence, paired_se, verdict
 from experiments.longbench import __main__ as longbench
-from kvjax.policies import default_shallow_layers
+from kvjax.policies import REGISTRY, default_shallow_layers, make_policy
 from models import SMALL_DIR
 
 
@@ -129,6 +129,26 @@ RULER_POLICIES = ("streaming", "h2o", "snapkv", "pyramidkv", "slimkv", "tova", "
 RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
 # section 4's sweep: the leaderboard's ratios, to 16:1 and 32:1 (issue 63: 8:1 no longer separates methods)
 RULER_RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)
+# section 4's methods by default, each at every --ruler-ratios (--ruler-methods chooses others)
+RULER_METHODS = RULER_POLICIES + RULER_2026 + ("duo", "snapkv-avg", "slimkv-max", "snapkv-kvpress", "slimkv-kvpress")
+
+
+def _kvzap_thresholds(args, ratios) -> dict[float, float]:
+    """KVzap's threshold at each ratio r of section 4: the one that evicted a share r of its surrogate's held-out
+    pairs (`experiments.train_kvzap` records them in kvzap.json); a ratio it has none for is an error."""
+    from kvjax.surrogate import load
+
+    if args.kvzap is None:
+        raise driver.ArgumentError("--ruler-methods kvzap needs its surrogate: --kvzap DIR", usage=False)
+    meta = load(args.kvzap)[1]
+    known = (meta.get("heldout") or {}).get("threshold_evicting", {})
+    missing = [r for r in ratios if f"{r:g}" not in known]
+    if missing:
+        raise driver.ArgumentError(f"--kvzap {args.kvzap} records no threshold for ratio {missing[0]:g} (it has "
+                                   f"{', '.join(known) or 'none'})", usage=False)
+    return {r: known[f"{r:g}"] for r in ratios}
+
+
 # SnapKV and SlimKV at each other's pooling and both at kvpress's SnapKVPress settings (window 64, kernel 5,
 # avg-pool): with `snapkv` (its paper's max-pool) and `slimkv` (its own avg-pool), every setting has both scores
 MATCHED_POOLING = {"snapkv-avg": {"pool": "avg"}, "slimkv-max": {"pool": "max"},
@@ -271,18 +291,27 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
     chat = chat_template_on(lm.tokenizer, args.chat_template)  # the prompts' format: kvpress's, from the tokenizer
     replay = driver.kvzip_replay(lm.path, chat=chat)  # KVzip's replay prompts, in the prompts' format
 
+    methods = args.ruler_methods or list(RULER_METHODS)
+    unknown = [m for m in methods if m not in REGISTRY and m not in MATCHED_POOLING]
+    if unknown:
+        raise driver.ArgumentError(f"--ruler-methods {','.join(methods)}: {unknown[0]} is not a policy name or one "
+                                   f"of the matched pairs ({', '.join(MATCHED_POOLING)})", usage=False)
+    kvzap_thresholds = _kvzap_thresholds(args, args.ruler_ratios) if "kvzap" in methods else {}
+
     def at_ratios(room):
         pols = {"full": driver.resolve_policies("full")["full"]}
         for r in args.ruler_ratios:
-            for name, pol in driver.resolve_policies(RULER_POLICIES + RULER_2026, ratio=r, num_layers=depth,
-                                                     replay=replay).items():
+            for name in methods:
+                if name == "duo":  # a share r of the KV heads made streaming heads
+                    pol = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
+                elif name == "kvzap":  # the threshold that evicted a share r of the surrogate's held-out pairs
+                    pol = make_policy("kvzap", kvzap=args.kvzap, threshold=kvzap_thresholds[r])
+                elif name in MATCHED_POOLING:  # SlimKV's claim on matched pairs (issue 65)
+                    base = name.split("-", 1)[0]
+                    pol = driver.resolve_policies(base, ratio=r, **MATCHED_POOLING[name])[base]
+                else:
+                    pol = driver.resolve_policies(name, ratio=r, num_layers=depth, replay=replay)[name]
                 pols[f"{name}@{r:g}"] = pol
-            pols[f"duo@{r:g}"] = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
-            # SlimKV's claim on matched pairs (issue 65): each one's pooling given to the other, and kvpress's
-            # SnapKVPress settings to both, so that a pair differs in the score alone
-            for name, kw in MATCHED_POOLING.items():
-                base = name.split("-", 1)[0]
-                pols[f"{name}@{r:g}"] = driver.resolve_policies(base, ratio=r, **kw)[base]
         return pols
 
     res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
@@ -301,7 +330,8 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
            f"replay: {'in the chat template' if chat else 'raw text'}, as the prompts are, chunks of 2048 tokens, "
            "kvpress's prompts). `snapkv-avg` / `slimkv-max` give each the other's pooling and `snapkv-kvpress` / "
            "`slimkv-kvpress` both kvpress's SnapKVPress settings (window 64, kernel 5, avg), so that SlimKV's claim "
-           "is decided on pairs that differ in the score alone.", ""]
+           "is decided on pairs that differ in the score alone. `kvzap@r` runs the threshold that evicted a share r "
+           "of its surrogate's held-out pairs: what it held on these prompts is its KV held.", ""]
     for r in args.ruler_ratios:
         new = {k: scores.get(f"{k}@{r:g}") for k in ("snapkv", "adakv", "expected-attention", "keydiff", "kvzip",
                                                       "duo")}
@@ -507,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ruler-ratios", type=float_list, default=list(RULER_RATIOS),
                    help="section 4's compression ratios (share of each prompt removed; default: "
                         f"{','.join(f'{r:g}' for r in RULER_RATIOS)}, to 32:1)")
+    p.add_argument("--ruler-methods", type=lambda t: [x for x in t.split(",") if x],
+                   help="section 4's methods, each at every --ruler-ratios (default: "
+                        f"{','.join(RULER_METHODS)}); kvzap takes --kvzap DIR and runs, at ratio r, the threshold that "
+                        "evicted a share r of its surrogate's held-out pairs")
+    p.add_argument("--kvzap", help="section 4's KVzap surrogate (python -m experiments.train_kvzap)")
     add_chat_template_arg(p)  # section 4's prompt format (and KVzip's replay in it)
     p.add_argument("--zeroshot-ratios", type=float_list,
                    help="section 5 at each ratio as well (MAT Table 2's sweep of the KV share)")
