@@ -3,8 +3,8 @@
     python -m experiments.report_page docs/report-smollm2.md            # rewrite the page's generated blocks
     python -m experiments.report_page docs/report-smollm2.md --check    # exit 1 where the page differs
 
-A generated block opens with `<!-- records: KIND PATH -->` (PATH: a run directory, relative to the page) and ends
-with `<!-- /records -->`; everything between is the function `BLOCKS[KIND]` of that directory's records, and is
+A generated block opens with `<!-- records: KIND PATH [KEY=VALUE ...] -->` (PATH: a run directory, relative to the
+page; the options are the block's, e.g. `only=snapkv,kvzip`) and ends with `<!-- /records -->`; everything between is the function `BLOCKS[KIND]` of that directory's records, and is
 overwritten. The prose around a block is the page's own. So every number a block shows comes from committed
 records, and `tests/test_report_page.py` holds the committed page to its records. Reads files only: no model.
 """
@@ -23,16 +23,22 @@ from experiments.records import write_atomic
 from experiments.ruler import compare
 from kvjax.errors import InvalidInput, MissingFile
 
-OPEN = re.compile(r"<!-- records: (\S+) (\S+) -->\n(.*?)<!-- /records -->", re.S)
+OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /records -->", re.S)
 
 
-def ruler(run: Path, where: str) -> str:
-    """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its configuration from identity.json,
-    prompts found per policy and task, and SlimKV's claim by `compare.slimkv_claims`."""
+def ruler(run: Path, where: str, only: str | None = None) -> str:
+    """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its
+    configuration from identity.json, prompts found per policy and task, and SlimKV's claim by `compare.slimkv_claims`.
+    `only`: the methods shown ("snapkv,kvzip": their labels at every ratio), the full cache always."""
     identity = json.loads((run / "identity.json").read_text())
     rows = compare.read(run)
+    if only:
+        keep = {"full", *only.split(",")}
+        rows = [r for r in rows if compare.split_label(r["label"])[0] in keep]
+        if not rows:
+            raise InvalidInput(f"{where}: no records of {only}")
     fmt = identity.get("--chat-template", "off (records from before the option)")
-    lines = [f"Records: `{where}` ({len(rows)}), chat template {fmt}, protocol "
+    lines = [f"Records: `{where}` ({len(rows)}{', ' + only if only else ''}), chat template {fmt}, protocol "
              f"{identity['--protocol']}, batch {identity['--batch']}, seed {identity['--seed']}, "
              f"{identity['model dtype']} weights {identity['weights']}.", "", compare.table(rows), "",
              "Against the full cache: each policy's share minus the full cache's, in points, paired over the same "
@@ -45,7 +51,7 @@ def ruler(run: Path, where: str) -> str:
     return "\n".join(lines)
 
 
-BLOCKS: dict[str, Callable[[Path, str], str]] = {"ruler": ruler}
+BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler}
 
 
 def regenerate(page: Path) -> str:
@@ -53,13 +59,18 @@ def regenerate(page: Path) -> str:
     text = page.read_text()
 
     def block(m: re.Match) -> str:
-        kind, where = m.group(1), m.group(2)
+        kind, where, extra = m.group(1), m.group(2), m.group(3)
         if kind not in BLOCKS:
             raise InvalidInput(f"{page}: block kind {kind!r} is unknown (known: {', '.join(BLOCKS)})")
         run = page.parent / where
         if not run.is_dir():
             raise MissingFile(f"{page}: block {kind} reads {run}, which is not a directory")
-        return f"<!-- records: {kind} {where} -->\n{BLOCKS[kind](run, where)}<!-- /records -->"
+        options = dict(kv.split("=", 1) for kv in extra.split())
+        try:
+            text = BLOCKS[kind](run, where, **options)
+        except TypeError as err:
+            raise InvalidInput(f"{page}: block {kind} {where}: {err}") from None
+        return f"<!-- records: {kind} {where}{extra} -->\n{text}<!-- /records -->"
 
     return OPEN.sub(block, text)
 

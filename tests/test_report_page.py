@@ -101,3 +101,21 @@ def test_a_missing_page_or_record_directory_is_one_line(tmp_path, capsys):
     page.write_text("<!-- records: ruler runs/absent -->\n<!-- /records -->\n")
     assert cli.run(report_page.main, [str(page)], compile_cache=None) == 2
     assert "runs/absent, which is not a directory" in capsys.readouterr().err
+
+
+def test_a_block_can_show_only_some_methods(tmp_path):
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    rows = (records("full", "FullCache()", [1, 0]) + records("tova@0.5", "TOVA()", [1, 0])
+            + records("knorm@0.5", "KNorm()", [0, 0]) + records("tova@0.875", "TOVA()", [0, 0]))
+    (run / "preds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "identity.json").write_text(json.dumps({"--protocol": "agnostic", "--batch": 1, "--seed": 0,
+                                                   "model dtype": "float32", "weights": "w"}))
+    page = tmp_path / "p.md"
+    page.write_text("<!-- records: ruler runs/r only=tova -->\n<!-- /records -->\n")
+    text = report_page.regenerate(page)
+    assert "| tova@0.5 |" in text and "| tova@0.875 |" in text and "| full |" in text and "knorm" not in text
+    assert text.startswith("<!-- records: ruler runs/r only=tova -->\nRecords: `runs/r` (6, tova)")
+    page.write_text("<!-- records: ruler runs/r nope=1 -->\n<!-- /records -->\n")
+    with pytest.raises(Exception, match="nope"):
+        report_page.regenerate(page)
