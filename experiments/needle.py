@@ -10,8 +10,9 @@ and it moves back until the token before it ends a sentence; the needle's tokens
 are assembled from token ids, so every prompt has exactly the requested length. Scores: ROUGE-1
 recall of the needle's words in the answer, and exact match (the answer contains the key fact).
 Default haystack: the standard-library reference documentation; the default needle is a made-up
-fact of the kind the default model was trained to retrieve. Results: OUT/cells.jsonl (resumable),
-OUT/results.{json,md} and a heatmap per policy, OUT/heatmap_<policy>.png.
+fact of the kind the default model was trained to retrieve. Results: OUT/cells.jsonl (resumable; each
+record's `kv_held`, the share of the full cache's KV bytes the compressed prompt really held, is the tables'
+"KV held" row), OUT/results.{json,md} and a heatmap per policy, OUT/heatmap_<policy>.png.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from experiments.common import (
     suite_model,
     utf8_text,
 )
+from experiments.held import kv_held, mean_held, shown_held
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput, MissingFile
 
@@ -122,14 +124,19 @@ def write_report(out: Path, records: list[dict], labels: list[str]) -> tuple[str
         em = np.array([[grid[(n, d)]["exact"] if (n, d) in grid else np.nan for n in lengths] for d in depths], float)
         rouge = np.array([[grid[(n, d)]["rouge1_recall"] if (n, d) in grid else np.nan for n in lengths]
                           for d in depths])
+        held = {n: mean_held([r for r in recs if r["length"] == n]) for n in lengths}
         summary[lab] = {"policy": recs[0]["policy"], "exact_match": float(np.nanmean(em)),
                         "rouge1_recall": float(np.nanmean(rouge)), "lengths": lengths, "depths": depths,
-                        "exact_grid": em.tolist(), "rouge_grid": rouge.tolist()}
+                        "exact_grid": em.tolist(), "rouge_grid": rouge.tolist(),
+                        "kv_held": {str(n): v for n, v in held.items()}}
         lines += [f"### {lab}: exact match {100 * np.nanmean(em):.1f} %, ROUGE-1 recall {np.nanmean(rouge):.3f}", "",
-                  "exact match (1/0) per depth (rows) and context length (columns):", "",
+                  ("exact match (1/0) per depth (rows) and context length (columns); KV held: the share of the full "
+                   "cache's KV bytes the compressed prompt really holds (mean over the length's prompts; blank where "
+                   "a record predates the measurement):"), "",
                   "| depth % | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
         for d, row in zip(depths, em):
             lines.append(f"| {d:g} | " + " | ".join(f"{v:.0f}" for v in row) + " |")
+        lines.append("| KV held | " + " | ".join(shown_held(held[n]) for n in lengths) + " |")
         lines.append("")
         # The heatmap shows exact match of the key fact: a short correct answer ("Ravendor") has a low
         # ROUGE-1 recall of the whole needle sentence, so recall alone would paint right answers red.
@@ -150,7 +157,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
           haystack: str | None = None, needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER,
           batch: int = 5, protocol: str = "aware", progress: bool = True) -> driver.SuiteResult:
     """Needle in a haystack for each policy (`{label: policy}`, a list or one) over lengths x depths
-    (percentages), into `out`; summary `{label: {"exact_match", "rouge1_recall", grids, ...}}`.
+    (percentages), into `out`; summary `{label: {"exact_match", "rouge1_recall", grids, "kv_held": {length: the
+    mean share of the full cache's KV bytes held, None for records from before the field}, ...}}`.
     `lengths` default to five up to the model's window; `haystack` is a directory of .txt files
     (default: the standard-library reference documentation)."""
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
@@ -171,11 +179,11 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
         contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts), protocol)
         gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
         records = []
-        for cell, (_, at), seq in zip(chunk, prompts, gen.sequences()):
+        for cell, (_, at), seq, held in zip(chunk, prompts, gen.sequences(), gen.held_fraction):
             text = tok.decode(seq, skip_special_tokens=True).split("\n")[0]
             records.append({"id": rid(cell), "label": lab, "policy": pol.describe(), "length": L, "depth": cell[2],
                             "needle_at": at, "answer": text, "rouge1_recall": rouge1_recall(text, needle),
-                            "exact": exact_match(text, answer)})
+                            "exact": exact_match(text, answer), "kv_held": kv_held(held)})
         return records
 
     cells = [(lab, L, d) for lab in policies for L in lengths for d in depths]

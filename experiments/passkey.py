@@ -7,7 +7,8 @@ Prompts are built from token ids so each has exactly the requested length: BOS, 
 description, garbage, the needle at a sentence boundary of the garbage nearest the depth, more
 garbage, and "What is the pass key? The pass key is". A sample is correct when the first integer
 of the greedy continuation equals the key. Results are appended to OUT/samples.jsonl as they
-finish (a rerun resumes) and summarised in OUT/results.{json,md,png}.
+finish (a rerun resumes) and summarised in OUT/results.{json,md,png}; each record's `kv_held` (the share of
+the full cache's KV bytes the compressed prompt really held) is the tables' "KV held" column.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from experiments.common import (
     split_question,
     suite_model,
 )
+from experiments.held import kv_held, mean_held, shown_held
 from experiments.records import ResultLog
 from experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax import Sampling, generate_many
@@ -128,11 +130,12 @@ def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: in
                              pad_rows=batch)
         records = []
         for lab, out in zip(wanted, outs):
-            for c, (_, at), seq in zip(chunk, made, out.sequences()):
+            for c, (_, at), seq, held in zip(chunk, made, out.sequences(), out.held_fraction):
                 if (lab, c) in asked:
                     text = tok.decode(seq, skip_special_tokens=True)
                     records.append({"id": rid((lab, c)), "policy": lab, "length": length, "depth": c[1], "key": c[3],
-                                    "needle_at": at, "output": text, "correct": first_int(text) == c[3]})
+                                    "needle_at": at, "output": text, "correct": first_int(text) == c[3],
+                                    "kv_held": kv_held(held)})
         return records
 
     return driver.Suite("passkey", "samples.jsonl", [(lab, c) for c in prompts for lab in policies], rid, run, report,
@@ -148,23 +151,42 @@ def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
     return {n: {d: float(np.mean(v)) for d, v in sorted(row.items())} for n, row in sorted(cells.items())}
 
 
-def write_report(out: Path, tables: dict[str, dict]) -> tuple[str, dict, list[Path]]:
-    """(markdown, JSON summary, figures) of the accuracy tables; draws OUT/results.png."""
+def held_table(records: list[dict]) -> dict[int, float | None]:
+    """{length: mean `kv_held` of its records}, None where a record predates the field (`experiments.held`)."""
+    lengths: dict[int, list[dict]] = {}
+    for r in records:
+        lengths.setdefault(r["length"], []).append(r)
+    return {n: mean_held(rs) for n, rs in sorted(lengths.items())}
+
+
+def write_report(out: Path, tables: dict[str, dict], held: dict[str, dict] | None = None
+                 ) -> tuple[str, dict, list[Path]]:
+    """(markdown, JSON summary, figures) of the accuracy tables (`{label: accuracy_table}`) and the KV bytes each
+    label's records held (`{label: held_table}`; a length missing, or None, is a blank cell); draws
+    OUT/results.png. The summary is `{label: {length: {depth: accuracy}}}` plus `"kv_held": {label: {length:
+    share or None}}`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    held = held or {}
     summary = {p: {str(n): {str(d): a for d, a in row.items()} for n, row in t.items()} for p, t in tables.items()}
+    summary["kv_held"] = {p: {str(n): held.get(p, {}).get(n) for n in t} for p, t in tables.items()}
     lines = []
     for label, table in tables.items():
         depths = sorted({d for row in table.values() for d in row})
-        lines += [f"### {label}", "", "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
-                  "|---|" + "---|" * (len(depths) + 1)]
+        lines += [f"### {label}", "",
+                  "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean | KV held |",
+                  "|---|" + "---|" * (len(depths) + 2)]
         for n, row in table.items():
             cells = [f"{100 * row[d]:.0f}" if d in row else "" for d in depths]
-            lines.append(f"| {n} | " + " | ".join(cells) + f" | {100 * np.mean(list(row.values())):.1f} |")
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {100 * np.mean(list(row.values())):.1f} | "
+                         f"{shown_held(held.get(label, {}).get(n))} |")
         lines.append("")
+    if tables:
+        lines += [("KV held: the share of the full cache's KV bytes the compressed prompt really holds (mean over the "
+                   "length's samples; blank where a record predates the measurement)."), ""]
     fig, axes = plt.subplots(1, len(tables), figsize=(4 * len(tables), 3), squeeze=False)
     for ax, (label, table) in zip(axes[0], tables.items()):
         depths = sorted({d for row in table.values() for d in row})
@@ -188,7 +210,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     """Passkey accuracy of each policy (`{label: policy}`, a list or one) per length and depth, into
     `out`. `lengths` default to max/4, max/2 and max - 8 (those the prompt fits in). The table holds
     every policy recorded in `out`, so runs of one policy at a time add up to one table; its summary is
-    `{policy description: {length: {depth: accuracy}}}`."""
+    `{policy description: {length: {depth: accuracy}}}`, plus `"kv_held": {policy description: {length: the
+    mean share of the full cache's KV bytes held, None for records from before the field}}`."""
     driver.positive(samples, "samples")
     driver.positive(batch, "batch")
     tok, n = lm.tokenizer, lm.config.max_position_embeddings
@@ -206,9 +229,10 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     policies = driver.labelled(policies)
 
     def report(log):
-        tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in dict.fromkeys(
-            r["policy"] for r in log)}
-        return write_report(Path(out), tables)
+        labels = dict.fromkeys(r["policy"] for r in log)
+        tables = {pol: accuracy_table([r for r in log if r["policy"] == pol]) for pol in labels}
+        held = {pol: held_table([r for r in log if r["policy"] == pol]) for pol in labels}
+        return write_report(Path(out), tables, held)
 
     run = cells(lm.model, tok, {pol.describe(): pol for pol in policies.values()}, lengths, list(depths), samples,
                 seed=seed, batch=batch, protocol=protocol, report=report)

@@ -359,3 +359,45 @@ def test_agnostic_split_is_the_template_after_the_context(tiny):
         tail = template[template.index("{context}") + len("{context}"):].format(**row)
         assert tok.decode(question, skip_special_tokens=True) == tail
         assert tok.decode(context + question, skip_special_tokens=True) == prompt
+
+
+def test_predictions_hold_kv_held_and_one_without_it_shows_blank(tmp_path, tiny_dir):
+    """Each prediction's `kv_held` is the share of the full cache's KV bytes its prompt held (the full cache all of
+    it, StreamingLLM at budget 64 its 64 slots of each prompt); the table's "KV held (mean)" row is the mean over a
+    policy's predictions, the summary's and result.json's "kv_held" too. A prediction from before the field is not
+    recomputed: its policy's cell is blank (None in the summary, empty in the CSV), never 0."""
+    import numpy as np
+
+    from experiments import driver
+    from kvjax.policies import StreamingLLM
+
+    data = _suite_dir(tmp_path, n=2)
+    lm = driver.load_model(tiny_dir)
+    pols = {"full": driver.resolve_policies("full")["full"], "streaming": StreamingLLM(budget=64, sinks=4)}
+    out = tmp_path / "out"
+    res = lb_cli.suite(lm, pols, out, data_dir=str(data), progress=False)
+    logs = {lab: sorted((out / "preds" / harness.policy_slug(p)).glob("*.jsonl")) for lab, p in pols.items()}
+    preds = {lab: [json.loads(line) for f in files for line in f.read_text().splitlines()]
+             for lab, files in logs.items()}
+    assert all(len(v) == 4 and all(0 < p["kv_held"] <= 1 for p in v) for v in preds.values())
+    assert [p["kv_held"] for p in preds["full"]] == [1.0] * 4
+    assert [p["kv_held"] for p in preds["streaming"]] == [round(64 / p["prompt_tokens"], 6) for p in preds["streaming"]]
+    stream = round(float(np.mean([p["kv_held"] for p in preds["streaming"]])), 4)
+    assert res.summary["kv_held"] == {"full": 1.0, "streaming": stream} and stream < 0.5
+    result = json.loads((out / "result.json").read_text())
+    assert result["kv_held"] == res.summary["kv_held"]
+    assert result["scores"]["full"]["stdlib_passkey"]["kv_held"] == 1.0
+    assert f"| KV held (mean) | | 1.0000 | {stream:.4f} |" in res.table.splitlines()
+    assert (out / "results.csv").read_text().splitlines()[-1] == f"kv_held,1.0,{stream}"
+    # a prediction written before the field: kept as it is, its policy's cell blank
+    path = logs["streaming"][0]
+    lines = path.read_text().splitlines()
+    old = {k: v for k, v in json.loads(lines[0]).items() if k != "kv_held"}
+    path.write_text("\n".join([json.dumps(old), *lines[1:]]) + "\n")
+    before = path.read_text()
+    again = lb_cli.suite(lm, pols, out, data_dir=str(data), progress=False)
+    assert path.read_text() == before  # nothing recomputed
+    assert "| KV held (mean) | | 1.0000 |  |" in again.table.splitlines()
+    assert again.summary["kv_held"] == {"full": 1.0, "streaming": None}
+    assert again.summary["average"] == res.summary["average"]
+    assert (out / "results.csv").read_text().splitlines()[-1] == "kv_held,1.0,"

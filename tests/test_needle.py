@@ -69,3 +69,43 @@ def test_cli_grid_heatmap_and_resume(tmp_path, tiny_dir):
     assert (out / "cells.jsonl").read_text().count("\n") == 12
     with pytest.raises(FileNotFoundError, match="has no .txt files"):
         needle.main(["--model", str(tiny_dir), "--haystack", str(tmp_path / "out"), "--out", str(out)])
+
+
+def test_records_hold_kv_held_and_a_record_without_it_shows_blank(tmp_path, tiny_dir):
+    """Each record's `kv_held` is the share of the full cache's KV bytes its prompt held (the full cache all of it,
+    StreamingLLM at budget 64 its 64 slots of the 200-token prompt); each policy's table has a "KV held" row, the
+    length's mean, and its summary a "kv_held" entry. A record from before the field is not recomputed: its
+    length's cell is blank (None in the summary), never 0."""
+    from experiments import driver
+
+    hay = tmp_path / "hay"
+    hay.mkdir()
+    (hay / "a.txt").write_text(" ".join(f"Line {i} of the haystack." for i in range(300)))
+    lm = driver.load_model(tiny_dir)
+    pols = driver.resolve_policies("full,streaming", budget=64)
+    out = tmp_path / "out"
+    kw = {"lengths": [200], "depths": [0.0, 100.0], "haystack": str(hay), "progress": False}
+    res = needle.suite(lm, pols, out, **kw)
+    path = out / "cells.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(recs) == 4 and all(0 < r["kv_held"] <= 1 for r in recs)
+    assert [r["kv_held"] for r in recs if r["label"] == "full"] == [1.0, 1.0]
+    assert [r["kv_held"] for r in recs if r["label"] == "streaming"] == [round(64 / 200, 6)] * 2
+    assert res.summary["full"]["kv_held"] == {"200": 1.0} and res.summary["streaming"]["kv_held"] == {"200": 0.32}
+
+    def held_row(table, label):
+        section = table.split(f"### {label}:", 1)[1].split("\n\n###", 1)[0]
+        return next(line for line in section.splitlines() if line.startswith("| KV held |"))
+
+    assert held_row(res.table, "full") == "| KV held | 1.0000 |"
+    assert held_row(res.table, "streaming") == "| KV held | 0.3200 |"
+    # a record written before the field: kept as it is, its length's cell blank
+    old = [r if r["label"] != "streaming" or r["depth"] != 100.0 else {k: v for k, v in r.items() if k != "kv_held"}
+           for r in recs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    again = needle.suite(lm, pols, out, **kw)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == old  # nothing recomputed
+    assert held_row(again.table, "streaming") == "| KV held |  |"
+    assert held_row(again.table, "full") == "| KV held | 1.0000 |"
+    assert again.summary["streaming"]["kv_held"] == {"200": None}
+    assert again.summary["streaming"]["exact_grid"] == res.summary["streaming"]["exact_grid"]

@@ -73,3 +73,42 @@ def test_agnostic_protocol_splits_the_same_ids(tiny, tmp_path):
     aware = passkey.run(*args, ResultLog(tmp_path / "a.jsonl"), progress=False, label="f")
     agnostic = passkey.run(*args, ResultLog(tmp_path / "b.jsonl"), progress=False, label="f", protocol="agnostic")
     assert [r["output"] for r in agnostic] == [r["output"] for r in aware]
+
+
+def _held_cell(table: str, section: str, length: int) -> str:
+    """The "KV held" cell (the last) of `length`'s row in the markdown table under `### section`."""
+    rows = table.split(f"### {section}\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert rows[1].endswith("| mean | KV held |"), rows[1]
+    return next(r for r in rows if r.startswith(f"| {length} |")).split("|")[-2].strip()
+
+
+def test_records_hold_kv_held_and_a_record_without_it_shows_blank(tiny_dir, tmp_path):
+    """Each record's `kv_held` is the share of the full cache's KV bytes its prompt held (the full cache all of it,
+    StreamingLLM at budget 32 its 32 slots of the 300-token prompt); the table's "KV held" column is the length's
+    mean, the summary's "kv_held" too, beside the accuracy tables it leaves as they were. A record from before the
+    field is not recomputed: its length's cell is blank (None in the summary), never 0."""
+    from experiments import driver
+
+    lm = driver.load_model(tiny_dir)
+    pols = driver.resolve_policies("full,streaming", budget=32)
+    full, stream = pols["full"].describe(), pols["streaming"].describe()
+    out = tmp_path / "pk"
+    res = passkey.suite(lm, pols, out, lengths=[300], depths=[0.0, 1.0], samples=1, progress=False)
+    path = out / "samples.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(recs) == 4 and all(0 < r["kv_held"] <= 1 for r in recs)
+    assert [r["kv_held"] for r in recs if r["policy"] == full] == [1.0, 1.0]
+    assert [r["kv_held"] for r in recs if r["policy"] == stream] == [round(32 / 300, 6)] * 2
+    assert res.summary["kv_held"] == {full: {"300": 1.0}, stream: {"300": round(32 / 300, 4)}}
+    assert set(res.summary[full]) == {"300"} and set(res.summary[full]["300"]) == {"0.0", "1.0"}
+    assert _held_cell(res.table, full, 300) == "1.0000"
+    assert _held_cell(res.table, stream, 300) == f"{32 / 300:.4f}"
+    # a record written before the field: kept as it is, its length's cell blank
+    old = [r if r["policy"] != stream or r["depth"] != 1.0 else {k: v for k, v in r.items() if k != "kv_held"}
+           for r in recs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    again = passkey.suite(lm, pols, out, lengths=[300], depths=[0.0, 1.0], samples=1, progress=False)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == old  # nothing recomputed
+    assert _held_cell(again.table, stream, 300) == "" and _held_cell(again.table, full, 300) == "1.0000"
+    assert again.summary["kv_held"] == {full: {"300": 1.0}, stream: {"300": None}}
+    assert again.summary[stream] == res.summary[stream]

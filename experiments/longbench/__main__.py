@@ -28,6 +28,7 @@ from experiments.common import (
     positive_int,
     suite_model,
 )
+from experiments.held import mean_held, shown_held
 from experiments.longbench import harness
 from experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
 from experiments.records import content_fingerprint, dumps_finite, write_atomic, write_csv_atomic, shown
@@ -60,7 +61,8 @@ def parse(argv):
 
 
 def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
-    """(markdown, JSON summary, figures) of the datasets x policies table; writes OUT/results.csv."""
+    """(markdown, JSON summary, figures) of the datasets x policies table and each policy's mean KV held
+    (`result["kv_held"]`, a label missing or None shown blank); writes OUT/results.csv."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,6 +81,10 @@ def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
         metric = result["scores"][labels[0]][d]["metric"]
         lines.append(f"| {d} | {metric} | " + " | ".join(f"{table[d][lab]:.2f}" for lab in labels) + " |")
     lines.append("| **average** | | " + " | ".join(f"**{avg[lab]:.2f}**" for lab in labels) + " |")
+    held = {lab: result.get("kv_held", {}).get(lab) for lab in labels}  # None: a prediction predates the field
+    lines.append("| KV held (mean) | | " + " | ".join(shown_held(held[lab]) for lab in labels) + " |")
+    lines += ["", ("KV held: the share of the full cache's KV bytes the compressed prompt really holds, mean over "
+                   "every prediction of the policy; blank where a prediction predates the measurement.")]
     if result["e"]:
         lines += ["", "LongBench-E buckets:", "", "| dataset | policy | 0-4k | 4-8k | 8k+ |", "|---|---|---|---|---|"]
         for d in datasets:
@@ -87,7 +93,8 @@ def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
                 lines.append(f"| {d} | {lab} | " + " | ".join(str(b.get(k, "")) for k in ("0-4k", "4-8k", "8k+"))
                              + " |")
     write_csv_atomic(out / "results.csv", [["dataset", *labels]] + [[d, *(table[d][lab] for lab in labels)] for d in datasets]
-                     + [["average", *(avg[lab] for lab in labels)]])
+                     + [["average", *(avg[lab] for lab in labels)]]
+                     + [["kv_held", *("" if held[lab] is None else held[lab] for lab in labels)]])
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(datasets), 3.2))
     width = 0.8 / len(labels)
     for i, lab in enumerate(labels):
@@ -99,7 +106,7 @@ def write_tables(out: Path, result: dict) -> tuple[str, dict, list[Path]]:
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
     plt.close(fig)
-    return "\n".join(lines), {"table": table, "average": avg}, [out / "results.png"]
+    return "\n".join(lines), {"table": table, "average": avg, "kv_held": held}, [out / "results.png"]
 
 
 def chosen_datasets(lm, data_dir: str | None, datasets: list[str] | None, e: bool) -> tuple[str, list[str]]:
@@ -118,7 +125,8 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
           protocol: str = "aware", progress: bool = True) -> driver.SuiteResult:
     """Every dataset of `data_dir` (default: kvjax's offline suite for the model's window) under each
     policy (`{label: policy}`, a list or one), into `out`: predictions per sample (resumable),
-    OUT/result.json with every score; summary `{"table": {dataset: {label: score}}, "average": ...}`.
+    OUT/result.json with every score; summary `{"table": {dataset: {label: score}}, "average": ..., "kv_held":
+    {label: mean share of the full cache's KV bytes held, None if a prediction predates the field}}`.
     `e`: LongBench-E, scored per length bucket."""
     driver.positive(samples, "samples", optional=True)
     driver.positive(batch, "batch")
@@ -131,14 +139,16 @@ def suite(lm, policies, out, *, data_dir: str | None = None, datasets: list[str]
     def run(cell: list) -> list[dict]:  # the policies of a dataset run together; each keeps its own predictions
         d, = cell
         preds = harness.predict_many(lm, list(policies.values()), Path(data_dir), d, out, opts, progress)
-        return [{"id": d, "scores": {label: harness.score_dataset(d, p, e) for label, p in zip(policies, preds)}}]
+        return [{"id": d, "scores": {label: harness.score_dataset(d, p, e) for label, p in zip(policies, preds)},
+                 "preds": dict(zip(policies, preds))}]  # kept in memory only, for the mean KV held
 
     def report(log):
         scores = {label: {d: log.records[d]["scores"][label] for d in names} for label in policies}
+        held = {label: mean_held([p for d in names for p in log.records[d]["preds"][label]]) for label in policies}
         result = {"model": shown(lm.path), "data_dir": shown(data_dir), "datasets": names, "e": e,
                   "policies": {lab: pol.describe() for lab, pol in policies.items()},
                   "slugs": {lab: harness.policy_slug(pol) for lab, pol in policies.items()},
-                  "scores": scores, "seconds": round(time.time() - t0, 1)}
+                  "scores": scores, "kv_held": held, "seconds": round(time.time() - t0, 1)}
         write_atomic(out / "result.json", dumps_finite(result))
         return write_tables(out, result)
 

@@ -6,7 +6,8 @@ decoded, the text re-tokenised), the chat template unless the dataset is on the 
 (and only if the tokenizer has one), greedy decoding of the dataset's max new tokens (samsum
 also stops at a newline), the prediction decoded without special tokens. Scores follow
 `metrics.py`. Predictions are appended to OUT/preds/<policy>/<dataset>.jsonl as they finish,
-so an interrupted run resumes; results go to OUT/result.json, results.{md,csv,json,png}.
+so an interrupted run resumes; results go to OUT/result.json, results.{md,csv,json,png}. Each
+prediction's `kv_held` is the share of the full cache's KV bytes its compressed prompt really held.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from experiments.held import kv_held, mean_held
 from experiments.longbench import metrics
 from experiments.records import ResultLog
 from kvjax import Sampling, generate_many
@@ -184,12 +186,12 @@ def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Op
                              max_new_tokens=max_new, sampling=Sampling(), eos_ids=eos, pad_id=tok.pad_token_id,
                              truncate=True, keep_caches=False, pad_rows=opts.batch)
         for i, gen in zip(wanted, gens):
-            for r, p, seq in zip(chunk, prompts, gen.sequences()):
+            for r, p, seq, held in zip(chunk, prompts, gen.sequences(), gen.held_fraction):
                 if r["_id"] in logs[i]:
                     continue
                 logs[i].add({"_id": r["_id"], "pred": tok.decode(seq, skip_special_tokens=True),
                              "answers": r["answers"], "all_classes": r["all_classes"], "length": r["length"],
-                             "prompt_tokens": len(p)})
+                             "prompt_tokens": len(p), "kv_held": kv_held(held)})
                 bar.update(1)
     bar.close()
     ids = {r["_id"] for r in rows}
@@ -197,9 +199,11 @@ def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Op
 
 
 def score_dataset(dataset: str, preds: list[dict], e: bool = False) -> dict:
+    """The dataset's score as eval.py computes it, and the mean share of the full cache's KV bytes its predictions'
+    prompts held (`kv_held`; None if a prediction predates the field)."""
     metric = config()["metrics"][dataset]
     scores = [metrics.sample_score(dataset, metric, p["pred"], p["answers"], p["all_classes"]) for p in preds]
-    out = {"metric": metric, "score": metrics.score(scores), "samples": len(scores)}
+    out = {"metric": metric, "score": metrics.score(scores), "samples": len(scores), "kv_held": mean_held(preds)}
     if e:
         out["buckets"] = metrics.score_e(scores, [p["length"] for p in preds])
     return out

@@ -47,6 +47,7 @@ from experiments.common import (
     prompt_ids,
     suite_model,
 )
+from experiments.held import kv_held, mean_held
 from experiments.records import content_fingerprint, shown, write_atomic, write_csv_atomic
 from experiments.ruler import scoring
 from experiments.ruler import tasks as T
@@ -195,19 +196,6 @@ def predict(lm, cells: list[Cell], protocol: str, chat: str = "off", batch: int 
                             "score": scoring.sample_score(pred, s.outputs, T.METRICS[task.kind]),
                             "kv_held": kv_held(held)})
     return records
-
-
-def kv_held(fraction) -> float:
-    """A record's `kv_held`: the share of the full cache's KV bytes its compressed prompt held
-    (`kvjax.Generation.held_fraction`), rounded."""
-    return round(float(fraction), 6)
-
-
-def mean_held(records: list[dict]) -> float | None:
-    """The mean `kv_held` of `records`; None if any lacks it (a record written before the field: shown blank,
-    not recomputed)."""
-    held = [r.get("kv_held") for r in records]
-    return None if not held or None in held else round(float(np.mean(held)), 4)
 
 
 def write_report(out: Path, rows: list[dict], meta: dict) -> tuple[str, dict, list[Path]]:
