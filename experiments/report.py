@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import sys
@@ -309,8 +310,10 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
                 elif name in MATCHED_POOLING:  # SlimKV's claim on matched pairs (issue 65)
                     base = name.split("-", 1)[0]
                     pol = driver.resolve_policies(base, ratio=r, **MATCHED_POOLING[name])[base]
-                else:
-                    pol = driver.resolve_policies(name, ratio=r, num_layers=depth, replay=replay)[name]
+                else:  # KVzip's family replays the prompts' format (`replay`); the others take no replay
+                    takes = "replay" in inspect.signature(REGISTRY[name]).parameters
+                    pol = driver.resolve_policies(name, ratio=r, num_layers=depth,
+                                                  **({"replay": replay} if takes else {}))[name]
                 pols[f"{name}@{r:g}"] = pol
         return pols
 

@@ -26,10 +26,13 @@ from kvjax.errors import InvalidInput, MissingFile
 OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /records -->", re.S)
 
 
-def ruler(run: Path, where: str, only: str | None = None) -> str:
+def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, *, figures: Path | None = None
+          ) -> str:
     """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its
     configuration from identity.json, prompts found per policy and task, and SlimKV's claim by `compare.slimkv_claims`.
-    `only`: the methods shown ("snapkv,kvzip": their labels at every ratio), the full cache always."""
+    `only`: the methods shown ("snapkv,kvzip": their labels at every ratio), the full cache always. `plot`: a PNG
+    (relative to the page) of each method's share of prompts found against the KV bytes it held, drawn into the
+    directory `figures` (the page's) when given: a check compares the text and draws nothing."""
     identity = json.loads((run / "identity.json").read_text())
     rows = compare.read(run)
     if only:
@@ -44,6 +47,10 @@ def ruler(run: Path, where: str, only: str | None = None) -> str:
              "Against the full cache: each policy's share minus the full cache's, in points, paired over the same "
              "prompts. KV held: the share of the full cache's KV bytes the compressed prompt held (blank: records "
              "from before the measurement).", ""]
+    if plot:
+        if figures is not None:
+            compare.plot_held(rows, figures / plot)
+        lines += [f"![score against KV bytes held]({plot})", ""]
     claims = compare.slimkv_claims(rows)
     if claims:
         lines += ["SlimKV's claim, by the rule of `experiments.verdicts` (holds / does not hold beyond two paired "
@@ -54,8 +61,8 @@ def ruler(run: Path, where: str, only: str | None = None) -> str:
 BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler}
 
 
-def regenerate(page: Path) -> str:
-    """`page`'s text with every generated block rewritten from its records."""
+def regenerate(page: Path, draw: bool = False) -> str:
+    """`page`'s text with every generated block rewritten from its records; `draw`: the blocks' figures too."""
     text = page.read_text()
 
     def block(m: re.Match) -> str:
@@ -67,7 +74,7 @@ def regenerate(page: Path) -> str:
             raise MissingFile(f"{page}: block {kind} reads {run}, which is not a directory")
         options = dict(kv.split("=", 1) for kv in extra.split())
         try:
-            text = BLOCKS[kind](run, where, **options)
+            text = BLOCKS[kind](run, where, **options, figures=page.parent if draw else None)
         except TypeError as err:
             raise InvalidInput(f"{page}: block {kind} {where}: {err}") from None
         return f"<!-- records: {kind} {where}{extra} -->\n{text}<!-- /records -->"
@@ -84,7 +91,7 @@ def main(argv: list[str]) -> int:
     page = Path(args.page)
     if not page.is_file():
         raise MissingFile(f"{page}: no such page")
-    new = regenerate(page)
+    new = regenerate(page, draw=not args.check)
     if args.check:
         if new != page.read_text():
             print(f"{page}: its generated blocks differ from its records (python -m experiments.report_page {page})",

@@ -244,3 +244,24 @@ def test_the_training_command_writes_both_surrogates_and_resumes(tmp_path, capsy
 
     with pytest.raises(ArgumentError, match="length"):
         train_kvzap.main(["--out", str(out), "--length", "64"])
+
+
+def test_the_shipped_surrogates_load_and_fit_their_models():
+    """models/kvzap/: SmolLM2's (30 layers, 3 KV heads of input 576) and kvjax-small's surrogates load (their digests
+    match their kvzap.json), and kvjax-small's runs on the embedded model as `--policy kvzap`, evicting."""
+    from pathlib import Path
+
+    from experiments.driver import load_model
+    from kvjax.generate import generate
+
+    root = Path(__file__).resolve().parents[1] / "models" / "kvzap"
+    for kind in ("linear", "mlp"):
+        s, meta = load(root / "smollm2" / kind)
+        assert (s.num_layers, s.kv_heads, s.input_dim) == (30, 3, 576) and meta["trained_on"].startswith("SmolLM2")
+        assert meta["heldout"]["spearman_all_pairs"] > 0.5
+    lm = load_model()
+    s, meta = load(root / "kvjax-small" / "mlp")
+    pol = KVzap(surrogate=s, threshold=meta["heldout"]["threshold_evicting"]["0.5"], window=16)
+    ids = lm.tokenizer("The grass is green. The sky is blue. " * 12)["input_ids"]
+    out = generate(lm.model, [ids], pol, max_new_tokens=2)
+    assert 0.2 < float(out.held_fraction[0]) < 0.95

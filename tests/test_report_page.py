@@ -119,3 +119,22 @@ def test_a_block_can_show_only_some_methods(tmp_path):
     page.write_text("<!-- records: ruler runs/r nope=1 -->\n<!-- /records -->\n")
     with pytest.raises(Exception, match="nope"):
         report_page.regenerate(page)
+
+
+def test_a_blocks_plot_is_drawn_when_the_page_is_rewritten_not_when_checked(tmp_path):
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    rows = records("full", "FullCache()", [1, 1]) + records("tova@0.5", "TOVA()", [1, 0]) \
+        + records("tova@0.875", "TOVA()", [0, 0])
+    for r in rows:
+        r["kv_held"] = {"full": 1.0, "tova@0.5": 0.5}.get(r["label"], 0.125)
+    (run / "preds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "identity.json").write_text(json.dumps({"--protocol": "agnostic", "--batch": 1, "--seed": 0,
+                                                   "model dtype": "float32", "weights": "w"}))
+    page = tmp_path / "p.md"
+    page.write_text("<!-- records: ruler runs/r plot=figs/held.png -->\n<!-- /records -->\n")
+    assert report_page.main([str(page), "--check"]) == 1 and not (tmp_path / "figs").exists()
+    assert report_page.main([str(page)]) == 0
+    assert (tmp_path / "figs" / "held.png").stat().st_size > 1000
+    assert "![score against KV bytes held](figs/held.png)" in page.read_text()
+    assert report_page.main([str(page), "--check"]) == 0

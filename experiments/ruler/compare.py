@@ -114,3 +114,34 @@ def table(rows: list[dict]) -> str:
             gap = f"{100 * diff:+.1f}" + ("" if se is None else f" ({100 * se:.1f})")
         out.append(f"| {lab} | {held_text} | " + " | ".join(f"{f:g}" for f in found) + f" | {share:.0f} | {gap} |")
     return "\n".join(out)
+
+
+def plot_held(rows: list[dict], path: Path) -> None:
+    """Each method's share of prompts found (all tasks) against the KV bytes it held (mean `kv_held`), one line per
+    method through its ratios, the full cache as a point at 1; a label whose records lack `kv_held` is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for method in dict.fromkeys(split_label(lab)[0] for lab in labels):
+        pts = []
+        for lab in labels:
+            if split_label(lab)[0] != method:
+                continue
+            mine = [r for r in rows if r["label"] == lab]
+            held = [r.get("kv_held") for r in mine]
+            if None not in held:
+                pts.append((sum(held) / len(held), 100 * sum(float(r["score"]) for r in mine) / len(mine)))
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o" if method != "full" else "*", markersize=4 if method != "full"
+                    else 10, label=method)
+    ax.set(xscale="log", xlabel="KV bytes held (share of the full cache)", ylabel="prompts found, all tasks (%)",
+           ylim=(-2, 102))
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
