@@ -86,7 +86,6 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.report_page", description=cli.description(__doc__))
     p.add_argument("page", help="the markdown page (its blocks name record directories relative to it)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs from its records")
-    cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     page = Path(args.page)
     if not page.is_file():
