@@ -66,11 +66,15 @@ def test_the_table_counts_prompts_found_and_the_gap_to_the_full_cache():
     for r in rows:
         r["kv_held"] = 1.0 if r["label"] == "full" else 0.25
     lines = compare.table(rows).splitlines()
-    assert lines[0].startswith("| policy | KV held | niah_single_1 (of 4) | vt (of 2) | all tasks, % |")
-    assert lines[2] == "| full | 1.000 | 3 | 1 | 67 |  |"
+    assert lines[0].startswith("| policy | KV held | niah_single_1 (of 4) | vt (of 2) | prompts | all its prompts, % |")
+    assert lines[2] == "| full | 1.000 | 3 | 1 | 6 | 67 |  |"
     # TOVA loses two of the full cache's four found prompts over six: -33.3 points; differences 0,-1,0,-1,0,0:
     # variance (2 * (2/3)^2 + 4 * (1/3)^2) / 5 = 0.2667, s.e. sqrt(0.2667 / 6) = 0.2108
-    assert lines[3] == "| tova@0.5 | 0.250 | 1 | 1 | 33 | -33.3 (21.1) |"
+    assert lines[3] == "| tova@0.5 | 0.250 | 1 | 1 | 6 | 33 | -33.3 (21.1) |"
+    # a run not finished: KNorm has niah_single_1's first two prompts only, found both (the full cache found both):
+    # vt blank, its share over its 2 prompts, its difference paired with the full cache's on those two
+    part = rows + records("knorm@0.5", "KNorm()", [1, 1])
+    assert compare.table(part).splitlines()[4] == "| knorm@0.5 |  | 2 |  | 2 | 100 | +0.0 (0.0) |"
 
 
 def test_the_page_command_checks_and_rewrites_a_stale_block(tmp_path, capsys):
@@ -88,7 +92,7 @@ def test_the_page_command_checks_and_rewrites_a_stale_block(tmp_path, capsys):
     assert report_page.main([str(page)]) == 0
     text = page.read_text()
     assert "stale" not in text and text.endswith("<!-- /records -->\n\nprose\n")
-    assert "chat template on, protocol agnostic, batch 5" in text and "| slimkv@0.5 |  | 2 | 100 | +50.0 (50.0) |" in text
+    assert "chat template on, protocol agnostic, batch 5" in text and "| slimkv@0.5 |  | 2 | 2 | 100 | +50.0 (50.0) |" in text
     assert report_page.main([str(page), "--check"]) == 0
 
 

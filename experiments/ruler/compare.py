@@ -93,26 +93,30 @@ def slimkv_claims(rows: list[dict]) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     """Prompts found per policy and task (of the task's prompts), the share over all tasks, the KV bytes held
-    (`kv_held`, blank where the records predate it) and each policy's paired difference from the full cache."""
+    (`kv_held`, blank where the records predate it) and each policy's paired difference from the full cache. A
+    policy whose run is not finished (fewer prompts than the full cache's) shows the prompts it has: a task it
+    has none of is blank, its share and its difference are over its own prompts (the full cache's on the same)."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     full = scores(rows, "full") if "full" in labels else None
     per_task = {t: len({(r["length"], r["index"]) for r in rows if r["task"] == t}) for t in tasks}
     out = ["| policy | KV held | " + " | ".join(f"{t} (of {per_task[t]})" for t in tasks)
-           + " | all tasks, % | against the full cache, points (paired s.e.) |",
-           "|---|---|" + "---|" * len(tasks) + "---|---|"]
+           + " | prompts | all its prompts, % | against the full cache, points (paired s.e.) |",
+           "|---|---|" + "---|" * len(tasks) + "---|---|---|"]
     for lab in labels:
         mine = scores(rows, lab)
         held = [r.get("kv_held") for r in rows if r["label"] == lab]
         held_text = "" if None in held else f"{sum(held) / len(held):.3f}"
-        found = [sum(v for k, v in mine.items() if k[0] == t) for t in tasks]
+        found = [(sum(v for k, v in mine.items() if k[0] == t) if any(k[0] == t for k in mine) else None)
+                 for t in tasks]
         share = 100 * sum(mine.values()) / len(mine)
         if full is None or lab == "full":
             gap = ""
         else:
-            diff, se, _ = paired_gap(mine, full)
+            diff, se, _ = paired_gap(mine, {k: full[k] for k in mine})
             gap = f"{100 * diff:+.1f}" + ("" if se is None else f" ({100 * se:.1f})")
-        out.append(f"| {lab} | {held_text} | " + " | ".join(f"{f:g}" for f in found) + f" | {share:.0f} | {gap} |")
+        out.append(f"| {lab} | {held_text} | " + " | ".join("" if f is None else f"{f:g}" for f in found)
+                   + f" | {len(mine)} | {share:.0f} | {gap} |")
     return "\n".join(out)
 
 
