@@ -36,13 +36,13 @@ def test_slimkv_is_judged_only_against_a_snapkv_pooled_the_same_way():
     rows = (records("slimkv@0.5", SLIM.format("avg"), [1] * 8 + [0] * 2)
             + records("snapkv-avg@0.5", SNAP.format("avg"), [0] * 10)
             + records("snapkv@0.5", SNAP.format("max"), [1] * 10))
-    claims = compare.slimkv_claims(rows)
-    assert len(claims) == 2
-    matched = next(c for c in claims if "`snapkv-avg@0.5`" in c)
+    (matched,) = compare.slimkv_claims(rows)  # judged against its matched SnapKV alone
+    assert "`snapkv-avg@0.5`" in matched
     assert "**holds**" in matched and "difference +80.0, s.e. 13.3 (paired over 10 prompts)" in matched
     assert "matched: observation_window 32, kernel 7, pool avg" in matched
-    # max-pooled SnapKV finds all ten: SlimKV is 2 s.e. behind it, but the pair differs in pooling, so no verdict
-    unmatched = next(c for c in claims if "`snapkv@0.5`" in c)
+    # without the matched one: max-pooled SnapKV finds all ten, SlimKV 2 s.e. behind it, but the pair differs in
+    # pooling, so no verdict
+    (unmatched,) = compare.slimkv_claims([r for r in rows if r["label"] != "snapkv-avg@0.5"])
     assert "**no verdict**" in unmatched and "pool avg against max" in unmatched
     assert not any(w in unmatched for w in ("**holds**", "**does not hold**", "**inconclusive**"))
 

@@ -66,16 +66,17 @@ def _settings_text(s: dict[str, str]) -> str:
 
 
 def slimkv_claims(rows: list[dict]) -> list[str]:
-    """SlimKV >= SnapKV at each ratio, one line per SnapKV / SlimKV pair of the run (same ratio): a matched
-    pair (same window, kernel, pooling) with its verdict and evidence, an unmatched one with its numbers, what
-    differs, and no verdict."""
+    """SlimKV >= SnapKV at each ratio: each SlimKV against the SnapKV of the same ratio pooled the same way (same
+    window, kernel, pooling), with its verdict and evidence; a SlimKV that has none against each SnapKV of its ratio,
+    with the numbers, what differs, and no verdict."""
     described, lines = _described(rows), []
     snaps = [lab for lab, d in described.items() if family(d) == "SnapKV"]
     slims = [lab for lab, d in described.items() if family(d) == "SlimKV"]
     for slim in slims:
-        for snap in snaps:
-            if split_label(slim)[1] != split_label(snap)[1]:
-                continue
+        same_ratio = [snap for snap in snaps if split_label(slim)[1] == split_label(snap)[1]]
+        matched = [snap for snap in same_ratio if settings(described[slim]) == settings(described[snap])]
+        # a SlimKV with a matched SnapKV is judged against it alone; one without shows why there is no verdict
+        for snap in matched or same_ratio:
             a, b = settings(described[slim]), settings(described[snap])
             diff, se, n = paired_gap(scores(rows, slim), scores(rows, snap))
             diff, se = 100 * diff, None if se is None else 100 * se
