@@ -106,10 +106,13 @@ def _one_of_each_policy():
     from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
     from kvjax.policies.critical import CriticalAdaKV, CriticalKV
     from kvjax.policies.duo import DuoAttention
+    from kvjax.policies.kvzap import KVzap
     from kvjax.policies.kvzip import KVgrad
     from kvjax.policies.razor import CompensatedWindow
+    from kvjax.surrogate import Surrogate
 
     snap = SnapKV(budget=64)
+    surrogate = Surrogate("linear", ({"w": np.zeros((4, 1)), "b": np.zeros(1)},))
     return [AnchorReduction(anchor_ids=(5,)), ByLayer(split=1, shallow=StreamingLLM(budget=16), deep=FullCache()),
             PerLayer(layers=(FullCache(), FullCache())), HeadSplit(layers=((((0,), FullCache()), ((1,), snap)),)),
             DuoAttention(streaming=((True, False),)), GateEviction(), H2O(budget=16, recent=4),
@@ -120,7 +123,8 @@ def _one_of_each_policy():
             PyramidKV(budget=64, observation_window=4, beta=2, num_layers=2), SlimKV(budget=64),
             ObservedAttention(budget=16), TOVA(budget=16), KNorm(budget=16), ExpectedAttention(budget=16),
             KeyDiff(budget=16), AdaKV(scorer=snap), CriticalKV(scorer=snap), CriticalAdaKV(scorer=snap),
-            ChunkKV(scorer=snap), KVgrad(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=())]
+            ChunkKV(scorer=snap), KVgrad(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()),
+            KVzap(surrogate=surrogate, threshold=-4.0)]
 
 
 def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
