@@ -170,6 +170,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     continuous scores almost never have)."""
     ra, rb = _ranks(np.ravel(a)), _ranks(np.ravel(b))
     ra, rb = ra - ra.mean(), rb - rb.mean()
+    if len(ra) < 2:
+        raise InvalidInput("spearman: fewer than two samples have no rank correlation")
     return float((ra @ rb) / math.sqrt((ra @ ra) * (rb @ rb)))
 
 
@@ -178,6 +180,8 @@ def rank_correlation(surrogate: Surrogate, x: np.ndarray, y: np.ndarray) -> dict
     order a threshold acts on: one threshold for every layer and head), the mean over layers and KV heads of each
     one's own rho, and the mean squared error."""
     pred = predict(surrogate, x)
+    if not np.all(np.isfinite(pred)):  # a NaN would rank anywhere and print as a correlation
+        raise NonFiniteError("kvzap.rank_correlation: the surrogate predicts non-finite scores")
     per = [spearman(pred[:, i, h], y[:, i, h]) for i in range(y.shape[1]) for h in range(y.shape[2])]
     return {"spearman_all_pairs": spearman(pred, y), "spearman_mean_per_head": float(np.mean(per)),
             "mse": float(np.mean((pred - y) ** 2)), "pairs": int(y.size)}

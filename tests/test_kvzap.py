@@ -265,3 +265,13 @@ def test_the_shipped_surrogates_load_and_fit_their_models():
     ids = lm.tokenizer("The grass is green. The sky is blue. " * 12)["input_ids"]
     out = generate(lm.model, [ids], pol, max_new_tokens=2)
     assert 0.2 < float(out.held_fraction[0]) < 0.95
+
+
+def test_a_surrogate_predicting_nan_gives_no_correlation():
+    from kvjax import kvzap
+    from kvjax.errors import NonFiniteError
+
+    s = random_surrogate("linear")
+    x = np.full((4, LAYERS, D), np.nan, np.float32)
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        kvzap.rank_correlation(s, x, np.zeros((4, LAYERS, KVH), np.float32))
