@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments import cli
+from experiments import cli, verdicts
 from experiments.records import write_atomic
 from experiments.ruler import compare
 from kvjax.errors import InvalidInput, MissingFile
@@ -58,7 +59,152 @@ def ruler(run: Path, where: str, only: str | None = None, plot: str | None = Non
     return "\n".join(lines)
 
 
-BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler}
+# zero-shot policies by the class their description opens with; MAT is a ByLayer whose deep layers hold anchors
+_ZS_METHODS = {"FullCache": "full", "StreamingLLM": "streaming", "SnapKV": "snapkv"}
+
+
+def _zs_method(description: str) -> tuple[str, float | None]:
+    """("mat", 0.5) for MAT's ByLayer(... AnchorCache(... ratio=0.5 ...)), ("streaming", 0.5) for StreamingLLM
+    at ratio 0.5, ("full", None) for the full cache."""
+    head = compare.family(description)
+    name = "mat" if head == "ByLayer" and "AnchorCache(" in description else _ZS_METHODS.get(head)
+    if name is None:
+        raise InvalidInput(f"zero-shot records: policy {description[:60]!r} is not one the page's sweep shows")
+    m = re.search(r"\bratio=([0-9.]+)", description)
+    return name, (float(m.group(1)) if m else None)
+
+
+def zeroshot(run: Path, where: str, items: str = "sweep-items.jsonl", ratios: str | None = None, *,
+             figures: Path | None = None) -> str:
+    """A zero-shot sweep (`experiments.zeroshot`'s per-item records, `items` in `run`): items right per method
+    and KV share (acc, then acc_norm), and MAT's claim (accuracy at least StreamingLLM's at every share) paired
+    over the items both read, each share by the rule and the sweep by `all_of`. `ratios` ("0.5,0.875"): the
+    sweep's ratios, so one with no records shows as not run rather than disappearing."""
+    path = run / items
+    if not path.is_file():
+        raise MissingFile(f"{path}: no zero-shot records there")
+    cells: dict[tuple[str, float | None], dict[int, dict]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            cells.setdefault(_zs_method(r["policy"]), {})[int(r["id"].rsplit("|", 1)[1])] = r
+    found = {r for _, r in cells if r is not None}
+    ratios = sorted(found | ({float(r) for r in ratios.split(",")} if ratios else set()))
+    methods = [m for m in ("streaming", "mat", "snapkv") if any((m, r) in cells for r in found)]
+    n = max(len(v) for v in cells.values())
+
+    def cell(key) -> str:
+        got = cells.get(key)
+        if not got:
+            return "not run"
+        acc, norm = (sum(r[k] for r in got.values()) for k in ("acc", "acc_norm"))
+        return f"{acc}/{len(got)} ({norm}/{len(got)})" + (f", {n - len(got)} items not run" if len(got) < n else "")
+
+    lines = [f"Records: `{where}/{items}`, {n} items per cell; items right, acc (acc_norm).", "",
+             "| KV % | full cache | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods),
+             f"| 100 | {cell(('full', None))} |" + " |" * len(methods)]
+    lines += [f"| {100 * (1 - r):g} | | " + " | ".join(cell((m, r)) for m in methods) + " |" for r in ratios]
+    said = []
+    lines += ["", "MAT's claim (accuracy at least StreamingLLM's at every KV share), paired over the items both "
+              "read, by the rule of `experiments.verdicts`:", ""]
+    for r in ratios:
+        mat, stream = cells.get(("mat", r), {}), cells.get(("streaming", r), {})
+        both = sorted(mat.keys() & stream.keys())
+        if len(both) < 2:
+            lines.append(f"- at {100 * (1 - r):g} %: **inconclusive** (not run: {len(both)} items both read)")
+            said.append(verdicts.INCONCLUSIVE)
+            continue
+        diff, se, k = verdicts.paired_gap({i: float(mat[i]["acc"]) for i in both},
+                                          {i: float(stream[i]["acc"]) for i in both})
+        said.append(verdicts.verdict(diff, se))
+        lines.append(f"- at {100 * (1 - r):g} %: **{said[-1]}** (accuracy, MAT minus StreamingLLM: "
+                     + verdicts.evidence(diff, se, paired=True, n=k) + ")")
+    lines += ["", f"At every share: **{verdicts.all_of(said)}**.", ""]
+    return "\n".join(lines)
+
+
+def _trained_tokens(run: Path) -> int:
+    """Tokens a training run read: its logged steps x batch x accumulation x sequence length (train_identity.json
+    and loss.json, as `experiments.train_anllm` and `experiments.train_gate` write them)."""
+    ident = json.loads((run / "train_identity.json").read_text())
+    steps = len(json.loads((run / "loss.json").read_text()))
+    return steps * ident["--batch"] * ident.get("--accum", 1) * ident["--seq-len"]
+
+
+def _paper_share(run: Path, paper_tokens: str) -> tuple[int, float]:
+    tokens = _trained_tokens(run)
+    return tokens, tokens / float(paper_tokens)
+
+
+def _trained_claim(measured: str, share: float) -> str:
+    """A training-based claim: the measured comparison by the rule, and the paper's claim inconclusive unless the
+    variant had the paper's training (a model trained on a sliver of it tests the sliver, not the method)."""
+    if share >= 1:
+        return f"**{measured}**"
+    return f"**{measured}** for this variant; the paper's claim, **{verdicts.INCONCLUSIVE}**"
+
+
+def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json", *, figures: Path | None = None
+         ) -> str:
+    """Attention-Gate (`experiments.eval_gate`'s results.json in `run`, beside its training records): the
+    continuation NLL per policy with paired standard errors, and Table 1's claim (the gates lose no more than the
+    best training-free baseline; `results` names the file, e.g. the baselines at 50 % eviction).
+    `paper_tokens`: the paper's continual pre-training tokens."""
+    r = json.loads((run / results).read_text())
+    tokens, share = _paper_share(run, paper_tokens)
+    c, se_full, vs = r["continuation_nll"], r["delta_se"], r.get("gate_minus_baseline", {})
+    at = ("the gates' measured eviction" if r.get("baseline_eviction_source") == "gates"
+          else "a fixed eviction") + f", {r['baseline_eviction']:.1%}"
+    lines = [f"Records: `{where}/{results}` ({r['windows']} windows of {r['seq_len']} tokens, the first "
+             f"{r['prefix']} prefilled; the baselines at {at}). Trained on "
+             f"{tokens:,} tokens ({share:.2g} of the paper's {float(paper_tokens):,.0f}).", "",
+             "| policy | NLL of the continuation | vs full (s.e.) | the gates minus this policy (s.e.) |",
+             "|---|---|---|---|"]
+    for name, nll in c.items():
+        d = "" if name == "full" else f"{nll - c['full']:+.4f} ({se_full[name]:.4f})"
+        g = f"{vs[name]['diff']:+.4f} ({vs[name]['se']:.4f})" if name in vs else ""
+        lines.append(f"| {name} | {nll:.4f} | {d} | {g} |")
+    best = min(vs, key=lambda k: c[k])
+    diff, se = -vs[best]["diff"], vs[best]["se"]  # positive: the gates lose less than the best baseline
+    lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): {_trained_claim(verdicts.verdict(diff, se), share)} ("
+              + verdicts.evidence(diff, se, paired=True, n=r["windows"], of="windows", training_share=share,
+                                  digits=4) + ").", ""]
+    return "\n".join(lines)
+
+
+def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, figures: Path | None = None) -> str:
+    """AnLLM (`experiments.eval_anllm`'s results of the untrained model, `base`, and of the trained variant,
+    `trained`, json files in `run`): Table 1's columns, and its claim (with only the anchors cached, accuracy
+    within 0.05 of full attention's), unpaired binomial (the files keep accuracies, not items)."""
+    rows = {name: json.loads((run / f).read_text()) for name, f in (("untrained", base), ("trained", trained))}
+    tokens, share = _paper_share(run, paper_tokens)
+    t = rows["trained"]
+    lines = [f"Records: `{where}/{base}`, `{where}/{trained}` ({t['items']} items, {t['data']}, chance "
+             f"{t['chance']:.2f}). Trained on {tokens:,} tokens ({share:.2g} of the paper's "
+             f"{float(paper_tokens):,.0f}).", "",
+             "| model | Acc, full attention | Acc, anchors only (AnSAN) | L_kv / L_d | T⇑ vs full caching |",
+             "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        n = r["items"]
+        lines.append(f"| {name} | {r['acc_full']:.3f} ({round(r['acc_full'] * n)}/{n}) | {r['acc_ansan']:.3f} "
+                     f"({round(r['acc_ansan'] * n)}/{n}) | {r['L_kv']:g} / {r['L_d']:g} | "
+                     f"x{r['T_up_vs_full_caching']:.2f} |")
+    diff = t["acc_ansan"] - t["acc_full"] + 0.05
+    se = verdicts.binomial_se(t["acc_ansan"], t["acc_full"], t["items"])
+    # the claim is measured against full attention's accuracy: at chance, the task says nothing about the cache
+    margin = verdicts.SE_MULTIPLE * max(math.sqrt(t["chance"] * (1 - t["chance"]) / t["items"]), 1 / t["items"])
+    if t["acc_full"] <= t["chance"] + margin:
+        said = (f"**no verdict**: full attention's accuracy ({t['acc_full']:.3f}) is within "
+                f"{verdicts.SE_MULTIPLE} binomial standard errors of chance, so the task does not test the cache")
+    else:
+        said = _trained_claim(verdicts.verdict(diff, se), share)
+    lines += ["", f"Table 1's claim (AnSAN within 0.05 of full attention's accuracy): {said} (the margin left, "
+              "AnSAN minus full plus 0.05: "
+              + verdicts.evidence(diff, se, paired=False, n=t["items"], training_share=share) + ").", ""]
+    return "\n".join(lines)
+
+
+BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

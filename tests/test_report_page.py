@@ -142,3 +142,76 @@ def test_a_blocks_plot_is_drawn_when_the_page_is_rewritten_not_when_checked(tmp_
     assert (tmp_path / "figs" / "held.png").stat().st_size > 1000
     assert "![score against KV bytes held](figs/held.png)" in page.read_text()
     assert report_page.main([str(page), "--check"]) == 0
+
+
+STREAM = "StreamingLLM(budget=None, sinks=4, ratio={}, positions='absolute', prefill_mode='full')"
+MAT = ("ByLayer(split=2, shallow=StreamingLLM(budget=None, sinks=4, ratio={0}, prefill_mode='stream'), "
+       "deep=AnchorCache(budget=None, anchor_slots=5, ratio={0}, prefill_mode='stream'))")
+
+
+def zeroshot_items(policy: str, right: list[int]) -> list[dict]:
+    return [{"id": f"task|{policy}|{i}", "policy": policy, "acc": bool(r), "acc_norm": bool(r), "kv_share": 0.5}
+            for i, r in enumerate(right)]
+
+
+def test_the_zeroshot_block_pairs_mat_with_streamingllm_item_by_item(tmp_path):
+    run = tmp_path / "zs"
+    run.mkdir()
+    # StreamingLLM right on items 0-1, MAT on 0-7: paired differences 0,0,1,1,1,1,1,1,0,0: mean 0.6, variance
+    # (6 * 0.4^2 + 4 * 0.6^2) / 9 = 0.2667, s.e. sqrt(0.2667 / 10) = 0.163: 3.7 s.e., holds
+    rows = (zeroshot_items("FullCache()", [1] * 10) + zeroshot_items(STREAM.format(0.5), [1, 1] + [0] * 8)
+            + zeroshot_items(MAT.format(0.5), [1] * 8 + [0, 0]))
+    (run / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_page.zeroshot(run, "zs", items="items.jsonl")
+    assert "| 50 | | 2/10 (2/10) | 8/10 (8/10) |" in text
+    assert "- at 50 %: **holds** (accuracy, MAT minus StreamingLLM: difference +0.600, s.e. 0.163 (paired over 10 " \
+           "items)" in text
+    assert "At every share: **holds**." in text
+    # a ratio of the sweep that has no records is a row "not run", and leaves "at every share" undecided
+    text = report_page.zeroshot(run, "zs", items="items.jsonl", ratios="0.5,0.875")
+    assert "| 12.5 | | not run | not run |" in text and "At every share: **inconclusive**." in text
+
+
+def gate_run(tmp_path, gate_minus_h2o: float, se: float, paper_tokens: float) -> str:
+    run = tmp_path / "gate"
+    run.mkdir(exist_ok=True)
+    (run / "train_identity.json").write_text(json.dumps({"--batch": 2, "--accum": 1, "--seq-len": 100}))
+    (run / "loss.json").write_text(json.dumps([{"step": i} for i in range(10)]))  # 10 x 2 x 100 = 2,000 tokens
+    c = {"full": 2.0, "gate": 2.1 + gate_minus_h2o, "streaming": 2.3, "h2o": 2.1}
+    (run / "results.json").write_text(json.dumps({
+        "windows": 20, "seq_len": 100, "prefix": 75, "baseline_eviction": 0.5, "baseline_eviction_source": "gates",
+        "continuation_nll": c, "delta_se": {k: 0.01 for k in c},
+        "gate_minus_baseline": {k: {"diff": c["gate"] - c[k], "se": se} for k in ("streaming", "h2o")}}))
+    return report_page.gate(run, "gate", paper_tokens=str(paper_tokens))
+
+
+def test_the_gate_block_judges_the_gates_against_the_best_baseline_and_says_what_training_it_had(tmp_path):
+    # the gates lose 0.05 less than H2O (the best baseline), s.e. 0.01: 5 s.e., holds for these gates; trained on
+    # 2,000 of the paper's 200,000 tokens (1/100), so the paper's claim is inconclusive
+    text = gate_run(tmp_path, -0.05, 0.01, 2e5)
+    assert "Trained on 2,000 tokens (0.01 of the paper's 200,000)" in text
+    assert "here h2o): **holds** for this variant; the paper's claim, **inconclusive** (difference +0.0500" in text
+    # the same numbers with the paper's training: the claim itself is decided
+    assert "here h2o): **holds** (difference +0.0500" in gate_run(tmp_path, -0.05, 0.01, 2e3)
+    # the gates 0.01 worse with s.e. 0.01: inside the noise
+    assert "**inconclusive** for this variant" in gate_run(tmp_path, 0.01, 0.01, 2e5)
+
+
+def test_the_anllm_block_gives_no_verdict_where_full_attention_is_at_chance(tmp_path):
+    run = tmp_path / "an"
+    run.mkdir()
+    (run / "train_identity.json").write_text(json.dumps({"--batch": 1, "--seq-len": 512}))
+    (run / "loss.json").write_text(json.dumps([{"step": i} for i in range(150)]))
+    row = {"items": 40, "L_d": 51.0, "L_kv": 5.0, "chance": 0.25, "T_up_vs_full_caching": 1.0, "data": "facts"}
+    (run / "base.json").write_text(json.dumps(row | {"acc_full": 0.9, "acc_ansan": 0.0}))
+    # 2 binomial s.e. of 40 items at chance: 2 sqrt(0.25 x 0.75 / 40) = 0.137, so 0.35 is within them
+    (run / "ep.json").write_text(json.dumps(row | {"acc_full": 0.35, "acc_ansan": 0.35}))
+    text = report_page.anllm(run, "an", paper_tokens="1e9", base="base.json", trained="ep.json")
+    assert "| trained | 0.350 (14/40) | 0.350 (14/40) | 5 / 51 | x1.00 |" in text
+    assert "**no verdict**: full attention's accuracy (0.350) is within 2 binomial standard errors of chance" in text
+    # far above chance and AnSAN 0.5 below it: the margin left is 0.05 - 0.5 = -0.45, s.e. sqrt((.45 x .55 +
+    # .05 x .95) / 40) = 0.0859: 5.2 s.e., does not hold for this variant
+    (run / "ep.json").write_text(json.dumps(row | {"acc_full": 0.95, "acc_ansan": 0.45}))
+    text = report_page.anllm(run, "an", paper_tokens="1e9", base="base.json", trained="ep.json")
+    assert "**does not hold** for this variant; the paper's claim, **inconclusive** (the margin left, AnSAN minus " \
+           "full plus 0.05: difference -0.450, s.e. 0.086 (unpaired, 40 items each)" in text
