@@ -13,7 +13,13 @@ StreamingLLM's figure 3) need `--positions rolling`, where keys are rotated by t
 cache; with absolute positions such a cell is reported as not run, never extrapolated silently.
 Default text: the held-out standard-library reference topics and modules (never trained on by the
 default model). `--sequences N` scores N consecutive windows of each length and averages their NLL
-(MAT's Table 3 averages over WikiText-2's sequences); the NLL plot shows the first. Results:
+(MAT's Table 3 averages over WikiText-2's sequences); the NLL plot shows the first.
+
+`--anchor-grid auto` (or `--anchor-grid 1,8,16`) tunes MAT's β per budget, as the paper grid-searches it: MAT runs
+at each β of the grid (`kvjax.policies.mat.default_anchor_grid`: 1 and budget/8 .. budget/2), each length's β is
+the one with the lowest NLL on a tuning window (the text's window after the scored sequences, never scored), and
+MAT's row gives the scored sequences at that β (each β's tuning and scored NLL in the JSON summary). The text
+must then hold sequences + 1 windows of the longest length. Results:
 OUT/runs.jsonl (one record per policy x length x sequence, resumable),
 OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (NLL vs position).
 """
@@ -21,7 +27,9 @@ OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (N
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +47,11 @@ from experiments.common import (
     refuse_trained_text,
     suite_model,
 )
-from kvjax.scoring import logprobs
 from kvjax import drive
+from kvjax.errors import InvalidInput
+from kvjax.policies import AnchorCache, ByLayer
+from kvjax.policies.mat import default_anchor_grid
+from kvjax.scoring import logprobs
 
 
 def heldout_text() -> str:
@@ -111,24 +122,48 @@ def write_report(out: Path, records: list[dict], labels: list[str], lengths: lis
     return "\n".join(lines), summary, [out / "perplexity.png"]
 
 
+def anchor_variants(policy, grid: Sequence[int] | str) -> dict[int, ByLayer]:
+    """MAT `policy` (a ByLayer over an AnchorCache) at each β of `grid` ("auto": `default_anchor_grid` of its
+    budget), everything else as given."""
+    if not (isinstance(policy, ByLayer) and isinstance(policy.deep, AnchorCache)):
+        raise InvalidInput(f"anchor_grid: {policy.describe()} is not MAT")
+    if grid == "auto":
+        if policy.deep.budget is None:
+            raise InvalidInput("anchor_grid=auto: MAT at a ratio has no budget to take the grid from; give the β "
+                               "values (anchor_grid=1,8,16)")
+        grid = default_anchor_grid(policy.deep.budget)
+    return {b: dataclasses.replace(policy, deep=dataclasses.replace(policy.deep, anchor_slots=b)) for b in grid}
+
+
 def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int = 1, text: list[str] | None = None,
-          progress: bool = True) -> driver.SuiteResult:
+          anchor_grid: Sequence[int] | str | None = None, progress: bool = True) -> driver.SuiteResult:
     """Perplexity of each policy (`{label: policy}`, a list or one) at each length, token by token,
     into `out`; summary `{"ppl": {label: {length: ppl or None}}, "nll_per_sequence": {label: {length: [nll, ...]}},
     "policies": ...}`. `lengths` default
     to max/2, max, 2 max; `text` to the held-out standard-library text; `sequences` windows of each
-    length are averaged."""
+    length are averaged. `anchor_grid` ("auto" or β values): MAT's β chosen per length on a tuning window
+    (the window after the scored ones), the summary's "anchor_grid" giving `{label: {length: {"chosen": β,
+    "tuning_nll": {β: nll}, "nll": {β: mean scored nll}}}}`."""
     cfg = lm.config
     n = cfg.max_position_embeddings
     lengths = list(lengths or [n // 2, n, 2 * n])
     if min(lengths) < 2:
         raise driver.ArgumentError(f"lengths={lengths}: each must be >= 2 tokens")
     ids = lm.tokenizer(read_text(text) if text else heldout_text())["input_ids"]
-    if len(ids) < max(lengths) * sequences:
-        raise driver.ArgumentError(f"the text has {len(ids)} tokens, fewer than sequences={sequences} x the longest "
-                                   f"lengths={max(lengths)}")
+    windows = sequences + (anchor_grid is not None)  # the tuning window follows the scored ones
+    if len(ids) < max(lengths) * windows:
+        raise driver.ArgumentError(f"the text has {len(ids)} tokens, fewer than {windows} windows (sequences="
+                                   f"{sequences}{' + 1 to tune anchor_grid' if anchor_grid is not None else ''}) x "
+                                   f"the longest lengths={max(lengths)}")
     policies = driver.labelled(policies)
     key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
+    tuned = {}  # {label: {β: policy}}: MAT's labels, each run at every β of the grid
+    if anchor_grid is not None:
+        tuned = {lab: anchor_variants(pol, anchor_grid) for lab, pol in policies.items()
+                 if isinstance(pol, ByLayer) and isinstance(pol.deep, AnchorCache)}
+        if not tuned:
+            raise driver.ArgumentError(f"anchor_grid={anchor_grid}: no MAT policy among {', '.join(policies)} to "
+                                       "tune")
 
     def run(cell: list) -> list[dict]:
         (lab, pol, L, i), = cell
@@ -139,23 +174,59 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
             rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
         return [rec]
 
+    def scored(done, lab, pol, L) -> dict:
+        runs = [done[key(pol, L, i)] for i in range(sequences)]
+        if any("skipped" in r for r in runs):
+            return runs[0] | {"label": lab}
+        nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
+        return runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
+                          "ppl_per_sequence": [r["ppl"] for r in runs]}
+
     def report(log):
         done = {r["id"]: r for r in log}
-        records = []
+        records, grid = [], {}
         for lab, pol in policies.items():
             for L in lengths:
-                runs = [done[key(pol, L, i)] for i in range(sequences)]
-                if any("skipped" in r for r in runs):
-                    records.append(runs[0] | {"label": lab})
+                if lab not in tuned:
+                    records.append(scored(done, lab, pol, L))
                     continue
-                nll = float(np.mean([r["nll"] for r in runs]))  # equal lengths: the token-weighted mean
-                records.append(runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
-                                          "ppl_per_sequence": [r["ppl"] for r in runs]})
-        return write_report(Path(out), records, list(policies), lengths, n)
+                tune = {b: done[key(p, L, sequences)] for b, p in tuned[lab].items()}
+                if any("skipped" in r for r in tune.values()):
+                    records.append(scored(done, lab, pol, L))  # skipped at every β alike
+                    continue
+                best = min(tune, key=lambda b: tune[b]["nll"])
+                records.append(scored(done, lab, tuned[lab][best], L) | {"anchor_slots": best})
+                grid.setdefault(lab, {})[str(L)] = {
+                    "chosen": best, "tuning_nll": {str(b): r["nll"] for b, r in tune.items()},
+                    "nll": {str(b): scored(done, lab, p, L)["nll"] for b, p in tuned[lab].items()}}
+        table, summary, figures = write_report(Path(out), records, list(policies), lengths, n)
+        if grid:
+            table += "\n\nMAT's β per length, the lowest NLL on the tuning window (never scored): " + "; ".join(
+                f"{lab} at {L}: β = {g['chosen']} (tuning NLL " + ", ".join(
+                    f"β {b}: {v:.4f}" for b, v in g["tuning_nll"].items()) + ")"
+                for lab, by in grid.items() for L, g in by.items())
+            summary["anchor_grid"] = grid
+        return table, summary, figures
 
-    cells = [(lab, pol, L, i) for lab, pol in policies.items() for L in lengths for i in range(sequences)]
+    def runs_of(lab, pol) -> list:
+        if lab not in tuned:
+            return [(pol, i) for i in range(sequences)]
+        return [(p, i) for p in tuned[lab].values() for i in range(sequences + 1)]
+
+    cells = [(lab, p, L, i) for lab, pol in policies.items() for L in lengths for p, i in runs_of(lab, pol)]
     suite = driver.Suite("perplexity", "runs.jsonl", cells, lambda cell: key(*cell[1:]), run, report)
-    return driver.run_suite(suite, out, lm, {"text": text}, policies, progress=progress, files=("text",))
+    grid_option = None if anchor_grid is None else (anchor_grid if isinstance(anchor_grid, str) else list(anchor_grid))
+    return driver.run_suite(suite, out, lm, {"text": text, "anchor_grid": grid_option}, policies, progress=progress,
+                            files=("text",))
+
+
+def anchor_grid_arg(text: str) -> list[int] | str:
+    if text == "auto":
+        return text
+    values = int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: 'auto' or positive anchor counts")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int_list, help="comma-separated token counts (default: max/2, max, 2 max)")
     p.add_argument("--sequences", type=positive_int, default=1,
                    help="consecutive windows of each length, their NLL averaged (MAT Table 3 averages many)")
+    p.add_argument("--anchor-grid", type=anchor_grid_arg,
+                   help="tune MAT's beta per length on a tuning window after the scored sequences: 'auto' (1 and "
+                        "budget/8 .. budget/2, as the paper's grid) or comma-separated values")
     p.add_argument("--out", default="results/perplexity")
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
@@ -173,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = suite_model(args)
     refuse_trained_text(args.gate_params, args.text, "--text")  # the default text: the held-out topics and modules
     res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
-                      sequences=args.sequences, text=args.text)
+                      sequences=args.sequences, text=args.text, anchor_grid=args.anchor_grid)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}}, perplexity.png")
     return 0

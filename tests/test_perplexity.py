@@ -126,3 +126,37 @@ def test_cli_chunked_equals_stream_and_scores_snapkv(tmp_path, capsys):
     capsys.readouterr()  # the progress bars so far
     code, err = run_cli(ppl_cli.main, base + ["--compare", "streaming", "--recompress-every", "8"], capsys)
     assert code == 2 and "--recompress-every 8: no policy of streaming" in one_error_line(err)
+
+
+def test_anchor_grid_picks_mats_beta_on_a_tuning_window_it_never_scores(tmp_path, capsys):
+    """MAT's β grid-searched per budget (issue 65, item 5): each β of the grid runs on the scored windows and on
+    the window after them; MAT's row is the scored windows at the β with the lowest NLL on that tuning window."""
+    from kvjax.policies import mat
+    from models import load
+
+    model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} of line {i}." for i in range(400)))
+    out = tmp_path / "out"
+    argv = ["--model", str(model_dir), "--text", str(text), "--lengths", "48", "--sequences", "2", "--budget", "16",
+            "--compare", "streaming,mat", "--out", str(out)]
+    assert ppl_cli.main(argv + ["--anchor-grid", "1,4,8"]) == 0
+    lm = load(model_dir)
+    ids = lm.tokenizer(text.read_text())["input_ids"]
+    nll = lambda b, w: ppl_cli.measure(lm.model, ids[w * 48:(w + 1) * 48], mat(16, b, shallow_layers=1))["nll"]  # noqa: E731
+    tuning = {b: nll(b, 2) for b in (1, 4, 8)}  # window 2: after the two scored ones
+    best = min(tuning, key=tuning.get)
+    res = json.loads((out / "results.json").read_text())
+    grid = res["anchor_grid"]["mat"]["48"]
+    assert grid["chosen"] == best and grid["tuning_nll"] == pytest.approx({str(b): v for b, v in tuning.items()})
+    assert res["ppl"]["mat"]["48"] == pytest.approx(np.exp((nll(best, 0) + nll(best, 1)) / 2), rel=1e-5)
+    assert f"anchor_slots={best}" in res["policies"]["mat"]
+    assert f"mat at 48: β = {best}" in (out / "results.md").read_text()
+    # the grid is part of the run's identity; without MAT, or for MAT at a ratio with "auto", it is refused
+    from kvjax.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=r"--anchor-grid: \[1, 4, 8\] -> \[1, 4\]"):
+        ppl_cli.main(argv + ["--anchor-grid", "1,4"])
+    with pytest.raises(SystemExit):
+        ppl_cli.main(argv[:-4] + ["--compare", "streaming", "--anchor-grid", "auto", "--out", str(tmp_path / "o2")])
+    assert "no MAT policy" in capsys.readouterr().err
