@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from experiments import cli, driver
 from experiments.common import float_list, prompt_ids
-from experiments.records import write_atomic
+from experiments.records import content_fingerprint, write_atomic
 from experiments.ruler import compare, scoring
 from experiments.ruler import tasks as T
 from kvjax.errors import InvalidInput, MissingFile
@@ -184,10 +184,11 @@ def main(argv: list[str]) -> int:
         raise InvalidInput(f"--model {args.model}: kvpress reads the model through transformers' GGUF loading; "
                            f"{gguf} is not a GGUF file")
     chat = identity.get("--chat-template") == "on"
-    options = {"records": str(records.resolve()), "chat_template": chat, "seed": identity.get("--seed"),
-               "protocol": identity.get("--protocol")}
-    log = driver.open_records(args.out, lm, "answers.jsonl", options, files=("records",),
-                              selection=("methods", "ratios", "tasks", "samples"))
+    # kvpress's answers depend on the prompts (the run's data/ files) and their format; kvjax's answers are copied
+    # into each record, so kvjax records added to the run later (another method) change nothing here
+    options = {"chat_template": chat, "seed": identity.get("--seed"), "protocol": identity.get("--protocol")}
+    log = driver.open_records(args.out, lm, "answers.jsonl", options,
+                              extra={"RULER prompts": content_fingerprint(records / "data")})
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not chat:

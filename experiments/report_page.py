@@ -204,7 +204,29 @@ def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, 
     return "\n".join(lines)
 
 
-BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm}
+def kvpress(run: Path, where: str, *, figures: Path | None = None) -> str:
+    """kvpress's pipeline beside kvjax (`experiments.kvpress_agreement`'s answers.jsonl in `run`): per method and
+    ratio, the samples where kvpress gives kvjax's answer, and every answer that differs."""
+    from experiments import kvpress_agreement
+
+    path = run / "answers.jsonl"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no kvpress agreement records there")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    identity = json.loads((run / "identity.json").read_text())
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
+    per_task = {t: len({r["index"] for r in rows if r["task"] == t}) for t in dict.fromkeys(r["task"] for r in rows)}
+    text, _ = kvpress_agreement.table(rows, methods, ratios)
+    same = sum(r["same"] for r in rows)
+    return "\n".join([
+        f"Records: `{where}` ({len(rows)} answers; " + ", ".join(f"{t}: {n} prompts" for t, n in per_task.items())
+        + f"; chat template {'on' if identity['--chat-template'] else 'off'}, protocol {identity['--protocol']}). "
+        f"kvpress gives kvjax's answer in **{same} of {len(rows)}**.", "", text, ""])
+
+
+BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm,
+                                         "kvpress": kvpress}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

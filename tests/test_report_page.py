@@ -215,3 +215,18 @@ def test_the_anllm_block_gives_no_verdict_where_full_attention_is_at_chance(tmp_
     text = report_page.anllm(run, "an", paper_tokens="1e9", base="base.json", trained="ep.json")
     assert "**does not hold** for this variant; the paper's claim, **inconclusive** (the margin left, AnSAN minus " \
            "full plus 0.05: difference -0.450, s.e. 0.086 (unpaired, 40 items each)" in text
+
+
+def test_the_kvpress_block_counts_agreement_from_the_answers(tmp_path):
+    run = tmp_path / "agree"
+    run.mkdir()
+    (run / "identity.json").write_text(json.dumps({"--chat-template": True, "--protocol": "agnostic"}))
+    rows = [{"method": "full", "ratio": None, "task": "niah_single_1", "index": 0, "kvjax": "1.", "kvpress": "1.",
+             "same": True, "kvjax_score": 1.0, "kvpress_score": 1.0},
+            {"method": "tova", "ratio": 0.5, "task": "niah_single_1", "index": 0, "kvjax": "1.", "kvpress": "2.",
+             "same": False, "kvjax_score": 1.0, "kvpress_score": 0.0}]
+    (run / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_page.kvpress(run, "agree")
+    assert "(2 answers; niah_single_1: 1 prompts; chat template on, protocol agnostic)" in text
+    assert "kvpress gives kvjax's answer in **1 of 2**" in text
+    assert "| tova | 0.5 | 1 | 0 | 1 | 0 | TOVAPress |" in text and "| tova | 0.5 | niah_single_1 | 0 | '1.' | '2.' |" in text
