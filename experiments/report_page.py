@@ -131,9 +131,11 @@ def _trained_tokens(run: Path) -> int:
     return steps * ident["--batch"] * ident.get("--accum", 1) * ident["--seq-len"]
 
 
-def _paper_share(run: Path, paper_tokens: str) -> tuple[int, float]:
+def _training(run: Path, paper_tokens: str) -> tuple[float, str]:
+    """(the share of the paper's training tokens the run in `run` read, the sentence that says so)."""
     tokens = _trained_tokens(run)
-    return tokens, tokens / float(paper_tokens)
+    share = tokens / float(paper_tokens)
+    return share, f"Trained on {tokens:,} tokens ({share:.2g} of the paper's {float(paper_tokens):,.0f})."
 
 
 def _trained_claim(measured: str, share: float) -> str:
@@ -151,13 +153,12 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
     best training-free baseline; `results` names the file, e.g. the baselines at 50 % eviction).
     `paper_tokens`: the paper's continual pre-training tokens."""
     r = json.loads((run / results).read_text())
-    tokens, share = _paper_share(run, paper_tokens)
+    share, trained = _training(run, paper_tokens)
     c, se_full, vs = r["continuation_nll"], r["delta_se"], r.get("gate_minus_baseline", {})
     at = ("the gates' measured eviction" if r.get("baseline_eviction_source") == "gates"
           else "a fixed eviction") + f", {r['baseline_eviction']:.1%}"
     lines = [f"Records: `{where}/{results}` ({r['windows']} windows of {r['seq_len']} tokens, the first "
-             f"{r['prefix']} prefilled; the baselines at {at}). Trained on "
-             f"{tokens:,} tokens ({share:.2g} of the paper's {float(paper_tokens):,.0f}).", "",
+             f"{r['prefix']} prefilled; the baselines at {at}). {trained}", "",
              "| policy | NLL of the continuation | vs full (s.e.) | the gates minus this policy (s.e.) |",
              "|---|---|---|---|"]
     for name, nll in c.items():
@@ -166,7 +167,8 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
         lines.append(f"| {name} | {nll:.4f} | {d} | {g} |")
     best = min(vs, key=lambda k: c[k])
     diff, se = -vs[best]["diff"], vs[best]["se"]  # positive: the gates lose less than the best baseline
-    lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): {_trained_claim(verdicts.verdict(diff, se), share)} ("
+    lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): "
+              f"{_trained_claim(verdicts.verdict(diff, se), share)} ("
               + verdicts.evidence(diff, se, paired=True, n=r["windows"], of="windows", training_share=share,
                                   digits=4) + ").", ""]
     return "\n".join(lines)
@@ -177,11 +179,10 @@ def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, 
     `trained`, json files in `run`): Table 1's columns, and its claim (with only the anchors cached, accuracy
     within 0.05 of full attention's), unpaired binomial (the files keep accuracies, not items)."""
     rows = {name: json.loads((run / f).read_text()) for name, f in (("untrained", base), ("trained", trained))}
-    tokens, share = _paper_share(run, paper_tokens)
+    share, training = _training(run, paper_tokens)
     t = rows["trained"]
     lines = [f"Records: `{where}/{base}`, `{where}/{trained}` ({t['items']} items, {t['data']}, chance "
-             f"{t['chance']:.2f}). Trained on {tokens:,} tokens ({share:.2g} of the paper's "
-             f"{float(paper_tokens):,.0f}).", "",
+             f"{t['chance']:.2f}). {training}", "",
              "| model | Acc, full attention | Acc, anchors only (AnSAN) | L_kv / L_d | T⇑ vs full caching |",
              "|---|---|---|---|---|"]
     for name, r in rows.items():
