@@ -27,13 +27,14 @@ from kvjax.errors import InvalidInput, MissingFile
 OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /records -->", re.S)
 
 
-def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, *, figures: Path | None = None
-          ) -> str:
+def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, versus: str | None = None, *,
+          figures: Path | None = None) -> str:
     """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its
     configuration from identity.json, prompts found per policy and task, and SlimKV's claim by `compare.slimkv_claims`.
     `only`: the methods shown ("snapkv,kvzip": their labels at every ratio), the full cache always. `plot`: a PNG
     (relative to the page) of each method's share of prompts found against the KV bytes it held, drawn into the
-    directory `figures` (the page's) when given: a check compares the text and draws nothing."""
+    directory `figures` (the page's) when given: a check compares the text and draws nothing. `versus`
+    ("kvzip:snapkv,kvgrad:kvzip"): claims "A >= B" at each ratio both ran (`compare.versus_claims`)."""
     identity = json.loads((run / "identity.json").read_text())
     rows = compare.read(run)
     if only:
@@ -52,6 +53,13 @@ def ruler(run: Path, where: str, only: str | None = None, plot: str | None = Non
         if figures is not None:
             compare.plot_held(rows, figures / plot)
         lines += [f"![score against KV bytes held]({plot})", ""]
+    if versus:
+        pairs = [tuple(pair.split(":")) for pair in versus.split(",")]
+        if any(len(pair) != 2 for pair in pairs):
+            raise InvalidInput(f"{where}: versus={versus} is not A:B,C:D")
+        lines += ["Each claim \"A >= B\" by the rule of `experiments.verdicts` (holds / does not hold beyond two "
+                  "paired standard errors, else inconclusive), paired over the prompts both have:", ""]
+        lines += [f"- {c}" for c in compare.versus_claims(rows, pairs)] + [""]
     claims = compare.slimkv_claims(rows)
     if claims:
         lines += ["SlimKV's claim, by the rule of `experiments.verdicts` (holds / does not hold beyond two paired "
@@ -116,7 +124,7 @@ def zeroshot(run: Path, where: str, items: str = "sweep-items.jsonl", ratios: st
             continue
         diff, se, k = verdicts.paired_gap({i: float(mat[i]["acc"]) for i in both},
                                           {i: float(stream[i]["acc"]) for i in both})
-        said.append(verdicts.verdict(diff, se))
+        said.append(verdicts.verdict(diff, se, k))
         lines.append(f"- at {100 * (1 - r):g} %: **{said[-1]}** (accuracy, MAT minus StreamingLLM: "
                      + verdicts.evidence(diff, se, paired=True, n=k) + ")")
     lines += ["", f"At every share: **{verdicts.all_of(said)}**.", ""]

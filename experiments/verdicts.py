@@ -18,14 +18,29 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 SE_MULTIPLE = 2  # a difference must pass two standard errors (about 95 % two-sided) to decide a claim
 
 
-def verdict(diff: float, se: float | None) -> str:
+def verdict(diff: float, se: float | None, n: int | None = None) -> str:
     """`HOLDS`, `FAILS` or `INCONCLUSIVE` for a difference `diff` (positive: the claim's way) with standard
-    error `se` (None: unknown, e.g. one sample). Zero difference with zero error is a tie, inconclusive."""
+    error `se` (None: unknown, e.g. one sample). Zero difference with zero error is a tie, inconclusive.
+
+    `n`, for a paired difference: with a zero standard error (every one of the n per-sample differences the same,
+    e.g. 5 prompts each found by one side only) two standard errors bound nothing, and the sign test decides
+    instead: n differences all on one side have probability 2^(1 - n) (two-sided) under no difference, so n >= 6
+    decide at the 5 % that two standard errors stand for, and fewer are inconclusive."""
     if se is None or not math.isfinite(se) or not math.isfinite(diff):
+        return INCONCLUSIVE
+    if se == 0 and diff != 0 and n is not None and sign_test(n) >= SIGN_LEVEL:
         return INCONCLUSIVE
     if abs(diff) > SE_MULTIPLE * se:
         return HOLDS if diff > 0 else FAILS
     return INCONCLUSIVE
+
+
+SIGN_LEVEL = 0.05  # the two-sided level two standard errors stand for
+
+
+def sign_test(n: int) -> float:
+    """The two-sided probability that n paired differences all fall on one side when neither side is better."""
+    return min(1.0, 2 * 0.5 ** n)
 
 
 def all_of(verdicts: list[str]) -> str:
@@ -62,6 +77,9 @@ def evidence(diff: float, se: float | None, *, paired: bool, n: int, of: str = "
     how = f"paired over {n} {of}" if paired else f"unpaired, {n} {of} each"
     if se is None:
         text = f"difference {diff:+.{digits}f}, no standard error ({how})"
+    elif se == 0 and diff != 0 and paired:
+        text = (f"difference {diff:+.{digits}f}, s.e. 0 ({how}): every difference the same, decided by the sign "
+                f"test, p = {sign_test(n):.2g} (two-sided; decides below {SIGN_LEVEL:g})")
     else:
         size = f"{abs(diff) / se:.1f} s.e., " if se > 0 else ""
         text = f"difference {diff:+.{digits}f}, s.e. {se:.{digits}f} ({how}): {size}decided beyond {SE_MULTIPLE} s.e."

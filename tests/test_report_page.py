@@ -230,3 +230,18 @@ def test_the_kvpress_block_counts_agreement_from_the_answers(tmp_path):
     assert "(2 answers; niah_single_1: 1 prompts; chat template on, protocol agnostic)" in text
     assert "kvpress gives kvjax's answer in **1 of 2**" in text
     assert "| tova | 0.5 | 1 | 0 | 1 | 0 | TOVAPress |" in text and "| tova | 0.5 | niah_single_1 | 0 | '1.' | '2.' |" in text
+
+
+def test_versus_claims_pair_two_methods_at_each_ratio_both_ran():
+    # KVzip finds 8 of 10 at 0.5 and SnapKV 2 of 10 (the same first two): differences six 1s and four 0s, mean 0.6,
+    # variance (6 x 0.4^2 + 4 x 0.6^2) / 9 = 0.2667, s.e. 0.163: 3.7 s.e., holds. At 0.875 only KVzip ran.
+    rows = (records("kvzip@0.5", "KVzip(ratio=0.5)", [1] * 8 + [0] * 2)
+            + records("snapkv@0.5", SNAP.format("max"), [1, 1] + [0] * 8)
+            + records("kvzip@0.875", "KVzip(ratio=0.875)", [1] * 10)
+            + records("kvzip@0.5", "KVzip(ratio=0.5)", [1], task="vt"))  # a prompt SnapKV has not run: not paired
+    for r in rows:
+        r["kv_held"] = 0.5
+    (claim,) = compare.versus_claims(rows, [("kvzip", "snapkv")])
+    assert claim == ("kvzip >= snapkv at 0.5: **holds** (in points, difference +60.0, s.e. 16.3 (paired over 10 "
+                     "prompts): 3.7 s.e., decided beyond 2 s.e.; KV held 0.500 against 0.500)")
+    assert compare.versus_claims(rows, [("snapkv", "tova")]) == ["snapkv >= tova: **no verdict**, no ratio where both ran"]

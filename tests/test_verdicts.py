@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from experiments import verdicts
 from experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, all_of, binomial_se, evidence, paired_se, verdict
 
 
@@ -63,3 +64,14 @@ def test_reliability_the_evidence_names_the_numbers_and_the_training_share():
         "difference +0.000, s.e. 0.000 (unpaired, 30 items each): decided beyond 2 s.e."
     assert evidence(0.01, None, paired=True, n=1, of="sequences") == \
         "difference +0.010, no standard error (paired over 1 sequence)"
+
+
+def test_reliability_a_zero_paired_error_is_decided_by_the_sign_test():
+    # 5 prompts, each found by one side only: every difference +1, s.e. 0; under no difference all five on one
+    # side has probability 2 x 2^-5 = 0.0625 (two-sided): not below 0.05, so inconclusive; six: 0.03125, holds
+    assert verdicts.sign_test(5) == 0.0625 and verdicts.sign_test(6) == 0.03125
+    assert verdicts.verdict(1.0, 0.0, 5) == verdicts.INCONCLUSIVE
+    assert verdicts.verdict(1.0, 0.0, 6) == verdicts.HOLDS and verdicts.verdict(-1.0, 0.0, 6) == verdicts.FAILS
+    assert verdicts.verdict(0.0, 0.0, 30) == verdicts.INCONCLUSIVE  # a tie stays a tie
+    text = verdicts.evidence(1.0, 0.0, paired=True, n=5, of="prompts")
+    assert "every difference the same, decided by the sign test, p = 0.062" in text

@@ -84,11 +84,37 @@ def slimkv_claims(rows: list[dict]) -> list[str]:
             head = f"SlimKV >= SnapKV, `{slim}` against `{snap}`"
             if a == b:
                 lines.append(f"{head} (matched: {_settings_text(a)}; same prompts, same kept count): "
-                             f"**{verdict(diff, se)}** ({numbers})")
+                             f"**{verdict(diff, se, n)}** ({numbers})")
             else:
                 differs = "; ".join(f"{k} {a.get(k, '-').strip(chr(39))} against {b.get(k, '-').strip(chr(39))}"
                                     for k in SETTINGS if a.get(k) != b.get(k))
                 lines.append(f"{head}: **no verdict**, not matched ({differs}; {numbers})")
+    return lines
+
+
+def versus_claims(rows: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
+    """"A >= B" for each (A, B) method pair at each ratio both ran, paired over the prompts both have, by the rule
+    (`experiments.verdicts`), with the KV bytes each held (a comparison at one nominal ratio is matched in bytes only
+    where those agree: the line says what each held)."""
+    lines = []
+    by_label = {lab: [r for r in rows if r["label"] == lab] for lab in dict.fromkeys(r["label"] for r in rows)}
+    for a, b in pairs:
+        ratios = sorted({split_label(lab)[1] for lab in by_label if split_label(lab)[0] == a} &
+                        {split_label(lab)[1] for lab in by_label if split_label(lab)[0] == b} - {None})
+        if not ratios:
+            lines.append(f"{a} >= {b}: **no verdict**, no ratio where both ran")
+        for ratio in ratios:
+            la, lb = f"{a}@{ratio:g}", f"{b}@{ratio:g}"
+            sa, sb = scores(rows, la), scores(rows, lb)
+            both = sa.keys() & sb.keys()
+            diff, se, n = paired_gap({k: sa[k] for k in both}, {k: sb[k] for k in both})
+            diff, se = 100 * diff, None if se is None else 100 * se
+            held = [[r.get("kv_held") for r in by_label[lab] if (r["task"], r["length"], r["index"]) in both]
+                    for lab in (la, lb)]
+            bytes_ = ("" if any(None in h for h in held) else
+                      f"; KV held {sum(held[0]) / n:.3f} against {sum(held[1]) / n:.3f}")
+            lines.append(f"{a} >= {b} at {ratio:g}: **{verdict(diff, se, n)}** (in points, "
+                         + evidence(diff, se, paired=True, n=n, of="prompts", digits=1) + bytes_ + ")")
     return lines
 
 
