@@ -10,7 +10,7 @@ command line, the flag (`--lengths 9`).
     from experiments import driver, passkey
     lm = driver.load_model("models/small")
     result = passkey.suite(lm, driver.resolve_policies("full,streaming", budget=256), "results/pk")
-    result.summary["streaming"]          # {length: {depth: accuracy}}
+    result.summary["streaming"]          # {"length": {"depth": accuracy}}, keys as JSON writes them
 
 A suite declares a `Suite` (its cells, a cell's record id, how a batch of cells runs, how the records
 become tables and plots) and hands it to `run_suite`, which does the steps every suite shares: `claim`
