@@ -13,9 +13,10 @@ the run's chat-template mode): a comparison of answers to different prompts woul
 Each kvjax method (a label of the report's RULER section) maps to the press kvpress implements it with, at kvjax's
 settings (`PRESSES`): SnapKV at kvpress's own settings (window 64, kernel 5, average pooling: `snapkv-kvpress`),
 AdaKV around a SnapKVPress with kvjax's window 32 and kernel 7 (kvpress's SnapKV pools by average, kvjax's `adakv`
-by maximum: a difference the table states), DuoAttention with the head scores of the run's `duo.json` (kvpress would
-download a pattern; here its loader is handed kvjax's scores, so both prune the same heads), KVzip with the model's
-chat template for its replay (kvpress reads the tokenizer by name from a hub; here it is handed the pipeline's).
+by maximum: a difference the table states) and at kvpress's own settings (`adakv-kvpress`, matched), DuoAttention
+with the head scores of the run's `duo.json` (kvpress would download a pattern; here its loader is handed kvjax's
+scores, so both prune the same heads), KVzip with the model's chat template for its replay (kvpress reads the
+tokenizer by name from a hub; here it is handed the pipeline's).
 
 Records: OUT/answers.jsonl (one per method, ratio, task and sample: both answers, both scores, whether they agree;
 appended and fsynced, so a killed run resumes), OUT/agreement.{md,json}. Needs the test extra (torch, transformers,
@@ -51,6 +52,8 @@ SETTINGS = {
                           "epsilon=0)",
     "adakv": "AdaKVPress(SnapKVPress(window_size=32, kernel_size=7), alpha_safeguard=0.2): kvpress's SnapKV pools by "
              "average, kvjax's adakv by maximum",
+    "adakv-kvpress": "AdaKVPress(SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2): average pooling, "
+                     "as kvjax's adakv-kvpress",
     "duo": "DuoAttentionPress(head_compression_ratio=r), the run's duo.json head scores, 128 sinks, 256 recent",
     "kvzip": "KVzipPress(chunk_size=2048, n_sink=4), the replay in the model's chat template",
 }
@@ -77,6 +80,9 @@ def make_press(name: str, ratio: float | None):
                                               use_covariance=True, use_vnorm=True, epsilon=0.0)
     if name == "adakv":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7),
+                                  alpha_safeguard=0.2)
+    if name == "adakv-kvpress":
+        return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
                                   alpha_safeguard=0.2)
     if name == "duo":
         return kvpress.DuoAttentionPress(head_compression_ratio=ratio)

@@ -151,10 +151,13 @@ def _kvzap_thresholds(args, ratios) -> dict[float, float]:
 
 
 # SnapKV and SlimKV at each other's pooling and both at kvpress's SnapKVPress settings (window 64, kernel 5,
-# avg-pool): with `snapkv` (its paper's max-pool) and `slimkv` (its own avg-pool), every setting has both scores
+# avg-pool): with `snapkv` (its paper's max-pool) and `slimkv` (its own avg-pool), every setting has both scores.
+# `adakv-kvpress`: AdaKV on SnapKV at those settings, as kvpress's AdaKVPress(SnapKVPress()) runs by default
+# (`experiments.kvpress_agreement` compares the two).
 MATCHED_POOLING = {"snapkv-avg": {"pool": "avg"}, "slimkv-max": {"pool": "max"},
                    "snapkv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"},
-                   "slimkv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"}}
+                   "slimkv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"},
+                   "adakv-kvpress": {"observation_window": 64, "kernel": 5, "pool": "avg"}}
 PASSKEY_SAMPLES = 5  # per prompt length and key depth, in section 2
 
 
