@@ -192,9 +192,12 @@ def perplexity_section(run: Run) -> tuple[list[str], list[str]]:
         pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
                                        num_layers=depth)
         res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
-                          text=args.ppl_text)
+                          text=args.ppl_text, sequences=args.ppl_sequences, anchor_grid=args.ppl_anchor_grid)
         roll = res.summary["ppl"]
-        md += [f"StreamingLLM and MAT at budget {budget} (rolling positions):", "", res.table, "",
+        beta = ("MAT's β grid-searched per length on a tuning window (`--ppl-anchor-grid`)" if args.ppl_anchor_grid
+                else f"MAT's β = {pols['mat'].deep.anchor_slots}, not tuned")
+        md += [f"StreamingLLM and MAT at budget {budget} (rolling positions; {args.ppl_sequences} sequence(s) per "
+               f"length; {beta}):", "", res.table, "",
                f"![perplexity](perplexity/rolling-{budget}/perplexity.png)", ""]
         # per length, StreamingLLM's log-perplexity minus MAT's (positive: MAT's is lower), paired over the
         # sequences; one sequence has no standard error, so its length is inconclusive whatever the gap
@@ -527,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="section 1's text lengths (default: half the window, the window, twice it)")
     p.add_argument("--ppl-text", action="append",
                    help="section 1's text file (repeatable; default: the held-out standard-library text)")
+    p.add_argument("--ppl-sequences", type=positive_int, default=1,
+                   help="section 1's sequences per length (MAT Table 3 averages many): the claim's standard error "
+                        "is over them, and one sequence has none")
+    p.add_argument("--ppl-anchor-grid", type=perplexity.anchor_grid_arg,
+                   help="section 1: MAT's beta grid-searched per length on a tuning window after the scored "
+                        "sequences ('auto': the paper's grid, 1 and budget/8 .. budget/2), as the paper tunes it")
     p.add_argument("--razor-lengths", type=int_list, help="section 2's prompt lengths (default: passkey's)")
     p.add_argument("--razor-samples", type=positive_int, default=PASSKEY_SAMPLES,
                    help="section 2's prompts per length and key depth")

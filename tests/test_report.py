@@ -141,3 +141,22 @@ def test_trained_variants_claims_from_the_committed_records_are_worded_by_the_ru
     assert ("**does not hold** (accuracy 0.125 vs 0.825, chance 0.250; difference -0.650, s.e. 0.080 (unpaired, "
             "40 items each): 8.2 s.e., decided beyond 2 s.e.; trained on 7.7e-05 of the paper's training tokens "
             "(1/13,000))") in text
+
+
+def test_the_perplexity_section_averages_sequences_and_tunes_mats_beta(tmp_path):
+    """Issue 65, item 5: section 1 scores --ppl-sequences windows (its claim's standard error is over them) and,
+    with --ppl-anchor-grid, MAT at the beta its tuning window chose."""
+    model = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=0)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} of line {i}." for i in range(400)))
+    skip = ",".join(s for s in report.SECTIONS if s != "perplexity")
+    out = tmp_path / "rep"
+    assert report.main(["--model", str(model), "--skip", skip, "--budgets", "16", "--ppl-lengths", "48",
+                        "--ppl-text", str(text), "--ppl-sequences", "2", "--ppl-anchor-grid", "1,4",
+                        "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "(rolling positions; 2 sequence(s) per length; MAT's β grid-searched per length" in md
+    assert "MAT's β per length, the lowest NLL on the tuning window" in md
+    assert "(paired over 2 sequences)" in md
+    grid = json.loads((out / "perplexity" / "rolling-16" / "results.json").read_text())["anchor_grid"]
+    assert set(grid["mat"]["48"]["tuning_nll"]) == {"1", "4"}
