@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments import cli, driver
-from experiments.common import float_list, prompt_ids
+from experiments.common import float_list, model_help, prompt_ids
 from experiments.records import content_fingerprint, write_atomic
 from experiments.ruler import compare, scoring
 from experiments.ruler import tasks as T
@@ -155,7 +155,7 @@ def table(rows: list[dict], methods: list[str], ratios: list[float]) -> tuple[st
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.kvpress_agreement", description=cli.description(__doc__))
     p.add_argument("--records", required=True, help="a kvjax RULER run directory (identity.json, preds.jsonl, data/)")
-    p.add_argument("--model", required=True, help="the model the run used (a name such as smollm2, or its GGUF file)")
+    p.add_argument("--model", required=True, help=model_help() + "; the run's model (transformers reads its .gguf file)")
     p.add_argument("--methods", default="full,streaming,snapkv-kvpress,knorm,tova",
                    help=f"kvjax labels, comma-separated (known: {', '.join(SETTINGS)})")
     p.add_argument("--ratios", type=float_list, default=[0.5, 0.875])
