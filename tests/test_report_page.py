@@ -245,3 +245,5 @@ def test_versus_claims_pair_two_methods_at_each_ratio_both_ran():
     assert claim == ("kvzip >= snapkv at 0.5: **holds** (in points, difference +60.0, s.e. 16.3 (paired over 10 "
                      "prompts): 3.7 s.e., decided beyond 2 s.e.; KV held 0.500 against 0.500)")
     assert compare.versus_claims(rows, [("snapkv", "tova")]) == ["snapkv >= tova: **no verdict**, no ratio where both ran"]
+    apart = records("tova@0.5", "TOVA()", [1], task="vt") + records("knorm@0.5", "KNorm()", [1])
+    assert compare.versus_claims(apart, [("tova", "knorm")]) == ["tova >= knorm at 0.5: **no verdict**, no prompt both ran"]

@@ -107,6 +107,9 @@ def versus_claims(rows: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
             la, lb = f"{a}@{ratio:g}", f"{b}@{ratio:g}"
             sa, sb = scores(rows, la), scores(rows, lb)
             both = sa.keys() & sb.keys()
+            if not both:  # each ran other prompts: nothing is paired
+                lines.append(f"{a} >= {b} at {ratio:g}: **no verdict**, no prompt both ran")
+                continue
             diff, se, n = paired_gap({k: sa[k] for k in both}, {k: sb[k] for k in both})
             diff, se = 100 * diff, None if se is None else 100 * se
             held = [[r.get("kv_held") for r in by_label[lab] if (r["task"], r["length"], r["index"]) in both]
