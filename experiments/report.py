@@ -440,7 +440,7 @@ def quantization_section(run: Run) -> tuple[list[str], list[str]]:
     length = args.quant_ppl_length or min(ppl_lengths)
     ppl = driver.call(p, perplexity.suite, lm, at_widths(
         driver.resolve_policies("full") | driver.resolve_policies("streaming", budget=args.budget)),
-        d / "perplexity", lengths=[length], text=args.ppl_text)
+        d / "perplexity", lengths=[length], text=args.ppl_text, sequences=args.ppl_sequences)
     keys = driver.call(p, passkey.suite, lm, at_widths(
         driver.resolve_policies("full") | driver.resolve_policies("snapkv", budget=args.budget, **window)),
         d / "passkey", lengths=args.razor_lengths, samples=args.razor_samples)
@@ -448,7 +448,8 @@ def quantization_section(run: Run) -> tuple[list[str], list[str]]:
            f"16: the model's dtype; 8: int8 per token; 4 and 2: KIVI (keys per channel, values per token, group "
            f"{group}, the 128 most recent tokens in full precision, fewer where that would make the cache larger than "
            f"16-bit). StreamingLLM and SnapKV at budget "
-           f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({length} tokens):",
+           f"{args.budget}. Perplexity, the text read token by token, each token attending the stored cache ({args.ppl_sequences} "
+           f"sequence(s) of {length} tokens):",
            "", ppl.table, "", "Passkey accuracy %: the prompt is attended in full precision and then stored, as KIVI "
            "prefills, so the width acts on the answer's tokens:", "", keys.table, ""]
     full_ppl = ppl.summary["ppl"]
@@ -531,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-text", action="append",
                    help="section 1's text file (repeatable; default: the held-out standard-library text)")
     p.add_argument("--ppl-sequences", type=positive_int, default=1,
-                   help="section 1's sequences per length (MAT Table 3 averages many): the claim's standard error "
-                        "is over them, and one sequence has none")
+                   help="sections 1's and 8's (quantization's) sequences per length (MAT Table 3 averages many): "
+                        "the claims' standard errors are over them, and one sequence has none")
     p.add_argument("--ppl-anchor-grid", type=perplexity.anchor_grid_arg,
                    help="section 1: MAT's beta grid-searched per length on a tuning window after the scored "
                         "sequences ('auto': the paper's grid, 1 and budget/8 .. budget/2), as the paper tunes it")

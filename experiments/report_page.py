@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from experiments import cli, verdicts
+from experiments.held import mean_held, shown_held
 from experiments.records import write_atomic
 from experiments.ruler import compare
 from kvjax.errors import InvalidInput, MissingFile
@@ -234,8 +235,138 @@ def kvpress(run: Path, where: str, *, figures: Path | None = None) -> str:
         f"kvpress gives kvjax's answer in **{same} of {len(rows)}**.", "", text, ""])
 
 
+# passkey and perplexity records name a policy by its description; a block names it by its class and width
+_NAMES = {"FullCache": "full", "StreamingLLM": "streaming", "H2O": "h2o", "RazorAttention": "razor", "SnapKV": "snapkv"}
+
+
+def _name(description: str) -> str:
+    """"streaming" for StreamingLLM(...), "full@2" for Quantized(FullCache(...), bits=2, ...): a block's key."""
+    head = compare.family(description)
+    if head == "Quantized":
+        bits = re.findall(r"\bbits=(\d+)", description)[-1]  # the outermost: Quantized's own arguments come last
+        return f"{_name(description[len('Quantized('):])}@{bits}"
+    return _NAMES.get(head, head.lower())
+
+
+def _shown(description: str) -> str:
+    """A row's name: the class and its budget ("StreamingLLM(3243)"), a quantized cache's width and scheme."""
+    head = compare.family(description)
+    if head == "Quantized":
+        inner = description[len("Quantized("):]
+        bits = int(_name(description).rsplit("@", 1)[1])
+        group, residual = (re.findall(rf"\b{k}=(\d+)", description) for k in ("group", "residual"))
+        scheme = "int8 per token" if bits == 8 else f"KIVI {bits}-bit" + (f", G {group[-1]}" if group else "") + (
+            f", R {residual[-1]}" if residual else "")
+        return f"{_shown(inner)}, {scheme}"
+    budget = re.search(r"\bbudget=(\d+)", description)
+    return "full cache" if head == "FullCache" else head + (f"({budget.group(1)})" if budget else "")
+
+
+def _passkey_records(run: Path) -> list[dict]:
+    path = run / "samples.jsonl"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no passkey records there")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def passkey(run: Path, where: str, versus: str | None = None, *, figures: Path | None = None) -> str:
+    """Passkey retrieval (`experiments.passkey`'s samples.jsonl in `run`): keys found per policy and prompt length,
+    by depth, the KV bytes held; `versus` ("razor:streaming,razor:h2o", the blocks' names: `_name`) claims "A >= B"
+    at each length, paired over the (depth, sample) prompts both ran, by the rule of `experiments.verdicts`."""
+    rows = _passkey_records(run)
+    names = {}
+    for r in rows:
+        names.setdefault(_name(r["policy"]), r["policy"])
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    found = {(n, L): {(r["depth"], r["id"].rsplit("|", 1)[1]): float(r["correct"]) for r in rows
+                      if _name(r["policy"]) == n and r["length"] == L} for n in names for L in lengths}
+    held = {(n, L): mean_held([r for r in rows if _name(r["policy"]) == n and r["length"] == L])
+            for n in names for L in lengths}
+    lines = [f"Records: `{where}` ({len(rows)} prompts answered). Keys found, of the prompts at each length "
+             "(KV held: the share of the full cache's KV bytes the compressed prompt held):", "",
+             "| policy | " + " | ".join(f"{L} tokens | KV held" for L in lengths) + " |",
+             "|---|" + "---|---|" * len(lengths)]
+    for n, desc in names.items():
+        cells = [f"{int(sum(found[n, L].values()))} / {len(found[n, L])} | {shown_held(held[n, L])}"
+                 if found[n, L] else " | " for L in lengths]
+        lines.append(f"| {_shown(desc)} | " + " | ".join(cells) + " |")
+    lines += ["", "By depth (% of the prompts at that length and depth):", "",
+              "| policy | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
+              "|---|---|" + "---|" * len(depths)]
+    for n, desc in names.items():
+        for L in lengths:
+            if not found[n, L]:
+                continue
+            at = [[v for (d, _), v in found[n, L].items() if d == depth] for depth in depths]
+            lines.append(f"| {_shown(desc)} | {L} | " + " | ".join(f"{100 * sum(a) / len(a):.0f}" if a else ""
+                                                               for a in at) + " |")
+    if versus:
+        pairs = [tuple(pair.split(":")) for pair in versus.split(",")]
+        if any(len(pair) != 2 or not set(pair) <= names.keys() for pair in pairs):
+            raise InvalidInput(f"{where}: versus={versus} is not A:B,... over the records' policies "
+                               f"({', '.join(names)})")
+        lines += ["", "Each claim \"A >= B\" by the rule of `experiments.verdicts` (holds / does not hold beyond two "
+                  "paired standard errors, else inconclusive), paired over the prompts both ran:", ""]
+        for a, b in pairs:
+            for L in lengths:
+                both = found[a, L].keys() & found[b, L].keys()
+                if not both:
+                    lines.append(f"- {a} >= {b} at {L} tokens: **no verdict**, no prompt both ran")
+                    continue
+                diff, se, k = verdicts.paired_gap({x: found[a, L][x] for x in both}, {x: found[b, L][x] for x in both})
+                diff, se = 100 * diff, None if se is None else 100 * se
+                lines.append(f"- {_shown(names[a])} >= {_shown(names[b])} at {L} tokens: "
+                             f"**{verdicts.verdict(diff, se, k)}** (keys found, in points, "
+                             + verdicts.evidence(diff, se, paired=True, n=k, of="prompts", digits=1)
+                             + ("" if None in (held[a, L], held[b, L]) else
+                                f"; KV held {shown_held(held[a, L])} against {shown_held(held[b, L])}") + ")")
+    return "\n".join(lines + [""])
+
+
+def quantization(run: Path, where: str, within: str = "0.05", *, figures: Path | None = None) -> str:
+    """A quantized cache (the report's quantization section in `run`: perplexity/ and passkey/): perplexity per
+    width, and the claim that each width keeps the full cache's perplexity within `within` (a share), paired over
+    the sequences by the rule; then the passkey table (`passkey`)."""
+    path = run / "perplexity" / "results.json"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no perplexity records there")
+    r = json.loads(path.read_text())
+    margin = math.log1p(float(within))
+    (length,) = {L for per in r["ppl"].values() for L in per}
+    names = {_name(d): d for d in r["policies"].values()}
+    label = {_name(d): lab for lab, d in r["policies"].items()}
+    bases = list(dict.fromkeys(n.split("@")[0] for n in names))
+    widths = sorted({int(n.split("@")[1]) for n in names if "@" in n}, reverse=True)
+    seqs = len(next(iter(r["nll_per_sequence"].values()))[length])
+    ppl = lambda n: r["ppl"][label[n]][length]  # noqa: E731
+    nll = lambda n: r["nll_per_sequence"][label[n]][length]  # noqa: E731
+    lines = [f"Records: `{where}/perplexity` ({seqs} sequence(s) of {length} tokens, read token by token through "
+             f"the stored cache) and `{where}/passkey`. Perplexity, and its change from the same policy in the model's "
+             "dtype:", "", "| cache | " + " | ".join(_shown(names[b]) for b in bases) + " |",
+             "|---|" + "---|" * len(bases), "| the model's dtype | " + " | ".join(f"{ppl(b):.2f}" for b in bases) + " |"]
+    for w in widths:
+        cells = [f"{ppl(f'{b}@{w}'):.2f} ({100 * (ppl(f'{b}@{w}') / ppl(b) - 1):+.1f} %)" for b in bases]
+        lines.append(f"| {_shown(names[f'{bases[0]}@{w}']).split(', ', 1)[1]} | " + " | ".join(cells) + " |")
+    lines += ["", f"Each claim \"a width keeps the policy's perplexity in the model's dtype within "
+              f"{100 * float(within):g} %\" by the rule of `experiments.verdicts`: log({1 + float(within):g}) minus the log-perplexity gap, paired over the "
+              "sequences (one sequence has no standard error: inconclusive):", ""]
+    for b in bases:
+        for w in widths:
+            gaps = [q - f for q, f in zip(nll(f"{b}@{w}"), nll(b))]
+            diff = margin - sum(gaps) / len(gaps)
+            se = verdicts.paired_se(gaps)
+            lines.append(f"- {_shown(names[f'{b}@{w}'])}: **{verdicts.verdict(diff, se, len(gaps))}** ("
+                         f"{ppl(f'{b}@{w}'):.2f} against {ppl(b):.2f}; "
+                         + verdicts.evidence(diff, se, paired=True, n=len(gaps), of="sequences", digits=4) + ")")
+    if (run / "passkey").is_dir():
+        lines += ["", "Passkey (the prompt attended in the model's dtype, then stored: the width acts on the answer's "
+                  "tokens):", "", passkey(run / "passkey", f"{where}/passkey")]
+    return "\n".join(lines + [""])
+
+
 BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm,
-                                         "kvpress": kvpress}
+                                         "kvpress": kvpress, "passkey": passkey, "quantization": quantization}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments import report_page, verdicts
@@ -247,3 +248,59 @@ def test_versus_claims_pair_two_methods_at_each_ratio_both_ran():
     assert compare.versus_claims(rows, [("snapkv", "tova")]) == ["snapkv >= tova: **no verdict**, no ratio where both ran"]
     apart = records("tova@0.5", "TOVA()", [1], task="vt") + records("knorm@0.5", "KNorm()", [1])
     assert compare.versus_claims(apart, [("tova", "knorm")]) == ["tova >= knorm at 0.5: **no verdict**, no prompt both ran"]
+
+
+PK_FULL = "FullCache(positions='absolute', prefill_mode='full')"
+PK_STREAM = "StreamingLLM(budget=3243, sinks=4, positions='absolute', prefill_mode='full')"
+PK_RAZOR = "RazorAttention(retrieval=((True, False),), buffer=256, sinks=4, compression=5)"
+
+
+def passkey_samples(run: Path, found: dict[str, list[int]], length: int = 4096) -> None:
+    """samples.jsonl as `experiments.passkey` writes it: 10 prompts per policy (depths 0 .. 1 x 2 samples)."""
+    run.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": f"{pol}|{length}|{(i // 2) / 4}|{i % 2}", "policy": pol, "length": length, "depth": (i // 2) / 4,
+             "key": 12345, "needle_at": 0, "output": "", "correct": bool(c), "kv_held": held}
+            for pol, held in ((PK_FULL, 1.0), (PK_STREAM, 0.79), (PK_RAZOR, 0.4)) if pol in found
+            for i, c in enumerate(found[pol])]
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_passkey_block_counts_keys_by_depth_and_pairs_razor_with_a_baseline(tmp_path):
+    # Razor finds 8 of 10 and StreamingLLM 2, each of StreamingLLM's among Razor's: the paired differences are six
+    # 1s and four 0s, mean 0.6, sample s.d. sqrt((6 x 0.16 + 4 x 0.36) / 9) = 0.5164, s.e. 0.1633: 60.0 points,
+    # s.e. 16.3, 3.7 s.e., holds
+    passkey_samples(tmp_path / "pk", {PK_FULL: [1] * 8 + [0] * 2, PK_RAZOR: [1] * 8 + [0] * 2,
+                                      PK_STREAM: [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]})
+    text = report_page.passkey(tmp_path / "pk", "pk", versus="razor:streaming,razor:full")
+    assert "| RazorAttention | 8 / 10 | 0.4000 |" in text and "| StreamingLLM(3243) | 2 / 10 | 0.7900 |" in text
+    assert "| StreamingLLM(3243) | 4096 | 0 | 100 | 0 | 0 | 0 |" in text  # depth 0.25's two prompts
+    assert ("- RazorAttention >= StreamingLLM(3243) at 4096 tokens: **holds** (keys found, in points, difference "
+            "+60.0, s.e. 16.3 (paired over 10 prompts)") in text
+    assert "KV held 0.4000 against 0.7900" in text
+    # the same answers as the full cache: a zero difference with no spread is a tie, not a verdict
+    assert "- RazorAttention >= full cache at 4096 tokens: **inconclusive**" in text
+    with pytest.raises(report_page.InvalidInput, match="versus=razor:h2o"):
+        report_page.passkey(tmp_path / "pk", "pk", versus="razor:h2o")
+
+
+def test_the_quantization_block_judges_each_width_within_five_percent_over_sequences(tmp_path):
+    run = tmp_path / "q"
+    passkey_samples(run / "passkey", {PK_FULL: [1] * 8 + [0] * 2})
+    full = PK_FULL
+    q = lambda bits, extra="": f"Quantized({full}, bits={bits}{extra})"  # noqa: E731
+    policies = {"full@16": full, "full@8 (8-bit KV)": q(8, ", residual=0"),
+                "full@2 (2-bit KV)": q(2, ", group=32, residual=128")}
+    # per-sequence NLLs: 8-bit adds 0.001 and 0.003 (mean 0.002, s.e. 0.001; log 1.05 - 0.002 = 0.0468, 47 s.e.:
+    # holds); 2-bit adds 0.20 and 0.22 (mean 0.21, s.e. 0.01; 0.0488 - 0.21 = -0.1612, 16 s.e.: does not hold)
+    nll = {"full@16": [2.0, 3.0], "full@8 (8-bit KV)": [2.001, 3.003], "full@2 (2-bit KV)": [2.2, 3.22]}
+    ppl = {k: {"2048": float(np.exp(np.mean(v)))} for k, v in nll.items()}
+    (run / "perplexity").mkdir(parents=True)
+    (run / "perplexity" / "results.json").write_text(json.dumps(
+        {"ppl": ppl, "nll_per_sequence": {k: {"2048": v} for k, v in nll.items()}, "policies": policies}))
+    text = report_page.quantization(run, "q")
+    assert "(2 sequence(s) of 2048 tokens" in text
+    assert "| KIVI 2-bit, G 32, R 128 | 15.03 (+23.4 %) |" in text  # exp(2.71) / exp(2.5)
+    assert "- full cache, int8 per token: **holds** (12.21 against 12.18; difference +0.0468, s.e. 0.0010" in text
+    assert "- full cache, KIVI 2-bit, G 32, R 128: **does not hold** (15.03 against 12.18; difference -0.1612, " \
+           "s.e. 0.0100 (paired over 2 sequences)" in text
+    assert "| full cache | 8 / 10 |" in text  # the passkey table beside it
