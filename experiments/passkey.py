@@ -143,6 +143,14 @@ def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: in
                                                     unit=lambda cell: cell[1]))
 
 
+def found_by_prompt(records: list[dict], policy: str, length: int) -> dict[tuple[float, str], float]:
+    """`{(depth, sample): 1.0 or 0.0}`: whether `policy`'s record (`policy` as the records name it) of each prompt of
+    `length` tokens found the key. A prompt is its length, depth and sample (the same key for every policy:
+    `cells`), so two policies' maps pair prompt by prompt (`experiments.verdicts.paired_gap`)."""
+    return {(r["depth"], r["id"].rsplit("|", 1)[1]): float(r["correct"]) for r in records
+            if r["policy"] == policy and r["length"] == length}
+
+
 def accuracy_table(records: list[dict]) -> dict[int, dict[float, float]]:
     """{length: {depth: accuracy}}."""
     cells: dict[int, dict[float, list[bool]]] = {}

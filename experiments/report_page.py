@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from experiments import cli, verdicts
+from experiments import passkey as passkey_suite
 from experiments.held import mean_held, shown_held
 from experiments.records import write_atomic
 from experiments.ruler import compare
@@ -279,11 +280,14 @@ def passkey(run: Path, where: str, versus: str | None = None, *, figures: Path |
         names.setdefault(_name(r["policy"]), r["policy"])
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
-    found = {(n, L): {(r["depth"], r["id"].rsplit("|", 1)[1]): float(r["correct"]) for r in rows
-                      if _name(r["policy"]) == n and r["length"] == L} for n in names for L in lengths}
+    found = {(n, L): passkey_suite.found_by_prompt(rows, desc, L) for n, desc in names.items() for L in lengths}
     held = {(n, L): mean_held([r for r in rows if _name(r["policy"]) == n and r["length"] == L])
             for n in names for L in lengths}
-    lines = [f"Records: `{where}` ({len(rows)} prompts answered). Keys found, of the prompts at each length "
+    identity = json.loads((run / "identity.json").read_text()) if (run / "identity.json").is_file() else {}
+    how = "".join(f", {k.lstrip('-')} {identity[k]}" for k in ("--protocol", "--batch", "--seed") if k in identity)
+    if "weights" in identity:
+        how += f", {identity['model dtype']} weights {identity['weights']}"
+    lines = [f"Records: `{where}` ({len(rows)} prompts answered{how}). Keys found, of the prompts at each length "
              "(KV held: the share of the full cache's KV bytes the compressed prompt held):", "",
              "| policy | " + " | ".join(f"{L} tokens | KV held" for L in lengths) + " |",
              "|---|" + "---|---|" * len(lengths)]

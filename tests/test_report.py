@@ -160,3 +160,23 @@ def test_the_perplexity_section_averages_sequences_and_tunes_mats_beta(tmp_path)
     assert "(paired over 2 sequences)" in md
     grid = json.loads((out / "perplexity" / "rolling-16" / "results.json").read_text())["anchor_grid"]
     assert set(grid["mat"]["48"]["tuning_nll"]) == {"1", "4"}
+
+
+def test_razors_claim_is_paired_at_equal_bytes_and_quantizations_over_sequences(tmp_path):
+    """Issue 65: RazorAttention's claim pairs its prompts with the better baseline's at the length where the bytes
+    are equal (not two pooled accuracies); the quantization section scores --ppl-sequences windows, so its claim has
+    a standard error over them."""
+    model = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=512), seed=0)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} of line {i}." for i in range(400)))
+    skip = ",".join(s for s in report.SECTIONS if s not in ("razor", "quantization"))
+    out = tmp_path / "rep"
+    assert report.main(["--model", str(model), "--skip", skip, "--budget", "32", "--razor-lengths", "300,480",
+                        "--razor-samples", "1", "--ppl-text", str(text), "--quant-ppl-length", "48",
+                        "--ppl-sequences", "2", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    claim = next(c for c in md.splitlines() if c.startswith("- RazorAttention retrieves"))
+    assert "at equal cache bytes (480 tokens, budget" in claim and "(paired over 5 prompts)" in claim
+    kivi = next(c for c in md.splitlines() if c.startswith("- KIVI 2-bit"))
+    assert "(paired over 2 sequences)" in kivi
+    assert "2 sequence(s) of 48 tokens" in md
