@@ -233,7 +233,10 @@ def main(argv: list[str]) -> int:
                      "kvjax": ours["pred"], "kvpress": pred, "same": ours["pred"] == pred,
                      "kvjax_score": ours["score"],
                      "kvpress_score": scoring.sample_score(pred, sample["outputs"], T.METRICS[T.TASKS[task].kind])})
-    text, summary = table(list(log), methods, args.ratios)
+    # the table is of every answer in OUT (a resumed run may have added other methods, ratios or samples to it)
+    rows = list(log)
+    text, summary = table(rows, list(dict.fromkeys(r["method"] for r in rows)),
+                          sorted({r["ratio"] for r in rows if r["ratio"] is not None}))
     out = Path(args.out)
     write_atomic(out / "agreement.md", f"# kvpress 0.5.5's pipeline beside kvjax, {records}\n\n{text}\n")
     write_atomic(out / "agreement.json", json.dumps(summary, indent=1) + "\n")
