@@ -259,6 +259,9 @@ def _shown(description: str) -> str:
         scheme = "int8 per token" if bits == 8 else f"KIVI {bits}-bit" + (f", G {group[-1]}" if group else "") + (
             f", R {residual[-1]}" if residual else "")
         return f"{_shown(inner)}, {scheme}"
+    whole = re.search(r"(\d+/\d+) KV heads kept whole", description)  # RazorAttention's head table
+    if whole:
+        return f"{head}({whole.group(1)} KV heads whole)"
     budget = re.search(r"\bbudget=(\d+)", description)
     return "full cache" if head == "FullCache" else head + (f"({budget.group(1)})" if budget else "")
 
@@ -270,18 +273,27 @@ def _passkey_records(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def passkey(run: Path, where: str, versus: str | None = None, *, figures: Path | None = None) -> str:
+def passkey(run: Path, where: str, versus: str | None = None, label: str | None = None, *,
+            figures: Path | None = None) -> str:
     """Passkey retrieval (`experiments.passkey`'s samples.jsonl in `run`): keys found per policy and prompt length,
     by depth, the KV bytes held; `versus` ("razor:streaming,razor:h2o", the blocks' names: `_name`) claims "A >= B"
-    at each length, paired over the (depth, sample) prompts both ran, by the rule of `experiments.verdicts`."""
+    at each length, paired over the (depth, sample) prompts both ran, by the rule of `experiments.verdicts`.
+    `label` ("a6a52c5c:retrieval,0/90:none"): a policy whose description holds the text before a colon is named by
+    the word after it, for runs where two policies of one class would share a name (RazorAttention's head tables)."""
     rows = _passkey_records(run)
+    relabel = [tuple(x.split(":", 1)) for x in label.split(",")] if label else []
+    if any(len(x) != 2 for x in relabel):
+        raise InvalidInput(f"{where}: label={label} is not TEXT:NAME,...")
+    named = lambda desc: next((n for text, n in relabel if text in desc), None) or _name(desc)  # noqa: E731
     names = {}
     for r in rows:
-        names.setdefault(_name(r["policy"]), r["policy"])
+        if names.setdefault(named(r["policy"]), r["policy"]) != r["policy"]:
+            raise InvalidInput(f"{where}: two policies are named {named(r['policy'])!r} ({names[named(r['policy'])][:60]}"
+                               f"... and {r['policy'][:60]}...): give label=TEXT:NAME")
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     found = {(n, L): passkey_suite.found_by_prompt(rows, desc, L) for n, desc in names.items() for L in lengths}
-    held = {(n, L): mean_held([r for r in rows if _name(r["policy"]) == n and r["length"] == L])
+    held = {(n, L): mean_held([r for r in rows if r["policy"] == names[n] and r["length"] == L])
             for n in names for L in lengths}
     identity = json.loads((run / "identity.json").read_text()) if (run / "identity.json").is_file() else {}
     how = "".join(f", {k.lstrip('-')} {identity[k]}" for k in ("--protocol", "--batch", "--seed") if k in identity)

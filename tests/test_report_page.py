@@ -304,3 +304,25 @@ def test_the_quantization_block_judges_each_width_within_five_percent_over_seque
     assert "- full cache, KIVI 2-bit, G 32, R 128: **does not hold** (15.03 against 12.18; difference -0.1612, " \
            "s.e. 0.0100 (paired over 2 sequences)" in text
     assert "| full cache | 8 / 10 |" in text  # the passkey table beside it
+
+
+def test_the_passkey_block_tells_razor_head_tables_apart_only_when_labelled(tmp_path):
+    """RazorAttention Table 1's controls are three RazorAttention policies: one name would merge their records, so
+    the block refuses them unlabelled and names each by `label=`."""
+    run = tmp_path / "t1"
+    tables = {"aaaa1111: 22/90": [1] * 6 + [0] * 4, "bbbb2222: 22/90": [1] * 2 + [0] * 8, "cccc3333: 0/90": [0] * 10}
+    rows = [{"id": f"{t}|8184|{(i // 2) / 4}|{i % 2}", "policy": f"RazorAttention(retrieval {t} KV heads kept whole, "
+             "compression=inf)", "length": 8184, "depth": (i // 2) / 4, "correct": bool(c), "kv_held": 0.5}
+            for t, found in tables.items() for i, c in enumerate(found)]
+    run.mkdir()
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(report_page.InvalidInput, match="two policies are named 'razor'"):
+        report_page.passkey(run, "t1")
+    text = report_page.passkey(run, "t1", versus="retrieval:random,retrieval:none",
+                               label="aaaa1111:retrieval,bbbb2222:random,cccc3333:none")
+    assert "| RazorAttention(22/90 KV heads whole) | 6 / 10 | 0.5000 |" in text
+    assert "| RazorAttention(0/90 KV heads whole) | 0 / 10 | 0.5000 |" in text
+    # retrieval 6, random 2 (a subset): four 1s, six 0s: mean 0.4, s.d. sqrt((4 x 0.36 + 6 x 0.16) / 9) = 0.5164,
+    # s.e. 0.1633: 40.0 points, 2.4 s.e.
+    assert "at 8184 tokens: **holds** (keys found, in points, difference +40.0, s.e. 16.3 (paired over 10 prompts)" \
+        in text
