@@ -290,6 +290,8 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
         if names.setdefault(named(r["policy"]), r["policy"]) != r["policy"]:
             raise InvalidInput(f"{where}: two policies are named {named(r['policy'])!r} ({names[named(r['policy'])][:60]}"
                                f"... and {r['policy'][:60]}...): give label=TEXT:NAME")
+    labelled = {n for _, n in relabel}
+    show = lambda n: _shown(names[n]) + (f" [{n}]" if n in labelled else "")  # noqa: E731
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     found = {(n, L): passkey_suite.found_by_prompt(rows, desc, L) for n, desc in names.items() for L in lengths}
@@ -303,19 +305,19 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
              "(KV held: the share of the full cache's KV bytes the compressed prompt held):", "",
              "| policy | " + " | ".join(f"{L} tokens | KV held" for L in lengths) + " |",
              "|---|" + "---|---|" * len(lengths)]
-    for n, desc in names.items():
+    for n in names:
         cells = [f"{int(sum(found[n, L].values()))} / {len(found[n, L])} | {shown_held(held[n, L])}"
                  if found[n, L] else " | " for L in lengths]
-        lines.append(f"| {_shown(desc)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {show(n)} | " + " | ".join(cells) + " |")
     lines += ["", "By depth (% of the prompts at that length and depth):", "",
               "| policy | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
               "|---|---|" + "---|" * len(depths)]
-    for n, desc in names.items():
+    for n in names:
         for L in lengths:
             if not found[n, L]:
                 continue
             at = [[v for (d, _), v in found[n, L].items() if d == depth] for depth in depths]
-            lines.append(f"| {_shown(desc)} | {L} | " + " | ".join(f"{100 * sum(a) / len(a):.0f}" if a else ""
+            lines.append(f"| {show(n)} | {L} | " + " | ".join(f"{100 * sum(a) / len(a):.0f}" if a else ""
                                                                for a in at) + " |")
     if versus:
         pairs = [tuple(pair.split(":")) for pair in versus.split(",")]
@@ -332,7 +334,7 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
                     continue
                 diff, se, k = verdicts.paired_gap({x: found[a, L][x] for x in both}, {x: found[b, L][x] for x in both})
                 diff, se = 100 * diff, None if se is None else 100 * se
-                lines.append(f"- {_shown(names[a])} >= {_shown(names[b])} at {L} tokens: "
+                lines.append(f"- {show(a)} >= {show(b)} at {L} tokens: "
                              f"**{verdicts.verdict(diff, se, k)}** (keys found, in points, "
                              + verdicts.evidence(diff, se, paired=True, n=k, of="prompts", digits=1)
                              + ("" if None in (held[a, L], held[b, L]) else

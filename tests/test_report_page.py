@@ -320,8 +320,8 @@ def test_the_passkey_block_tells_razor_head_tables_apart_only_when_labelled(tmp_
         report_page.passkey(run, "t1")
     text = report_page.passkey(run, "t1", versus="retrieval:random,retrieval:none",
                                label="aaaa1111:retrieval,bbbb2222:random,cccc3333:none")
-    assert "| RazorAttention(22/90 KV heads whole) | 6 / 10 | 0.5000 |" in text
-    assert "| RazorAttention(0/90 KV heads whole) | 0 / 10 | 0.5000 |" in text
+    assert "| RazorAttention(22/90 KV heads whole) [retrieval] | 6 / 10 | 0.5000 |" in text
+    assert "| RazorAttention(0/90 KV heads whole) [none] | 0 / 10 | 0.5000 |" in text
     # retrieval 6, random 2 (a subset): four 1s, six 0s: mean 0.4, s.d. sqrt((4 x 0.36 + 6 x 0.16) / 9) = 0.5164,
     # s.e. 0.1633: 40.0 points, 2.4 s.e.
     assert "at 8184 tokens: **holds** (keys found, in points, difference +40.0, s.e. 16.3 (paired over 10 prompts)" \
