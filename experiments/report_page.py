@@ -351,7 +351,14 @@ def quantization(run: Path, where: str, within: str = "0.05", *, figures: Path |
         raise MissingFile(f"{path}: no perplexity records there")
     r = json.loads(path.read_text())
     margin = math.log1p(float(within))
-    (length,) = {L for per in r["ppl"].values() for L in per}
+    values = [v for per in r["ppl"].values() for v in per.values()] + [
+        x for per in r["nll_per_sequence"].values() for seq in per.values() for x in seq]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        raise InvalidInput(f"{path}: a perplexity or NLL that is not a finite number (a skipped or failed run)")
+    lengths = {L for per in r["ppl"].values() for L in per}
+    if len(lengths) != 1:
+        raise InvalidInput(f"{path}: records at lengths {sorted(lengths)}; the block shows one length")
+    (length,) = lengths
     names = {_name(d): d for d in r["policies"].values()}
     label = {_name(d): lab for lab, d in r["policies"].items()}
     bases = list(dict.fromkeys(n.split("@")[0] for n in names))

@@ -326,3 +326,14 @@ def test_the_passkey_block_tells_razor_head_tables_apart_only_when_labelled(tmp_
     # s.e. 0.1633: 40.0 points, 2.4 s.e.
     assert "at 8184 tokens: **holds** (keys found, in points, difference +40.0, s.e. 16.3 (paired over 10 prompts)" \
         in text
+
+
+def test_the_quantization_block_refuses_a_perplexity_that_is_not_finite(tmp_path):
+    run = tmp_path / "q" / "perplexity"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({
+        "ppl": {"full@16": {"2048": 12.0}, "full@2 (2-bit KV)": {"2048": float("nan")}},
+        "nll_per_sequence": {"full@16": {"2048": [2.5]}, "full@2 (2-bit KV)": {"2048": [float("nan")]}},
+        "policies": {"full@16": PK_FULL, "full@2 (2-bit KV)": f"Quantized({PK_FULL}, bits=2)"}}))
+    with pytest.raises(report_page.InvalidInput, match="not a finite number"):
+        report_page.quantization(tmp_path / "q", "q")
