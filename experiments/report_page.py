@@ -273,6 +273,14 @@ def _passkey_records(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _versus_pairs(where: str, versus: str, names) -> list[tuple[str, str]]:
+    """[("a", "b"), ...] of a block's `versus=a:b,...`, each side one of `names`."""
+    pairs = [tuple(pair.split(":")) for pair in versus.split(",")]
+    if any(len(pair) != 2 or not set(pair) <= set(names) for pair in pairs):
+        raise InvalidInput(f"{where}: versus={versus} is not A:B,... over the records' policies ({', '.join(names)})")
+    return pairs
+
+
 def passkey(run: Path, where: str, versus: str | None = None, label: str | None = None, *,
             figures: Path | None = None) -> str:
     """Passkey retrieval (`experiments.passkey`'s samples.jsonl in `run`): keys found per policy and prompt length,
@@ -320,10 +328,7 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
             lines.append(f"| {show(n)} | {L} | " + " | ".join(f"{100 * sum(a) / len(a):.0f}" if a else ""
                                                                for a in at) + " |")
     if versus:
-        pairs = [tuple(pair.split(":")) for pair in versus.split(",")]
-        if any(len(pair) != 2 or not set(pair) <= names.keys() for pair in pairs):
-            raise InvalidInput(f"{where}: versus={versus} is not A:B,... over the records' policies "
-                               f"({', '.join(names)})")
+        pairs = _versus_pairs(where, versus, names)
         lines += ["", "Each claim \"A >= B\" by the rule of `experiments.verdicts` (holds / does not hold beyond two "
                   "paired standard errors, else inconclusive), paired over the prompts both ran:", ""]
         for a, b in pairs:
@@ -390,8 +395,133 @@ def quantization(run: Path, where: str, within: str = "0.05", *, figures: Path |
     return "\n".join(lines + [""])
 
 
+def needle(run: Path, where: str, versus: str | None = None, *, figures: Path | None = None) -> str:
+    """Needle in a haystack (`experiments.needle`'s cells.jsonl in `run`): each policy's answer per length and
+    depth (the key fact in bold where it is there), exact matches, the cells where a policy's answer is not the
+    full cache's, and `versus` ("razor:streaming") claims "A >= B" in exact matches at each length, paired over
+    the depths by the rule of `experiments.verdicts`."""
+    path = run / "cells.jsonl"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no needle records there")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    identity = json.loads((run / "identity.json").read_text())
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    lengths, depths = sorted({r["length"] for r in rows}), sorted({r["depth"] for r in rows})
+    cell = {(r["label"], r["length"], r["depth"]): r for r in rows}
+    key = identity["--answer"]
+    shown = lambda r: "(not run)" if r is None else (  # noqa: E731
+        "(empty)" if not r["answer"].strip() else
+        (f"**{r['answer'].strip()}**" if r["exact"] else r["answer"].strip()).replace("|", "\\|").replace("\n", " "))
+    lines = [f"Records: `{where}` ({len(rows)} answers: one prompt per policy, length and depth; protocol "
+             f"{identity['--protocol']}, {identity['model dtype']} weights {identity['weights']}; exact: the answer "
+             f"holds {key!r}, in bold).", "",
+             "| policy | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | exact | KV held |",
+             "|---|---|" + "---|" * len(depths) + "---|---|"]
+    for lab in labels:
+        for L in lengths:
+            got = [cell.get((lab, L, d)) for d in depths]
+            ran = [r for r in got if r is not None]
+            lines.append(f"| {_shown(ran[0]['policy']) if ran else lab} | {L} | " + " | ".join(map(shown, got))
+                         + f" | {sum(r['exact'] for r in ran)} / {len(ran)} | {shown_held(mean_held(ran))} |")
+    if "full" in labels:
+        lines += [""]
+        for lab in labels[1:] if labels[0] == "full" else [x for x in labels if x != "full"]:
+            differ = [(L, d) for L in lengths for d in depths if (lab, L, d) in cell and ("full", L, d) in cell
+                      and cell[lab, L, d]["answer"].strip() != cell["full", L, d]["answer"].strip()]
+            lines.append(f"- {lab}: the full cache's answer, word for word, in "
+                         f"{sum((lab, L, d) in cell for L in lengths for d in depths) - len(differ)} of its cells"
+                         + (f"; not at {', '.join(f'{L} tokens depth {d:g}' for L, d in differ)}" if differ else ""))
+    if versus:
+        lines += ["", "Each claim \"A >= B\" in exact matches by the rule of `experiments.verdicts`, paired over the "
+                  "depths (one prompt each):", ""]
+        for a, b in _versus_pairs(where, versus, labels):
+            for L in lengths:
+                both = [d for d in depths if (a, L, d) in cell and (b, L, d) in cell]
+                if not both:
+                    lines.append(f"- {a} >= {b} at {L} tokens: **no verdict**, no prompt both ran")
+                    continue
+                diff, se, k = verdicts.paired_gap({d: float(cell[a, L, d]["exact"]) for d in both},
+                                                  {d: float(cell[b, L, d]["exact"]) for d in both})
+                lines.append(f"- {a} >= {b} at {L} tokens: **{verdicts.verdict(diff, se, k)}** (exact matches, "
+                             + verdicts.evidence(diff, se, paired=True, n=k, of="prompts") + ")")
+    return "\n".join(lines + [""])
+
+
+def _longbench_records(run: Path, where: str) -> tuple[dict, dict[tuple[str, str], dict[str, float]]]:
+    """(result.json, {(label, task): {sample id: score in [0, 100]}}) of a LongBench-format run, each per-sample
+    score recomputed from the predictions, which must give result.json's."""
+    from experiments.longbench import metrics
+
+    path = run / "result.json"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no LongBench records there")
+    r = json.loads(path.read_text())
+    sample = {}
+    for lab in r["policies"]:
+        for d in r["datasets"]:
+            metric = r["scores"][lab][d]["metric"]
+            preds = [json.loads(x) for x in (run / "preds" / r["slugs"][lab] / f"{d}.jsonl").read_text().splitlines()
+                     if x.strip()]
+            sample[lab, d] = {p["_id"]: 100 * metrics.sample_score(d, metric, p["pred"], p["answers"],
+                                                                    p["all_classes"]) for p in preds}
+            if abs(metrics.score([v / 100 for v in sample[lab, d].values()]) - r["scores"][lab][d]["score"]) > 0.01:
+                raise InvalidInput(f"{where}: {lab} on {d}: the predictions do not give result.json's score")
+    return r, sample
+
+
+def longbench_claims(run: Path, where: str, versus: str) -> list[str]:
+    """Each claim "A >= B" of `versus` ("slimkv:snapkv-avg,...") on a LongBench-format run, by the rule: per-sample
+    scores paired over every (task, sample) both predicted (the suite's average, as the papers' LongBench claims
+    are made) and over the tasks the full cache scores above zero on; each names the settings the two share and
+    those they do not (budget, observation window, kernel, pooling)."""
+    r, sample = _longbench_records(run, where)
+    tasks = r["datasets"]
+    done = [d for d in tasks if "full" in r["policies"] and r["scores"]["full"][d]["score"] > 0]
+    lines = []
+    for a, b in _versus_pairs(where, versus, r["policies"]):
+        sa, sb = ({"budget": re.search(r"\bbudget=(\w+)", r["policies"][x]).group(1),
+                   **compare.settings(r["policies"][x])} for x in (a, b))
+        same = [f"{k} {sa[k].strip(chr(39))}" for k in sa if sb.get(k) == sa[k]]
+        differ = [f"{k} {sa[k].strip(chr(39))} vs {sb.get(k, '-').strip(chr(39))}" for k in sa if sb.get(k) != sa[k]]
+        matched = "matched: " + (", ".join(same) or "nothing") + ("; NOT matched: " + ", ".join(differ) if differ else "")
+        for what, over in (("the suite's average", tasks), (f"the tasks the full cache does ({', '.join(done)})", done)):
+            if not over:
+                continue
+            diff, se, k = verdicts.paired_gap({(d, i): v for d in over for i, v in sample[a, d].items()},
+                                              {(d, i): v for d in over for i, v in sample[b, d].items()})
+            lines.append(f"{a} >= {b} on {what}: **{verdicts.verdict(diff, se, k)}** ("
+                         + verdicts.evidence(diff, se, paired=True, n=k, of="samples", digits=1) + f"; {matched})")
+    return lines
+
+
+def longbench(run: Path, where: str, versus: str | None = None, *, figures: Path | None = None) -> str:
+    """The LongBench-format suite (`experiments.longbench`'s result.json and per-policy predictions in `run`):
+    score per task and policy, the KV held, and `versus`'s claims (`longbench_claims`)."""
+    r, sample = _longbench_records(run, where)
+    identity = json.loads((run / "identity.json").read_text())
+    labels, tasks = list(r["policies"]), r["datasets"]
+    n = {len(v) for v in sample.values()}
+    lines = [f"Records: `{where}` ({'/'.join(map(str, sorted(n)))} samples per task; chat template "
+             f"{'on' if identity['--chat'] else 'off'}, protocol {identity['--protocol']}, batch {identity['--batch']}, "
+             f"{identity['model dtype']} weights {identity['weights']}, harness config "
+             f"{identity['harness config']}). Policies: " + "; ".join(
+                 f"**{lab}** `{desc}`" for lab, desc in r["policies"].items()) + ".", "",
+             "| task | metric | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for d in tasks:
+        lines.append(f"| {d} | {r['scores'][labels[0]][d]['metric']} | "
+                     + " | ".join(f"{r['scores'][lab][d]['score']:.1f}" for lab in labels) + " |")
+    avg = {lab: sum(r["scores"][lab][d]["score"] for d in tasks) / len(tasks) for lab in labels}
+    lines.append("| average | | " + " | ".join(f"{avg[lab]:.1f}" for lab in labels) + " |")
+    lines.append("| KV held | | " + " | ".join(shown_held(r["kv_held"].get(lab)) for lab in labels) + " |")
+    if versus:
+        lines += ["", "Each claim \"A >= B\" by the rule of `experiments.verdicts` (holds / does not hold beyond two "
+                  "paired standard errors, else inconclusive), per-sample scores (0-100) paired over the samples "
+                  "both predicted:", ""] + [f"- {c}" for c in longbench_claims(run, where, versus)]
+    return "\n".join(lines + [""])
+
 BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm,
-                                         "kvpress": kvpress, "passkey": passkey, "quantization": quantization}
+                                         "kvpress": kvpress, "passkey": passkey, "quantization": quantization,
+                                         "needle": needle, "longbench": longbench}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

@@ -337,3 +337,80 @@ def test_the_quantization_block_refuses_a_perplexity_that_is_not_finite(tmp_path
         "policies": {"full@16": PK_FULL, "full@2 (2-bit KV)": f"Quantized({PK_FULL}, bits=2)"}}))
     with pytest.raises(report_page.InvalidInput, match="not a finite number"):
         report_page.quantization(tmp_path / "q", "q")
+
+
+def needle_cells(run: Path, answers: dict[str, list[str]]) -> None:
+    """cells.jsonl as `experiments.needle` writes it: one prompt per label and depth (0, 50, 100) at 4096 tokens."""
+    run.mkdir(parents=True, exist_ok=True)
+    pols = {"full": PK_FULL, "razor": PK_RAZOR, "streaming": PK_STREAM}
+    rows = [{"id": f"{lab}|{d}", "label": lab, "policy": pols[lab], "length": 4096, "depth": float(d),
+             "answer": a, "exact": "Ravendor" in a, "kv_held": 0.5}
+            for lab, got in answers.items() for d, a in zip((0, 50, 100), got)]
+    (run / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "identity.json").write_text(json.dumps({"--answer": "Ravendor", "--protocol": "aware",
+                                                   "model dtype": "float32", "weights": "abc"}))
+
+
+def test_the_needle_block_shows_each_answer_and_where_a_policy_leaves_the_full_caches(tmp_path):
+    needle_cells(tmp_path / "n", {"full": [" Ravendor.", "", " Ravendor."],
+                                  "razor": [" Ravendor.", "", " Ravendor."],
+                                  "streaming": [" Ravendom.", "", " Ravendor."]})
+    text = report_page.needle(tmp_path / "n", "n", versus="razor:streaming")
+    assert "| StreamingLLM(3243) | 4096 | Ravendom. | (empty) | **Ravendor.** | 1 / 3 | 0.5000 |" in text
+    assert "- razor: the full cache's answer, word for word, in 3 of its cells\n" in text
+    assert "- streaming: the full cache's answer, word for word, in 2 of its cells; not at 4096 tokens depth 0" in text
+    # differences 1, 0, 0: mean 1/3, s.d. sqrt((4/9 + 2 x 1/9) / 2) = 0.5774, s.e. 0.3333: 1.0 s.e.
+    assert "- razor >= streaming at 4096 tokens: **inconclusive** (exact matches, difference +0.333, s.e. 0.333 " \
+           "(paired over 3 prompts)" in text
+    with pytest.raises(report_page.InvalidInput, match="versus=razor:h2o"):
+        report_page.needle(tmp_path / "n", "n", versus="razor:h2o")
+
+
+def longbench_run(run: Path, preds: dict[str, list[str]], scores: dict[str, float]) -> None:
+    """A LongBench-format run as `experiments.longbench` writes it: one passkey task (metric first_number, answer
+    "11"), 10 samples, the predictions of each label and result.json's scores."""
+    pols = {"full": PK_FULL, "slimkv": SLIM.format("avg"), "snapkv": SNAP.format("max"),
+            "snapkv-avg": SNAP.format("avg")}
+    for lab, got in preds.items():
+        (run / "preds" / lab).mkdir(parents=True)
+        (run / "preds" / lab / "stdlib_passkey.jsonl").write_text("".join(
+            json.dumps({"_id": f"p-{i}", "pred": p, "answers": ["11"], "all_classes": None, "length": 3000}) + "\n"
+            for i, p in enumerate(got)))
+    (run / "result.json").write_text(json.dumps({
+        "datasets": ["stdlib_passkey"], "policies": {lab: pols[lab] for lab in preds}, "slugs": {lab: lab for lab in preds},
+        "scores": {lab: {"stdlib_passkey": {"metric": "first_number", "score": scores[lab]}} for lab in preds},
+        "kv_held": {lab: 0.25 for lab in preds}}))
+    (run / "identity.json").write_text(json.dumps({"--chat": True, "--protocol": "aware", "--batch": 8,
+                                                   "model dtype": "float32", "weights": "abc", "harness config": "h"}))
+
+
+def test_the_longbench_block_pairs_samples_and_says_what_a_comparison_matches(tmp_path):
+    right, wrong = " 11. The", " 12"
+    longbench_run(tmp_path / "lb", {"full": [right] * 10, "slimkv": [right] * 2 + [wrong] * 8,
+                                    "snapkv": [right] * 10, "snapkv-avg": [right] * 3 + [wrong] * 7},
+                  {"full": 100.0, "slimkv": 20.0, "snapkv": 100.0, "snapkv-avg": 30.0})
+    text = report_page.longbench(tmp_path / "lb", "lb", versus="slimkv:snapkv-avg,slimkv:snapkv")
+    assert "| stdlib_passkey | first_number | 100.0 | 20.0 | 100.0 | 30.0 |" in text
+    # against SnapKV avg-pooled (SlimKV's 2 among its 3): one -100, nine 0: mean -10, s.e. 10: inconclusive
+    assert "- slimkv >= snapkv-avg on the suite's average: **inconclusive** (difference -10.0, s.e. 10.0 (paired " \
+           "over 10 samples): 1.0 s.e., decided beyond 2 s.e.; matched: budget None, observation_window 32, kernel " \
+           "7, pool avg)" in text
+    # against max-pooled SnapKV: eight -100, two 0: mean -80, s.d. sqrt((8 x 400 + 2 x 6400) / 9) = 42.16,
+    # s.e. 13.3: does not hold, and the pooling is named as not matched
+    assert "- slimkv >= snapkv on the suite's average: **does not hold** (difference -80.0, s.e. 13.3" in text
+    assert "matched: budget None, observation_window 32, kernel 7; NOT matched: pool avg vs max)" in text
+
+
+def test_the_longbench_block_refuses_predictions_that_do_not_give_the_recorded_score(tmp_path):
+    longbench_run(tmp_path / "lb", {"full": [" 11"] * 10}, {"full": 90.0})
+    with pytest.raises(report_page.InvalidInput, match="full on stdlib_passkey: the predictions do not give"):
+        report_page.longbench(tmp_path / "lb", "lb")
+
+
+def test_a_longbench_tie_at_zero_is_inconclusive_and_no_task_the_full_cache_fails_counts_as_done(tmp_path):
+    """On SmolLM2 both SlimKV and SnapKV can find nothing (0 vs 0): a tie is not "holds"; and a task the full
+    cache scores 0 on is no test of either, so no claim is made over "the tasks the full cache does"."""
+    longbench_run(tmp_path / "lb", {"full": [" 12"] * 10, "slimkv": [" 12"] * 10, "snapkv-avg": [" 12"] * 10},
+                  {"full": 0.0, "slimkv": 0.0, "snapkv-avg": 0.0})
+    (claim,) = report_page.longbench_claims(tmp_path / "lb", "lb", "slimkv:snapkv-avg")
+    assert claim.startswith("slimkv >= snapkv-avg on the suite's average: **inconclusive** (difference +0.0, s.e. 0.0")
