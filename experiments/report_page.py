@@ -519,9 +519,96 @@ def longbench(run: Path, where: str, versus: str | None = None, *, figures: Path
                   "both predicted:", ""] + [f"- {c}" for c in longbench_claims(run, where, versus)]
     return "\n".join(lines + [""])
 
+def memory(run: Path, where: str, project: str = "8000x8", *, figures: Path | None = None) -> str:
+    """Peak resident memory (`benchmarks.memory`'s rss.json in `run`): each cell's peak, the growth per prompt
+    token held in a batch between each two cells that differ in one of (tokens, prompts), the base it implies,
+    the full cache's own bytes per token (from the model's shape), and `project` ("TOKENSxPROMPTS") from them."""
+    path = run / "rss.json"
+    if not path.is_file():
+        raise MissingFile(f"{path}: no peak-memory records there")
+    r = json.loads(path.read_text())
+    cells = r["cells"]
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    lines = [f"Records: `{where}/rss.json` ({r['machine']}, Python {r['python']}, {r['dtype']} weights; each command "
+             "in its own process, its peak resident set as the kernel counts it):", "",
+             "| command | prompts in the batch | prompt tokens | peak RSS |", "|---|---|---|---|"]
+    lines += [f"| `{c['command']}` | {c['prompts']} | {c['prompt_tokens']} | {gb(c['peak_rss_bytes'])} |" for c in cells]
+    slopes = []
+    for i, a in enumerate(cells):
+        for b in cells[i + 1:]:
+            held = b["prompts"] * b["prompt_tokens"] - a["prompts"] * a["prompt_tokens"]
+            if (a["prompts"] == b["prompts"]) != (a["prompt_tokens"] == b["prompt_tokens"]) and held:
+                slopes.append(((b["peak_rss_bytes"] - a["peak_rss_bytes"]) / held, a, b, held))
+    if not slopes:
+        raise InvalidInput(f"{where}: no two cells differ in tokens or prompts alone; no growth per token to give")
+    slope = sum(x[0] for x in slopes) / len(slopes)
+    first = cells[0]
+    base = first["peak_rss_bytes"] - slope * first["prompts"] * first["prompt_tokens"]
+    width = 2 if "bfloat16" in r["dtype"] else 4
+    cache = r["layers"] * r["kv_heads"] * r["head_dim"] * 2 * width
+    tokens, prompts = (int(v) for v in project.split("x"))
+    lines += ["", "Growth per prompt token held in a batch, between cells that differ in one of the two: " + "; ".join(
+        f"{x[0] / 1e3:.0f} KB ({gb(x[2]['peak_rss_bytes'])} - {gb(x[1]['peak_rss_bytes'])} over {x[3]} tokens)"
+        for x in slopes) + f". Their mean, {slope / 1e3:.0f} KB a token, over a base of {gb(base)} (the first cell "
+        f"less its tokens). Of it, the full cache itself is {cache / 1e3:.0f} KB a token ({r['layers']} layers x "
+        f"{r['kv_heads']} KV heads x {r['head_dim']} x 2 (keys and values) x {width} bytes). So {prompts} prompts "
+        f"of {tokens} tokens in one batch need about {gb(base + slope * tokens * prompts)}.", ""]
+    return "\n".join(lines)
+
+
+_TABLE1 = {"FullCache": "full", "GateEviction": "gate", "StreamingLLM": "streaming", "ObservedAttention": "h2o"}
+
+
+def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zeroshot/items.jsonl", *,
+                  figures: Path | None = None) -> str:
+    """Attention-Gate's Table 1 protocol (`experiments.zeroshot --gate-params G --compare
+    full,gate,streaming,h2o-prefill --ratio 0.5`'s per-item records, `items` in `run`, beside the gates' training
+    records): accuracy and the KV each policy held, measured per item, and Table 1's claim (the gates' accuracy
+    at least each training-free baseline's) paired over the items, by the rule; no verdict where the full cache
+    is within two binomial standard errors of chance."""
+    path = run / items
+    if not path.is_file():
+        raise MissingFile(f"{path}: no zero-shot records there")
+    share, trained = _training(run, paper_tokens)
+    cells: dict[str, dict[int, dict]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            name = _TABLE1.get(compare.family(r["policy"]))
+            if name is None:
+                raise InvalidInput(f"{where}: policy {r['policy'][:60]!r} is not one of Table 1's ({', '.join(_TABLE1)})")
+            cells.setdefault(name, {})[int(r["id"].rsplit("|", 1)[1])] = r
+    if "gate" not in cells or "full" not in cells:
+        raise InvalidInput(f"{where}: Table 1 needs the full cache and the gates; the records have {', '.join(cells)}")
+    n = len(cells["full"])
+    chance = sum(1 / len(r["logprobs"]) for r in cells["full"].values()) / n
+    acc = {k: sum(r["acc"] for r in v.values()) / len(v) for k, v in cells.items()}
+    lines = [f"Records: `{where}/{items}` ({n} items, chance {chance:.2f}). {trained}", "",
+             "| policy | KV held (mean over items) | acc | acc_norm |", "|---|---|---|---|"]
+    for k, v in cells.items():
+        held = sum(r["kv_share"] for r in v.values()) / len(v)
+        lines.append(f"| {k} | {held:.3f} | {sum(r['acc'] for r in v.values())}/{len(v)} | "
+                     f"{sum(r['acc_norm'] for r in v.values())}/{len(v)} |")
+    margin = verdicts.SE_MULTIPLE * max(math.sqrt(chance * (1 - chance) / n), 1 / n)
+    lines += ["", "Table 1's claim (the gates' accuracy at least each baseline's), paired over the items, by the rule "
+              "of `experiments.verdicts`:", ""]
+    for b in (k for k in cells if k not in ("full", "gate")):
+        both = sorted(cells["gate"].keys() & cells[b].keys())
+        diff, se, k = verdicts.paired_gap({i: float(cells["gate"][i]["acc"]) for i in both},
+                                          {i: float(cells[b][i]["acc"]) for i in both})
+        held = lambda name: sum(cells[name][i]["kv_share"] for i in both) / len(both)  # noqa: E731
+        said = (f"**no verdict**: the full cache's accuracy ({acc['full']:.3f}) is within {verdicts.SE_MULTIPLE} "
+                "binomial standard errors of chance, so the task does not test the cache"
+                if acc["full"] <= chance + margin else _trained_claim(verdicts.verdict(diff, se, k), share))
+        lines.append(f"- gates >= {b}: {said} (accuracy, " + verdicts.evidence(
+            diff, se, paired=True, n=k, training_share=share) + f"; KV held {held('gate'):.3f} against {held(b):.3f})")
+    return "\n".join(lines + [""])
+
+
 BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm,
                                          "kvpress": kvpress, "passkey": passkey, "quantization": quantization,
-                                         "needle": needle, "longbench": longbench}
+                                         "needle": needle, "longbench": longbench, "memory": memory,
+                                         "gate-zeroshot": gate_zeroshot}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

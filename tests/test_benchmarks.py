@@ -126,3 +126,23 @@ def test_compile_benchmark_times_cold_compiles_only(tmp_path):
     assert all(r["compile_s_min"] > 0 and r["lower_s"] > 0 and r["run_s_min"] > 0 for r in rows)
     table = (tmp_path / "compile_cpu.md").read_text()
     assert "| shared pass of 2 |" in table and "| compile s (unroll) | compile s (scan) | run s (unroll) |" in table
+
+
+def test_memory_reads_a_childs_peak_from_the_kernel_and_refuses_a_malformed_cell(tmp_path, capsys):
+    """A child that holds 300 MB peaks above 300 MB and one that holds nothing well below it, though the test
+    process that starts both is larger than that: the kernel's own count for the child alone, not a sample; a
+    cell that is not TOKENSxPROMPTS is one line, exit 2."""
+    import os
+
+    from benchmarks import memory
+    from kvjax import cli
+
+    (tmp_path / "hold.py").write_text("import sys\nb = bytearray(int(sys.argv[1]))\nb[::4096] = b'x' * len(b[::4096])\n"
+                                      "raise SystemExit(int(sys.argv[2]))\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    big, small = (memory.peak_rss("hold", [str(n), "0"], env) for n in (300_000_000, 0))
+    assert big > 300_000_000 > 3 * small
+    with pytest.raises(RuntimeError, match="exited 3"):
+        memory.peak_rss("hold", ["0", "3"], env)
+    assert cli.run(memory.main, ["--model", "x", "--cells", "2048x1,8000", "--out", "o"]) == 2
+    assert "--cells 2048x1,8000: not TOKENSxPROMPTS" in capsys.readouterr().err

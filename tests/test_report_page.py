@@ -414,3 +414,52 @@ def test_a_longbench_tie_at_zero_is_inconclusive_and_no_task_the_full_cache_fail
                   {"full": 0.0, "slimkv": 0.0, "snapkv-avg": 0.0})
     (claim,) = report_page.longbench_claims(tmp_path / "lb", "lb", "slimkv:snapkv-avg")
     assert claim.startswith("slimkv >= snapkv-avg on the suite's average: **inconclusive** (difference +0.0, s.e. 0.0")
+
+
+def test_the_memory_block_gives_the_growth_per_token_and_the_base_it_implies(tmp_path):
+    """Section 5's measurements: 1.70 GB at 2048 x 1, 3.59 GB at 2048 x 8 and 2.50 GB at 8000 x 1. Growth:
+    (3.59 - 1.70) GB / (7 x 2048) = 131.8 KB and (2.50 - 1.70) GB / 5952 = 134.4 KB, mean 133.1 KB; base
+    1.70 GB - 2048 x 133.1 KB = 1.43 GB; 8 x 8000 tokens: 1.43 + 64000 x 133.1 KB = 9.95 GB. SmolLM2's cache:
+    30 x 3 x 64 x 2 x 4 bytes = 46 KB a token."""
+    cmd = "python -m experiments.passkey --model smollm2"
+    cells = [{"command": cmd, "prompt_tokens": t, "prompts": n, "peak_rss_bytes": int(gb * 1e9)}
+             for t, n, gb in ((2048, 1, 1.70), (2048, 8, 3.59), (8000, 1, 2.50))]
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "rss.json").write_text(json.dumps({"dtype": "float32", "layers": 30, "kv_heads": 3,
+                                                         "head_dim": 64, "machine": "x", "python": "3.11",
+                                                         "cells": cells}))
+    text = report_page.memory(tmp_path / "m", "m")
+    assert f"| `{cmd}` | 8 | 2048 | 3.59 GB |" in text
+    assert "132 KB (3.59 GB - 1.70 GB over 14336 tokens); 134 KB (2.50 GB - 1.70 GB over 5952 tokens)" in text
+    assert "Their mean, 133 KB a token, over a base of 1.43 GB" in text
+    assert "the full cache itself is 46 KB a token" in text and "8 prompts of 8000 tokens in one batch need about " \
+        "9.95 GB" in text
+
+
+def gate_zeroshot_run(run: Path, right: dict[str, list[int]]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "train_identity.json").write_text(json.dumps({"--batch": 2, "--accum": 1, "--seq-len": 100}))
+    (run / "loss.json").write_text(json.dumps([{"step": i} for i in range(10)]))  # 2,000 tokens
+    pols = {"full": (PK_FULL, 1.0), "gate": ("GateEviction(bucket=64, kept=None)", 0.9),
+            "streaming": ("StreamingLLM(budget=None, sinks=4, ratio=0.5)", 0.5)}
+    (run / "zeroshot").mkdir()
+    (run / "zeroshot" / "items.jsonl").write_text("".join(
+        json.dumps({"id": f"builtin|{pols[k][0]}|{i}", "policy": pols[k][0], "acc": bool(a), "acc_norm": bool(a),
+                    "kv_share": pols[k][1], "logprobs": [0.0] * 4}) + "\n" for k, v in right.items()
+        for i, a in enumerate(v)))
+
+
+def test_the_gate_zeroshot_block_pairs_the_gates_with_each_baseline_and_needs_a_task_above_chance(tmp_path):
+    # 20 items: the full cache 16, the gates 15, StreamingLLM 5 (each of its among the gates'): ten 1s and ten 0s,
+    # mean 0.5, s.d. sqrt(20 x 0.25 / 19) = 0.513, s.e. 0.115: 4.4 s.e.; trained on 2,000 of 200,000 tokens
+    gate_zeroshot_run(tmp_path / "g", {"full": [1] * 16 + [0] * 4, "gate": [1] * 15 + [0] * 5,
+                                       "streaming": [1] * 5 + [0] * 15})
+    text = report_page.gate_zeroshot(tmp_path / "g", "g", paper_tokens="2e5")
+    assert "(20 items, chance 0.25). Trained on 2,000 tokens (0.01 of the paper's 200,000)." in text
+    assert "| gate | 0.900 | 15/20 | 15/20 |" in text
+    assert "- gates >= streaming: **holds** for this variant; the paper's claim, **inconclusive** (accuracy, " \
+           "difference +0.500, s.e. 0.115 (paired over 20 items): 4.4 s.e." in text and "KV held 0.900 against 0.500)" in text
+    # the full cache at 7 of 20 (chance 0.25 + 2 x 0.097 = 0.44): the task does not test the cache
+    gate_zeroshot_run(tmp_path / "h", {"full": [1] * 7 + [0] * 13, "gate": [1] * 15 + [0] * 5,
+                                       "streaming": [1] * 5 + [0] * 15})
+    assert "- gates >= streaming: **no verdict**" in report_page.gate_zeroshot(tmp_path / "h", "h", paper_tokens="2e5")
