@@ -177,8 +177,11 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
         lines.append(f"| {name} | {nll:.4f} | {d} | {g} |")
     best = min(vs, key=lambda k: c[k])
     diff, se = -vs[best]["diff"], vs[best]["se"]  # positive: the gates lose less than the best baseline
-    lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): "
-              f"{_trained_claim(verdicts.verdict(diff, se), share)} ("
+    kept = r.get("kept_prefix", {})
+    apart = verdicts.unmatched(kept.get("gate"), kept.get(best))
+    said = apart or _trained_claim(
+        verdicts.verdict(diff, se), share)
+    lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): {said} ("
               + verdicts.evidence(diff, se, paired=True, n=r["windows"], of="windows", training_share=share,
                                   digits=4) + ").", ""]
     return "\n".join(lines)
@@ -583,7 +586,8 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
     n = len(cells["full"])
     chance = sum(1 / len(r["logprobs"]) for r in cells["full"].values()) / n
     acc = {k: sum(r["acc"] for r in v.values()) / len(v) for k, v in cells.items()}
-    lines = [f"Records: `{where}/{items}` ({n} items, chance {chance:.2f}). {trained}", "",
+    task = next(iter(cells["full"].values()))["id"].split("|", 1)[0]
+    lines = [f"Records: `{where}/{items}` ({n} items of {task}, chance {chance:.2f}). {trained}", "",
              "| policy | KV held (mean over items) | acc | acc_norm |", "|---|---|---|---|"]
     for k, v in cells.items():
         held = sum(r["kv_share"] for r in v.values()) / len(v)
@@ -597,9 +601,11 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
         diff, se, k = verdicts.paired_gap({i: float(cells["gate"][i]["acc"]) for i in both},
                                           {i: float(cells[b][i]["acc"]) for i in both})
         held = lambda name: sum(cells[name][i]["kv_share"] for i in both) / len(both)  # noqa: E731
+        apart = verdicts.unmatched(held("gate"), held(b))
         said = (f"**no verdict**: the full cache's accuracy ({acc['full']:.3f}) is within {verdicts.SE_MULTIPLE} "
                 "binomial standard errors of chance, so the task does not test the cache"
-                if acc["full"] <= chance + margin else _trained_claim(verdicts.verdict(diff, se, k), share))
+                if acc["full"] <= chance + margin else apart if apart
+                else _trained_claim(verdicts.verdict(diff, se, k), share))
         lines.append(f"- gates >= {b}: {said} (accuracy, " + verdicts.evidence(
             diff, se, paired=True, n=k, training_share=share) + f"; KV held {held('gate'):.3f} against {held(b):.3f})")
     return "\n".join(lines + [""])

@@ -16,6 +16,17 @@ import math
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 SE_MULTIPLE = 2  # a difference must pass two standard errors (about 95 % two-sided) to decide a claim
+# Two caches are compared at matched size where the shares of the full cache they hold differ by at most this;
+# a comparison of a larger cache with a smaller one is not a comparison of the methods, so it decides nothing.
+MATCHED_HELD = 0.01
+
+
+def unmatched(held_a: float | None, held_b: float | None) -> str | None:
+    """The words "**no verdict**, not matched (...)" for two caches holding these shares of the full cache more
+    than `MATCHED_HELD` apart, or None where they are matched (or a share is unknown)."""
+    if held_a is None or held_b is None or abs(held_a - held_b) <= MATCHED_HELD:
+        return None
+    return f"**no verdict**, not matched (KV held {held_a:.3f} against {held_b:.3f}, more than {MATCHED_HELD:g} apart)"
 
 
 def verdict(diff: float, se: float | None, n: int | None = None) -> str:

@@ -173,7 +173,7 @@ def test_the_zeroshot_block_pairs_mat_with_streamingllm_item_by_item(tmp_path):
     assert "| 12.5 | | not run | not run |" in text and "At every share: **inconclusive**." in text
 
 
-def gate_run(tmp_path, gate_minus_h2o: float, se: float, paper_tokens: float) -> str:
+def gate_run(tmp_path, gate_minus_h2o: float, se: float, paper_tokens: float, kept: dict | None = None) -> str:
     run = tmp_path / "gate"
     run.mkdir(exist_ok=True)
     (run / "train_identity.json").write_text(json.dumps({"--batch": 2, "--accum": 1, "--seq-len": 100}))
@@ -182,7 +182,8 @@ def gate_run(tmp_path, gate_minus_h2o: float, se: float, paper_tokens: float) ->
     (run / "results.json").write_text(json.dumps({
         "windows": 20, "seq_len": 100, "prefix": 75, "baseline_eviction": 0.5, "baseline_eviction_source": "gates",
         "continuation_nll": c, "delta_se": {k: 0.01 for k in c},
-        "gate_minus_baseline": {k: {"diff": c["gate"] - c[k], "se": se} for k in ("streaming", "h2o")}}))
+        "gate_minus_baseline": {k: {"diff": c["gate"] - c[k], "se": se} for k in ("streaming", "h2o")},
+        **({"kept_prefix": kept} if kept else {})}))
     return report_page.gate(run, "gate", paper_tokens=str(paper_tokens))
 
 
@@ -196,6 +197,9 @@ def test_the_gate_block_judges_the_gates_against_the_best_baseline_and_says_what
     assert "here h2o): **holds** (difference +0.0500" in gate_run(tmp_path, -0.05, 0.01, 2e3)
     # the gates 0.01 worse with s.e. 0.01: inside the noise
     assert "**inconclusive** for this variant" in gate_run(tmp_path, 0.01, 0.01, 2e5)
+    # the baselines at 50 % while the gates keep 82 % of the prompt: not the same cache size, no verdict
+    assert "here h2o): **no verdict**, not matched (KV held 0.820 against 0.500" in gate_run(
+        tmp_path, -0.05, 0.01, 2e3, kept={"full": 1.0, "gate": 0.82, "streaming": 0.5, "h2o": 0.5})
 
 
 def test_the_anllm_block_gives_no_verdict_where_full_attention_is_at_chance(tmp_path):
@@ -436,12 +440,12 @@ def test_the_memory_block_gives_the_growth_per_token_and_the_base_it_implies(tmp
         "9.95 GB" in text
 
 
-def gate_zeroshot_run(run: Path, right: dict[str, list[int]]) -> None:
+def gate_zeroshot_run(run: Path, right: dict[str, list[int]], streaming_held: float = 0.5) -> None:
     run.mkdir(parents=True, exist_ok=True)
     (run / "train_identity.json").write_text(json.dumps({"--batch": 2, "--accum": 1, "--seq-len": 100}))
     (run / "loss.json").write_text(json.dumps([{"step": i} for i in range(10)]))  # 2,000 tokens
     pols = {"full": (PK_FULL, 1.0), "gate": ("GateEviction(bucket=64, kept=None)", 0.9),
-            "streaming": ("StreamingLLM(budget=None, sinks=4, ratio=0.5)", 0.5)}
+            "streaming": ("StreamingLLM(budget=None, sinks=4, ratio=0.5)", streaming_held)}
     (run / "zeroshot").mkdir()
     (run / "zeroshot" / "items.jsonl").write_text("".join(
         json.dumps({"id": f"builtin|{pols[k][0]}|{i}", "policy": pols[k][0], "acc": bool(a), "acc_norm": bool(a),
@@ -452,14 +456,18 @@ def gate_zeroshot_run(run: Path, right: dict[str, list[int]]) -> None:
 def test_the_gate_zeroshot_block_pairs_the_gates_with_each_baseline_and_needs_a_task_above_chance(tmp_path):
     # 20 items: the full cache 16, the gates 15, StreamingLLM 5 (each of its among the gates'): ten 1s and ten 0s,
     # mean 0.5, s.d. sqrt(20 x 0.25 / 19) = 0.513, s.e. 0.115: 4.4 s.e.; trained on 2,000 of 200,000 tokens
-    gate_zeroshot_run(tmp_path / "g", {"full": [1] * 16 + [0] * 4, "gate": [1] * 15 + [0] * 5,
-                                       "streaming": [1] * 5 + [0] * 15})
+    right = {"full": [1] * 16 + [0] * 4, "gate": [1] * 15 + [0] * 5, "streaming": [1] * 5 + [0] * 15}
+    gate_zeroshot_run(tmp_path / "g", right, streaming_held=0.895)
     text = report_page.gate_zeroshot(tmp_path / "g", "g", paper_tokens="2e5")
-    assert "(20 items, chance 0.25). Trained on 2,000 tokens (0.01 of the paper's 200,000)." in text
+    assert "(20 items of builtin, chance 0.25). Trained on 2,000 tokens (0.01 of the paper's 200,000)." in text
     assert "| gate | 0.900 | 15/20 | 15/20 |" in text
     assert "- gates >= streaming: **holds** for this variant; the paper's claim, **inconclusive** (accuracy, " \
-           "difference +0.500, s.e. 0.115 (paired over 20 items): 4.4 s.e." in text and "KV held 0.900 against 0.500)" in text
+           "difference +0.500, s.e. 0.115 (paired over 20 items): 4.4 s.e." in text and "KV held 0.900 against 0.895)" in text
+    # the same answers with StreamingLLM holding half the cache: a larger cache against a smaller one decides nothing
+    gate_zeroshot_run(tmp_path / "u", right, streaming_held=0.5)
+    assert "- gates >= streaming: **no verdict**, not matched (KV held 0.900 against 0.500, more than 0.01 apart)" \
+        in report_page.gate_zeroshot(tmp_path / "u", "u", paper_tokens="2e5")
     # the full cache at 7 of 20 (chance 0.25 + 2 x 0.097 = 0.44): the task does not test the cache
-    gate_zeroshot_run(tmp_path / "h", {"full": [1] * 7 + [0] * 13, "gate": [1] * 15 + [0] * 5,
-                                       "streaming": [1] * 5 + [0] * 15})
-    assert "- gates >= streaming: **no verdict**" in report_page.gate_zeroshot(tmp_path / "h", "h", paper_tokens="2e5")
+    gate_zeroshot_run(tmp_path / "h", {**right, "full": [1] * 7 + [0] * 13}, streaming_held=0.895)
+    assert "- gates >= streaming: **no verdict**: the full cache's accuracy" in report_page.gate_zeroshot(
+        tmp_path / "h", "h", paper_tokens="2e5")
