@@ -492,7 +492,8 @@ def longbench_claims(run: Path, where: str, versus: str) -> list[str]:
                 continue
             diff, se, k = verdicts.paired_gap({(d, i): v for d in over for i, v in sample[a, d].items()},
                                               {(d, i): v for d in over for i, v in sample[b, d].items()})
-            lines.append(f"{a} >= {b} on {what}: **{verdicts.verdict(diff, se, k)}** ("
+            said = f"**no verdict**, not matched ({', '.join(differ)})" if differ else f"**{verdicts.verdict(diff, se, k)}**"
+            lines.append(f"{a} >= {b} on {what}: {said} ("
                          + verdicts.evidence(diff, se, paired=True, n=k, of="samples", digits=1) + f"; {matched})")
     return lines
 
