@@ -7,7 +7,8 @@ Each cell `TOKENSxPROMPTS` runs `python -m experiments.passkey --policy full --l
 child's peak resident set size (its VmHWM: the kernel's own peak, nothing sampled). OUT/rss.json
 is rewritten atomically after every cell, with the model's cache shape, so `experiments.report_page`'s `memory`
 block can say how much of the growth per token is the cache. Memory, not time: another job on the cores does
-not change it, so there is no load guard.
+not change it, so there is no load guard. The children use the persistent compilation cache as any passkey run
+does, so a cell whose programs are cached does not count the compiler's own memory.
 """
 
 from __future__ import annotations
@@ -101,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from kvjax import cli
 
-    raise SystemExit(cli.run(main))
+    raise SystemExit(cli.run(main, compile_cache=None))  # it compiles nothing; each child keeps its own flag
