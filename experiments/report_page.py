@@ -29,6 +29,12 @@ from kvjax.errors import InvalidInput, MissingFile
 OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /records -->", re.S)
 
 
+def _records(path: Path, what: str) -> list[dict]:
+    """The JSON lines of a records file; a missing one is one line naming it (`what`: whose records)."""
+    if not path.is_file():
+        raise MissingFile(f"{path}: no {what} records there")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
 def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, versus: str | None = None, *,
           figures: Path | None = None) -> str:
     """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its
@@ -90,14 +96,9 @@ def zeroshot(run: Path, where: str, items: str = "sweep-items.jsonl", ratios: st
     and KV share (acc, then acc_norm), and MAT's claim (accuracy at least StreamingLLM's at every share) paired
     over the items both read, each share by the rule and the sweep by `all_of`. `ratios` ("0.5,0.875"): the
     sweep's ratios, so one with no records shows as not run rather than disappearing."""
-    path = run / items
-    if not path.is_file():
-        raise MissingFile(f"{path}: no zero-shot records there")
     cells: dict[tuple[str, float | None], dict[int, dict]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            cells.setdefault(_zs_method(r["policy"]), {})[int(r["id"].rsplit("|", 1)[1])] = r
+    for r in _records(run / items, "zero-shot"):
+        cells.setdefault(_zs_method(r["policy"]), {})[int(r["id"].rsplit("|", 1)[1])] = r
     found = {r for _, r in cells if r is not None}
     ratios = sorted(found | ({float(r) for r in ratios.split(",")} if ratios else set()))
     methods = [m for m in ("streaming", "mat", "snapkv") if any((m, r) in cells for r in found)]
@@ -223,10 +224,7 @@ def kvpress(run: Path, where: str, *, figures: Path | None = None) -> str:
     ratio, the samples where kvpress gives kvjax's answer, and every answer that differs."""
     from experiments import kvpress_agreement
 
-    path = run / "answers.jsonl"
-    if not path.is_file():
-        raise MissingFile(f"{path}: no kvpress agreement records there")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _records(run / "answers.jsonl", "kvpress agreement")
     identity = json.loads((run / "identity.json").read_text())
     methods = list(dict.fromkeys(r["method"] for r in rows))
     ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
@@ -269,12 +267,6 @@ def _shown(description: str) -> str:
     return "full cache" if head == "FullCache" else head + (f"({budget.group(1)})" if budget else "")
 
 
-def _passkey_records(run: Path) -> list[dict]:
-    path = run / "samples.jsonl"
-    if not path.is_file():
-        raise MissingFile(f"{path}: no passkey records there")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def _versus_pairs(where: str, versus: str, names) -> list[tuple[str, str]]:
     """[("a", "b"), ...] of a block's `versus=a:b,...`, each side one of `names`."""
@@ -291,7 +283,7 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
     at each length, paired over the (depth, sample) prompts both ran, by the rule of `experiments.verdicts`.
     `label` ("a6a52c5c:retrieval,0/90:none"): a policy whose description holds the text before a colon is named by
     the word after it, for runs where two policies of one class would share a name (RazorAttention's head tables)."""
-    rows = _passkey_records(run)
+    rows = _records(run / "samples.jsonl", "passkey")
     relabel = [tuple(x.split(":", 1)) for x in label.split(",")] if label else []
     if any(len(x) != 2 for x in relabel):
         raise InvalidInput(f"{where}: label={label} is not TEXT:NAME,...")
@@ -403,10 +395,7 @@ def needle(run: Path, where: str, versus: str | None = None, *, figures: Path | 
     depth (the key fact in bold where it is there), exact matches, the cells where a policy's answer is not the
     full cache's, and `versus` ("razor:streaming") claims "A >= B" in exact matches at each length, paired over
     the depths by the rule of `experiments.verdicts`."""
-    path = run / "cells.jsonl"
-    if not path.is_file():
-        raise MissingFile(f"{path}: no needle records there")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _records(run / "cells.jsonl", "needle")
     identity = json.loads((run / "identity.json").read_text())
     labels = list(dict.fromkeys(r["label"] for r in rows))
     lengths, depths = sorted({r["length"] for r in rows}), sorted({r["depth"] for r in rows})
@@ -570,18 +559,14 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
     records): accuracy and the KV each policy held, measured per item, and Table 1's claim (the gates' accuracy
     at least each training-free baseline's) paired over the items, by the rule; no verdict where the full cache
     is within two binomial standard errors of chance."""
-    path = run / items
-    if not path.is_file():
-        raise MissingFile(f"{path}: no zero-shot records there")
+    records = _records(run / items, "zero-shot")
     share, trained = _training(run, paper_tokens)
     cells: dict[str, dict[int, dict]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            name = _TABLE1.get(compare.family(r["policy"]))
-            if name is None:
-                raise InvalidInput(f"{where}: policy {r['policy'][:60]!r} is not one of Table 1's ({', '.join(_TABLE1)})")
-            cells.setdefault(name, {})[int(r["id"].rsplit("|", 1)[1])] = r
+    for r in records:
+        name = _TABLE1.get(compare.family(r["policy"]))
+        if name is None:
+            raise InvalidInput(f"{where}: policy {r['policy'][:60]!r} is not one of Table 1's ({', '.join(_TABLE1)})")
+        cells.setdefault(name, {})[int(r["id"].rsplit("|", 1)[1])] = r
     if "gate" not in cells or "full" not in cells:
         raise InvalidInput(f"{where}: Table 1 needs the full cache and the gates; the records have {', '.join(cells)}")
     n = len(cells["full"])
