@@ -35,6 +35,7 @@ def _records(path: Path, what: str) -> list[dict]:
         raise MissingFile(f"{path}: no {what} records there")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+
 def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, versus: str | None = None, *,
           figures: Path | None = None) -> str:
     """A RULER run (`experiments.ruler`, or the report's RULER section) at `run` (`where` from the page): its
@@ -180,8 +181,7 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
     diff, se = -vs[best]["diff"], vs[best]["se"]  # positive: the gates lose less than the best baseline
     kept = r.get("kept_prefix", {})
     apart = verdicts.unmatched(kept.get("gate"), kept.get(best))
-    said = apart or _trained_claim(
-        verdicts.verdict(diff, se), share)
+    said = apart or _trained_claim(verdicts.verdict(diff, se), share)
     lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): {said} ("
               + verdicts.evidence(diff, se, paired=True, n=r["windows"], of="windows", training_share=share,
                                   digits=4) + ").", ""]
@@ -265,7 +265,6 @@ def _shown(description: str) -> str:
         return f"{head}({whole.group(1)} KV heads whole)"
     budget = re.search(r"\bbudget=(\d+)", description)
     return "full cache" if head == "FullCache" else head + (f"({budget.group(1)})" if budget else "")
-
 
 
 def _versus_pairs(where: str, versus: str, names) -> list[tuple[str, str]]:
@@ -471,8 +470,8 @@ def longbench_claims(run: Path, where: str, versus: str) -> list[str]:
     done = [d for d in tasks if "full" in r["policies"] and r["scores"]["full"][d]["score"] > 0]
     lines = []
     for a, b in _versus_pairs(where, versus, r["policies"]):
-        sa, sb = ({"budget": re.search(r"\bbudget=(\w+)", r["policies"][x]).group(1),
-                   **compare.settings(r["policies"][x])} for x in (a, b))
+        budget = lambda desc: (re.findall(r"\bbudget=(\w+)", desc) or ["-"])[0]  # noqa: E731
+        sa, sb = ({"budget": budget(r["policies"][x]), **compare.settings(r["policies"][x])} for x in (a, b))
         same = [f"{k} {sa[k].strip(chr(39))}" for k in sa if sb.get(k) == sa[k]]
         differ = [f"{k} {sa[k].strip(chr(39))} vs {sb.get(k, '-').strip(chr(39))}" for k in sa if sb.get(k) != sa[k]]
         matched = "matched: " + (", ".join(same) or "nothing") + ("; NOT matched: " + ", ".join(differ) if differ else "")
@@ -512,6 +511,7 @@ def longbench(run: Path, where: str, versus: str | None = None, *, figures: Path
                   "both predicted:", ""] + [f"- {c}" for c in longbench_claims(run, where, versus)]
     return "\n".join(lines + [""])
 
+
 def memory(run: Path, where: str, project: str = "8000x8", *, figures: Path | None = None) -> str:
     """Peak resident memory (`benchmarks.memory`'s rss.json in `run`): each cell's peak, the growth per prompt
     token held in a batch between each two cells that differ in one of (tokens, prompts), the base it implies,
@@ -539,6 +539,8 @@ def memory(run: Path, where: str, project: str = "8000x8", *, figures: Path | No
     base = first["peak_rss_bytes"] - slope * first["prompts"] * first["prompt_tokens"]
     width = 2 if "bfloat16" in r["dtype"] else 4
     cache = r["layers"] * r["kv_heads"] * r["head_dim"] * 2 * width
+    if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", project):
+        raise InvalidInput(f"{where}: project={project} is not TOKENSxPROMPTS")
     tokens, prompts = (int(v) for v in project.split("x"))
     lines += ["", "Growth per prompt token held in a batch, between cells that differ in one of the two: " + "; ".join(
         f"{x[0] / 1e3:.0f} KB ({gb(x[2]['peak_rss_bytes'])} - {gb(x[1]['peak_rss_bytes'])} over {x[3]} tokens)"
@@ -569,6 +571,9 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
         cells.setdefault(name, {})[int(r["id"].rsplit("|", 1)[1])] = r
     if "gate" not in cells or "full" not in cells:
         raise InvalidInput(f"{where}: Table 1 needs the full cache and the gates; the records have {', '.join(cells)}")
+    if any(r.get("kv_share") is None for v in cells.values() for r in v.values()):
+        raise InvalidInput(f"{where}: an item without its measured KV share (stream scoring measures none); Table "
+                           "1's claim is made at a measured eviction")
     n = len(cells["full"])
     chance = sum(1 / len(r["logprobs"]) for r in cells["full"].values()) / n
     acc = {k: sum(r["acc"] for r in v.values()) / len(v) for k, v in cells.items()}

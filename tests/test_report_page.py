@@ -472,3 +472,21 @@ def test_the_gate_zeroshot_block_pairs_the_gates_with_each_baseline_and_needs_a_
     gate_zeroshot_run(tmp_path / "h", {**right, "full": [1] * 7 + [0] * 13}, streaming_held=0.895)
     assert "- gates >= streaming: **no verdict**: the full cache's accuracy" in report_page.gate_zeroshot(
         tmp_path / "h", "h", paper_tokens="2e5")
+
+
+def test_blocks_refuse_what_they_cannot_state(tmp_path):
+    """A projection that is not TOKENSxPROMPTS, and zero-shot items without a measured KV share (stream scoring),
+    are one-line errors; a LongBench pair may name the full cache, which has no budget (shown as "-")."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "rss.json").write_text(json.dumps({"dtype": "float32", "layers": 1, "kv_heads": 1, "head_dim": 2,
+                                                         "machine": "x", "python": "3.11", "cells": [
+        {"command": "c", "prompt_tokens": 10, "prompts": 1, "peak_rss_bytes": 100},
+        {"command": "c", "prompt_tokens": 20, "prompts": 1, "peak_rss_bytes": 200}]}))
+    with pytest.raises(report_page.InvalidInput, match="project=8000 is not TOKENSxPROMPTS"):
+        report_page.memory(tmp_path / "m", "m", project="8000")
+    gate_zeroshot_run(tmp_path / "g", {"full": [1] * 4, "gate": [1] * 4, "streaming": [0] * 4}, streaming_held=None)
+    with pytest.raises(report_page.InvalidInput, match="without its measured KV share"):
+        report_page.gate_zeroshot(tmp_path / "g", "g", paper_tokens="2e5")
+    longbench_run(tmp_path / "lb", {"full": [" 11"] * 10, "snapkv": [" 11"] * 10}, {"full": 100.0, "snapkv": 100.0})
+    (claim, _) = report_page.longbench_claims(tmp_path / "lb", "lb", "snapkv:full")
+    assert "**no verdict**, not matched (budget None vs -, observation_window 32 vs -" in claim
