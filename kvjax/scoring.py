@@ -25,9 +25,19 @@ PROGRESS_CHUNKS = 64
 def _stream_logprobs(model, tokens, positions, *, plan):
     # The scored texts are the prompts: a ratio budget is a share of each row's text.
     cache = drive.size_rows(plan, drive.empty_cache(model, plan, tokens.shape[0]), positions)
-    logits, _ = drive.stream(model, tokens, positions, cache, plan)
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    # Each step scores the next token itself, so the scan keeps [b, t] log-probabilities, not [b, t, V] logits
+    # (8 rows of 8192 tokens over a 49K vocabulary would be 13 GB). The last step's target wraps to token 0
+    # and is dropped.
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def body(cache, xs):
+        token, position, target = xs
+        logits, cache = drive.decode(model, token, position, cache, plan)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return cache, jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+
+    _, out = jax.lax.scan(body, cache, (tokens.T, positions.T, targets.T))
+    return out.T[:, :-1]
 
 
 def stream_logprobs(model: CachedLM, ids: Sequence[int], policy: Policy) -> np.ndarray:
