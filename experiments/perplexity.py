@@ -27,9 +27,10 @@ OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (N
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ from kvjax import drive
 from kvjax.errors import InvalidInput
 from kvjax.policies import AnchorCache, ByLayer
 from kvjax.policies.mat import default_anchor_grid
-from kvjax.scoring import logprobs
+from kvjax.scoring import logprobs, logprobs_rows
 
 
 def heldout_text() -> str:
@@ -68,7 +69,11 @@ def beyond_window(plan, length: int, max_pos: int) -> bool:
 
 
 def measure(model, ids: list[int], policy) -> dict:
-    lp = logprobs(model, ids, policy)
+    return nll_record(logprobs(model, ids, policy))
+
+
+def nll_record(lp: np.ndarray) -> dict:
+    """The record of one window's log-probabilities."""
     return {"nll": float(-lp.mean()), "ppl": float(np.exp(-lp.mean())), "nll_per_token": (-lp).round(5).tolist()}
 
 
@@ -135,25 +140,44 @@ def anchor_variants(policy, grid: Sequence[int] | str) -> dict[int, ByLayer]:
     return {b: dataclasses.replace(policy, deep=dataclasses.replace(policy.deep, anchor_slots=b)) for b in grid}
 
 
+def leave_one_out(nll: Mapping[int, Sequence[float]]) -> list[int]:
+    """Per window i, the β of `nll` ({β: NLL of each window}) with the lowest mean NLL over the other windows
+    (ties: the first β given)."""
+    n = len(next(iter(nll.values())))
+    return [min(nll, key=lambda b: (sum(nll[b]) - nll[b][i]) / (n - 1)) for i in range(n)]
+
+
 def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int = 1, text: list[str] | None = None,
-          anchor_grid: Sequence[int] | str | None = None, progress: bool = True) -> driver.SuiteResult:
+          anchor_grid: Sequence[int] | str | None = None, anchor_tuning: str = "next-window", batch: int = 8,
+          progress: bool = True) -> driver.SuiteResult:
     """Perplexity of each policy (`{label: policy}`, a list or one) at each length, token by token,
     into `out`; summary `{"ppl": {label: {length: ppl or None}}, "nll_per_sequence": {label: {length: [nll, ...]}},
     "policies": ...}`. `lengths` default
     to max/2, max, 2 max; `text` to the held-out standard-library text; `sequences` windows of each
-    length are averaged. `anchor_grid` ("auto" or β values): MAT's β chosen per length on a tuning window
-    (the window after the scored ones), the summary's "anchor_grid" giving `{label: {length: {"chosen": β,
-    "tuning_nll": {β: nll}, "nll": {β: mean scored nll}}}}`."""
+    length are averaged. `anchor_grid` ("auto" or β values): MAT's β chosen per length, by `anchor_tuning`:
+    "next-window", the lowest NLL on a tuning window (the window after the scored ones, never scored), the
+    summary's "anchor_grid" giving `{label: {length: {"chosen": β, "tuning_nll": {β: nll}, "nll": {β: mean
+    scored nll}}}}`; or "leave-one-out", each scored window at the β with the lowest mean NLL on the other
+    windows (no extra window; "chosen" is then one β per window). The windows of one policy and length are
+    read `batch` at a time, one row each (`kvjax.scoring.logprobs_rows`)."""
     cfg = lm.config
     n = cfg.max_position_embeddings
     lengths = list(lengths or [n // 2, n, 2 * n])
     if min(lengths) < 2:
         raise driver.ArgumentError(f"lengths={lengths}: each must be >= 2 tokens")
+    driver.positive(batch, "batch")
+    if anchor_tuning not in TUNINGS:
+        raise driver.ArgumentError(f"anchor_tuning={anchor_tuning!r}: one of {', '.join(TUNINGS)}")
+    if anchor_tuning != "next-window" and anchor_grid is None:
+        raise driver.ArgumentError(f"anchor_tuning={anchor_tuning}: no anchor_grid to tune")
+    if anchor_tuning == "leave-one-out" and sequences < 2:
+        raise driver.ArgumentError(f"anchor_tuning=leave-one-out: sequences={sequences}, it needs at least 2")
     ids = lm.tokenizer(read_text(text) if text else heldout_text())["input_ids"]
-    windows = sequences + (anchor_grid is not None)  # the tuning window follows the scored ones
+    extra = anchor_grid is not None and anchor_tuning == "next-window"  # the tuning window after the scored ones
+    windows = sequences + extra
     if len(ids) < max(lengths) * windows:
         raise driver.ArgumentError(f"the text has {len(ids)} tokens, fewer than {windows} windows (sequences="
-                                   f"{sequences}{' + 1 to tune anchor_grid' if anchor_grid is not None else ''}) x "
+                                   f"{sequences}{' + 1 to tune anchor_grid' if windows > sequences else ''}) x "
                                    f"the longest lengths={max(lengths)}")
     policies = driver.labelled(policies)
     key = lambda pol, L, i: f"{pol.describe()}|{L}" + (f"|{i}" if i else "")  # noqa: E731  (sequence 0: as before)
@@ -165,14 +189,15 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
             raise driver.ArgumentError(f"anchor_grid={anchor_grid}: no MAT policy among {', '.join(policies)} to "
                                        "tune")
 
-    def run(cell: list) -> list[dict]:
-        (lab, pol, L, i), = cell
-        rec = {"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
+    def run(cells: list) -> list[dict]:
+        # one policy and one length (`batches`): its windows are the rows of one batch
+        _, pol, L, _ = cells[0]
+        recs = [{"id": key(pol, L, i), "label": lab, "policy": pol.describe(), "length": L, "sequence": i}
+                for lab, pol, L, i in cells]
         if beyond_window(drive.plan(lm.model, pol), L, n):
-            rec["skipped"] = f"absolute positions beyond max_position_embeddings={n}"
-        else:
-            rec |= measure(lm.model, ids[i * L : (i + 1) * L], pol)
-        return [rec]
+            return [r | {"skipped": f"absolute positions beyond max_position_embeddings={n}"} for r in recs]
+        lps = logprobs_rows(lm.model, [ids[i * L : (i + 1) * L] for *_, i in cells], pol)
+        return [r | nll_record(lp) for r, lp in zip(recs, lps)]
 
     def scored(done, lab, pol, L) -> dict:
         runs = [done[key(pol, L, i)] for i in range(sequences)]
@@ -182,6 +207,19 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
         return runs[0] | {"label": lab, "nll": nll, "ppl": float(np.exp(nll)), "sequences": len(runs),
                           "ppl_per_sequence": [r["ppl"] for r in runs]}
 
+    def left_out(done, lab, L, grid) -> dict:
+        """MAT's record at length L, each window scored at the β that the other windows chose."""
+        nll = {b: [done[key(p, L, i)]["nll"] for i in range(sequences)] for b, p in tuned[lab].items()}
+        chosen = leave_one_out(nll)
+        per = [nll[b][i] for i, b in enumerate(chosen)]
+        grid[str(L)] = {"chosen": chosen, "nll": {str(b): float(np.mean(v)) for b, v in nll.items()}}
+        first = done[key(tuned[lab][chosen[0]], L, 0)]
+        return first | {"label": lab, "nll": float(np.mean(per)), "ppl": float(np.exp(np.mean(per))),
+                        "sequences": sequences, "ppl_per_sequence": [float(np.exp(x)) for x in per],
+                        "policy": re.sub(r"anchor_slots=\d+", f"anchor_slots={chosen} (leave-one-out)",
+                                         first["policy"]),
+                        "anchor_slots": chosen}
+
     def report(log):
         done = {r["id"]: r for r in log}
         records, grid = [], {}
@@ -190,17 +228,26 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
                 if lab not in tuned:
                     records.append(scored(done, lab, pol, L))
                     continue
-                tune = {b: done[key(p, L, sequences)] for b, p in tuned[lab].items()}
-                if any("skipped" in r for r in tune.values()):
+                if any("skipped" in done[key(p, L, 0)] for p in tuned[lab].values()):
                     records.append(scored(done, lab, pol, L))  # skipped at every β alike
                     continue
+                if anchor_tuning == "leave-one-out":
+                    records.append(left_out(done, lab, L, grid.setdefault(lab, {})))
+                    continue
+                tune = {b: done[key(p, L, sequences)] for b, p in tuned[lab].items()}
                 best = min(tune, key=lambda b: tune[b]["nll"])
                 records.append(scored(done, lab, tuned[lab][best], L) | {"anchor_slots": best})
                 grid.setdefault(lab, {})[str(L)] = {
                     "chosen": best, "tuning_nll": {str(b): r["nll"] for b, r in tune.items()},
                     "nll": {str(b): scored(done, lab, p, L)["nll"] for b, p in tuned[lab].items()}}
         table, summary, figures = write_report(Path(out), records, list(policies), lengths, n)
-        if grid:
+        if grid and anchor_tuning == "leave-one-out":
+            table += ("\n\nMAT's β per length and window, the lowest mean NLL on the other windows (leave-one-out; "
+                      "no window is scored at a β chosen on it): " + "; ".join(
+                          f"{lab} at {L}: β = {', '.join(map(str, g['chosen']))}" for lab, by in grid.items()
+                          for L, g in by.items()))
+            summary["anchor_grid"] = grid
+        elif grid:
             table += "\n\nMAT's β per length, the lowest NLL on the tuning window (never scored): " + "; ".join(
                 f"{lab} at {L}: β = {g['chosen']} (tuning NLL " + ", ".join(
                     f"β {b}: {v:.4f}" for b, v in g["tuning_nll"].items()) + ")"
@@ -211,13 +258,19 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
     def runs_of(lab, pol) -> list:
         if lab not in tuned:
             return [(pol, i) for i in range(sequences)]
-        return [(p, i) for p in tuned[lab].values() for i in range(sequences + 1)]
+        return [(p, i) for p in tuned[lab].values() for i in range(sequences + extra)]
 
     cells = [(lab, p, L, i) for lab, pol in policies.items() for L in lengths for p, i in runs_of(lab, pol)]
-    suite = driver.Suite("perplexity", "runs.jsonl", cells, lambda cell: key(*cell[1:]), run, report)
+    suite = driver.Suite("perplexity", "runs.jsonl", cells, lambda cell: key(*cell[1:]), run, report,
+                         lambda todo: driver.batches(todo, batch, group=lambda c: key(c[1], c[2], 0)))
     grid_option = None if anchor_grid is None else (anchor_grid if isinstance(anchor_grid, str) else list(anchor_grid))
-    return driver.run_suite(suite, out, lm, {"text": text, "anchor_grid": grid_option}, policies, progress=progress,
-                            files=("text",))
+    options = {"text": text, "anchor_grid": grid_option, "batch": batch}
+    if anchor_tuning != "next-window":  # absent otherwise: the records of runs before it existed resume
+        options["anchor_tuning"] = anchor_tuning
+    return driver.run_suite(suite, out, lm, options, policies, progress=progress, files=("text",))
+
+
+TUNINGS = ("next-window", "leave-one-out")
 
 
 def anchor_grid_arg(text: str) -> list[int] | str:
@@ -239,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--anchor-grid", type=anchor_grid_arg,
                    help="tune MAT's beta per length on a tuning window after the scored sequences: 'auto' (1 and "
                         "budget/8 .. budget/2, as the paper's grid) or comma-separated values")
+    p.add_argument("--anchor-tuning", choices=TUNINGS, default="next-window",
+                   help="how --anchor-grid picks beta: on the window after the scored ones (next-window), or per "
+                        "scored window on the others (leave-one-out: no extra window; it needs --sequences >= 2)")
+    p.add_argument("--batch", type=positive_int, default=8,
+                   help="windows of one policy and length read together, one row each (float rounding aside, the "
+                        "same numbers as --batch 1)")
     p.add_argument("--out", default="results/perplexity")
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
@@ -247,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = suite_model(args)
     refuse_trained_text(args.gate_params, args.text, "--text")  # the default text: the held-out topics and modules
     res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
-                      sequences=args.sequences, text=args.text, anchor_grid=args.anchor_grid)
+                      sequences=args.sequences, text=args.text, anchor_grid=args.anchor_grid,
+                      anchor_tuning=args.anchor_tuning, batch=args.batch)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,csv,json}}, perplexity.png")
     return 0

@@ -183,9 +183,12 @@ def perplexity_section(run: Run) -> tuple[list[str], list[str]]:
         pols = driver.resolve_policies("streaming,mat", budget=budget, positions="rolling", shallow_layers=shallow,
                                        num_layers=depth)
         res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
-                          text=args.ppl_text, sequences=args.ppl_sequences, anchor_grid=args.ppl_anchor_grid)
+                          text=args.ppl_text, sequences=args.ppl_sequences, anchor_grid=args.ppl_anchor_grid,
+                          anchor_tuning=args.ppl_anchor_tuning)
         roll = res.summary["ppl"]
-        beta = ("MAT's β grid-searched per length on a tuning window (`--ppl-anchor-grid`)" if args.ppl_anchor_grid
+        beta = ("MAT's β grid-searched per length (`--ppl-anchor-grid`), chosen "
+                + ("per sequence on the other sequences" if args.ppl_anchor_tuning == "leave-one-out"
+                   else "on a tuning window") if args.ppl_anchor_grid
                 else f"MAT's β = {pols['mat'].deep.anchor_slots}, not tuned")
         md += [f"StreamingLLM and MAT at budget {budget} (rolling positions; {args.ppl_sequences} sequence(s) per "
                f"length; {beta}):", "", res.table, "",
@@ -305,8 +308,8 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
         pols = {"full": driver.resolve_policies("full")["full"]}
         for r in args.ruler_ratios:
             for name in methods:
-                if name == "duo":  # a share r of the KV heads made streaming heads
-                    pol = driver.resolve_policies("duo", duo_pattern=str(duo), head_compression=r)["duo"]
+                if name in ("duo", "duo-kvpress"):  # a share r of the KV heads made streaming heads
+                    pol = driver.resolve_policies(name, duo_pattern=str(duo), head_compression=r)[name]
                 elif name == "kvzap":  # the threshold that evicted a share r of the surrogate's held-out pairs
                     pol = make_policy("kvzap", kvzap=args.kvzap, threshold=kvzap_thresholds[r])
                 elif name in MATCHED_POOLING:  # SlimKV's claim on matched pairs (issue 65)
@@ -330,7 +333,9 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
            "", res.table, ""]
     md += [f"DuoAttention at `duo@r` makes a share r of the KV heads streaming heads (128 sinks + 256 recent "
            f"tokens; the head scores computed on the fly as kvpress does, on 8 windows of the offline text, "
-           f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; AdaKV runs on SnapKV's "
+           f"`ruler/../duo.json`), so it keeps more than 1 - r of a {length}-token prompt; its streaming heads slide "
+           "through the question and the answer, as the paper's do, where `duo-kvpress@r`'s, as kvpress's "
+           "DuoAttentionPress, keep the prompt's window and append every new token; AdaKV runs on SnapKV's "
            "score (its heads' slots in one pool per layer); KVzip's evicted slots are emptied, not freed (its "
            f"replay: {'in the chat template' if chat else 'raw text'}, as the prompts are, chunks of 2048 tokens, "
            "kvpress's prompts). `snapkv-avg` / `slimkv-max` give each the other's pooling and `snapkv-kvpress` / "
@@ -533,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-anchor-grid", type=perplexity.anchor_grid_arg,
                    help="section 1: MAT's beta grid-searched per length on a tuning window after the scored "
                         "sequences ('auto': the paper's grid, 1 and budget/8 .. budget/2), as the paper tunes it")
+    p.add_argument("--ppl-anchor-tuning", choices=perplexity.TUNINGS, default="next-window",
+                   help="section 1: how --ppl-anchor-grid picks beta: on a window after the scored ones, or per "
+                        "scored sequence on the others (leave-one-out; needs --ppl-sequences >= 2)")
     p.add_argument("--razor-lengths", type=int_list, help="section 2's prompt lengths (default: passkey's)")
     p.add_argument("--razor-samples", type=positive_int, default=PASSKEY_SAMPLES,
                    help="section 2's prompts per length and key depth")

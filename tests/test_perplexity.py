@@ -160,3 +160,58 @@ def test_anchor_grid_picks_mats_beta_on_a_tuning_window_it_never_scores(tmp_path
     with pytest.raises(SystemExit):
         ppl_cli.main(argv[:-4] + ["--compare", "streaming", "--anchor-grid", "auto", "--out", str(tmp_path / "o2")])
     assert "no MAT policy" in capsys.readouterr().err
+
+
+def test_leave_one_out_scores_each_window_at_the_beta_the_other_windows_chose(tmp_path, capsys):
+    """`--anchor-tuning leave-one-out` (issue 65, item 5, when the text holds no window beyond the scored ones):
+    window i is scored at the β of the grid with the lowest mean NLL on the other windows, computed here by hand
+    from each window read alone (`--batch` 3 reads them as the rows of one batch)."""
+    from kvjax.policies import mat
+    from models import load
+
+    model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{(7 * i) % 89} of line {i % 13}." for i in range(400)))
+    out = tmp_path / "out"
+    argv = ["--model", str(model_dir), "--text", str(text), "--lengths", "40", "--sequences", "3", "--budget", "12",
+            "--compare", "streaming,mat", "--anchor-grid", "1,3,6", "--batch", "3", "--out", str(out)]
+    assert ppl_cli.main(argv + ["--anchor-tuning", "leave-one-out"]) == 0
+    lm = load(model_dir)
+    ids = lm.tokenizer(text.read_text())["input_ids"]
+    nll = {b: [ppl_cli.measure(lm.model, ids[w * 40:(w + 1) * 40], mat(12, b, shallow_layers=1))["nll"]
+               for w in range(3)] for b in (1, 3, 6)}
+    chosen = ppl_cli.leave_one_out(nll)
+    res = json.loads((out / "results.json").read_text())
+    assert res["anchor_grid"]["mat"]["40"]["chosen"] == chosen
+    want = [nll[b][i] for i, b in enumerate(chosen)]
+    assert res["ppl"]["mat"]["40"] == pytest.approx(np.exp(np.mean(want)), rel=1e-5)
+    assert res["nll_per_sequence"]["mat"]["40"] == pytest.approx(want, rel=1e-5)
+    assert f"anchor_slots={chosen} (leave-one-out)" in res["policies"]["mat"]
+    assert "leave-one-out" in (out / "results.md").read_text()
+    # StreamingLLM's windows, read three to a batch, are each window read alone
+    stream = [ppl_cli.measure(lm.model, ids[w * 40:(w + 1) * 40], StreamingLLM(budget=12))["nll"] for w in range(3)]
+    assert res["nll_per_sequence"]["streaming"]["40"] == pytest.approx(stream, rel=1e-5)
+    # the tuning is part of the run's identity; leave-one-out needs two windows and a grid
+    from kvjax.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="--anchor-tuning: .leave-one-out. -> \(not recorded\)"):
+        ppl_cli.main(argv)
+    for bad in (["--sequences", "1"], ["--anchor-grid"]):
+        a = list(argv)
+        i = a.index(bad[0])
+        if len(bad) == 2:
+            a[i + 1] = bad[1]
+        else:
+            del a[i:i + 2]
+        with pytest.raises(SystemExit):
+            ppl_cli.main(a + ["--anchor-tuning", "leave-one-out", "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err
+    assert "--sequences 1, it needs at least 2" in err and "no anchor_grid to tune" in err
+
+
+def test_leave_one_out_on_a_hand_computed_case():
+    """Window 0's β is the one the other windows prefer: β 1 scores windows 0 and 2 best but window 1 worst, so
+    windows 0 and 2 (whose others include window 1) take β 3, and window 1 (whose others are 0 and 2) takes β 1,
+    neither each window's own best ([1, 3, 1]) nor the overall best (β 3 for all)."""
+    assert ppl_cli.leave_one_out({1: [1.0, 5.0, 1.0], 3: [2.0, 0.0, 2.0]}) == [3, 1, 3]
+    assert ppl_cli.leave_one_out({8: [1.0, 1.0], 2: [1.0, 1.0]}) == [8, 8]  # a tie: the first β given
