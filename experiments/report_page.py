@@ -206,17 +206,67 @@ def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, 
                      f"x{r['T_up_vs_full_caching']:.2f} |")
     diff = t["acc_ansan"] - t["acc_full"] + 0.05
     se = verdicts.binomial_se(t["acc_ansan"], t["acc_full"], t["items"])
+    lines += ["", _table1_claim(t, diff, se, None, share), ""]
+    return "\n".join(lines)
+
+
+def _table1_claim(t: dict, diff: float, se: float | None, paired: int | None, share: float) -> str:
+    """AnLLM Table 1's claim (AnSAN within 0.05 of full attention's accuracy) on the summary `t`: the margin left
+    `diff` with standard error `se` (`paired`: over that many items, else unpaired binomial), or no verdict where
+    full attention is at chance."""
     # the claim is measured against full attention's accuracy: at chance, the task says nothing about the cache
     margin = verdicts.SE_MULTIPLE * max(math.sqrt(t["chance"] * (1 - t["chance"]) / t["items"]), 1 / t["items"])
     if t["acc_full"] <= t["chance"] + margin:
         said = (f"**no verdict**: full attention's accuracy ({t['acc_full']:.3f}) is within "
                 f"{verdicts.SE_MULTIPLE} binomial standard errors of chance, so the task does not test the cache")
     else:
-        said = _trained_claim(verdicts.verdict(diff, se), share)
-    lines += ["", f"Table 1's claim (AnSAN within 0.05 of full attention's accuracy): {said} (the margin left, "
-              "AnSAN minus full plus 0.05: "
-              + verdicts.evidence(diff, se, paired=False, n=t["items"], training_share=share) + ").", ""]
-    return "\n".join(lines)
+        said = _trained_claim(verdicts.verdict(diff, se, paired), share)
+    return (f"Table 1's claim (AnSAN within 0.05 of full attention's accuracy): {said} (the margin left, AnSAN minus "
+            "full plus 0.05: " + verdicts.evidence(diff, se, paired=paired is not None, n=paired or t["items"],
+                                                   training_share=share) + ").")
+
+
+_PLACEMENTS = {"sentence": "every demonstration (sentence)", "every-10": "every 10 tokens", "random-0.1": "random, p = 0.1"}
+
+
+def anllm_placements(run: Path, where: str, paper_tokens: str, task: str = "absent", *,
+                     figures: Path | None = None) -> str:
+    """AnLLM-AC's Table 3 (`experiments.eval_anllm --placement P` of one trained model, per-item records in
+    `run`/eval-TASK-P for P in sentence, every-10, random-0.1): accuracy per placement, Table 1's claim at the
+    training's placement (sentence), and Table 3's claim (every demonstration beats the other two placements with
+    the anchors alone), each paired over the items."""
+    share, training = _training(run, paper_tokens)
+    rows, right = {}, {}
+    for p in _PLACEMENTS:
+        d = run / f"eval-{task}-{p}"
+        rows[p] = json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else None
+        if rows[p] is None:
+            raise MissingFile(f"{d}/results.json: no AnLLM-AC evaluation at placement {p} there")
+        recs = _records(d / "items.jsonl", "AnLLM item")
+        right[p] = {k: {r["i"]: float(max(range(len(r[k])), key=r[k].__getitem__) == r["answer"]) for r in recs}
+                    for k in ("full", "ansan")}
+        for k in ("full", "ansan"):
+            if abs(sum(right[p][k].values()) / len(recs) - rows[p][f"acc_{k}"]) > 1e-9:
+                raise InvalidInput(f"{where}/eval-{task}-{p}: results.json's acc_{k} is not its items' ")
+    t = rows["sentence"]
+    lines = [f"Records: `{where}/eval-{task}-{{{','.join(_PLACEMENTS)}}}` ({t['items']} items each, {t['data']}, "
+             f"chance {t['chance']:.2f}; the same trained AnLLM-AC model, its <AC> placed as Table 3 does). {training}",
+             "", "| <AC> placement in the demonstrations | Acc, full attention | Acc, anchors only (AnSAN) | "
+             "L_kv / L_d |", "|---|---|---|---|"]
+    for p, name in _PLACEMENTS.items():
+        r, n = rows[p], rows[p]["items"]
+        lines.append(f"| {name} | {r['acc_full']:.3f} ({round(r['acc_full'] * n)}/{n}) | {r['acc_ansan']:.3f} "
+                     f"({round(r['acc_ansan'] * n)}/{n}) | {r['L_kv']:g} / {r['L_d']:g} |")
+    margin = {i: right["sentence"]["ansan"][i] - right["sentence"]["full"][i] + 0.05 for i in right["sentence"]["full"]}
+    diff, se = sum(margin.values()) / len(margin), verdicts.paired_se(list(margin.values()))
+    lines += ["", "Each claim by the rule of `experiments.verdicts`, paired over the items:", "",
+              "- " + _table1_claim(t, diff, se, len(margin), share)]
+    for p in ("every-10", "random-0.1"):
+        diff, se, k = verdicts.paired_gap(right["sentence"]["ansan"], right[p]["ansan"])
+        lines.append(f"- Table 3's claim, every demonstration >= {_PLACEMENTS[p]} (AnSAN accuracy): "
+                     + _trained_claim(verdicts.verdict(diff, se, k), share) + " ("
+                     + verdicts.evidence(diff, se, paired=True, n=k, training_share=share) + ")")
+    return "\n".join(lines + [""])
 
 
 def kvpress(run: Path, where: str, *, figures: Path | None = None) -> str:
@@ -551,6 +601,88 @@ def memory(run: Path, where: str, project: str = "8000x8", *, figures: Path | No
     return "\n".join(lines)
 
 
+def _anchor_slots(description: str) -> int:
+    m = re.search(r"\banchor_slots=(\d+)", description)
+    if m is None:
+        raise InvalidInput(f"perplexity records: MAT policy {description[:60]!r} names no anchor_slots")
+    return int(m.group(1))
+
+
+def _nll_by_sequence(path: Path, where: str) -> tuple[dict, dict[tuple[str, int | None], dict[int, float]]]:
+    """(identity.json, {(label, β or None): {sequence: NLL}}) of a perplexity run (`experiments.perplexity`'s
+    runs.jsonl), one length; a skipped or non-finite record is an error (the block states numbers only)."""
+    identity = json.loads((path / "identity.json").read_text())
+    cells: dict[tuple[str, int | None], dict[int, float]] = {}
+    lengths = set()
+    for r in _records(path / "runs.jsonl", "perplexity"):
+        if "skipped" in r or not math.isfinite(r.get("nll", math.nan)):
+            raise InvalidInput(f"{where}: record {r['id']} has no finite NLL ({r.get('skipped', 'not a number')})")
+        lengths.add(r["length"])
+        beta = _anchor_slots(r["policy"]) if "AnchorCache(" in r["policy"] else None
+        cells.setdefault((r["label"], beta), {})[r["sequence"]] = r["nll"]
+    if len(lengths) != 1:
+        raise InvalidInput(f"{where}: records at lengths {sorted(lengths)}; the block shows one length")
+    return identity | {"length": lengths.pop()}, cells
+
+
+def perplexity(run: Path, where: str, *, figures: Path | None = None) -> str:
+    """MAT against StreamingLLM at equal budget (MAT Table 3's comparison): `run` holds `full/` (the full cache)
+    and `rolling-B/` per budget B (`experiments.perplexity --compare streaming,mat --budget B --anchor-grid ...`).
+    From the per-sequence records: each cache's perplexity, MAT's β chosen as the run's `--anchor-tuning` says
+    (recomputed here, and checked against the run's results.json), the perplexity at each β of the grid, and the
+    claim "MAT's perplexity is below StreamingLLM's" per budget, paired over the sequences by the rule."""
+    from experiments.perplexity import leave_one_out
+
+    full_id, full = _nll_by_sequence(run / "full", f"{where}/full")
+    budgets = sorted(int(d.name.split("-", 1)[1]) for d in run.glob("rolling-*") if d.is_dir())
+    if not budgets:
+        raise MissingFile(f"{run}: no rolling-BUDGET run directories")
+    (full_nll,) = full.values()
+    ppl = lambda xs: math.exp(sum(xs) / len(xs))  # noqa: E731  (equal lengths: the token-weighted mean)
+    rows, grids, claims = [], [], []
+    for b in budgets:
+        d = f"{where}/rolling-{b}"
+        identity, cells = _nll_by_sequence(run / f"rolling-{b}", d)
+        stream = cells[("streaming", None)]
+        seqs = sorted(stream)
+        grid = {beta: nll for (lab, beta), nll in cells.items() if lab == "mat"}
+        tuning = identity.get("--anchor-tuning", "next-window")
+        if tuning == "leave-one-out":
+            chosen = leave_one_out({beta: [nll[i] for i in seqs] for beta, nll in sorted(grid.items())})
+            how = "per sequence, the lowest mean NLL on the other sequences (leave-one-out)"
+        else:
+            pick = min(sorted(grid), key=lambda beta: grid[beta][len(seqs)])  # the window after the scored ones
+            chosen = [pick] * len(seqs)
+            how = "the lowest NLL on a window after the scored ones"
+        mat = {i: grid[beta][i] for i, beta in zip(seqs, chosen)}
+        results = json.loads((run / f"rolling-{b}" / "results.json").read_text())
+        length = str(identity["length"])
+        for lab, nll in (("streaming", stream), ("mat", mat)):
+            if not math.isclose(results["ppl"][lab][length], ppl(list(nll.values())), rel_tol=1e-3):
+                raise InvalidInput(f"{d}: results.json's {lab} perplexity {results['ppl'][lab][length]} is not its "
+                                   f"records' {ppl(list(nll.values())):.3f}")
+        diff, se, k = verdicts.paired_gap(stream, mat)
+        said = verdicts.verdict(diff, se, k)
+        rows.append(f"| {b} | {ppl(list(stream.values())):.2f} | {ppl(list(mat.values())):.2f} | "
+                    f"{', '.join(map(str, chosen))} | {diff:+.4f} |")
+        grids.append(f"- budget {b}: " + "; ".join(f"β {beta}: {ppl([grid[beta][i] for i in seqs]):.2f}"
+                                                  for beta in sorted(grid)))
+        claims.append(f"- budget {b}: **{said}** (log-perplexity, StreamingLLM minus MAT: "
+                      + verdicts.evidence(diff, se, paired=True, n=k, of="sequences", digits=4) + ")")
+    lines = [f"Records: `{where}/full` and `{where}/rolling-{{{','.join(map(str, budgets))}}}` ({len(full_nll)} "
+             f"sequences of {full_id['length']} tokens, read token by token; {full_id['model dtype']} weights "
+             f"{full_id['weights']}). MAT's β: {how}.", "",
+             "| KV budget per layer and head | StreamingLLM | MAT | MAT's β per sequence | log-ppl, StreamingLLM "
+             "minus MAT |", "|---|---|---|---|---|",
+             f"| full cache ({full_id['length']}) | {ppl(list(full_nll.values())):.2f} | "
+             f"{ppl(list(full_nll.values())):.2f} | | |", *rows, "",
+             "MAT's perplexity over the same sequences at each β of the grid (the chosen β above are picked without "
+             "the sequence they score):", "", *grids, "",
+             "MAT's claim (Table 3: its perplexity below StreamingLLM's at the same budget), paired over the "
+             "sequences by the rule of `experiments.verdicts`:", "", *claims, ""]
+    return "\n".join(lines)
+
+
 _TABLE1 = {"FullCache": "full", "GateEviction": "gate", "StreamingLLM": "streaming", "ObservedAttention": "h2o"}
 
 
@@ -605,7 +737,8 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
 BLOCKS: dict[str, Callable[..., str]] = {"ruler": ruler, "zeroshot": zeroshot, "gate": gate, "anllm": anllm,
                                          "kvpress": kvpress, "passkey": passkey, "quantization": quantization,
                                          "needle": needle, "longbench": longbench, "memory": memory,
-                                         "gate-zeroshot": gate_zeroshot}
+                                         "gate-zeroshot": gate_zeroshot, "perplexity": perplexity,
+                                         "anllm-placements": anllm_placements}
 
 
 def regenerate(page: Path, draw: bool = False) -> str:

@@ -490,3 +490,82 @@ def test_blocks_refuse_what_they_cannot_state(tmp_path):
     longbench_run(tmp_path / "lb", {"full": [" 11"] * 10, "snapkv": [" 11"] * 10}, {"full": 100.0, "snapkv": 100.0})
     (claim, _) = report_page.longbench_claims(tmp_path / "lb", "lb", "snapkv:full")
     assert "**no verdict**, not matched (budget None vs -, observation_window 32 vs -" in claim
+
+
+def perplexity_run(run: Path, budget: int, nll: dict[tuple[str, int | None], list[float]], tuning: str,
+                   length: int = 64, results_ppl: dict | None = None) -> None:
+    """A perplexity run directory: per (label, β) the NLL of each window, its identity and results.json."""
+    run.mkdir(parents=True)
+    ident = {"weights": "w", "model dtype": "float32", "--anchor-tuning": tuning}
+    (run / "identity.json").write_text(json.dumps(ident if budget else {k: ident[k] for k in list(ident)[:2]}))
+    recs = []
+    for (lab, beta), xs in nll.items():
+        pol = (f"ByLayer(split=2, deep=AnchorCache(budget={budget}, anchor_slots={beta}))" if beta
+               else f"StreamingLLM(budget={budget})" if lab == "streaming" else "FullCache()")
+        recs += [{"id": f"{pol}|{length}|{i}", "label": lab, "policy": pol, "length": length, "sequence": i,
+                  "nll": x, "ppl": float(np.exp(x))} for i, x in enumerate(xs)]
+    (run / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "results.json").write_text(json.dumps({"ppl": results_ppl or {}}))
+
+
+def test_the_perplexity_block_scores_each_sequence_at_the_beta_the_others_chose(tmp_path):
+    """Hand-computed: β 1 is best on sequences 0 and 2 and worst on 1, so leave-one-out gives β 3, 1, 3 and MAT's
+    NLLs 2.0, 5.0, 2.0 (perplexity e^3); StreamingLLM's 2.0, 2.2, 2.4 (e^2.2). StreamingLLM minus MAT: 0, -2.8, 0.4,
+    mean -0.8, paired s.e. sqrt(6.08 / 2 / 3) = 1.0066: inconclusive. At budget 16 MAT is below by 0.5 on each of
+    6 sequences but one (0.4): mean 0.4833, s.e. 0.0167, holds."""
+    run = tmp_path / "ppl"
+    perplexity_run(run / "full", 0, {("full", None): [1.5, 1.5, 1.5]}, "next-window")
+    perplexity_run(run / "rolling-8", 8, {("streaming", None): [2.0, 2.2, 2.4], ("mat", 1): [1.0, 5.0, 1.0],
+                                          ("mat", 3): [2.0, 0.0, 2.0]}, "leave-one-out",
+                   results_ppl={"streaming": {"64": float(np.exp(2.2))}, "mat": {"64": float(np.exp(3.0))}})
+    s16 = [3.0] * 6
+    m16 = [2.5] * 5 + [2.6]
+    perplexity_run(run / "rolling-16", 16, {("streaming", None): s16, ("mat", 2): m16, ("mat", 4): [9.0] * 6},
+                   "leave-one-out",
+                   results_ppl={"streaming": {"64": float(np.exp(3.0))}, "mat": {"64": float(np.exp(np.mean(m16)))}})
+    text = report_page.perplexity(run, "ppl")
+    assert "| 8 | 9.03 | 20.09 | 3, 1, 3 | -0.8000 |" in text
+    assert "budget 8: **inconclusive** (log-perplexity, StreamingLLM minus MAT: difference -0.8000, s.e. 1.0066" in text
+    assert "| 16 | 20.09 | 12.39 | 2, 2, 2, 2, 2, 2 | +0.4833 |" in text
+    assert "budget 16: **holds** (log-perplexity, StreamingLLM minus MAT: difference +0.4833, s.e. 0.0167" in text
+    assert "- budget 8: β 1: 10.31; β 3: 3.79" in text and "| full cache (64) | 4.48 | 4.48 | | |" in text
+    # a results.json that is not what its records give is refused
+    bad = json.loads((run / "rolling-8" / "results.json").read_text())
+    bad["ppl"]["mat"]["64"] = float(np.exp(2.0))  # MAT at each sequence's own best β
+    (run / "rolling-8" / "results.json").write_text(json.dumps(bad))
+    with pytest.raises(report_page.InvalidInput, match="rolling-8: results.json's mat perplexity"):
+        report_page.perplexity(run, "ppl")
+
+
+def test_the_anllm_placements_block_pairs_table_3s_placements_item_by_item(tmp_path):
+    """AnLLM-AC's Table 3 on 4 items (chance 0.5, two options): full attention right on all 4 at every placement;
+    AnSAN right on items 0-3 with <AC> after each demonstration, on 0-1 every 10 tokens, on none at random. Every
+    demonstration minus every 10 tokens: 0, 0, 1, 1, mean 0.5, s.e. sqrt(1/3 / 4) = 0.289: inconclusive; minus
+    random: 1 on each of 4 items, s.e. 0, 4 items too few for the sign test: inconclusive. Table 1's claim: no
+    verdict, as 4 items put chance + 2 s.e. at 0.5 + 2 x 0.25 = 1, full attention's own accuracy."""
+    run = tmp_path / "ac"
+    run.mkdir()
+    (run / "train_identity.json").write_text(json.dumps({"--batch": 1, "--seq-len": 512}))
+    (run / "loss.json").write_text(json.dumps([{"step": i} for i in range(10)]))
+    ansan_right = {"sentence": [1, 1, 1, 1], "every-10": [1, 1, 0, 0], "random-0.1": [0, 0, 0, 0]}
+    for p, got in ansan_right.items():
+        d = run / f"eval-absent-{p}"
+        d.mkdir()
+        items = [{"i": i, "answer": 1, "full": [0.0, 1.0], "ansan": [0.0, 1.0] if ok else [1.0, 0.0]}
+                 for i, ok in enumerate(got)]
+        (d / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+        (d / "results.json").write_text(json.dumps({"items": 4, "L_d": 51.0, "L_kv": 5.0 + 2 * len(p), "chance": 0.5,
+                                                    "acc_full": 1.0, "acc_ansan": sum(got) / 4, "data": "facts"}))
+    text = report_page.anllm_placements(run, "ac", paper_tokens="1e9")
+    assert "| every 10 tokens | 1.000 (4/4) | 0.500 (2/4) | 21 / 51 |" in text
+    assert "every demonstration >= every 10 tokens (AnSAN accuracy): **inconclusive** for this variant" in text
+    assert "difference +0.500, s.e. 0.289 (paired over 4 items)" in text
+    assert "every demonstration >= random, p = 0.1 (AnSAN accuracy): **inconclusive**" in text
+    assert "difference +1.000, s.e. 0 (paired over 4 items): every difference the same, decided by the sign test" in text
+    assert "Trained on 5,120 tokens" in text
+    assert "- Table 1's claim (AnSAN within 0.05 of full attention's accuracy): **no verdict**" in text
+    # a results.json that is not what its items give is refused
+    bad = run / "eval-absent-every-10" / "results.json"
+    bad.write_text(bad.read_text().replace('"acc_ansan": 0.5', '"acc_ansan": 0.75'))
+    with pytest.raises(report_page.InvalidInput, match="eval-absent-every-10: results.json's acc_ansan"):
+        report_page.anllm_placements(run, "ac", paper_tokens="1e9")
