@@ -54,7 +54,10 @@ SETTINGS = {
              "average, kvjax's adakv by maximum",
     "adakv-kvpress": "AdaKVPress(SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2): average pooling, "
                      "as kvjax's adakv-kvpress",
-    "duo": "DuoAttentionPress(head_compression_ratio=r), the run's duo.json head scores, 128 sinks, 256 recent",
+    "duo": "DuoAttentionPress(head_compression_ratio=r), the run's duo.json head scores, 128 sinks, 256 recent: its "
+           "streaming heads keep the prompt's window and append the question and answer, kvjax's duo slides them",
+    "duo-kvpress": "DuoAttentionPress(head_compression_ratio=r), the run's duo.json head scores, 128 sinks, 256 "
+                   "recent: as kvjax's duo-kvpress, the streaming heads' window chosen once from the prompt",
     "kvzip": "KVzipPress(chunk_size=2048, n_sink=4), the replay in the model's chat template",
 }
 
@@ -84,7 +87,7 @@ def make_press(name: str, ratio: float | None):
     if name == "adakv-kvpress":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
                                   alpha_safeguard=0.2)
-    if name == "duo":
+    if name in ("duo", "duo-kvpress"):
         return kvpress.DuoAttentionPress(head_compression_ratio=ratio)
     if name == "kvzip":
         return kvpress.KVzipPress(compression_ratio=ratio, chunk_size=2048, n_sink=4)
@@ -169,7 +172,7 @@ def main(argv: list[str]) -> int:
             raise InvalidInput(f"--methods: {name!r} has no kvpress press here (known: {', '.join(SETTINGS)})")
     records = Path(args.records)
     identity, kvjax_rows, duo = read_run(records)
-    if "duo" in methods and duo is None:
+    if {"duo", "duo-kvpress"} & set(methods) and duo is None:
         raise MissingFile(f"{records / 'duo.json'}: --methods duo needs the run's head scores")
     length = {r["length"] for r in kvjax_rows}
     if len(length) != 1:

@@ -22,6 +22,7 @@ from kvjax.policies import (
     AdaKV,
     AnchorCache,
     DuoAttention,
+    DuoAttentionOnce,
     ExpectedAttention,
     FullCache,
     GateEviction,
@@ -39,6 +40,7 @@ from kvjax.policies import (
     mat,
 )
 from kvjax.policies.anllm import AnchorReduction
+from kvjax.policies.scored import PromptStreamingLLM
 from kvjax.policies.chunkkv import ChunkKV
 from kvjax.policies.critical import CriticalAdaKV, CriticalKV
 from models import load
@@ -72,6 +74,8 @@ FAMILIES = {
     "anllm": AnchorReduction(anchor_ids=(ANCHOR,), anchor_slots=8, sequence=8),
     "razor": RazorAttention(retrieval=RETRIEVAL, buffer=8, sinks=2, compression=3),
     "duo": DuoAttention(streaming=tuple(tuple(not r for r in row) for row in RETRIEVAL), sinks=2, recent=8),
+    "duo-kvpress": DuoAttentionOnce(streaming=tuple(tuple(not r for r in row) for row in RETRIEVAL), sinks=2, recent=8),
+    "streaming-kvpress": PromptStreamingLLM(budget=16, sinks=4),
     "kivi": Quantized(FullCache(), bits=2, group=8, residual=4),
     "kvzip": KVzip(ratio=0.5, **KV),
     "kvzip-plus": KVzip(ratio=0.5, plus=True, **KV),

@@ -181,3 +181,47 @@ def test_ratio_and_budget_are_exclusive_and_ratio_needs_the_whole_prompt():
         StreamingLLM(budget=None, ratio=0.5, prefill_mode="chunked", chunk=8)
     with pytest.raises(ValueError, match=r"ratio=1.0 must be in \[0, 1\)"):
         StreamingLLM(budget=None, ratio=1.0)
+
+
+@pytest.mark.parametrize("prompt_len", [20, 9], ids=["long", "short"])
+def test_prompt_streamingllm_chooses_its_window_once_then_appends(tiny, prompt_len):
+    """kvpress's StreamingLLM (a press compresses at prefill only): the prompt's 4 sinks and its latest 8 tokens,
+    then every new token kept, where `StreamingLLM` slides its window on."""
+    from kvjax.policies.scored import PromptStreamingLLM
+
+    ids = random_ids(60, 260, seed=7)
+    prefill, decode = stepper(tiny.model, PromptStreamingLLM(budget=12, sinks=4), max_len=32 + 30)
+    _, cache = prefill(*left_pad(ids[:prompt_len], 32))
+    prompt = sorted(streaming_keep(4, 12)(list(range(prompt_len))))  # by hand: [0..3] + [prompt_len - 8 ..]
+    assert prompt == (list(range(4)) + list(range(12, 20)) if prompt_len == 20 else list(range(9)))
+    for t in range(prompt_len, prompt_len + 12):
+        for layer in kept_sets(cache):
+            for head in layer:
+                assert head == prompt + list(range(prompt_len, t)), t
+        _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+
+
+def test_duo_once_streams_its_streaming_heads_from_the_prompt_and_keeps_every_new_token(tiny):
+    """kvpress's DuoAttentionPress: the streaming heads hold the prompt's sinks and window plus each new token,
+    the other heads everything; `DuoAttention` holds the same slots at the prompt's end and then slides."""
+    from kvjax.policies import DuoAttention, DuoAttentionOnce
+
+    layers, kvh = tiny.config.num_layers, tiny.config.num_kv_heads
+    table = tuple(tuple(h == 0 for h in range(kvh)) for _ in range(layers))  # head 0 of every layer streams
+    ids = random_ids(60, 260, seed=3)
+    sets = {}
+    for kind in (DuoAttention, DuoAttentionOnce):
+        prefill, decode = stepper(tiny.model, kind(streaming=table, sinks=2, recent=6), max_len=32 + 10)
+        _, cache = prefill(*left_pad(ids[:20], 32))
+        at = [kept_sets(cache)]
+        for t in range(20, 25):
+            _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+        sets[kind] = at + [kept_sets(cache)]
+    prompt = [0, 1] + list(range(14, 20))
+    for layer in range(layers):
+        for h in range(kvh):
+            whole = h != 0
+            assert sets[DuoAttention][0][layer][h] == sets[DuoAttentionOnce][0][layer][h] == (
+                list(range(20)) if whole else prompt)
+            assert sets[DuoAttentionOnce][1][layer][h] == (list(range(25)) if whole else prompt + list(range(20, 25)))
+            assert sets[DuoAttention][1][layer][h] == (list(range(25)) if whole else [0, 1] + list(range(19, 25)))

@@ -26,7 +26,7 @@ from kvjax.policies.compose import (
     by_layer,
     on_windows,
 )
-from kvjax.policies.duo import DuoAttention, duo_from_pattern, streaming_heads
+from kvjax.policies.duo import DuoAttention, DuoAttentionOnce, duo_from_pattern, streaming_heads
 from kvjax.policies.gate import GateEviction
 from kvjax.policies.h2o import H2O
 from kvjax.policies.mat import (
@@ -181,6 +181,11 @@ REGISTRY.update({
     "duo": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None, prefill_mode="full",
     chunk=None: duo_from_pattern(_needs(duo_pattern, "duo", "--duo-pattern"), head_compression, sinks=sinks,
                                  recent=recent, prefill_mode=prefill_mode, chunk=chunk),
+    # DuoAttention as kvpress's DuoAttentionPress runs it: the streaming heads' sinks and window chosen once from
+    # the prompt, then every new token appended (`duo` slides them, as the paper does)
+    "duo-kvpress": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None: duo_from_pattern(
+        _needs(duo_pattern, "duo-kvpress", "--duo-pattern"), head_compression, sinks=sinks, recent=recent,
+        kind=DuoAttentionOnce),
     # RazorAttention Table 1's protocol: the heads of the table kept whole, every other head "only the recent
     # 4K tokens" (--buffer S0, default 4000): no sinks, no compensation token, no N / C.
     "razor-table1": lambda budget, heads=None, buffer=None, prefill_mode="full", chunk=None: razor_from_heads(
@@ -214,7 +219,7 @@ REGISTRY.update({
 })
 
 # Policies sized by their own options rather than --budget.
-NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "kvzip", "kvzip-plus", "kvgrad", "kvzap"})
+NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "duo-kvpress", "kvzip", "kvzip-plus", "kvgrad", "kvzap"})
 
 
 def _kvzap(path, threshold, window, decoding) -> KVzap:
@@ -264,7 +269,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
+    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "DuoAttentionOnce", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVgrad", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",

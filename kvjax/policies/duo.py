@@ -79,6 +79,30 @@ class DuoAttention(ByHead):
                 + ("" if self.chunk is None else f", chunk={self.chunk}") + ")")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DuoAttentionOnce(DuoAttention):
+    """DuoAttention as kvpress runs it (`DuoAttentionPress`): a streaming head keeps the sinks and the latest
+    `recent` tokens of the prompt, chosen once, and then every question and answer token is appended
+    (`kvjax.policies.scored.PromptStreamingLLM`). `DuoAttention`'s streaming heads slide instead, a constant
+    sinks + recent cache while decoding, as the paper runs them; the two hold the same slots at the prompt's end
+    and differ from its first new token on."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prefill_mode != "full":
+            raise InvalidInput(f"DuoAttentionOnce: prefill_mode={self.prefill_mode!r}; a press compresses a whole "
+                               "prompt once, so only 'full' runs it")
+
+    def head_split(self, layer):
+        from kvjax.policies.scored import PromptStreamingLLM
+
+        return tuple((heads, PromptStreamingLLM(budget=self.sinks + self.recent, sinks=self.sinks)
+                      if isinstance(rule, StreamingLLM) else rule) for heads, rule in super().head_split(layer))
+
+    def describe(self):
+        return "DuoAttentionOnce" + super().describe().removeprefix("DuoAttention")
+
+
 def streaming_heads(scores, head_compression: float) -> tuple[tuple[bool, ...], ...]:
     """The `round(size * head_compression)` lowest-scored heads of a `[layers, kv_heads]` score table (kvpress's
     choice: a stable argsort over the flattened table)."""
@@ -155,9 +179,11 @@ def _size(meta: dict, key: str, path: Path, default: int | None = None) -> int:
 
 
 def duo_from_pattern(path, head_compression: float = 0.5, *, sinks: int | None = None, recent: int | None = None,
-                     prefill_mode: PrefillMode = "full", chunk: int | None = None) -> DuoAttention:
-    """DuoAttention from a pattern (`load_pattern`); `sinks` / `recent` override the pattern's sizes."""
+                     prefill_mode: PrefillMode = "full", chunk: int | None = None, kind: type = DuoAttention
+                     ) -> DuoAttention:
+    """DuoAttention (`kind`: or `DuoAttentionOnce`) from a pattern (`load_pattern`); `sinks` / `recent` override the
+    pattern's sizes."""
     scores, sink_size, recent_size = load_pattern(path)
-    return DuoAttention(streaming=streaming_heads(scores, head_compression),
+    return kind(streaming=streaming_heads(scores, head_compression),
                         sinks=sink_size if sinks is None else sinks, recent=recent_size if recent is None else recent,
                         prefill_mode=prefill_mode, chunk=chunk)

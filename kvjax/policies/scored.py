@@ -354,6 +354,29 @@ class KNorm(ScoredPolicy):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptStreamingLLM(ScoredPolicy):
+    """StreamingLLM's `sinks` first and latest tokens chosen once, from the prompt, and every later token appended:
+    how a kvpress press runs StreamingLLM (`StreamingLLMPress`, and the streaming heads of `DuoAttentionPress`), as a
+    press compresses at prefill only. `kvjax.policies.StreamingLLM` instead keeps its window sliding through the
+    question and the answer (the paper's: a constant cache while decoding). The latest `budget - sinks` tokens are
+    the always-kept window; the sinks are the earliest of the rest."""
+
+    sinks: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "observation_window", 0 if self.budget is None else max(self.budget - self.sinks, 0))
+        super().__post_init__()
+        if self.ratio is not None:
+            raise InvalidInput("PromptStreamingLLM: give a budget (sinks + window), not a ratio")
+        if not 0 <= self.sinks < self.budget:
+            raise InvalidInput(f"PromptStreamingLLM: sinks={self.sinks} must be >= 0 and below budget={self.budget}")
+
+    def score(self, layer, k, v, pos, stats):
+        # earliest first: after the window, the top scores are the first positions, the sinks
+        return jnp.broadcast_to(-pos[:, None, :].astype(jnp.float32), k.shape[:3])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpectedAttention(ScoredPolicy):
     """ExpectedAttention (kvpress's `ExpectedAttentionPress`): the attention future queries are expected to pay
     each key, from the statistics of the prompt's queries. With the mean mu and covariance S of the unrotated
