@@ -326,6 +326,9 @@ NO_BUDGET_WHY = {
     "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
     "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
     "duo": "duo's streaming heads keep --sinks + --recent tokens and its other heads everything",
+    "duo-kvpress": "duo-kvpress's streaming heads keep the prompt's --sinks + --recent tokens and its other heads "
+                   "everything",
+    "kvzap": "kvzap evicts the pairs its surrogate scores below --threshold",
     "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
 }
 

@@ -173,7 +173,8 @@ def main(argv: list[str]) -> int:
     records = Path(args.records)
     identity, kvjax_rows, duo = read_run(records)
     if {"duo", "duo-kvpress"} & set(methods) and duo is None:
-        raise MissingFile(f"{records / 'duo.json'}: --methods duo needs the run's head scores")
+        raise MissingFile(f"{records / 'duo.json'}: --methods {','.join(m for m in methods if m.startswith('duo'))} "
+                          "needs the run's head scores")
     length = {r["length"] for r in kvjax_rows}
     if len(length) != 1:
         raise InvalidInput(f"{records}: records at several lengths ({sorted(length)}); one is compared at a time")

@@ -19,7 +19,8 @@ default model). `--sequences N` scores N consecutive windows of each length and 
 at each β of the grid (`kvjax.policies.mat.default_anchor_grid`: 1 and budget/8 .. budget/2), each length's β is
 the one with the lowest NLL on a tuning window (the text's window after the scored sequences, never scored), and
 MAT's row gives the scored sequences at that β (each β's tuning and scored NLL in the JSON summary). The text
-must then hold sequences + 1 windows of the longest length. Results:
+must then hold sequences + 1 windows of the longest length; with `--anchor-tuning leave-one-out` it needs none
+more: each scored window takes the β with the lowest mean NLL on the other windows. Results:
 OUT/runs.jsonl (one record per policy x length x sequence, resumable),
 OUT/results.{md,csv,json}, OUT/perplexity.png (ppl vs length) and OUT/nll.png (NLL vs position).
 """
@@ -137,7 +138,8 @@ def anchor_variants(policy, grid: Sequence[int] | str) -> dict[int, ByLayer]:
             raise InvalidInput("anchor_grid=auto: MAT at a ratio has no budget to take the grid from; give the β "
                                "values (anchor_grid=1,8,16)")
         grid = default_anchor_grid(policy.deep.budget)
-    return {b: dataclasses.replace(policy, deep=dataclasses.replace(policy.deep, anchor_slots=b)) for b in grid}
+    # ascending, so that a tie goes to the smallest β wherever the choice is made (the run, the report page)
+    return {b: dataclasses.replace(policy, deep=dataclasses.replace(policy.deep, anchor_slots=b)) for b in sorted(set(grid))}
 
 
 def leave_one_out(nll: Mapping[int, Sequence[float]]) -> list[int]:
@@ -290,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequences", type=positive_int, default=1,
                    help="consecutive windows of each length, their NLL averaged (MAT Table 3 averages many)")
     p.add_argument("--anchor-grid", type=anchor_grid_arg,
-                   help="tune MAT's beta per length on a tuning window after the scored sequences: 'auto' (1 and "
-                        "budget/8 .. budget/2, as the paper's grid) or comma-separated values")
+                   help="tune MAT's beta per length as --anchor-tuning says: 'auto' (1 and budget/8 .. budget/2, as "
+                        "the paper's grid) or comma-separated values")
     p.add_argument("--anchor-tuning", choices=TUNINGS, default="next-window",
                    help="how --anchor-grid picks beta: on the window after the scored ones (next-window), or per "
                         "scored window on the others (leave-one-out: no extra window; it needs --sequences >= 2)")

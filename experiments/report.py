@@ -536,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sections 1's and 8's (quantization's) sequences per length (MAT Table 3 averages many): "
                         "the claims' standard errors are over them, and one sequence has none")
     p.add_argument("--ppl-anchor-grid", type=perplexity.anchor_grid_arg,
-                   help="section 1: MAT's beta grid-searched per length on a tuning window after the scored "
-                        "sequences ('auto': the paper's grid, 1 and budget/8 .. budget/2), as the paper tunes it")
+                   help="section 1: MAT's beta grid-searched per length as --ppl-anchor-tuning says ('auto': the "
+                        "paper's grid, 1 and budget/8 .. budget/2), as the paper tunes it")
     p.add_argument("--ppl-anchor-tuning", choices=perplexity.TUNINGS, default="next-window",
                    help="section 1: how --ppl-anchor-grid picks beta: on a window after the scored ones, or per "
                         "scored sequence on the others (leave-one-out; needs --ppl-sequences >= 2)")

@@ -627,33 +627,51 @@ def _nll_by_sequence(path: Path, where: str) -> tuple[dict, dict[tuple[str, int 
 
 def perplexity(run: Path, where: str, *, figures: Path | None = None) -> str:
     """MAT against StreamingLLM at equal budget (MAT Table 3's comparison): `run` holds `full/` (the full cache)
-    and `rolling-B/` per budget B (`experiments.perplexity --compare streaming,mat --budget B --anchor-grid ...`).
+    and `rolling-B/` per budget B (`experiments.perplexity --compare streaming,mat --budget B [--anchor-grid ...]`).
     From the per-sequence records: each cache's perplexity, MAT's β chosen as the run's `--anchor-tuning` says
     (recomputed here, and checked against the run's results.json), the perplexity at each β of the grid, and the
     claim "MAT's perplexity is below StreamingLLM's" per budget, paired over the sequences by the rule."""
     from experiments.perplexity import leave_one_out
 
     full_id, full = _nll_by_sequence(run / "full", f"{where}/full")
-    budgets = sorted(int(d.name.split("-", 1)[1]) for d in run.glob("rolling-*") if d.is_dir())
-    if not budgets:
+    if ("full", None) not in full:
+        raise InvalidInput(f"{where}/full: no records labelled full")
+    full_nll = full[("full", None)]
+    dirs = sorted(d.name for d in run.glob("rolling-*") if d.is_dir())
+    if not dirs:
         raise MissingFile(f"{run}: no rolling-BUDGET run directories")
-    (full_nll,) = full.values()
+    if bad := [d for d in dirs if not d.removeprefix("rolling-").isdigit()]:
+        raise InvalidInput(f"{where}/{bad[0]}: not rolling-BUDGET (a whole number of slots)")
+    budgets = sorted(int(d.removeprefix("rolling-")) for d in dirs)
     ppl = lambda xs: math.exp(sum(xs) / len(xs))  # noqa: E731  (equal lengths: the token-weighted mean)
-    rows, grids, claims = [], [], []
+    rows, grids, claims, hows, counts = [], [], [], set(), set()
     for b in budgets:
         d = f"{where}/rolling-{b}"
         identity, cells = _nll_by_sequence(run / f"rolling-{b}", d)
+        if ("streaming", None) not in cells:
+            raise InvalidInput(f"{d}: no StreamingLLM records (label streaming)")
         stream = cells[("streaming", None)]
         seqs = sorted(stream)
         grid = {beta: nll for (lab, beta), nll in cells.items() if lab == "mat"}
-        tuning = identity.get("--anchor-tuning", "next-window")
-        if tuning == "leave-one-out":
+        if not grid:
+            raise InvalidInput(f"{d}: no MAT records (label mat)")
+        tuning = identity.get("--anchor-tuning", "next-window") if identity.get("--anchor-grid") else None
+        want = set(seqs) | ({len(seqs)} if tuning == "next-window" else set())  # next-window: the tuning window too
+        if odd := [beta for beta, nll in grid.items() if set(nll) != want]:
+            raise InvalidInput(f"{d}: MAT at β {odd[0]} has sequences {sorted(grid[odd[0]])}, not {sorted(want)}")
+        if tuning is None:
+            if len(grid) != 1:
+                raise InvalidInput(f"{d}: MAT at β {sorted(grid)} without an --anchor-grid to choose among them")
+            chosen = list(grid) * len(seqs)
+            hows.add("one value, not tuned")
+        elif tuning == "leave-one-out":
             chosen = leave_one_out({beta: [nll[i] for i in seqs] for beta, nll in sorted(grid.items())})
-            how = "per sequence, the lowest mean NLL on the other sequences (leave-one-out)"
+            hows.add("per sequence, the lowest mean NLL on the other sequences (leave-one-out)")
         else:
             pick = min(sorted(grid), key=lambda beta: grid[beta][len(seqs)])  # the window after the scored ones
             chosen = [pick] * len(seqs)
-            how = "the lowest NLL on a window after the scored ones"
+            hows.add("the lowest NLL on a window after the scored ones")
+        counts.add(len(seqs))
         mat = {i: grid[beta][i] for i, beta in zip(seqs, chosen)}
         results = json.loads((run / f"rolling-{b}" / "results.json").read_text())
         length = str(identity["length"])
@@ -669,9 +687,12 @@ def perplexity(run: Path, where: str, *, figures: Path | None = None) -> str:
                                                   for beta in sorted(grid)))
         claims.append(f"- budget {b}: **{said}** (log-perplexity, StreamingLLM minus MAT: "
                       + verdicts.evidence(diff, se, paired=True, n=k, of="sequences", digits=4) + ")")
-    lines = [f"Records: `{where}/full` and `{where}/rolling-{{{','.join(map(str, budgets))}}}` ({len(full_nll)} "
-             f"sequences of {full_id['length']} tokens, read token by token; {full_id['model dtype']} weights "
-             f"{full_id['weights']}). MAT's β: {how}.", "",
+    if len(hows) != 1 or len(counts) != 1:
+        raise InvalidInput(f"{where}: the budgets were run differently (MAT's β: {sorted(hows)}; sequences: "
+                           f"{sorted(counts)}); one block states one protocol")
+    lines = [f"Records: `{where}/full` ({len(full_nll)} sequence(s)) and `{where}/rolling-{{{','.join(map(str, budgets))}}}` "
+             f"({counts.pop()} sequences of {full_id['length']} tokens each, read token by token through the cache, "
+             f"rolling positions; {full_id['model dtype']} weights {full_id['weights']}). MAT's β: {hows.pop()}.", "",
              "| KV budget per layer and head | StreamingLLM | MAT | MAT's β per sequence | log-ppl, StreamingLLM "
              "minus MAT |", "|---|---|---|---|---|",
              f"| full cache ({full_id['length']}) | {ppl(list(full_nll.values())):.2f} | "

@@ -194,7 +194,7 @@ def test_leave_one_out_scores_each_window_at_the_beta_the_other_windows_chose(tm
     # the tuning is part of the run's identity; leave-one-out needs two windows and a grid
     from kvjax.errors import InvalidInput
 
-    with pytest.raises(InvalidInput, match="--anchor-tuning: .leave-one-out. -> \(not recorded\)"):
+    with pytest.raises(InvalidInput, match=r"--anchor-tuning: .leave-one-out. -> \(not recorded\)"):
         ppl_cli.main(argv)
     for bad in (["--sequences", "1"], ["--anchor-grid"]):
         a = list(argv)

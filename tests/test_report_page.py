@@ -496,7 +496,8 @@ def perplexity_run(run: Path, budget: int, nll: dict[tuple[str, int | None], lis
                    length: int = 64, results_ppl: dict | None = None) -> None:
     """A perplexity run directory: per (label, β) the NLL of each window, its identity and results.json."""
     run.mkdir(parents=True)
-    ident = {"weights": "w", "model dtype": "float32", "--anchor-tuning": tuning}
+    ident = {"weights": "w", "model dtype": "float32", "--anchor-grid": "auto" if tuning else None,
+             "--anchor-tuning": tuning}
     (run / "identity.json").write_text(json.dumps(ident if budget else {k: ident[k] for k in list(ident)[:2]}))
     recs = []
     for (lab, beta), xs in nll.items():
@@ -511,29 +512,49 @@ def perplexity_run(run: Path, budget: int, nll: dict[tuple[str, int | None], lis
 def test_the_perplexity_block_scores_each_sequence_at_the_beta_the_others_chose(tmp_path):
     """Hand-computed: β 1 is best on sequences 0 and 2 and worst on 1, so leave-one-out gives β 3, 1, 3 and MAT's
     NLLs 2.0, 5.0, 2.0 (perplexity e^3); StreamingLLM's 2.0, 2.2, 2.4 (e^2.2). StreamingLLM minus MAT: 0, -2.8, 0.4,
-    mean -0.8, paired s.e. sqrt(6.08 / 2 / 3) = 1.0066: inconclusive. At budget 16 MAT is below by 0.5 on each of
-    6 sequences but one (0.4): mean 0.4833, s.e. 0.0167, holds."""
+    mean -0.8, paired s.e. sqrt(6.08 / 2 / 3) = 1.0066: inconclusive. At budget 16 MAT is below by 0.5, 0.5, 0.4:
+    mean 0.4667, s.e. sqrt(0.00667 / 2 / 3) = 0.0333, holds."""
     run = tmp_path / "ppl"
-    perplexity_run(run / "full", 0, {("full", None): [1.5, 1.5, 1.5]}, "next-window")
+    perplexity_run(run / "full", 0, {("full", None): [1.5, 1.5, 1.5]}, None)
     perplexity_run(run / "rolling-8", 8, {("streaming", None): [2.0, 2.2, 2.4], ("mat", 1): [1.0, 5.0, 1.0],
                                           ("mat", 3): [2.0, 0.0, 2.0]}, "leave-one-out",
                    results_ppl={"streaming": {"64": float(np.exp(2.2))}, "mat": {"64": float(np.exp(3.0))}})
-    s16 = [3.0] * 6
-    m16 = [2.5] * 5 + [2.6]
-    perplexity_run(run / "rolling-16", 16, {("streaming", None): s16, ("mat", 2): m16, ("mat", 4): [9.0] * 6},
+    s16 = [3.0] * 3
+    m16 = [2.5, 2.5, 2.6]
+    perplexity_run(run / "rolling-16", 16, {("streaming", None): s16, ("mat", 2): m16, ("mat", 4): [9.0] * 3},
                    "leave-one-out",
                    results_ppl={"streaming": {"64": float(np.exp(3.0))}, "mat": {"64": float(np.exp(np.mean(m16)))}})
     text = report_page.perplexity(run, "ppl")
     assert "| 8 | 9.03 | 20.09 | 3, 1, 3 | -0.8000 |" in text
     assert "budget 8: **inconclusive** (log-perplexity, StreamingLLM minus MAT: difference -0.8000, s.e. 1.0066" in text
-    assert "| 16 | 20.09 | 12.39 | 2, 2, 2, 2, 2, 2 | +0.4833 |" in text
-    assert "budget 16: **holds** (log-perplexity, StreamingLLM minus MAT: difference +0.4833, s.e. 0.0167" in text
+    assert "| 16 | 20.09 | 12.60 | 2, 2, 2 | +0.4667 |" in text
+    assert "budget 16: **holds** (log-perplexity, StreamingLLM minus MAT: difference +0.4667, s.e. 0.0333" in text
     assert "- budget 8: β 1: 10.31; β 3: 3.79" in text and "| full cache (64) | 4.48 | 4.48 | | |" in text
     # a results.json that is not what its records give is refused
     bad = json.loads((run / "rolling-8" / "results.json").read_text())
     bad["ppl"]["mat"]["64"] = float(np.exp(2.0))  # MAT at each sequence's own best β
     (run / "rolling-8" / "results.json").write_text(json.dumps(bad))
     with pytest.raises(report_page.InvalidInput, match="rolling-8: results.json's mat perplexity"):
+        report_page.perplexity(run, "ppl")
+
+
+def test_the_perplexity_block_states_what_it_cannot_read_in_one_line(tmp_path):
+    """MAT at one β, untuned, is that β on every sequence; a β missing a sequence, a run without StreamingLLM, and
+    budgets tuned two ways are each one error naming the directory."""
+    run = tmp_path / "ppl"
+    perplexity_run(run / "full", 0, {("full", None): [1.5, 1.5]}, None)
+    perplexity_run(run / "rolling-8", 8, {("streaming", None): [2.0, 2.2], ("mat", 4): [1.9, 2.0]}, None,
+                   results_ppl={"streaming": {"64": float(np.exp(2.1))}, "mat": {"64": float(np.exp(1.95))}})
+    assert "| 8 | 8.17 | 7.03 | 4, 4 | +0.1500 |" in report_page.perplexity(run, "ppl")
+    assert "MAT's β: one value, not tuned." in report_page.perplexity(run, "ppl")
+    perplexity_run(run / "rolling-16", 16, {("streaming", None): [2.0, 2.2], ("mat", 1): [1.9, 2.0],
+                                            ("mat", 2): [1.9]}, "leave-one-out")
+    with pytest.raises(report_page.InvalidInput, match=r"rolling-16: MAT at β 2 has sequences \[0\], not \[0, 1\]"):
+        report_page.perplexity(run, "ppl")
+    (run / "rolling-16" / "runs.jsonl").write_text("".join(
+        line for line in (run / "rolling-16" / "runs.jsonl").read_text().splitlines(keepends=True)
+        if '"mat"' in line and "anchor_slots=1" in line))
+    with pytest.raises(report_page.InvalidInput, match="rolling-16: no StreamingLLM records"):
         report_page.perplexity(run, "ppl")
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvjax import FullCache, LocalWindow, StreamingLLM, make_policy
 from kvjax.cache import kept_sets
+from kvjax.errors import InvalidInput
 from kvjax.policies.ring import ring_holder, ring_slot
 from tests.conftest import left_pad, random_ids, stepper
 from tests.reference import RefLlama, streaming_keep, streaming_update
@@ -199,6 +200,10 @@ def test_prompt_streamingllm_chooses_its_window_once_then_appends(tiny, prompt_l
             for head in layer:
                 assert head == prompt + list(range(prompt_len, t)), t
         _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
+    with pytest.raises(InvalidInput, match="prefill_mode='chunked'; it chooses its window once"):
+        PromptStreamingLLM(budget=12, sinks=4, prefill_mode="chunked", chunk=16)
+    with pytest.raises(InvalidInput, match="give a budget"):
+        PromptStreamingLLM(ratio=0.5)
 
 
 def test_duo_once_streams_its_streaming_heads_from_the_prompt_and_keeps_every_new_token(tiny):

@@ -364,6 +364,9 @@ class PromptStreamingLLM(ScoredPolicy):
     sinks: int = 4
 
     def __post_init__(self):
+        if self.prefill_mode != "full":
+            raise InvalidInput(f"PromptStreamingLLM: prefill_mode={self.prefill_mode!r}; it chooses its window once "
+                               "from a whole prompt, so only 'full' runs it (StreamingLLM reads a prompt in chunks)")
         object.__setattr__(self, "observation_window", 0 if self.budget is None else max(self.budget - self.sinks, 0))
         super().__post_init__()
         if self.ratio is not None:
