@@ -43,7 +43,10 @@ from kvjax.errors import InvalidInput, MissingFile
 # kvjax's label -> (what kvpress runs, the settings that match kvjax's policy; a setting that does not, said)
 SETTINGS = {
     "full": "no press",
-    "streaming": "StreamingLLMPress(n_sink=4)",
+    "streaming": "StreamingLLMPress(n_sink=4): its window is kept from the prompt and the question and answer "
+                 "appended, kvjax's streaming slides it",
+    "streaming-kvpress": "StreamingLLMPress(n_sink=4): as kvjax's streaming-kvpress, the window chosen once from the "
+                         "prompt",
     "snapkv-kvpress": "SnapKVPress(window_size=64, kernel_size=5): average pooling, as kvjax's snapkv-kvpress",
     "knorm": "KnormPress",
     "tova": "TOVAPress",
@@ -68,7 +71,7 @@ def make_press(name: str, ratio: float | None):
 
     if name == "full":
         return None
-    if name == "streaming":
+    if name in ("streaming", "streaming-kvpress"):
         return kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=4)
     if name == "snapkv-kvpress":
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5)

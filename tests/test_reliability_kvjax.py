@@ -105,7 +105,8 @@ def _one_of_each_policy():
     from kvjax.policies.chunkkv import ChunkKV
     from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
     from kvjax.policies.critical import CriticalAdaKV, CriticalKV
-    from kvjax.policies.duo import DuoAttention
+    from kvjax.policies.duo import DuoAttention, DuoAttentionOnce
+    from kvjax.policies.scored import PromptStreamingLLM
     from kvjax.policies.kvzap import KVzap
     from kvjax.policies.kvzip import KVgrad
     from kvjax.policies.razor import CompensatedWindow
@@ -115,7 +116,8 @@ def _one_of_each_policy():
     surrogate = Surrogate("linear", ({"w": np.zeros((4, 1)), "b": np.zeros(1)},))
     return [AnchorReduction(anchor_ids=(5,)), ByLayer(split=1, shallow=StreamingLLM(budget=16), deep=FullCache()),
             PerLayer(layers=(FullCache(), FullCache())), HeadSplit(layers=((((0,), FullCache()), ((1,), snap)),)),
-            DuoAttention(streaming=((True, False),)), GateEviction(), H2O(budget=16, recent=4),
+            DuoAttention(streaming=((True, False),)), DuoAttentionOnce(streaming=((True, False),)),
+            PromptStreamingLLM(budget=16), GateEviction(), H2O(budget=16, recent=4),
             KVzip(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()), AnchorCache(budget=16, anchor_slots=4),
             Quantized(FullCache(), bits=2, group=8, residual=4), CompensatedWindow(),
             RazorAttention(retrieval=((True, False),)), Recompress(scorer=snap, every=32), FullCache(),

@@ -202,8 +202,23 @@ def test_prompt_streamingllm_chooses_its_window_once_then_appends(tiny, prompt_l
         _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
     with pytest.raises(InvalidInput, match="prefill_mode='chunked'; it chooses its window once"):
         PromptStreamingLLM(budget=12, sinks=4, prefill_mode="chunked", chunk=16)
-    with pytest.raises(InvalidInput, match="give a budget"):
-        PromptStreamingLLM(ratio=0.5)
+    with pytest.raises(InvalidInput, match="observation_window=8; its window is the latest kept tokens"):
+        PromptStreamingLLM(budget=12, observation_window=8)
+
+
+def test_prompt_streamingllm_at_a_ratio_keeps_each_prompts_share_then_appends(tiny):
+    """kvpress's StreamingLLMPress at compression ratio 0.5 on a 20-token prompt keeps int(20 x 0.5) = 10: the 4
+    sinks and the latest 6, then appends."""
+    from kvjax.policies.scored import PromptStreamingLLM
+
+    ids = random_ids(60, 260, seed=5)
+    prefill, decode = stepper(tiny.model, PromptStreamingLLM(ratio=0.5, sinks=4), max_len=32 + 10)
+    _, cache = prefill(*left_pad(ids[:20], 32))
+    for t in range(20, 24):
+        for layer in kept_sets(cache):
+            for head in layer:
+                assert head == [0, 1, 2, 3, 14, 15, 16, 17, 18, 19] + list(range(20, t)), t
+        _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
 
 
 def test_duo_once_streams_its_streaming_heads_from_the_prompt_and_keeps_every_new_token(tiny):

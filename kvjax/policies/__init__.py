@@ -51,6 +51,7 @@ from kvjax.policies.scored import (
     KeyDiff,
     KNorm,
     ObservedAttention,
+    PromptStreamingLLM,
     PyramidKV,
     SlimKV,
     SnapKV,
@@ -181,6 +182,9 @@ REGISTRY.update({
     "duo": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None, prefill_mode="full",
     chunk=None: duo_from_pattern(_needs(duo_pattern, "duo", "--duo-pattern"), head_compression, sinks=sinks,
                                  recent=recent, prefill_mode=prefill_mode, chunk=chunk),
+    # StreamingLLM as kvpress's StreamingLLMPress runs it: sinks and window chosen once from the prompt, then every
+    # new token appended (`streaming` slides its window through the question and the answer, as the paper does)
+    "streaming-kvpress": lambda budget, ratio=None, sinks=4: _scored(PromptStreamingLLM, budget, ratio, sinks=sinks),
     # DuoAttention as kvpress's DuoAttentionPress runs it: the streaming heads' sinks and window chosen once from
     # the prompt, then every new token appended (`duo` slides them, as the paper does)
     "duo-kvpress": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None: duo_from_pattern(
@@ -269,7 +273,7 @@ def make_policy(name: str, budget: int | None = None, **options) -> Policy:
 
 
 __all__ = [
-    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "DuoAttentionOnce", "ExpectedAttention", "GateEviction", "HeadSplit", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
+    "AdaKV", "AnchorCache", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "DuoAttentionOnce", "ExpectedAttention", "GateEviction", "HeadSplit", "PromptStreamingLLM", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVgrad", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
     "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Recompress", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",

@@ -358,25 +358,29 @@ class PromptStreamingLLM(ScoredPolicy):
     """StreamingLLM's `sinks` first and latest tokens chosen once, from the prompt, and every later token appended:
     how a kvpress press runs StreamingLLM (`StreamingLLMPress`, and the streaming heads of `DuoAttentionPress`), as a
     press compresses at prefill only. `kvjax.policies.StreamingLLM` instead keeps its window sliding through the
-    question and the answer (the paper's: a constant cache while decoding). The latest `budget - sinks` tokens are
-    the always-kept window; the sinks are the earliest of the rest."""
+    question and the answer (the paper's: a constant cache while decoding). Of the kept count (a budget, or a share
+    of each prompt), the first `sinks` positions, then the latest."""
 
     sinks: int = 4
+    observation_window: int = 0  # the latest tokens are kept by their score; no separate window
 
     def __post_init__(self):
+        check_numbers(self)
         if self.prefill_mode != "full":
             raise InvalidInput(f"PromptStreamingLLM: prefill_mode={self.prefill_mode!r}; it chooses its window once "
                                "from a whole prompt, so only 'full' runs it (StreamingLLM reads a prompt in chunks)")
-        object.__setattr__(self, "observation_window", 0 if self.budget is None else max(self.budget - self.sinks, 0))
+        if self.observation_window != 0:
+            raise InvalidInput(f"PromptStreamingLLM: observation_window={self.observation_window}; its window is the "
+                               "latest kept tokens after the sinks, so it takes none")
         super().__post_init__()
-        if self.ratio is not None:
-            raise InvalidInput("PromptStreamingLLM: give a budget (sinks + window), not a ratio")
-        if not 0 <= self.sinks < self.budget:
+        if self.sinks < 0 or (self.budget is not None and self.sinks >= self.budget):
             raise InvalidInput(f"PromptStreamingLLM: sinks={self.sinks} must be >= 0 and below budget={self.budget}")
 
     def score(self, layer, k, v, pos, stats):
-        # earliest first: after the window, the top scores are the first positions, the sinks
-        return jnp.broadcast_to(-pos[:, None, :].astype(jnp.float32), k.shape[:3])
+        # the sinks above every position, then the latest first: the top scores are StreamingLLM's sinks and window
+        p = pos[:, None, :]
+        return jnp.broadcast_to(jnp.where((p >= 0) & (p < self.sinks), jnp.float32(2.0**30), p.astype(jnp.float32)),
+                                k.shape[:3])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
