@@ -13,7 +13,9 @@ transformers + kvpress, side by side in one run, on the same weights and device.
 Per (implementation, policy, prompt length, batch): time to first token (the prompt's prefill and the
 first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
 backends do not report it; on a CPU the peak resident memory above the idle process while the cell runs,
-sampled every 5 ms) and, for kvjax, the first call's compile seconds of prefill and decode.
+sampled every 5 ms), decode's share of its memory roofline (the device's read rate, measured in the run, over the
+bytes a step must read: every weight and the whole cache; `benchmarks.timing.decode_roofline`) and, for kvjax, the
+first call's compile seconds of prefill and decode.
 `--compile-layers 16,32` adds the compile-time table of the shape at those depths. Compile seconds are first
 compiles: this benchmark never uses the persistent compilation cache. Time to first token and decode speed are
 the median of `--repeats` runs after a warm-up, with their range; a CPU table is refused on a busy machine
@@ -247,13 +249,21 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], gua
              f"{meta['budget']} per layer and KV head, kvpress the same kept count as a ratio. Time to first token "
              f"and decode speed: the median of {meta['repeats']} runs after a warm-up (min–max). Command: "
              f"`{meta['command']}`.", "",
-             "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | cache MiB | peak MiB | peak RSS MiB | "
-             "compile prefill s | compile decode s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| impl | policy | prompt | batch | TTFT s | decode tok/s per row | decode, % of roofline | cache MiB | "
+             "peak MiB | peak RSS MiB | compile prefill s | compile decode s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         comp = [f"{r[k]:.1f}" if k in r else "" for k in ("compile_prefill_s", "compile_decode_s")]
+        roof = f"{r['decode_tok_s'] / r['roofline_tok_s']:.0%}" if r.get("roofline_tok_s") else ""
         lines.append(f"| {r['impl']} | {r['policy']} | {r['prompt']} | {r['batch']} | {timing.cell(r, 'ttft_s')} | "
-                     f"{timing.cell(r, 'decode_tok_s', '.1f')} | {mib(r['cache_bytes'])} | {mib(r['peak_bytes'])} | "
-                     f"{mib(r.get('rss_bytes'))} | {comp[0]} | {comp[1]} |")
+                     f"{timing.cell(r, 'decode_tok_s', '.1f')} | {roof} | {mib(r['cache_bytes'])} | "
+                     f"{mib(r['peak_bytes'])} | {mib(r.get('rss_bytes'))} | {comp[0]} | {comp[1]} |")
+    if meta.get("read_bytes_s"):
+        lines += ["", f"Roofline: a decode step reads every weight ({meta['weight_bytes'] / 2**20:.0f} MiB) and the whole "
+                      f"cache (the cache MiB column) once, at the device's read rate, measured in this run as "
+                      f"{timing.cell(meta, 'read_bytes_s', '.1f', 1e-9)} GB/s (a compiled sum over 1 GiB, "
+                      "`benchmarks.timing.read_bandwidth`); the column is decode tok/s over that bound. Near 100 %, "
+                      "a faster decode must read fewer bytes (narrower weights or cache), not compute faster."]
     lines += ["", "Peak RSS: the process's peak resident memory above its level when the cell started (both "
                   "implementations share the process; the weights are loaded before), so a cell's own temporaries "
                   "and cache; the first kvjax cell of a shape includes its compilation.",
@@ -360,6 +370,12 @@ def main(argv=None):
             "repeats": args.repeats,
             "command": "python -m benchmarks.e2e " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     guard.check()  # after the model loaded: an error in the command line or the model is said first
+    # the decode roofline: the device's read rate over the weights and the cache (`timing.decode_roofline`)
+    bandwidth = timing.read_bandwidth(repeats=max(args.repeats, 3))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    meta |= {**bandwidth.fields("read_bytes_s"), "weight_bytes": weight_bytes}
+    roofline = lambda r: {"roofline_tok_s": timing.decode_roofline(bandwidth.median, weight_bytes,  # noqa: E731
+                                                                   r["cache_bytes"])}
     rows = []
     cells = [(n, b) for n in lengths for b in batches if n * b <= args.max_batch_tokens]
     for n, b in tqdm(cells, desc="cells"):
@@ -367,7 +383,8 @@ def main(argv=None):
         for name, policy in policies.items():
             with rss_peak() as rss:
                 r = time_kvjax(model, prompts, policy, args.new, args.repeats)
-            rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
+            rows.append({"impl": "kvjax", "policy": name, "prompt": n, "batch": b, **r, **roofline(r),
+                         "rss_bytes": rss["bytes"]})
         write(out, meta, rows, [], guard, show=False)
         if torch_model is not None:
             from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
@@ -375,7 +392,8 @@ def main(argv=None):
             ratio = max(0.0, 1 - args.budget / n)
             with rss_peak() as rss:
                 r = time_torch(torch_model, prompts, args.new, args.repeats)
-            rows.append({"impl": "transformers", "policy": "full", "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
+            rows.append({"impl": "transformers", "policy": "full", "prompt": n, "batch": b, **r, **roofline(r),
+                         "rss_bytes": rss["bytes"]})
             for name, press in (("streaming", StreamingLLMPress(compression_ratio=ratio, n_sink=4)),
                                 ("snapkv", SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)),
                                 ("pyramidkv", PyramidKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))):
@@ -383,7 +401,8 @@ def main(argv=None):
                     continue
                 with rss_peak() as rss:
                     r = time_torch(torch_model, prompts, args.new, args.repeats, press=press)
-                rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b, **r, "rss_bytes": rss["bytes"]})
+                rows.append({"impl": "kvpress", "policy": name, "prompt": n, "batch": b, **r, **roofline(r),
+                             "rss_bytes": rss["bytes"]})
         write(out, meta, rows, [], guard, show=False)
     layers = [int(x) for x in args.compile_layers.split(",") if x.strip()]
     write(out, meta, rows, compile_table(shape, layers, lengths[0], args.budget, dtype, args.attention_impl)

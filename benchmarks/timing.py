@@ -78,6 +78,24 @@ def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Spread:
     return Spread(tuple(timed(fn)[0] for _ in range(repeats)))
 
 
+def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> Spread:
+    """The default device's streaming read rate in bytes/s: a compiled sum over an `nbytes` float32 array (1 GiB,
+    larger than any CPU's caches), `repeats` times after a warm-up. Decoding one token per row reads every weight
+    and the whole cache once, so this rate over those bytes bounds its speed (`decode_roofline`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.block_until_ready(jnp.ones((nbytes // 4,), jnp.float32))
+    total = jax.jit(jnp.sum)
+    return repeat(lambda: jax.block_until_ready(total(x)), repeats).rate(x.nbytes)
+
+
+def decode_roofline(bandwidth: float, weight_bytes: int, cache_bytes: int) -> float:
+    """Decode steps/s (tokens/s per row) if a step only read the weights once and the batch's whole cache once, at
+    `bandwidth` bytes/s: the memory roofline of a decode step that computes little (batch 1 on a CPU or a GPU)."""
+    return bandwidth / (weight_bytes + cache_bytes)
+
+
 def cell(row: Mapping, key: str, fmt: str = ".3f", scale: float = 1.0) -> str:
     """A table cell: the median with its range, `0.512 (0.498–0.530)`, or the value alone where the row has no
     range (one repeat, or a row written before ranges were kept)."""

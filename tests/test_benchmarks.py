@@ -29,6 +29,15 @@ def test_e2e_runs_only_the_chosen_policies_and_names_its_files_by_shape(tmp_path
     assert len(record["load"]["before"]) == len(record["load"]["after"]) == 3 and record["meta"]["repeats"] == 2
     assert (tmp_path / "e2e_cpu_issue25.md").read_text().rstrip().splitlines()[-1].startswith("Load average")
     assert record["meta"]["config"]["hidden_size"] == 256
+    # the decode roofline: the weights a step reads, counted by hand from the issue25 shape (float32, untied head):
+    # per layer q 256x256, k and v 256x64 each, o 256x256, the MLP 3 x 256x768, two norms of 256; 4 layers, the
+    # embedding and the head 8192x256 each, the final norm
+    layer = 256 * 256 + 2 * 256 * 64 + 256 * 256 + 3 * 256 * 768 + 2 * 256
+    assert record["meta"]["weight_bytes"] == 4 * (4 * layer + 2 * 8192 * 256 + 256)
+    meta = record["meta"]
+    assert meta["read_bytes_s_min"] <= meta["read_bytes_s"] <= meta["read_bytes_s_max"]
+    assert row["roofline_tok_s"] == pytest.approx(meta["read_bytes_s"] / (meta["weight_bytes"] + row["cache_bytes"]))
+    assert "decode, % of roofline" in (tmp_path / "e2e_cpu_issue25.md").read_text()
     assert (tmp_path / "e2e_cpu_issue25.md").exists() and (tmp_path / "e2e_cpu_issue25.png").exists()
     assert not (tmp_path / "e2e_cpu.json").exists()
 
