@@ -38,6 +38,7 @@ from experiments.records import (
     options_of,
     write_atomic,
 )
+from kvjax import engine
 from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
@@ -352,6 +353,7 @@ def fill(suite: Suite, log: ResultLog | InMemory, progress: bool = True) -> None
             for record in suite.run(batch):
                 log.add(record)
                 bar.update(1)
+            engine.release_programs_near_map_limit()  # a long suite compiles past Linux's limit on mapped regions
 
 
 def batches(todo: Sequence, size: int, group: Callable[[Any], Any] = lambda c: None,

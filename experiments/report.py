@@ -58,6 +58,7 @@ from experiments.common import (
 from experiments.records import ResultLog, shown, write_atomic
 from experiments.verdicts import all_of, binomial_se, evidence, paired_gap, paired_se, verdict
 from experiments.longbench import __main__ as longbench
+from kvjax import engine
 from kvjax.policies import REGISTRY, default_shallow_layers, make_policy
 from models import SMALL_DIR
 
@@ -626,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             part = SECTION_RUNS[name](run)
         md, claims = md + part[0], claims + part[1]
+        engine.release_programs_near_map_limit()  # each section compiles its own programs (kvjax.engine says why)
 
     for name, path, how in (("AnLLM", args.anllm, "experiments.train_anllm (EP continual pre-training) then "
                                                     "experiments.eval_anllm"),

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -104,6 +106,45 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
         return call
 
     return wrap
+
+
+def mapped_regions() -> tuple[int, int] | None:
+    """(memory regions this process maps, the kernel's limit on them: `vm.max_map_count`), or None where the system
+    does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            n = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return n, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+_released = False  # whether the note below was printed in this process
+
+
+def release_programs_near_map_limit(share: float = 0.5) -> bool:
+    """Drops jax's compiled programs (`jax.clear_caches`) once this process maps more than `share` of the regions
+    Linux allows it; returns whether it did.
+
+    XLA's CPU backend maps each compiled kernel's code into memory regions of its own and keeps them while jax caches
+    the program: a 30-layer program holds hundreds, and a run that compiles thousands of programs (a report's suites,
+    the RULER section's shared passes) reaches `vm.max_map_count` (65,530 by default), where LLVM fails to allocate
+    and the process dies with a segmentation fault. Dropped programs free their regions; a later call compiles again,
+    or reads the persistent compilation cache. Results do not change. Called between a suite's batches
+    (`experiments.driver.fill`)."""
+    global _released
+    got = mapped_regions()
+    if got is None or got[0] <= share * got[1]:
+        return False
+    jax.clear_caches()
+    gc.collect()  # the executables go with their last reference
+    if not _released:
+        _released = True
+        print(f"note: compiled programs held {got[0]:,} of the {got[1]:,} memory regions Linux allows a process "
+              "(vm.max_map_count); dropped them to stay under it (they recompile, or load from the compile cache, "
+              "when next needed)", file=sys.stderr)
+    return True
 
 
 @compiled(static=("plan",))

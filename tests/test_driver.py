@@ -105,3 +105,56 @@ def test_as_flags_writes_a_bare_keyword_as_the_flag_alone():
     msg = "vt does not fit; pass tasks= without vt, a longer lengths=, or a smaller max_new_tokens="
     assert driver.as_flags(msg, {"tasks", "lengths", "max_new_tokens"}) == (
         "vt does not fit; pass --tasks without vt, a longer --lengths, or a smaller --max-new-tokens")
+
+
+def test_a_suite_drops_compiled_programs_between_batches_near_linuxs_limit_on_mapped_regions(monkeypatch, capsys):
+    """XLA's CPU backend maps each kernel's code into regions of its own; the kvjax-small report compiled past
+    vm.max_map_count (65,530) in its RULER section and died in LLVM ("Cannot allocate memory", then a segmentation
+    fault). Past half the limit, a suite's loop drops jax's compiled programs between batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax import engine
+
+    f = jax.jit(lambda x: x * 2)
+    f(jnp.ones(3))
+    monkeypatch.setattr(engine, "mapped_regions", lambda: (30_000, 65_530))  # under half: kept
+    assert not engine.release_programs_near_map_limit() and f._cache_size() == 1
+    monkeypatch.setattr(engine, "mapped_regions", lambda: (40_000, 65_530))  # past half: dropped, said once
+    monkeypatch.setattr(engine, "_released", False)
+    assert engine.release_programs_near_map_limit() and f._cache_size() == 0
+    assert "40,000 of the 65,530 memory regions" in capsys.readouterr().err
+    monkeypatch.setattr(engine, "mapped_regions", lambda: None)  # a system that does not say (not Linux)
+    assert not engine.release_programs_near_map_limit()
+
+    seen = []
+    monkeypatch.setattr(engine, "release_programs_near_map_limit", lambda: seen.append(len(log.records)))
+    log = driver.InMemory()
+    suite = driver.Suite("s", None, [1, 2, 3, 4, 5], str, lambda b: [{"id": str(c)} for c in b], None,
+                         batches=lambda todo: (todo[i:i + 2] for i in range(0, len(todo), 2)))
+    driver.fill(suite, log, progress=False)
+    assert seen == [2, 4, 5]  # after each batch's records
+
+
+
+def test_dropping_compiled_programs_frees_the_regions_they_mapped():
+    """The region count the guard reads is the operating system's own, and `jax.clear_caches` gives the regions of
+    dropped programs back (checked on this machine's kernel, not assumed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax import engine
+
+    if engine.mapped_regions() is None:
+        pytest.skip("this system does not report its mapped regions (not Linux)")
+    before = engine.mapped_regions()[0]
+    kept = []
+    for i in range(40):  # distinct programs, each with kernels of its own
+        g = jax.jit(lambda x, i=i: jnp.tanh(x * i + 1).sum() + jnp.sin(x).mean() * i)
+        g(jnp.ones((8, 8))).block_until_ready()
+        kept.append(g)
+    grown = engine.mapped_regions()[0]
+    assert grown > before + 40  # at least one region per program
+    assert engine.release_programs_near_map_limit(share=0.0)  # the functions live on; their compiled programs go
+    assert engine.mapped_regions()[0] < before + (grown - before) / 2
+    assert all(g._cache_size() == 0 for g in kept)
