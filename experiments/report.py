@@ -56,7 +56,7 @@ from experiments.common import (
     positive_int,
 )
 from experiments.records import ResultLog, shown, write_atomic
-from experiments.verdicts import all_of, binomial_se, evidence, paired_gap, paired_se, verdict
+from experiments.verdicts import all_of, binomial_se, evidence, paired_gap, paired_se, trained, verdict
 from experiments.longbench import __main__ as longbench
 from kvjax import engine
 from kvjax.policies import REGISTRY, default_shallow_layers, make_policy
@@ -485,19 +485,17 @@ def trained_section(run: Run, name: str, path: str | None, how: str) -> tuple[li
             gaps = _anllm_gaps(Path(path) / "items.jsonl")
             diff = r["acc_ansan"] - r["acc_full"] + 0.05
             se = paired_se(gaps) if gaps else binomial_se(r["acc_ansan"], r["acc_full"], r["items"])
-            claims.append(f"AnLLM with anchor caching (AnSAN) keeps full attention's accuracy (within 0.05) "
-                          f"while cutting the demonstrations' cache by {r['C_down']:.0%}: **{verdict(diff, se)}** "
-                          f"(accuracy {r['acc_ansan']:.3f} vs {r['acc_full']:.3f}, chance {r['chance']:.3f}; "
-                          + evidence(diff, se, paired=bool(gaps), n=r["items"],
-                                     training_share=args.anllm_training_share)
-                          + _evidence(r["acc_full"], r["chance"], "chance", r["items"]))
+            claims.append(f"AnLLM with anchor caching (AnSAN), the demonstrations' cache cut by {r['C_down']:.0%}, "
+                          f"accuracy {r['acc_ansan']:.3f} against full attention's {r['acc_full']:.3f} (chance "
+                          f"{r['chance']:.3f}): " + report_page.anllm_table1_claim(
+                              r, diff, se, len(gaps) if gaps else None, args.anllm_training_share))
         else:  # Table 1: at the same eviction, the gates lose less than the training-free baselines
             c = r["continuation_nll"]
             best = min(("local", "streaming", "h2o"), key=c.get)
             diff = c[best] - c["gate"]  # positive: the gates lose less than the best baseline
             se = (r.get("gate_minus_baseline") or {}).get(best, {}).get("se")  # paired over the windows
             claims.append(f"Attention-Gate's continuation NLL <= the best baseline's at the same eviction "
-                          f"({r['baseline_eviction']:.0%}): **{verdict(diff, se)}** "
+                          f"({r['baseline_eviction']:.0%}): {trained(verdict(diff, se), args.gate_training_share)} "
                           f"(NLL {', '.join(f'{k} {v:.3f}' for k, v in c.items())}; the best baseline, {best}, "
                           f"minus the gates: "
                           + evidence(diff, se, paired=True, n=r["windows"], of="windows",

@@ -150,14 +150,6 @@ def _training(run: Path, paper_tokens: str) -> tuple[float, str]:
     return share, f"Trained on {tokens:,} tokens ({share:.2g} of the paper's {float(paper_tokens):,.0f})."
 
 
-def _trained_claim(measured: str, share: float) -> str:
-    """A training-based claim: the measured comparison by the rule, and the paper's claim inconclusive unless the
-    variant had the paper's training (a model trained on a sliver of it tests the sliver, not the method)."""
-    if share >= 1:
-        return f"**{measured}**"
-    return f"**{measured}** for this variant; the paper's claim, **{verdicts.INCONCLUSIVE}**"
-
-
 def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json", *, figures: Path | None = None
          ) -> str:
     """Attention-Gate (`experiments.eval_gate`'s results.json in `run`, beside its training records): the
@@ -181,7 +173,7 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
     diff, se = -vs[best]["diff"], vs[best]["se"]  # positive: the gates lose less than the best baseline
     kept = r.get("kept_prefix", {})
     apart = verdicts.unmatched(kept.get("gate"), kept.get(best))
-    said = apart or _trained_claim(verdicts.verdict(diff, se), share)
+    said = apart or verdicts.trained(verdicts.verdict(diff, se), share)
     lines += ["", f"Table 1's claim (the gates lose no more than the best baseline, here {best}): {said} ("
               + verdicts.evidence(diff, se, paired=True, n=r["windows"], of="windows", training_share=share,
                                   digits=4) + ").", ""]
@@ -206,11 +198,11 @@ def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, 
                      f"x{r['T_up_vs_full_caching']:.2f} |")
     diff = t["acc_ansan"] - t["acc_full"] + 0.05
     se = verdicts.binomial_se(t["acc_ansan"], t["acc_full"], t["items"])
-    lines += ["", _table1_claim(t, diff, se, None, share), ""]
+    lines += ["", anllm_table1_claim(t, diff, se, None, share), ""]
     return "\n".join(lines)
 
 
-def _table1_claim(t: dict, diff: float, se: float | None, paired: int | None, share: float) -> str:
+def anllm_table1_claim(t: dict, diff: float, se: float | None, paired: int | None, share: float | None) -> str:
     """AnLLM Table 1's claim (AnSAN within 0.05 of full attention's accuracy) on the summary `t`: the margin left
     `diff` with standard error `se` (`paired`: over that many items, else unpaired binomial), or no verdict where
     full attention is at chance."""
@@ -220,7 +212,7 @@ def _table1_claim(t: dict, diff: float, se: float | None, paired: int | None, sh
         said = (f"**no verdict**: full attention's accuracy ({t['acc_full']:.3f}) is within "
                 f"{verdicts.SE_MULTIPLE} binomial standard errors of chance, so the task does not test the cache")
     else:
-        said = _trained_claim(verdicts.verdict(diff, se, paired), share)
+        said = verdicts.trained(verdicts.verdict(diff, se, paired), share)
     return (f"Table 1's claim (AnSAN within 0.05 of full attention's accuracy): {said} (the margin left, AnSAN minus "
             "full plus 0.05: " + verdicts.evidence(diff, se, paired=paired is not None, n=paired or t["items"],
                                                    training_share=share) + ").")
@@ -260,11 +252,11 @@ def anllm_placements(run: Path, where: str, paper_tokens: str, task: str = "abse
     margin = {i: right["sentence"]["ansan"][i] - right["sentence"]["full"][i] + 0.05 for i in right["sentence"]["full"]}
     diff, se = sum(margin.values()) / len(margin), verdicts.paired_se(list(margin.values()))
     lines += ["", "Each claim by the rule of `experiments.verdicts`, paired over the items:", "",
-              "- " + _table1_claim(t, diff, se, len(margin), share)]
+              "- " + anllm_table1_claim(t, diff, se, len(margin), share)]
     for p in ("every-10", "random-0.1"):
         diff, se, k = verdicts.paired_gap(right["sentence"]["ansan"], right[p]["ansan"])
         lines.append(f"- Table 3's claim, every demonstration >= {_PLACEMENTS[p]} (AnSAN accuracy): "
-                     + _trained_claim(verdicts.verdict(diff, se, k), share) + " ("
+                     + verdicts.trained(verdicts.verdict(diff, se, k), share) + " ("
                      + verdicts.evidence(diff, se, paired=True, n=k, training_share=share) + ")")
     return "\n".join(lines + [""])
 
@@ -749,7 +741,7 @@ def gate_zeroshot(run: Path, where: str, paper_tokens: str, items: str = "zerosh
         said = (f"**no verdict**: the full cache's accuracy ({acc['full']:.3f}) is within {verdicts.SE_MULTIPLE} "
                 "binomial standard errors of chance, so the task does not test the cache"
                 if acc["full"] <= chance + margin else apart if apart
-                else _trained_claim(verdicts.verdict(diff, se, k), share))
+                else verdicts.trained(verdicts.verdict(diff, se, k), share))
         lines.append(f"- gates >= {b}: {said} (accuracy, " + verdicts.evidence(
             diff, se, paired=True, n=k, training_share=share) + f"; KV held {held('gate'):.3f} against {held(b):.3f})")
     return "\n".join(lines + [""])

@@ -62,6 +62,15 @@ def all_of(verdicts: list[str]) -> str:
     return HOLDS if verdicts and all(v == HOLDS for v in verdicts) else INCONCLUSIVE
 
 
+def trained(measured: str, share: float | None) -> str:
+    """A training-based claim, bold: the measured comparison by the rule, and the paper's claim inconclusive unless the
+    variant had the paper's training (`share` of its tokens; None: not known). A model trained on a sliver of it tests
+    the sliver, not the method."""
+    if share is not None and share >= 1:
+        return f"**{measured}**"
+    return f"**{measured}** for this variant; the paper's claim, **{INCONCLUSIVE}**"
+
+
 def binomial_se(p1: float, p2: float, n: int) -> float:
     """The standard error of the difference of two means of n independent scores in [0, 1] each (p1 and p2:
     the means), the two unpaired. Exact for accuracies; for any score in [0, 1] (F1, ROUGE) an upper bound,
