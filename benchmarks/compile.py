@@ -9,7 +9,8 @@ SnapKV, MAT (its prompt read token by token: a scan over the decode step) and Ra
 the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens), and the same with a token's step traced in
 runs of layers as a prompt's are ("decode loop scanned", the design kvjax declines: not a default
 program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm,
-StreamingLLM), batch 1, `--length` tokens. Each
+StreamingLLM), `--batch` rows (default 1; the decode loop is batch 1) of `--length` tokens, and the peak resident
+memory while the runs ran, above the process's before them. Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
 layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from benchmarks import timing
+from benchmarks.timing import rss_peak
 from kvjax import drive, engine
 from kvjax import step as steps
 from kvjax.cli import add_compile_cache_flag, description, model_help
@@ -75,13 +77,14 @@ def _policies(cfg) -> dict:
             "razor": RazorAttention(retrieval=retrieval, buffer=256, sinks=4, compression=5)}
 
 
-def program(lm, name: str, length: int):
-    """`(jitted program, its array arguments, its static keywords)` of one of `PROGRAMS`: batch 1, a random prompt of
-    `length` tokens (the arrays are real, so the compiled program also runs: `run_seconds`)."""
+def program(lm, name: str, length: int, batch: int = 1):
+    """`(jitted program, its array arguments, its static keywords)` of one of `PROGRAMS`: `batch` random prompts of
+    `length` tokens (the arrays are real, so the compiled program also runs: `run_seconds`); the decode loop is
+    batch 1."""
     model, cfg = lm.model, lm.model.cfg
     graphdef, state = engine.split(model)
-    tokens = jax.random.randint(jax.random.key(0), (1, length), 4, cfg.vocab_size, jnp.int32)
-    positions = jnp.arange(length, dtype=jnp.int32)[None]
+    tokens = jax.random.randint(jax.random.key(0), (batch, length), 4, cfg.vocab_size, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     key = jax.random.key(0)
     max_len = length + NEW_TOKENS
     pols = _policies(cfg)
@@ -160,6 +163,8 @@ def main(argv=None):
     p.add_argument("--programs", default=",".join(PROGRAMS[:-1]),
                    help=f"a comma list of: {', '.join(PROGRAMS)}; or 'shared pass of N' (N plans: SnapKV, TOVA, KNorm, "
                    "StreamingLLM in turn, at ratios 0.5, 0.75, ...)")
+    p.add_argument("--batch", type=int, default=1, help="prompt rows of the prompt passes (default 1; the decode "
+                   "loop is batch 1 only)")
     p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
     p.add_argument("--layer-loop", default="unroll,scan",
                    help="how each program runs the model's layers, a comma list of: unroll, scan (default both)")
@@ -182,6 +187,8 @@ def main(argv=None):
         raise InvalidInput(f"--tag {args.tag!r}: letters, digits, '_' and '-' only (it names a file)")
     if args.repeats < 1:
         raise InvalidInput(f"--repeats {args.repeats}: at least 1")
+    if args.batch < 1 or args.batch > 1 and any(n.startswith("decode loop") for n in names):
+        raise InvalidInput(f"--batch {args.batch}: at least 1, and 1 with a decode loop program")
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")
     loops = [x.strip() for x in args.layer_loop.split(",") if x.strip()]
     if not loops or set(loops) - {"unroll", "scan"}:
@@ -195,16 +202,18 @@ def main(argv=None):
     for loop in tqdm(loops, desc="layer loops"):
         lm = load(args.model or DEFAULT_MODEL_DIR, tokenizer=False, layer_loop=loop)
         for name in tqdm(names, desc=f"programs ({loop})", leave=False):
-            fn, fargs, kw = program(lm, name, args.length)
+            fn, fargs, kw = program(lm, name, args.length, args.batch)
             with token_step_scanned(name):
                 runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]
-                ran = None if args.no_run else run_seconds(fn, fargs, kw, args.repeats)
+                with rss_peak() as mem:
+                    ran = None if args.no_run else run_seconds(fn, fargs, kw, args.repeats)
             row = {"program": name, "layer_loop": loop}
             row |= timing.Spread(tuple(a for a, _ in runs)).fields("lower_s")
             row |= timing.Spread(tuple(b for _, b in runs)).fields("compile_s")
             row |= timing.Spread(tuple(a + b for a, b in runs)).fields("total_s")
             if ran is not None:
                 row |= timing.Spread(ran).fields("run_s")
+                row["run_peak_rss_gb"] = None if mem["bytes"] is None else round(mem["bytes"] / 1e9, 2)
             rows.append(row)
         del lm
         jax.clear_caches()
@@ -212,18 +221,19 @@ def main(argv=None):
     name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
     meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
                 model=str(args.model or DEFAULT_MODEL_DIR), layers=cfg.num_layers, length=args.length,
-                repeats=args.repeats, jax=jax.__version__, layer_loops=loops)
+                batch=args.batch, repeats=args.repeats, jax=jax.__version__, layer_loops=loops)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"compile_{plat}" + ("" if args.model is None else f"_{name}") + (f"_{args.tag}" if args.tag else "")
     loadavg = guard.record()
     (out / f"{stem}.json").write_text(json.dumps(guard.stamp(dict(meta=meta, rows=rows), loadavg), indent=2))
     by = {(r["program"], r["layer_loop"]): r for r in rows}
-    cols = [(loop, what) for what in ("total_s", "run_s") for loop in loops if what != "run_s" or not args.no_run]
-    head = {"total_s": "compile s", "run_s": "run s"}
+    cols = [(loop, what) for what in ("total_s", "run_s", "run_peak_rss_gb") for loop in loops
+            if what == "total_s" or not args.no_run]
+    head = {"total_s": "compile s", "run_s": "run s", "run_peak_rss_gb": "peak RSS GB above the process's, running"}
     lines = [f"# Compile and run seconds, {name} model ({meta['layers']} layers), {meta['device']}, "
              f"jax {jax.__version__}", "",
-             f"Batch 1, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and "
+             f"Batch {args.batch}, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and "
              "compiled "
              f"cold {args.repeats} times, then run {args.repeats} times after one untimed run (median, min–max), "
              "with its layers unrolled (`layer_loop=\"unroll\"`: every layer traced, what kvjax did before) and "
@@ -233,8 +243,9 @@ def main(argv=None):
              "| program | " + " | ".join(f"{head[w]} ({lp})" for lp, w in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for prog in names:
-        lines.append(f"| {prog} | " + " | ".join(timing.cell(by[prog, lp], w, ".1f" if w == "total_s" else ".2f")
-                                                  for lp, w in cols) + " |")
+        lines.append(f"| {prog} | " + " | ".join(
+            ("–" if by[prog, lp][w] is None else f"{by[prog, lp][w]:.2f}") if w == "run_peak_rss_gb"
+            else timing.cell(by[prog, lp], w, ".1f" if w == "total_s" else ".2f") for lp, w in cols) + " |")
     lines = guard.mark(lines, args.repeats, loadavg)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -60,6 +60,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from benchmarks import timing
+from benchmarks.timing import rss_peak
 from experiments.efficiency import peak_bytes
 from kvjax import Sampling
 from kvjax.cache import nbytes
@@ -98,34 +99,6 @@ def kvjax_policies(budget: int, num_layers: int, num_kv_heads: int, chunk: int) 
         f"streaming chunked {chunk}": StreamingLLM(budget=budget, sinks=4, prefill_mode="chunked", chunk=chunk),
         f"snapkv chunked {chunk}": SnapKV(budget=budget, observation_window=32, kernel=7, prefill_mode="chunked", chunk=chunk),
     }
-
-
-@contextlib.contextmanager
-def rss_peak():
-    """Yields a dict whose "bytes" is, after the block, the peak resident set size above the one at its
-    start (Linux /proc; sampled every 5 ms by a thread), or None where /proc is missing."""
-    out = {"bytes": None}
-    statm = Path("/proc/self/statm")
-    if not statm.is_file():
-        yield out
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    rss = lambda: int(statm.read_text().split()[1]) * page  # noqa: E731
-    base, peak, stop = rss(), [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.005)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        yield out
-    finally:
-        stop.set()
-        t.join()
-        out["bytes"] = max(peak[0], rss()) - base
 
 
 def _seconds(fn):

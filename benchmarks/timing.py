@@ -20,11 +20,14 @@ the work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from kvjax.errors import InvalidInput
 
@@ -203,5 +206,34 @@ class LoadGuard:
         return [*lines, "", note + "."]
 
 
-__all__ = ["MARK", "LoadGuard", "LoadTooHigh", "Spread", "add_load_args", "cell", "cores", "default_max_load",
+
+@contextlib.contextmanager
+def rss_peak():
+    """Yields a dict whose "bytes" is, after the block, the peak resident set size above the one at its
+    start (Linux /proc; sampled every 5 ms by a thread), or None where /proc is missing."""
+    out = {"bytes": None}
+    statm = Path("/proc/self/statm")
+    if not statm.is_file():
+        yield out
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = lambda: int(statm.read_text().split()[1]) * page  # noqa: E731
+    base, peak, stop = rss(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+        out["bytes"] = max(peak[0], rss()) - base
+
+
+__all__ = ["MARK", "LoadGuard", "LoadTooHigh", "Spread", "add_load_args", "cell", "cores", "default_max_load", "rss_peak",
            "repeat", "timed"]

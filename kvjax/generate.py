@@ -388,10 +388,25 @@ def generate(
                          questions=questions)[0]
 
 
-# Plans per shared prompt pass. All 22 compressors of the report's RULER section in one pass made one XLA module
-# that compiled for 3 min 49 s and held 13.5 GB on SmolLM2 at 4K (each plan keeps its own caches live through
-# every layer); groups of this many pay one forward per group and compile one bounded module per group.
-SHARED_PASS_PLANS = 4
+# The most plans one shared prompt pass caches. Each plan keeps its own caches live through every layer, so a pass's
+# memory grows with its plans (all 22 compressors of the report's RULER section in one unrolled pass compiled for
+# 3 min 49 s and held 13.5 GB on SmolLM2 at 4K), while its time barely does: on SmolLM2, 5 rows of 4096 tokens, a
+# pass of 8 plans ran 1.03x as long as a pass of 4 and held 1.5 GB more at its peak
+# (`benchmarks/results/compile_cpu_smollm2_shared-pass-batch5.md`). `shared_groups` splits the plans into as few
+# passes as this allows, of nearly equal size, so the largest pass is as small as that number of passes permits.
+SHARED_PASS_PLANS = 8
+
+
+def shared_groups(shared: Sequence[int], cap: int) -> list[tuple[int, ...]]:
+    """`shared` (the indices of the plans that can share a prompt pass, in order) cut into the fewest runs of at most
+    `cap`, their sizes differing by at most one: 25 plans at 8 a pass are 7 + 6 + 6 + 6, not 8 + 8 + 8 + 1. No
+    groups for fewer than two plans (a lone plan prefills alone)."""
+    if len(shared) < 2:
+        return []
+    n = -(-len(shared) // cap)
+    size, extra = divmod(len(shared), n)
+    bounds = np.cumsum([0] + [size + (g < extra) for g in range(n)])
+    return [tuple(shared[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def generate_many(
@@ -414,7 +429,7 @@ def generate_many(
     """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
     per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
     eq. 4 mask, no gates: SnapKV, PyramidKV, SlimKV, TOVA, KNorm, StreamingLLM, H2O, FullCache, ...) share that
-    pass, each compressing it under its own rule (`kvjax.drive.shared`), `SHARED_PASS_PLANS` plans per pass. A
+    pass, each compressing it under its own rule (`kvjax.drive.shared`), at most `SHARED_PASS_PLANS` plans a pass. A
     sweep of prompt compressors then pays for one forward per group of plans instead of one per policy. Prompts are truncated (with `truncate`)
     to the shortest position limit among the policies. `keep_caches=False`: each `Generation.cache` is None, its
     policy's cache freed once it has generated (a suite that reads only the tokens holds one policy's cache at a time,
@@ -488,9 +503,7 @@ def generate_many(
     sized = [plan.sized(bucket + room, bucket) for plan in plans]
     check_memory(model, sized, len(rows), bucket + room, buffer, mesh)
     shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
-    groups = [shared[g:g + SHARED_PASS_PLANS] for g in range(0, len(shared) if len(shared) > 1 else 0,
-                                                             SHARED_PASS_PLANS)]
-    group_of = {i: tuple(group) for group in groups for i in group}
+    group_of = {i: group for group in shared_groups(shared, SHARED_PASS_PLANS) for i in group}
     # Each group's pass runs when its first policy's turn comes, and its caches are dropped as their policies finish:
     # the device holds one group's prompt caches at a time, not every shared policy's at once.
     prefilled: dict[int, tuple] = {}

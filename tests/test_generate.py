@@ -200,14 +200,30 @@ def test_pad_rows_runs_a_short_batch_as_a_full_one(sharp_dir):
         generate_many(model, prompts[:1], policies, max_new_tokens=5, questions=questions, pad_rows=3)
 
 
-def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sharp_dir):
+def test_shared_groups_are_the_fewest_passes_of_nearly_equal_size():
+    """The report's 25 RULER plans at 8 a pass: four passes of 7, 6, 6 and 6 plans (not 8, 8, 8 and 1), in order;
+    a lone plan prefills alone."""
+    from kvjax.generate import shared_groups
+
+    r = lambda a, b: tuple(range(a, b))  # noqa: E731
+    assert shared_groups(list(range(25)), 8) == [r(0, 7), r(7, 13), r(13, 19), r(19, 25)]
+    assert shared_groups(list(range(16)), 8) == [r(0, 8), r(8, 16)]
+    assert shared_groups([0, 2, 5, 6, 9], 2) == [(0, 2), (5, 6), (9,)]
+    assert shared_groups([2, 7], 8) == [(2, 7)]
+    assert shared_groups([3], 8) == [] and shared_groups([], 8) == []
+
+
+def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sharp_dir, monkeypatch):
     """`generate_many`: prompt compressors, rings and H2O share one pass over the prompts (one compiled
     program for the tuple of plans), MAT's stream prefill runs alone, and every policy's tokens and kept
     positions equal those of its own `generate` call, with questions (the agnostic protocol) and without."""
+    import importlib
+
     from kvjax import generate_many, kept_positions
     from kvjax.policies import H2O, TOVA, PyramidKV, SnapKV, mat
     from models import load
 
+    generate_module = importlib.import_module("kvjax.generate")
     model = load(sharp_dir).model
     # MAT (read alone) between shared ones: each group's pass runs at its first policy's turn, results in order
     policies = [FullCache(), StreamingLLM(budget=12, sinks=2), mat(12, 4, shallow_layers=1, sinks=2),
@@ -216,7 +232,8 @@ def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sha
                 H2O(budget=12, recent=4)]
     prompts = [random_ids(40, 260, seed=60), random_ids(29, 260, seed=61)]
     questions = [random_ids(5, 260, seed=62), random_ids(7, 260, seed=63)]
-    for qs in (None, questions):
+    for qs, per_pass in ((None, 8), (questions, 8), (questions, 2)):  # one pass of 6 plans; three of 2
+        monkeypatch.setattr(generate_module, "SHARED_PASS_PLANS", per_pass)
         many = generate_many(model, prompts, policies, max_new_tokens=6, questions=qs)
         for policy, got in zip(policies, many):
             alone = generate(model, prompts, policy, max_new_tokens=6, questions=qs)
