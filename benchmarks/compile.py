@@ -10,7 +10,7 @@ the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens), and the
 runs of layers as a prompt's are ("decode loop scanned", the design kvjax declines: not a default
 program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm,
 StreamingLLM), `--batch` rows (default 1; the decode loop is batch 1) of `--length` tokens, and the peak resident
-memory while the runs ran, above the process's before them. Each
+memory above the process's while each program was compiled once more and run (`run_seconds`). Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
 layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
@@ -230,7 +230,7 @@ def main(argv=None):
     by = {(r["program"], r["layer_loop"]): r for r in rows}
     cols = [(loop, what) for what in ("total_s", "run_s", "run_peak_rss_gb") for loop in loops
             if what == "total_s" or not args.no_run]
-    head = {"total_s": "compile s", "run_s": "run s", "run_peak_rss_gb": "peak RSS GB above the process's, running"}
+    head = {"total_s": "compile s", "run_s": "run s", "run_peak_rss_gb": "peak RSS GB above the process's, compiling and running"}
     lines = [f"# Compile and run seconds, {name} model ({meta['layers']} layers), {meta['device']}, "
              f"jax {jax.__version__}", "",
              f"Batch {args.batch}, {args.length}-token prompts, {NEW_TOKENS} new tokens. Each program traced, lowered and "
