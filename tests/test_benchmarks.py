@@ -136,6 +136,24 @@ def test_compile_benchmark_times_cold_compiles_only(tmp_path):
     assert all(r["compile_s_min"] > 0 and r["lower_s"] > 0 and r["run_s_min"] > 0 for r in rows)
     table = (tmp_path / "compile_cpu.md").read_text()
     assert "| shared pass of 2 |" in table and "| compile s (unroll) | compile s (scan) | run s (unroll) |" in table
+    assert all(r["run_peak_rss_gb"] is None or r["run_peak_rss_gb"] >= 0 for r in rows)
+
+
+def test_compile_benchmark_batches_the_prompt_programs_and_refuses_a_batched_decode_loop():
+    """`--batch N`: the prompt passes read N prompt rows; the decode loop's arguments are one row's, so a batched
+    decode loop is refused by name before anything loads."""
+    from benchmarks import compile as bench
+    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.errors import InvalidInput
+    from models import load
+
+    lm = load(DEFAULT_MODEL_DIR)
+    for name in ("prefill full", "shared pass of 2"):
+        _, args, _ = bench.program(lm, name, 32, 3)
+        assert args[2].shape == (3, 32) and args[3].shape == (3, 32), name  # tokens, positions
+        assert args[3][2].tolist() == list(range(32))
+    with pytest.raises(InvalidInput, match="--batch 2"):
+        bench.main(["--batch", "2", "--programs", "prefill full,decode loop", "--allow-load"])
 
 
 def test_memory_reads_a_childs_peak_from_the_kernel_and_refuses_a_malformed_cell(tmp_path, capsys):
