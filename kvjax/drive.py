@@ -127,16 +127,32 @@ def decode(model: CachedLM, tokens: Int[Array, "b"], positions: Int[Array, "b"],
 
 def stream(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan, *,
            all_logits: bool = True) -> tuple[Array, Cache]:
-    """`t` tokens fed one at a time through `decode` in a `lax.scan` (padding: position -1, a no-op): the reference
-    semantics of "compress after every token" (StreamingLLM's perplexity protocol). Every step's logits `[b, t, V]`,
-    or the last step's."""
+    """`t` tokens fed one at a time through `decode` (padding: position -1, a no-op): the reference semantics of
+    "compress after every token" (StreamingLLM's perplexity protocol). Every step's logits `[b, t, V]` (a `lax.scan`
+    over the `t` steps), or the last step's: then the leading steps where every row is padding (a left padded
+    bucket longer than its longest row) are not run, as a `lax.while_loop` from the first real step, so the steps
+    run follow the rows' lengths, not the bucket's, and the compiled program is the bucket's alone."""
 
-    def body(cache, xs):
-        out, cache = decode(model, xs[0], xs[1], cache, plan)
-        return cache, out
+    if all_logits:
+        def body(cache, xs):
+            out, cache = decode(model, xs[0], xs[1], cache, plan)
+            return cache, out
 
-    cache, out = jax.lax.scan(body, cache, (tokens.T, positions.T))
-    return (out.transpose(1, 0, 2) if all_logits else out[-1]), cache
+        cache, out = jax.lax.scan(body, cache, (tokens.T, positions.T))
+        return out.transpose(1, 0, 2), cache
+
+    tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+
+    def step(carry):
+        i, cache, _ = carry
+        out, cache = decode(model, tokens[:, i], positions[:, i], cache, plan)
+        return i + 1, cache, out
+
+    first = jnp.argmax(jnp.any(positions >= 0, axis=0)).astype(jnp.int32)  # 0 when every step is padding
+    shape = jax.eval_shape(step, (first, cache, None))[2]
+    init = (first, cache, jnp.zeros(shape.shape, shape.dtype))
+    _, cache, out = jax.lax.while_loop(lambda c: c[0] < tokens.shape[1], step, init)
+    return out, cache
 
 
 def extend(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan

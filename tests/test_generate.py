@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax import FullCache, Sampling, StreamingLLM, generate
+from kvjax.policies import H2O, KNorm, SnapKV
 from kvjax.generate import bucket_length, pad_left, truncate_middle
 from tests.conftest import compile_log, random_ids
 from kvjax import drive
@@ -248,3 +249,47 @@ def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sha
         generate_many(model, [random_ids(38, 260, seed=64), random_ids(33, 260, seed=65)], policies,
                       max_new_tokens=6, questions=questions)
     assert compiles == []
+
+
+class _Counting:
+    """A model that counts the forward steps it runs (a host callback, so the count is of steps run, not traced)."""
+
+    def __init__(self, model, seen):
+        self.model, self.cfg, self.seen = model, model.cfg, seen
+
+    def __call__(self, tokens, positions, carry, step):
+        jax.debug.callback(lambda: self.seen.append(1))
+        return self.model(tokens, positions, carry, step)
+
+
+@pytest.mark.parametrize("policy", [
+    FullCache(),
+    StreamingLLM(budget=20, sinks=2),
+    H2O(budget=20, recent=4),
+    SnapKV(budget=20, observation_window=4, kernel=3),
+    KNorm(budget=20),
+], ids=lambda p: type(p).__name__)
+def test_a_question_runs_from_its_first_real_step(tiny, policy):
+    """`drive.stream`'s last-logits path (a question extending a compressed context, `generate.question_fn`) skips the
+    leading steps where every row is padding: the same last logits and cache as the scan over every step of the
+    bucket (whose padding steps are no-ops), with only the longest row's steps run (5 and 3 tokens in a bucket of
+    8: 5 steps)."""
+    from kvjax.cache import kept_positions
+
+    model = tiny.model
+    prompts = [random_ids(26, 260, seed=91), random_ids(19, 260, seed=92)]
+    tokens, positions = pad_left(prompts, 32, 0)
+    plan = drive.plan(model, policy, 48, 32)
+    _, cache = jax.jit(lambda t, p: drive.prompt(model, t, p, plan))(tokens, positions)
+    q, q_pos = pad_left([random_ids(5, 260, seed=93), random_ids(3, 260, seed=94)], 8, 0)
+    q_pos = np.where(q_pos >= 0, q_pos + np.asarray([[26], [19]]), -1).astype(np.int32)
+    every, c_every = jax.jit(lambda c: drive.stream(model, q, q_pos, c, plan))(cache)
+    seen = []
+    last, c_last = jax.jit(lambda c: drive.stream(_Counting(model, seen), q, q_pos, c, plan, all_logits=False))(cache)
+    jax.effects_barrier()
+    assert len(seen) == 5
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(every)[:, -1])
+    for a, b in zip(kept_positions(c_last), kept_positions(c_every)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(c_last), jax.tree.leaves(c_every)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
