@@ -18,8 +18,8 @@ with the head scores of the run's `duo.json` (kvpress would download a pattern; 
 scores, so both prune the same heads), KVzip with the model's chat template for its replay (kvpress reads the
 tokenizer by name from a hub; here it is handed the pipeline's).
 
-Records: OUT/answers.jsonl (one per method, ratio, task and sample: both answers, both scores, whether they agree;
-appended and fsynced, so a killed run resumes), OUT/agreement.{md,json}. Needs the test extra (torch, transformers,
+Records: OUT/answers.jsonl (one per method, ratio, task and sample: both answers, both scores, whether they agree,
+the seconds of kvpress's pipeline call; appended and fsynced, so a killed run resumes), OUT/agreement.{md,json}. Needs the test extra (torch, transformers,
 kvpress); reads no network.
 """
 
@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -134,9 +136,13 @@ def samples_of(records: Path, task: str, length: int) -> list[dict]:
 
 
 def table(rows: list[dict], methods: list[str], ratios: list[float]) -> tuple[str, dict]:
-    """Per method and ratio: samples where kvpress gives kvjax's answer (the same text), and each side's score."""
-    lines = ["| method | ratio | samples | same answer | kvjax found | kvpress found | kvpress as |",
-             "|---|---|---|---|---|---|---|"]
+    """Per method and ratio: samples where kvpress gives kvjax's answer (the same text), and each side's score; with
+    the seconds of kvpress's pipeline calls (median, min–max) where the answers were timed (answers logged before
+    the calls were timed have none, and a table of only those has no such column)."""
+    timed_any = any("kvpress_seconds" in r for r in rows)
+    lines = ["| method | ratio | samples | same answer | kvjax found | kvpress found | "
+             + ("kvpress s an answer | " if timed_any else "") + "kvpress as |",
+             "|---|---|---|---|---|---|---|" + ("---|" if timed_any else "")]
     summary = {}
     for name in methods:
         for ratio in ([None] if name == "full" else ratios):
@@ -145,10 +151,15 @@ def table(rows: list[dict], methods: list[str], ratios: list[float]) -> tuple[st
                 continue
             same = sum(r["same"] for r in mine)
             found = (sum(r["kvjax_score"] for r in mine), sum(r["kvpress_score"] for r in mine))
-            summary[f"{name}@{ratio}" if ratio is not None else name] = {
-                "samples": len(mine), "same": same, "kvjax_found": found[0], "kvpress_found": found[1]}
-            lines.append(f"| {name} | {'' if ratio is None else ratio} | {len(mine)} | {same} | {found[0]:g} | "
-                         f"{found[1]:g} | {SETTINGS[name]} |")
+            key = name if ratio is None else f"{name}@{ratio}"
+            summary[key] = {"samples": len(mine), "same": same, "kvjax_found": found[0], "kvpress_found": found[1]}
+            cells = [name, "" if ratio is None else ratio, len(mine), same, f"{found[0]:g}", f"{found[1]:g}"]
+            if timed_any:
+                timed = [r["kvpress_seconds"] for r in mine if "kvpress_seconds" in r]
+                seconds = (statistics.median(timed), min(timed), max(timed)) if timed else None
+                summary[key]["kvpress_seconds"] = seconds
+                cells.append("" if seconds is None else "{:.2f} ({:.2f}–{:.2f})".format(*seconds))
+            lines.append("| " + " | ".join(map(str, cells + [SETTINGS[name]])) + " |")
     differ = [r for r in rows if not r["same"]]
     if differ:
         lines += ["", "Where the answers differ:", "", "| method | ratio | task | sample | kvjax | kvpress |",
@@ -232,14 +243,17 @@ def main(argv: list[str]) -> int:
                                   max_context_length=10**9)
             if (got["context_ids"][0].tolist(), got["questions_ids"][0][0].tolist()) != tuple(want):
                 raise AssertionError(f"{task} sample {sample['index']}: kvpress's prompt ids differ from kvjax's")
+            t0 = time.perf_counter()
             with torch.no_grad():
                 answer = pipe(sample["context"], question=sample["question"], answer_prefix=sample["answer_prefix"],
                               press=make_press(name, ratio), max_new_tokens=gen)["answer"]
+            seconds = time.perf_counter() - t0  # the pipeline's call: prompt pass, press, question and answer
             ours, pred = theirs[(label, task, sample["index"])], scoring.postprocess(answer)  # as kvjax's preds
             log.add({"id": key, "method": name, "ratio": ratio, "task": task, "index": sample["index"],
                      "kvjax": ours["pred"], "kvpress": pred, "same": ours["pred"] == pred,
                      "kvjax_score": ours["score"],
-                     "kvpress_score": scoring.sample_score(pred, sample["outputs"], T.METRICS[T.TASKS[task].kind])})
+                     "kvpress_score": scoring.sample_score(pred, sample["outputs"], T.METRICS[T.TASKS[task].kind]),
+                     "kvpress_seconds": round(seconds, 3)})
     # the table is of every answer in OUT (a resumed run may have added other methods, ratios or samples to it)
     rows = list(log)
     text, summary = table(rows, list(dict.fromkeys(r["method"] for r in rows)),

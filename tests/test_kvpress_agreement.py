@@ -33,6 +33,21 @@ def test_the_table_counts_same_answers_and_lists_each_difference():
     assert summary["knorm@0.5"] == {"samples": 2, "same": 1, "kvjax_found": 1.0, "kvpress_found": 2.0}
 
 
+def test_timed_answers_give_the_pipeline_seconds_median_and_range():
+    """Answers with the pipeline call's seconds: a column of their median (min–max) per method and ratio; a row
+    whose answers were logged untimed (an older run resumed) leaves its cell empty."""
+    rows = [row("full", None, 0, "1.", "1.") | {"kvpress_seconds": 4.0},
+            row("full", None, 1, "2.", "2.") | {"kvpress_seconds": 9.0},
+            row("full", None, 2, "3.", "3.") | {"kvpress_seconds": 5.0},
+            row("knorm", 0.5, 0, "1.", "1.")]
+    text, summary = agreement.table(rows, ["full", "knorm"], [0.5])
+    lines = text.splitlines()
+    assert lines[0].endswith("| kvpress s an answer | kvpress as |")
+    assert lines[2] == "| full |  | 3 | 3 | 3 | 3 | 5.00 (4.00–9.00) | no press |"
+    assert lines[3] == "| knorm | 0.5 | 1 | 1 | 1 | 1 |  | KnormPress |"
+    assert summary["full"]["kvpress_seconds"] == (5.0, 4.0, 9.0) and summary["knorm@0.5"]["kvpress_seconds"] is None
+
+
 def test_a_method_without_a_press_or_a_missing_run_is_one_line(tmp_path, capsys):
     argv = ["--records", str(RECORDS), "--model", "smollm2", "--out", str(tmp_path / "o")]
     assert cli.run(agreement.main, argv + ["--methods", "full,h2o"], compile_cache=None) == 2
