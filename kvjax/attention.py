@@ -27,7 +27,7 @@ from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 __all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
            "cudnn_prefill", "decode_attention", "splash_prefill",
-           "pooled_decode_attention", "prefill_attention", "prefill_route", "prefix_attention",
+           "pooled_decode_attention", "prompt_statistics", "prefill_attention", "prefill_route", "prefix_attention",
            "quantized_decode_attention", "warn_once"]
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
@@ -211,6 +211,13 @@ def prefill_attention(
     out, colsum = _prefill_kernels(q, k, v, q_pos, k_pos, scale=scale, mask=mask, colsum=stats.colsum)
     first_logit, last_probs = reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
     return out, AttentionStats(first_logit=first_logit, colsum=colsum, last_probs=last_probs)
+
+
+def prompt_statistics(q, k, q_pos, k_pos, stats: StatsRequest, *, scale: float, mask: Mask = CAUSAL):
+    """`(first_logit, last_probs)` of a prompt's attention (`kvjax.reference.prompt_statistics`): O(W x s), computed
+    apart from the attention whatever ran it, so a prompt attended once gives them again from its queries and keys
+    (`kvjax.layer.recache_shared`)."""
+    return reference.prompt_statistics(q, k, q_pos, k_pos, stats, scale=scale, mask=mask)
 
 
 def _prefill_kernels(q, k, v, q_pos, k_pos, *, scale: float, mask: Mask, colsum: bool):

@@ -112,6 +112,24 @@ def shared(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     return out, tuple(zip(*per_layer))
 
 
+def capture(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], hidden: bool = False,
+            colsum: bool = False) -> tuple[Float[Array, "b V"], tuple]:
+    """The plain pass over a prompt (`shared`'s, nothing cached), keeping each layer's attention inputs: the last
+    logits and, per layer, `(q, k, v, hidden, colsum)` (`kvjax.step.Capture`: the attention input and H2O's column
+    sums only if asked), for `recache`."""
+    return model(tokens, positions, (None,) * model.cfg.num_layers, steps.Capture(hidden, colsum))
+
+
+def recache(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], captured: tuple,
+            plans: tuple[Plan, ...]) -> tuple[Cache, ...]:
+    """`shared`'s caches of a prompt for several sized plans, from what `capture` kept of the same prompt's pass
+    (`kvjax.step.Recache`): each plan's cache. A comparison of more prompt compressors than one program should hold
+    runs the model once and recaches the prompt per group of plans."""
+    step = steps.Recache(tuple(plans))
+    caches = [empty_cache(model, p, tokens.shape[0]) for p in plans]
+    return tuple(zip(*model(tokens, positions, tuple(zip(captured, zip(*caches))), step)[1]))
+
+
 def chunk(model: CachedLM, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: Cache, plan: Plan,
           all_logits: bool = False) -> tuple[Array, Cache]:
     """One chunk of a prompt under `prefill_mode="chunked"`: it attends the cache and itself, then each rule folds it

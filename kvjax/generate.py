@@ -127,6 +127,20 @@ def prefill_many_fn(model, tokens, positions, key, *, plans, sampling):
     return sample(logits, key, sampling), _all_finite(logits), caches
 
 
+@compiled(static=("hidden", "colsum", "sampling"))
+def capture_fn(model, tokens, positions, key, *, hidden, colsum, sampling):
+    """The plain prompt pass, each layer's attention inputs kept (`kvjax.drive.capture`): the first token, as
+    `prefill_many_fn`'s, and what `recache_fn` caches each group of plans from."""
+    logits, captured = drive.capture(model, tokens, positions, hidden, colsum)
+    return sample(logits, key, sampling), _all_finite(logits), captured
+
+
+@compiled(static=("plans",))
+def recache_fn(model, tokens, positions, captured, *, plans):
+    """Each sized plan's cache of the prompt `capture_fn` read (`kvjax.drive.recache`)."""
+    return drive.recache(model, tokens, positions, captured, plans)
+
+
 @functools.partial(jax.jit, static_argnames=("sampling",))
 def first_token(logits, key, *, sampling):
     """The first generated token from the prompt's last logits, and whether they were finite."""
@@ -388,12 +402,13 @@ def generate(
                          questions=questions)[0]
 
 
-# The most plans one shared prompt pass caches. Each plan keeps its own caches live through every layer, so a pass's
-# memory grows with its plans (all 22 compressors of the report's RULER section in one unrolled pass compiled for
-# 3 min 49 s and held 13.5 GB on SmolLM2 at 4K), while its time barely does: on SmolLM2, 5 rows of 4096 tokens, a
-# pass of 8 plans ran 1.03x as long as a pass of 4 and held 1.5 GB more at its peak
-# (`benchmarks/results/compile_cpu_smollm2_shared-pass-batch5.md`). `shared_groups` splits the plans into as few
-# passes as this allows, of nearly equal size, so the largest pass is as small as that number of passes permits.
+# The most plans one program caches a prompt for (a shared pass, or a recache of a captured one). Each plan keeps its
+# own caches live through every layer, so a program's memory grows with its plans (all 22 compressors of the report's
+# RULER section in one unrolled pass compiled for 3 min 49 s and held 13.5 GB on SmolLM2 at 4K), while its time
+# barely does: on SmolLM2, 5 rows of 4096 tokens, a pass of 8 plans ran 1.03x as long as a pass of 4 and held 1.5 GB
+# more at its peak (`benchmarks/results/compile_cpu_smollm2_shared-pass-batch5.md`). `shared_groups` splits the
+# plans into as few groups as this allows, of nearly equal size, so the largest is as small as that number permits;
+# with more than one group the model still runs once (`capture_fn`, then `recache_fn` per group).
 SHARED_PASS_PLANS = 8
 
 
@@ -429,9 +444,11 @@ def generate_many(
     """`generate` under each of `policies`, one `Generation` per policy, in order: the same result as one call
     per policy, but the policies that attend their prompt as one plain causal pass (whole-prompt prefill, no
     eq. 4 mask, no gates: SnapKV, PyramidKV, SlimKV, TOVA, KNorm, StreamingLLM, H2O, FullCache, ...) share that
-    pass, each compressing it under its own rule (`kvjax.drive.shared`), at most `SHARED_PASS_PLANS` plans a pass. A
-    sweep of prompt compressors then pays for one forward per group of plans instead of one per policy. Prompts are truncated (with `truncate`)
-    to the shortest position limit among the policies. `keep_caches=False`: each `Generation.cache` is None, its
+    pass, each compressing it under its own rule (`kvjax.drive.shared`). More than `SHARED_PASS_PLANS` such plans
+    are cut into groups: the model's pass runs once, keeping each layer's attention inputs (`kvjax.drive.capture`),
+    and each group caches the prompt from them (`kvjax.drive.recache`), with the same caches as its own pass. A
+    sweep of prompt compressors then pays for one forward instead of one per policy. Prompts are truncated (with
+    `truncate`) to the shortest position limit among the policies. `keep_caches=False`: each `Generation.cache` is None, its
     policy's cache freed once it has generated (a suite that reads only the tokens holds one policy's cache at a time,
     not every policy's at the end). `pad_rows`: fewer rows than this are run as this many, the last row repeated and
     its copies' outputs dropped, so a suite's last, smaller batch reuses the programs compiled for its full ones
@@ -503,9 +520,13 @@ def generate_many(
     sized = [plan.sized(bucket + room, bucket) for plan in plans]
     check_memory(model, sized, len(rows), bucket + room, buffer, mesh)
     shared = [i for i, plan in enumerate(sized) if plan.plain_prompt_pass] if len(policies) > 1 else []
-    group_of = {i: group for group in shared_groups(shared, SHARED_PASS_PLANS) for i in group}
-    # Each group's pass runs when its first policy's turn comes, and its caches are dropped as their policies finish:
-    # the device holds one group's prompt caches at a time, not every shared policy's at once.
+    groups = shared_groups(shared, SHARED_PASS_PLANS)
+    group_of = {i: group for group in groups for i in group}
+    # Each group's caches are made when its first policy's turn comes, and dropped as their policies finish: the
+    # device holds one group's prompt caches at a time, not every shared policy's at once. One group is one pass
+    # (`prefill_many_fn`); several share one pass of the model (`capture_fn`), its attention inputs held until the
+    # last group is recached from them (`recache_fn`), instead of one forward per group.
+    captured = None
     prefilled: dict[int, tuple] = {}
     out = [None] * len(policies)
     replays: dict = {}  # KVzip's replay scores per row, shared by KVzip policies that evict differently
@@ -514,11 +535,28 @@ def generate_many(
         policy = policies[i]
         if i in group_of and i not in prefilled:
             group = group_of[i]
+            plans = tuple(sized[j] for j in group)
             t0 = time.perf_counter()
-            first, first_finite, caches = prefill_many_fn.pure(graphdef, state, tokens, positions, k_prefill,
-                                                               plans=tuple(sized[j] for j in group), sampling=sampling)
-            first.block_until_ready()
-            seconds = (time.perf_counter() - t0) / len(group)  # each policy's share of the one pass
+            if len(groups) == 1:
+                first, first_finite, caches = prefill_many_fn.pure(graphdef, state, tokens, positions, k_prefill,
+                                                                   plans=plans, sampling=sampling)
+                first.block_until_ready()
+                seconds = (time.perf_counter() - t0) / len(group)  # each policy's share of the one pass
+            else:
+                if captured is None:
+                    pass_first, pass_finite, captured = capture_fn.pure(
+                        graphdef, state, tokens, positions, k_prefill, sampling=sampling,
+                        hidden=any(lp.prefill_stats().hidden for j in shared for lp in sized[j].layers),
+                        colsum=any(lp.prefill_stats().colsum for j in shared for lp in sized[j].layers))
+                    pass_first.block_until_ready()
+                    pass_share = (time.perf_counter() - t0) / len(shared)  # each shared policy's share of the pass
+                    t0 = time.perf_counter()
+                first, first_finite = pass_first, pass_finite
+                caches = recache_fn.pure(graphdef, state, tokens, positions, captured, plans=plans)
+                jax.block_until_ready(caches)
+                seconds = pass_share + (time.perf_counter() - t0) / len(group)
+                if group == groups[-1]:
+                    captured = None
             for j, cache in zip(group, caches):
                 prefilled[j] = (first, first_finite, cache, seconds)
             del caches

@@ -38,7 +38,7 @@ from kvjax.policies import base as rule_kinds
 from kvjax.policies.base import Context
 from kvjax.policies.plan import LayerPlan
 from kvjax.quant import QuantizedLayerCache
-from kvjax.stats import NO_STATS, AttentionStats
+from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 Rope = Callable[[Array, Array], Array]  # (x [..., t, d], positions broadcastable to x[..., 0]) -> rotated x
 
@@ -200,19 +200,53 @@ def prefill(geom: Geometry, plan: LayerPlan | None, cache: AnyLayerCache | None,
 def prefill_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, q, k, v, pos, tokens=None, hidden=None):
     """One prompt attended once for several plans (no eq. 4 mask, no gates: the attention is the same for all),
     each caching it under its own rules: `(output, caches)` (`kvjax.generate.generate_many`)."""
-    for lp in plans:
-        check_inputs("prefill", geom, lp, q, k, v, pos, tokens)
+    wanted = _shared_stats(geom, plans, q, k, v, pos, tokens)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
-    wanted = NO_STATS
-    for lp in plans:
-        wanted = wanted | lp.prefill_stats()
     o, stats = attention.prefill_attention(
         q_rot, k_rot, v, pos, pos, scale=geom.scale, stats=wanted.attention_part(), mask=geom.mask(),
         impl=geom.impl, self_attention=True,
     )
+    return o, _cache_shared(geom, plans, caches, wanted, stats, q, k, k_rot, v, pos, tokens, hidden)
+
+
+def capture(geom: Geometry, q, k, v, pos, hidden=None, colsum: bool = False):
+    """The plain prompt pass's attention, keeping what `recache_shared` caches the prompt from: `(output, (q, k, v,
+    hidden, colsum))`, the column sums (H2O's, the one statistic that needs the whole attention) only with `colsum`."""
+    check_inputs("prefill", geom, None, q, k, v, pos)
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    o, stats = attention.prefill_attention(q_rot, k_rot, v, pos, pos, scale=geom.scale,
+                                           stats=StatsRequest(colsum=colsum), mask=geom.mask(), impl=geom.impl,
+                                           self_attention=True)
+    return o, (q, k, v, hidden, stats.colsum)
+
+
+def recache_shared(geom: Geometry, plans: tuple[LayerPlan, ...], caches, captured, pos, tokens=None):
+    """`prefill_shared`'s caches from a `capture`d pass of the prompt, attending nothing again: the last queries'
+    statistics come from the captured queries and keys (O(W x s)), the column sums from the capture."""
+    q, k, v, hidden, colsum = captured
+    wanted = _shared_stats(geom, plans, q, k, v, pos, tokens)
+    if wanted.colsum and colsum is None:
+        raise InvalidInput(" / ".join(lp.describe() for lp in plans) + " needs the prompt's column sums: capture "
+                           "the pass with colsum=True")
+    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    first_logit, last_probs = attention.prompt_statistics(q_rot, k_rot, pos, pos, wanted, scale=geom.scale,
+                                                          mask=geom.mask())
+    stats = AttentionStats(first_logit=first_logit, colsum=colsum if wanted.colsum else None, last_probs=last_probs)
+    return _cache_shared(geom, plans, caches, wanted, stats, q, k, k_rot, v, pos, tokens, hidden)
+
+
+def _shared_stats(geom: Geometry, plans: tuple[LayerPlan, ...], q, k, v, pos, tokens) -> StatsRequest:
+    """What the plans sharing a prompt ask of it, their inputs checked."""
+    wanted = NO_STATS
+    for lp in plans:
+        check_inputs("prefill", geom, lp, q, k, v, pos, tokens)
+        wanted = wanted | lp.prefill_stats()
+    return wanted
+
+
+def _cache_shared(geom, plans, caches, wanted, stats, q, k, k_rot, v, pos, tokens, hidden):
     stats = _layer_stats(geom, wanted, stats, q, v, pos, lambda: " / ".join(lp.describe() for lp in plans))
-    return o, tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats, hidden)
-                    for lp, c in zip(plans, caches))
+    return tuple(cache_prompt(geom, lp, c, k, k_rot, v, pos, tokens, stats, hidden) for lp, c in zip(plans, caches))
 
 
 def cache_prompt(geom: Geometry, plan: LayerPlan, cache, k, k_rot, v, pos, tokens, stats, hidden=None):
@@ -597,6 +631,13 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
     if isinstance(step, steps.Shared):
         return prefill_shared(geom, tuple(plan.layers[i] for plan in step.plans), carry, q, k, v, pos, tokens,
                               hidden)
+    if isinstance(step, steps.Capture):
+        return capture(geom, q, k, v, pos, hidden if step.hidden else None, step.colsum)
+    if isinstance(step, steps.Recache):
+        captured, caches = carry
+        # the model's output goes nowhere (its logits are not returned): zeros of the attention output's shape
+        return jnp.zeros_like(q), recache_shared(geom, tuple(plan.layers[i] for plan in step.plans), caches,
+                                                 captured, pos, tokens)
     if isinstance(step, steps.Chunk):
         return chunk(geom, step.plan.layers[i], carry, q, k, v, pos, tokens)
     if isinstance(step, steps.Token):
@@ -616,4 +657,4 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
 
 
 __all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "grad_replay", "init_cache", "init_layer_cache", "prefill",
-           "prefill_shared", "output_norms", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]
+           "prefill_shared", "recache_shared", "capture", "output_norms", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

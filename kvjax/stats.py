@@ -35,6 +35,9 @@ class StatsRequest:
       of the layer's output projection, ‖v W_o^i‖_p (query head i reads KV head i // g), `[b, kvh, g, t]`
       grouped by KV head: the size of what the token writes into the residual stream (CriticalKV's p = 1).
       kvjax computes them from the model's `kvjax.layer.Geometry.out_proj`; a model that gives none is refused.
+    * `hidden`: at prefill, the layer's attention input itself (`Context.hidden`, KVzap's surrogate reads it). Every
+      prompt pass hands it to the rules; a pass whose inputs are kept for later caching (`kvjax.step.Capture`)
+      keeps it only when asked, as it is as large as the queries.
     """
 
     first_logit: bool = False
@@ -44,6 +47,7 @@ class StatsRequest:
     gate_keep: bool = False
     query_moments: frozenset[tuple[int, int]] = frozenset()
     out_norms: frozenset[int] = frozenset()
+    hidden: bool = False
 
     def __post_init__(self):
         last = frozenset(self.last_queries)
@@ -68,15 +72,16 @@ class StatsRequest:
         return StatsRequest(self.first_logit or other.first_logit, self.colsum or other.colsum,
                             self.last_queries | other.last_queries, self.probs or other.probs,
                             self.gate_keep or other.gate_keep, self.query_moments | other.query_moments,
-                            self.out_norms | other.out_norms)
+                            self.out_norms | other.out_norms, self.hidden or other.hidden)
 
     def __bool__(self) -> bool:
         return (self.first_logit or self.colsum or bool(self.last_queries) or self.probs or self.gate_keep
-                or bool(self.query_moments) or bool(self.out_norms))
+                or bool(self.query_moments) or bool(self.out_norms) or self.hidden)
 
     def attention_part(self) -> StatsRequest:
-        """What attention itself measures (the query moments and the output norms are the layer's)."""
-        return dataclasses.replace(self, query_moments=frozenset(), out_norms=frozenset())
+        """What attention itself measures (the query moments and the output norms are the layer's, the attention
+        input the model's)."""
+        return dataclasses.replace(self, query_moments=frozenset(), out_norms=frozenset(), hidden=False)
 
     def names(self) -> list[str]:
         """The requested statistics in words, for error messages."""

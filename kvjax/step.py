@@ -100,6 +100,13 @@ class Prompt(Step):
                                "kvjax.drive.prompt reads it so, not one whole-prompt step")
 
 
+def _plain_passes(plans: tuple[Plan, ...], what: str) -> None:
+    for plan in plans:
+        if not _plan(plan, what).plain_prompt_pass:
+            raise InvalidInput(f"{plan.policy.describe()} does not attend its prompt as a plain causal pass "
+                               "(chunked or stream prefill, an eq. 4 mask or gates): prefill it alone")
+
+
 @dataclasses.dataclass(frozen=True)
 class Shared(Step):
     """One plain prompt pass cached under several plans (`Plan.plain_prompt_pass`): each carry entry is the layer's
@@ -111,10 +118,37 @@ class Shared(Step):
         return self.plans
 
     def __post_init__(self):
-        for plan in self.plans:
-            if not _plan(plan, "a shared prompt step").plain_prompt_pass:
-                raise InvalidInput(f"{plan.policy.describe()} does not attend its prompt as a plain causal pass "
-                                   "(chunked or stream prefill, an eq. 4 mask or gates): prefill it alone")
+        _plain_passes(self.plans, "a shared prompt step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture(Step):
+    """The plain causal pass over a prompt, nothing cached: each layer's carry entry out is its attention's inputs and
+    what only the whole attention measures, `(q, k, v, hidden, colsum)` (unrotated `q` `[b, h, t, d]`, `k` and `v`
+    `[b, kvh, t, d]`; `hidden` `[b, t, D]`, the layer's input to its projections, only with `hidden`; `colsum`, H2O's
+    accumulated attention `[b, kvh, g, t]`, only with `colsum`; else None), from which `Recache` caches the prompt
+    under further plans without the model's forward or its attention; the last position's logits."""
+
+    hidden: bool = False
+    colsum: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Recache(Step):
+    """`Shared`'s caching of a prompt from its `Capture`d pass: each carry entry is `(captured, caches)` in (the
+    layer's `(q, k, v, hidden, colsum)` and its tuple of empty caches, one per plan) and its caches out. The layer
+    reads the captured entry, not what the model computes now, and attends nothing again (its statistics of the last
+    queries are O(W x s)), so nothing the model computes reaches the caches and a compiled recache holds only the
+    plans' statistics and caching: XLA removes the rest (a program that returns only the caches). The logits are
+    not the prompt's: `Capture` gave those."""
+
+    plans: tuple[Plan, ...]
+
+    def plans_held(self):
+        return self.plans
+
+    def __post_init__(self):
+        _plain_passes(self.plans, "a recache step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,4 +250,5 @@ class GradReplay(Extend):
         return _objective(x)
 
 
-__all__ = ["Chunk", "Extend", "Forward", "GradReplay", "Probe", "Prompt", "Replay", "Shared", "Step", "Token"]
+__all__ = ["Capture", "Chunk", "Extend", "Forward", "GradReplay", "Probe", "Prompt", "Recache", "Replay", "Shared", "Step",
+           "Token"]

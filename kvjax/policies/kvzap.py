@@ -34,6 +34,7 @@ from kvjax import cache as kvcache
 from kvjax.cache import EMPTY, SLOT, LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, StepOnlyWrites
+from kvjax.stats import RuleStats, StatsRequest
 from kvjax.surrogate import Surrogate
 
 
@@ -96,6 +97,9 @@ class KVzap(LayerPolicy, StepOnlyWrites):
             return kvcache.append(cache, k, v, ctx.pos)
         slot = jnp.argmax(cache.pos == EMPTY, axis=-1)
         return kvcache.write(cache, slot, k, v, ctx.pos, state={"score": self._scores(layer, ctx)})
+
+    def stats(self, layer):
+        return RuleStats(prefill=StatsRequest(hidden=True))  # the surrogate scores the prompt's attention input
 
     def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
         if not self.decoding:
