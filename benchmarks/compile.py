@@ -9,7 +9,9 @@ SnapKV, MAT (its prompt read token by token: a scan over the decode step) and Ra
 the decode loop (`kvjax.generate.decode_fn`, SnapKV's cache, 32 tokens), and the same with a token's step traced in
 runs of layers as a prompt's are ("decode loop scanned", the design kvjax declines: not a default
 program); and one plain prompt pass shared by four plans (`kvjax.generate.prefill_many_fn`: SnapKV, TOVA, KNorm,
-StreamingLLM), `--batch` rows (default 1; the decode loop is batch 1) of `--length` tokens, and the peak resident
+StreamingLLM); on request, "shared pass of N" plans, "capture" (the pass that keeps each layer's attention inputs and
+column sums, `kvjax.generate.capture_fn`) and "recache of N" (the N plans' caches made from a capture,
+`kvjax.generate.recache_fn`: what `generate_many` runs for each group when there are several), `--batch` rows (default 1; the decode loop is batch 1) of `--length` tokens, and the peak resident
 memory above the process's while each program was compiled once more and run (`run_seconds`). Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
@@ -38,7 +40,7 @@ from kvjax import drive, engine
 from kvjax import step as steps
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax.errors import InvalidInput
-from kvjax.generate import Sampling, decode_fn, prefill_many_fn
+from kvjax.generate import Sampling, capture_fn, decode_fn, prefill_many_fn, recache_fn
 from kvjax.policies import (
     TOVA,
     AnchorCache,
@@ -98,16 +100,24 @@ def program(lm, name: str, length: int, batch: int = 1):
         args = (graphdef, state, cache, i32(5), jnp.ones((1,), bool), i32(length), key, i32(-1, -1, -1, -1),
                 jnp.int32(NEW_TOKENS), jnp.int32(0), jnp.int32(0))
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
-    if name.startswith("shared pass of "):
+    if name == "capture":
+        return capture_fn.pure, (graphdef, state, tokens, positions, key), {
+            "hidden": False, "colsum": True, "sampling": Sampling()}
+    if name.startswith(("shared pass of ", "recache of ")):
         n = int(name.rsplit(" ", 1)[1])
         kinds = (lambda r: SnapKV(ratio=r), lambda r: TOVA(ratio=r), lambda r: KNorm(ratio=r),
                  lambda r: StreamingLLM(budget=max(8, int(length * (1 - r)))))
         ratios = (0.5, 0.75, 0.875, 0.25, 0.9375, 0.96875)  # distinct plans: a kind at each ratio in turn
         plans = tuple(drive.plan(model, kinds[i % 4](ratios[i // 4 % len(ratios)]), max_len, length)
                       for i in range(n))
+        if name.startswith("recache of "):  # its argument is a capture of the prompt, made here (not timed)
+            captured = capture_fn.pure(graphdef, state, tokens, positions, key, hidden=False, colsum=True,
+                                       sampling=Sampling())[2]
+            return recache_fn.pure, (graphdef, state, tokens, positions, captured), {"plans": plans}
         return prefill_many_fn.pure, (graphdef, state, tokens, positions, key), {
             "plans": plans, "sampling": Sampling()}
-    raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N'")
+    raise InvalidInput(f"--programs: {name!r} is not one of {', '.join(PROGRAMS)}, 'capture', 'shared pass of N' or "
+                       "'recache of N'")
 
 
 def run_seconds(fn, args, kw, repeats: int) -> tuple[float, ...]:
@@ -162,7 +172,8 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
     p.add_argument("--programs", default=",".join(PROGRAMS[:-1]),
                    help=f"a comma list of: {', '.join(PROGRAMS)}; or 'shared pass of N' (N plans: SnapKV, TOVA, KNorm, "
-                   "StreamingLLM in turn, at ratios 0.5, 0.75, ...)")
+                   "StreamingLLM in turn, at ratios 0.5, 0.75, ...), 'capture' (the pass kept for recaching, with "
+                   "column sums), 'recache of N' (the same N plans' caches from a capture)")
     p.add_argument("--batch", type=int, default=1, help="prompt rows of the prompt passes (default 1; the decode "
                    "loop is batch 1 only)")
     p.add_argument("--repeats", type=int, default=3, help="cold compilations per program (default 3)")
@@ -179,10 +190,11 @@ def main(argv=None):
 
     names = [n.strip() for n in args.programs.split(",") if n.strip()]
     for n in names:
-        shared = n.startswith("shared pass of ") and n.rsplit(" ", 1)[1].isdigit() and 1 <= int(n.rsplit(" ", 1)[1]) <= 24
-        if n not in PROGRAMS and not shared:
-            raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}, or 'shared pass of N' "
-                               "(N from 1 to 24)")
+        counted = n.startswith(("shared pass of ", "recache of ")) and n.rsplit(" ", 1)[1].isdigit() \
+            and 1 <= int(n.rsplit(" ", 1)[1]) <= 24
+        if n not in PROGRAMS and n != "capture" and not counted:
+            raise InvalidInput(f"--programs: {n!r} is not one of {', '.join(PROGRAMS)}, 'capture', 'shared pass of N' "
+                               "or 'recache of N' (N from 1 to 24)")
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.tag):
         raise InvalidInput(f"--tag {args.tag!r}: letters, digits, '_' and '-' only (it names a file)")
     if args.repeats < 1:

@@ -156,6 +156,28 @@ def test_compile_benchmark_batches_the_prompt_programs_and_refuses_a_batched_dec
         bench.main(["--batch", "2", "--programs", "prefill full,decode loop", "--allow-load"])
 
 
+def test_compile_benchmark_recaches_the_plans_of_the_shared_pass_it_is_compared_with():
+    """"recache of N" times the same N plans as "shared pass of N", from a capture of the same prompts, and makes
+    the caches that pass makes; "capture" is the pass with column sums."""
+    import jax
+    import numpy as np
+
+    from benchmarks import compile as bench
+    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.errors import InvalidInput
+    from models import load
+
+    lm = load(DEFAULT_MODEL_DIR)
+    fn, args, kw = bench.program(lm, "recache of 3", 32, 2)
+    pass_fn, pass_args, pass_kw = bench.program(lm, "shared pass of 3", 32, 2)
+    assert kw["plans"] == pass_kw["plans"] and len(kw["plans"]) == 3
+    for a, b in zip(jax.tree.leaves(fn(*args, **kw)), jax.tree.leaves(pass_fn(*pass_args, **pass_kw)[2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert bench.program(lm, "capture", 32, 2)[2]["colsum"] is True
+    with pytest.raises(InvalidInput, match="'recache of N' \\(N from 1 to 24\\)"):
+        bench.main(["--programs", "recache of 0", "--allow-load"])
+
+
 def test_memory_reads_a_childs_peak_from_the_kernel_and_refuses_a_malformed_cell(tmp_path, capsys):
     """A child that holds 300 MB peaks above 300 MB and one that holds nothing well below it, though the test
     process that starts both is larger than that: the kernel's own count for the child alone, not a sample; a
