@@ -16,19 +16,22 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
 from kvjax import quant, reference
 from kvjax.pallas import pool_decode, quant_decode
 from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
+
+# Replay queries per block (`replay_attention`): bounds its logits to [block, c + t] per query head.
+REPLAY_BLOCK = 128
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 
 __all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
            "cudnn_prefill", "decode_attention", "splash_prefill",
            "pooled_decode_attention", "prompt_statistics", "prefill_attention", "prefill_route", "prefix_attention",
-           "quantized_decode_attention", "warn_once"]
+           "quantized_decode_attention", "replay_attention", "warn_once"]
 
 # "xla": the jnp reference; "pallas": the kernels of kvjax.pallas (and cuDNN, see `prefill_route`).
 IMPLS = ("xla", "pallas")
@@ -390,3 +393,84 @@ def reconstruction_scores(
         per_query, per_slot = weights
         p = p * per_query[:, None, None, :, None] * per_slot[:, :, :, None, :]
     return jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)
+
+
+def replay_attention(
+    q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"], pos: Int[Array, "b t"],
+    cache_k: Float[Array, "b kvh c d"], cache_v: Float[Array, "b kvh c d"], cache_pos: Int[Array, "b kvh c"],
+    log_w: Float[Array, "b kvh c"], span: Int[Array, "b 3"], scale: float, *,
+    slot_visible: Bool[Array, "b kvh t c"] | None = None,
+    weights: tuple[Float[Array, "b t"], Float[Array, "b kvh g c"]] | None = None,
+    block: int = REPLAY_BLOCK,
+) -> tuple[Float[Array, "b h t d"], Float[Array, "b kvh c"]]:
+    """A KVzip replay's attention and its slots' scores from one set of logits: `reference.prefix_attention`'s
+    output under a plain causal mask and `reconstruction_scores`' scores, equal up to float rounding.
+
+    The two softmaxes differ only in their keys (the output's: every visible slot, with its `log_w`, and the
+    replay's own keys; the scores': the sinks, the chunk and the replay's own keys), so one exponential of the
+    logits, shifted by each query's largest logit over every valid key, serves both: the logits of the cache
+    and of the replay are computed once, not once per softmax, and the output is normalised after the
+    products with the values, never as a `[t, c + t]` probability tensor. On a CPU the replay's attention is
+    made of passes over `[b, h, t, c]` arrays (2304 queries over 4192 slots: 0.5 GB a layer for SmolLM2), so
+    passes are its cost: this takes about half of those the two functions take.
+
+    A padding query (`pos < 0`) sees no key: its output is zeros (the reference's is the values' mean; nothing
+    reads either) and it scores nothing."""
+    b, h, t, d = q.shape
+    kvh = cache_k.shape[1]
+    g = h // kvh
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(b, kvh, g, t, d).astype(acc)
+    per_query_w = None if weights is None else weights[0]
+    if t <= block or t % block:
+        return _replay_block(qg, pos, per_query_w, slot_visible, k, v, pos, cache_k, cache_v, cache_pos, log_w, span,
+                             scale, None if weights is None else weights[1])
+    n = t // block
+    blocks = (qg.reshape(b, kvh, g, n, block, d).transpose(3, 0, 1, 2, 4, 5), pos.reshape(b, n, block).transpose(1, 0, 2),
+              None if per_query_w is None else per_query_w.reshape(b, n, block).transpose(1, 0, 2),
+              None if slot_visible is None else slot_visible.reshape(b, kvh, n, block, -1).transpose(2, 0, 1, 3, 4))
+    o, scores = jax.lax.map(lambda xs: _replay_block(*xs, k, v, pos, cache_k, cache_v, cache_pos, log_w, span, scale,
+                                                      None if weights is None else weights[1]), blocks)
+    o = o.transpose(1, 2, 3, 0, 4, 5).reshape(b, h, t, d)
+    return o, jnp.max(scores, axis=0)
+
+
+def _replay_block(qg, q_pos, per_query_w, slot_visible, k, v, pos, cache_k, cache_v, cache_pos, log_w, span, scale,
+                  per_slot_w):
+    """`replay_attention` for the queries `qg` `[b, kvh, g, tq, d]` at `q_pos` `[b, tq]`: their output `[b, kvh, g,
+    tq, d]` and their largest probability of each slot `[b, kvh, c]`."""
+    acc = qg.dtype
+    s_cache = jnp.einsum("bkgtd,bkcd->bkgtc", qg, cache_k.astype(acc)) * scale
+    s_self = jnp.einsum("bkgtd,bksd->bkgts", qg, k.astype(acc)) * scale
+    valid = (cache_pos >= 0)[:, :, None, None, :]
+    causal = ((pos[:, None, :] <= q_pos[:, :, None]) & (pos[:, None, :] >= 0))[:, None, None]  # [b, 1, 1, tq, t]
+    top = jnp.maximum(jnp.max(jnp.where(valid, s_cache, -jnp.inf), axis=-1),
+                      jnp.max(jnp.where(causal, s_self, -jnp.inf), axis=-1))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)[..., None]
+    e_cache = jnp.where(valid, jnp.exp(s_cache - top), 0.0)
+    e_self = jnp.where(causal, jnp.exp(s_self - top), 0.0)
+    z_self = jnp.sum(e_self, axis=-1)
+    real = q_pos >= 0
+
+    # the output: prefix_attention's causal softmax over the visible slots (their log_w added) and the replay
+    seen_by_query = (cache_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (cache_pos >= 0)[:, :, None, :]
+    if slot_visible is not None:
+        seen_by_query &= slot_visible
+    e_out = jnp.where(seen_by_query[:, :, None], e_cache * jnp.exp(log_w.astype(acc))[:, :, None, None, :], 0.0)
+    z_out = jnp.sum(e_out, axis=-1) + z_self
+    o = (jnp.einsum("bkgtc,bkcd->bkgtd", e_out.astype(v.dtype), cache_v, preferred_element_type=acc)
+         + jnp.einsum("bkgts,bksd->bkgtd", e_self.astype(v.dtype), v, preferred_element_type=acc))
+    o = jnp.where((z_out > 0)[..., None], o / jnp.where(z_out > 0, z_out, 1.0)[..., None], 0.0)
+
+    # the scores: reconstruction_scores' softmax over the sinks, the chunk and the replay
+    sinks, start, end = (span[:, i][:, None, None] for i in range(3))
+    in_chunk = (cache_pos >= start) & (cache_pos < end)
+    seen = (cache_pos >= 0) & ((cache_pos < sinks) | in_chunk)
+    z = jnp.sum(jnp.where(seen[:, :, None, None, :], e_cache, 0.0), axis=-1) + z_self
+    per_query = jnp.where(real[:, None, None, :], 1.0 / jnp.where(z > 0, z, 1.0), 0.0)  # [b, kvh, g, tq]
+    if per_query_w is not None:
+        per_query = per_query * per_query_w[:, None, None, :]
+        p = e_cache * per_query[..., None] * per_slot_w[:, :, :, None, :]
+    else:
+        p = e_cache * per_query[..., None]
+    return o.astype(qg.dtype), jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)

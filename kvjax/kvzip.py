@@ -5,7 +5,7 @@
 The context's cache (the whole prompt, as `KVzip`'s rule caches it) is read, never written, by replays of the
 context: each is the repeat prompt, the chat template's suffix and `chunk_size` context tokens, teacher-forced
 at the positions after the context (`kvjax.drive.replay`: an extension of the read-only cache whose attention
-layers also return `kvjax.attention.reconstruction_scores`). Then the lowest-scored slots over all layers and KV heads (or per
+layers also return each slot's reconstruction score, `kvjax.attention.replay_attention`). Then the lowest-scored slots over all layers and KV heads (or per
 layer, `layerwise`) are emptied, sinks never. One row at a time (kvpress's KVzip takes one); the replays of a
 row are one compiled program per replay length, rounded up to `REPLAY_ROUND` tokens.
 

@@ -344,13 +344,15 @@ def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anc
 def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, span, *, plus: bool = False,
            hidden=None):
     """`extend` for KVzip's replay (`kvjax.kvzip`): the output, and each cached slot's reconstruction score
-    `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end). `plus` (KVzip+): each
+    `[b, kvh, c]` from the chunk's queries (`span` `[b, 3]`: sinks, chunk start, chunk end), both from one set of
+    logits (`attention.replay_attention`). `plus` (KVzip+): each
     probability divided by its query's attention input norm ‖h‖ (`hidden` `[b, t, D]`, the replay's input to the
     layer's projections) and multiplied by ‖v W_o^i‖_2, its slot's value through its query head's output projection,
     before the maximum (kvpress's `kvzip_plus_normalization`)."""
     if not geom.mask().plain:
         raise InvalidInput("KVzip's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
-    o = extend(geom, plan, cache, q, k, v, pos)
+    if isinstance(cache, PooledLayerCache):
+        raise InvalidInput(f"{plan.rule.describe()}: a pooled per-head cache cannot be extended by a chunk")
     cache = read(cache, pos)
     q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
     weights = None
@@ -362,7 +364,8 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
         h_norm = jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1)  # [b, t]
         per_query = jnp.where(pos >= 0, 1.0 / jnp.where(pos >= 0, h_norm, 1.0), 0.0)
         weights = (per_query, output_norms(geom, cache.v, {2}, who)[2])
-    return o, attention.reconstruction_scores(q_rot, k_rot, pos, cache.k, cache.pos, span, geom.scale, weights)
+    return attention.replay_attention(q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, span,
+                                      geom.scale, slot_visible=plan.prefix_visible(cache, None), weights=weights)
 
 
 @jax.custom_vjp

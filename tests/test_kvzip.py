@@ -225,8 +225,13 @@ def test_non_finite_scores_are_an_error(sdpa_pair, monkeypatch):
     from kvjax import attention
 
     _, model = sdpa_pair
-    real = attention.reconstruction_scores
-    monkeypatch.setattr(attention, "reconstruction_scores", lambda *a: real(*a) * jnp.nan)
+    real = attention.replay_attention
+
+    def nan_scores(*args, **kwargs):
+        out, scores = real(*args, **kwargs)
+        return out, scores * jnp.nan
+
+    monkeypatch.setattr(attention, "replay_attention", nan_scores)
     with pytest.raises(NonFiniteError, match="replay of positions 0-99"):
         compressed(model, np.random.RandomState(1).randint(13, 97, T), policy(0.5, chunk_size=128))
 
@@ -248,3 +253,42 @@ def test_kvzip_plus_refuses_a_model_without_its_inputs_and_is_registered():
         with pytest.raises(InvalidInput, match=missing) as e:
             layer.replay(geom, lp, cache, q, kv, kv, pos, span, plus=True, hidden=hidden)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "plus"])
+def test_replay_attention_is_prefix_attention_and_reconstruction_scores(plus):
+    """`attention.replay_attention` (one set of logits, query blocks) against the two computations it fuses, the
+    reference's `prefix_attention` (the replay's output) and `reconstruction_scores` (its slots' scores): 2 rows,
+    3 query blocks, padding queries, empty slots, a `log_w` bias, a slot hidden from some queries, KVzip+'s factors."""
+    import jax
+
+    from kvjax import attention, reference
+
+    b, kvh, g, t, c, d, block = 2, 2, 3, 24, 40, 8, 8
+    ks = jax.random.split(jax.random.key(0), 8)
+    q = jax.random.normal(ks[0], (b, kvh * g, t, d))
+    k, v = jax.random.normal(ks[1], (b, kvh, t, d)), jax.random.normal(ks[2], (b, kvh, t, d))
+    cache_k, cache_v = jax.random.normal(ks[3], (b, kvh, c, d)), jax.random.normal(ks[4], (b, kvh, c, d))
+    cache_pos = np.broadcast_to(np.arange(c), (b, kvh, c)).copy()
+    cache_pos[0, 1, 5:9] = -1  # emptied slots
+    cache_pos[1, :, -3:] = -1
+    cache_pos = jnp.asarray(cache_pos)
+    log_w = 0.3 * jax.random.normal(ks[5], (b, kvh, c))
+    pos = np.broadcast_to(c + np.arange(t), (b, t)).copy()
+    pos[0, 20:] = -1  # right padding
+    pos = jnp.asarray(pos)
+    visible = jnp.ones((b, kvh, t, c), bool).at[1, 0, :10, 12].set(False)
+    span = jnp.asarray([[4, 10, 30], [2, 0, 20]])
+    weights = None
+    if plus:
+        weights = (jax.random.uniform(ks[6], (b, t), minval=0.5, maxval=2.0),
+                   jax.random.uniform(ks[7], (b, kvh, g, c), minval=0.5, maxval=2.0))
+    out, scores = attention.replay_attention(q, k, v, pos, cache_k, cache_v, cache_pos, log_w, span, 0.3,
+                                             slot_visible=visible, weights=weights, block=block)
+    want, _ = reference.prefix_attention(q, k, v, pos, cache_k, cache_v, cache_pos, log_w, scale=0.3,
+                                         slot_visible=visible)
+    real = np.asarray(pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, want, 0), rtol=2e-5, atol=2e-6)
+    want_scores = attention.reconstruction_scores(q, k, pos, cache_k, cache_pos, span, 0.3, weights)
+    np.testing.assert_allclose(scores, want_scores, rtol=2e-5, atol=1e-7)
+    assert np.count_nonzero(np.asarray(scores)) > 20  # the chunks' slots are scored
