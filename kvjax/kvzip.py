@@ -12,7 +12,8 @@ row are one compiled program per replay length, rounded up to `REPLAY_ROUND` tok
 Cost: a row's replays read about `context + chunks x (prompt + suffix)` tokens against the cached context,
 so KVzip's prefill is about twice the prompt pass plus the replay's attention to the whole context (kvpress's
 warning: "2-3 times the initial prefilling cost"); `benchmarks/results/kvzip_cpu_smollm2.md`: the replay takes
-2.5-2.9x the prompt pass on SmolLM2 at 1K-4K tokens.
+2.3-3.1x the prompt pass on SmolLM2 at 1K-4K tokens (its attention computes each logit once for the replay's output
+and its scores, `kvjax.attention.replay_attention`).
 
 KVgrad (`kvjax.policies.KVgrad`) replays the same chunks through `kvjax.drive.grad_replay`: each replay is one
 forward and one backward pass (`jax.vjp`), one compiled program per replay length as KVzip's; its activations, and
