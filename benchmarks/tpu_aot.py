@@ -236,6 +236,10 @@ def make_policy(name: str, cfg):
         return AdaKV(scorer=SnapKV(budget=BUDGET))
     if name == "full-4bit":
         return Quantized(FullCache(), bits=4, group=32, residual=128)
+    if name == "kvzip":  # the replay prompts' ids stand in for a tokenizer's (`kvjax.kvzip.replay_prompts`)
+        from kvjax.policies import KVzip
+
+        return KVzip(ratio=0.5, repeat_ids=(1, 2, 3), continue_ids=(4, 5), suffix_ids=(6,))
     raise ValueError(name)
 
 
@@ -278,9 +282,10 @@ def _tp_sharding(mesh, chips: int):
 def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, layers: int | None = None, *,
                chips: int = 1) -> Case:
     """One whole-model program on one chip: `prefill` (the prompt pass, `kvjax.engine.prefill`), `prefill-xla`
-    (the same with `attention_impl="xla"`), `step` (one decode step, `kvjax.engine.decode`) or `loop` (the decode
-    loop, `kvjax.generate.decode_fn`, 256 tokens)."""
-    from kvjax import engine
+    (the same with `attention_impl="xla"`), `step` (one decode step, `kvjax.engine.decode`), `loop` (the decode
+    loop, `kvjax.generate.decode_fn`, 256 tokens) or `replay` (KVzip's replay of `prompt` tokens against the
+    cache of a `prompt`-token context, `kvjax.kvzip.replay_fn`; policy "kvzip")."""
+    from kvjax import engine, kvzip
     from kvjax.generate import Sampling, decode_fn
     from kvjax.layer import init_cache
 
@@ -307,6 +312,9 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
         cache = tpu.abstract(cache, heads)
         if program == "step":
             return engine.decode.pure, (graphdef, state, ints(batch), ints(batch), cache), {"plan": plan}
+        if program == "replay":
+            return (kvzip.replay_fn.pure, (graphdef, state, ints(batch, prompt), ints(batch, prompt), cache, ints(batch, 3)),
+                    {"plan": plan, "plus": False})
         key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), whole)
         done = tpu.abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_), whole)
         args = (graphdef, state, cache, ints(batch), done, ints(batch), key, ints(4), ints(), ints(), ints())  # eos, max_new, pad_id, reporter

@@ -87,14 +87,15 @@ def test_tpu_topology_refuses_without_offline_variables(monkeypatch):
 
 def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     """kvjax's Llama at Llama-3.2-1B widths (2 of its 16 layers, bf16, attention_impl="pallas") compiled for v5e:
-    the prompt pass under SnapKV, and one decode step under FullCache, SnapKV, RazorAttention's head groups,
-    AdaKV's pool and a 4-bit cache. The full-depth tables are `benchmarks/results/tpu_aot_*.md`."""
+    the prompt pass under SnapKV, one decode step under FullCache, SnapKV, RazorAttention's head groups,
+    AdaKV's pool and a 4-bit cache, and KVzip's replay of a 2048-token chunk. The full-depth tables are `benchmarks/results/tpu_aot_*.md`."""
     from benchmarks import tpu_aot
 
     specs = [["model", "llama-1b", "snapkv", "prefill", 1, 2048, 2]]
     specs += [["model", "llama-1b", p, "step", 1, 2048, 2] for p in tpu_aot.POLICIES]
     # 4 chips, the kernels under shard_map; RazorAttention's 2-head retrieval group does not split 4 ways
     specs += [["model-tp", "llama-1b", p, "step", 1, 2048, 2] for p in ("full", "razor")]
+    specs += [["model", "llama-1b", "kvzip", "replay", 1, 2048, 2]]  # its attention in XLA (`replay_attention`)
     rows = tpu_aot.run_chip("v5e", specs, tmp_path / "records.jsonl", timeout=900)
     failed = [f"{r['kernel']}[{r['shape']}]: {r['error']}" for r in rows if not r["ok"]]
     assert not failed and len(rows) == len(specs), failed
