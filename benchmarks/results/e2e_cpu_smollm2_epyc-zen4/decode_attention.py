@@ -1,3 +1,5 @@
+"""Decode attention over 30 layers' caches (SmolLM2: kvh 3, g 3, d 64, f32, batch 1), variants timed (profile.md).
+Run from the repository root: python benchmarks/results/e2e_cpu_smollm2_epyc-zen4/decode_attention.py C [names]."""
 import sys, time, os
 import kvjax.backends
 import jax, jax.numpy as jnp, numpy as np
@@ -33,22 +35,6 @@ def make(qk, pv):
     return f
 variants = {"base": make(qk_base, pv_base), "qkdense": make(qk_dense, pv_base), "qkdense2": make(qk_dense2, pv_base),
             "qkloop": make(qk_loop, pv_loop), "dense_both": make(qk_dense, pv_dense), "pvdense": make(qk_base, pv_dense)}
-ref = None
-for name, f in variants.items():
-    if len(sys.argv) > 2 and name not in sys.argv[2].split(","): continue
-    @jax.jit
-    def run(q, ks, vs, f=f):
-        x = q
-        for k, v in zip(ks, vs):
-            x = f(x, k, v) * 0.5 + q * 0.5
-        return x
-    out = run(q, ks, vs).block_until_ready()
-    if ref is None: ref = out
-    ts = []
-    for _ in range(15):
-        t = time.perf_counter(); run(q, ks, vs).block_until_ready(); ts.append(time.perf_counter() - t)
-    nbytes = 2 * L * b * kvh * C * d * 4; med = float(np.median(ts))
-    print(f"{name:10s} C={C} {med*1e3:7.2f} ms ({min(ts)*1e3:.2f}-{max(ts)*1e3:.2f})  {nbytes/med/1e9:5.1f} GB/s  maxdiff {float(jnp.max(jnp.abs(out-ref))):.2e}", flush=True)
 def perhead(q, k, v):
     qg = q.reshape(b, kvh, g, d)
     outs = []
@@ -69,19 +55,28 @@ def halves(q, k, v):
     m = jnp.maximum(parts[0][0], parts[1][0])
     z = sum(zz * jnp.exp(mm - m) for mm, zz, _ in parts); o = sum(oo * jnp.exp(mm - m) for mm, _, oo in parts)
     return (o / z).reshape(b, kvh * g, d)
-import itertools
-ref = None
-for name, f in {"base": variants["base"], "perhead": perhead, "halves": halves}.items():
-    @jax.jit
-    def run(q, ks, vs, f=f):
-        x = q
-        for k, v in zip(ks, vs):
-            x = f(x, k, v) * 0.5 + q * 0.5
-        return x
-    out = run(q, ks, vs).block_until_ready()
-    if ref is None: ref = out
-    ts = []
-    for _ in range(15):
-        t = time.perf_counter(); run(q, ks, vs).block_until_ready(); ts.append(time.perf_counter() - t)
-    nbytes = 2 * L * b * kvh * C * d * 4; med = float(np.median(ts))
-    print(f"2:{name:10s} C={C} {med*1e3:7.2f} ms ({min(ts)*1e3:.2f}-{max(ts)*1e3:.2f})  {nbytes/med/1e9:5.1f} GB/s  maxdiff {float(jnp.max(jnp.abs(out-ref))):.2e}", flush=True)
+def time_all(fns, names=None):
+    """Each variant over 30 layers (serially dependent), jitted: the median of 15 runs, the bytes of K and V over it."""
+    ref = None
+    for name, f in fns.items():
+        if names and name not in names:
+            continue
+
+        @jax.jit
+        def run(q, ks, vs, f=f):
+            x = q
+            for k, v in zip(ks, vs):
+                x = f(x, k, v) * 0.5 + q * 0.5
+            return x
+        out = run(q, ks, vs).block_until_ready()
+        ref = out if ref is None else ref
+        ts = []
+        for _ in range(15):
+            t = time.perf_counter(); run(q, ks, vs).block_until_ready(); ts.append(time.perf_counter() - t)
+        nbytes = 2 * L * b * kvh * C * d * 4; med = float(np.median(ts))
+        print(f"{name:10s} C={C} {med*1e3:7.2f} ms ({min(ts)*1e3:.2f}-{max(ts)*1e3:.2f})  {nbytes/med/1e9:5.1f} GB/s  "
+              f"maxdiff {float(jnp.max(jnp.abs(out-ref))):.2e}", flush=True)
+
+
+variants.update(perhead=perhead, halves=halves)
+time_all(variants, sys.argv[2].split(",") if len(sys.argv) > 2 else None)

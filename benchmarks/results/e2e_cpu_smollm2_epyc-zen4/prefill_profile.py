@@ -1,3 +1,5 @@
+"""A prompt pass of SmolLM2 under FullCache (batch 1), timed, its compiled HLO written and one run profiled by jax
+(profile.md). From the repository root: python benchmarks/results/e2e_cpu_smollm2_epyc-zen4/prefill_profile.py T [HLO [TRACE]]."""
 import sys, time, functools
 import kvjax.backends
 import jax, jax.numpy as jnp, numpy as np
