@@ -23,10 +23,11 @@ from kvjax import quant, reference
 from kvjax.pallas import pool_decode, quant_decode
 from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
-
-# Replay queries per block (`replay_attention`): bounds its logits to [block, c + t] per query head.
-REPLAY_BLOCK = 128
 from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
+
+# Replay queries per block (`replay_attention`): bounds its logits to [block, c + t] per query head. 64, 128 and
+# 256 time the same on a CPU (SmolLM2, 4K context); the smallest of them with whole blocks keeps the temporaries small.
+REPLAY_BLOCK = 128
 
 __all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
            "cudnn_prefill", "decode_attention", "splash_prefill",
@@ -410,9 +411,9 @@ def replay_attention(
     replay's own keys; the scores': the sinks, the chunk and the replay's own keys), so one exponential of the
     logits, shifted by each query's largest logit over every valid key, serves both: the logits of the cache
     and of the replay are computed once, not once per softmax, and the output is normalised after the
-    products with the values, never as a `[t, c + t]` probability tensor. On a CPU the replay's attention is
-    made of passes over `[b, h, t, c]` arrays (2304 queries over 4192 slots: 0.5 GB a layer for SmolLM2), so
-    passes are its cost: this takes about half of those the two functions take.
+    products with the values, never as a `[t, c + t]` probability tensor. Queries run in blocks of `block` (a
+    `t` that is no multiple of it runs whole), so the passes over the logits stay in a CPU's caches: on SmolLM2
+    the replay is 1.3-1.4x faster than the two functions (`benchmarks/results/kvzip_cpu_smollm2.md`).
 
     A padding query (`pos < 0`) sees no key: its output is zeros (the reference's is the values' mean; nothing
     reads either) and it scores nothing."""
@@ -423,8 +424,9 @@ def replay_attention(
     qg = q.reshape(b, kvh, g, t, d).astype(acc)
     per_query_w = None if weights is None else weights[0]
     if t <= block or t % block:
-        return _replay_block(qg, pos, per_query_w, slot_visible, k, v, pos, cache_k, cache_v, cache_pos, log_w, span,
-                             scale, None if weights is None else weights[1])
+        o, scores = _replay_block(qg, pos, per_query_w, slot_visible, k, v, pos, cache_k, cache_v, cache_pos, log_w,
+                                  span, scale, None if weights is None else weights[1])
+        return o.reshape(b, h, t, d).astype(q.dtype), scores
     n = t // block
     blocks = (qg.reshape(b, kvh, g, n, block, d).transpose(3, 0, 1, 2, 4, 5), pos.reshape(b, n, block).transpose(1, 0, 2),
               None if per_query_w is None else per_query_w.reshape(b, n, block).transpose(1, 0, 2),
@@ -432,7 +434,7 @@ def replay_attention(
     o, scores = jax.lax.map(lambda xs: _replay_block(*xs, k, v, pos, cache_k, cache_v, cache_pos, log_w, span, scale,
                                                       None if weights is None else weights[1]), blocks)
     o = o.transpose(1, 2, 3, 0, 4, 5).reshape(b, h, t, d)
-    return o, jnp.max(scores, axis=0)
+    return o.astype(q.dtype), jnp.max(scores, axis=0)
 
 
 def _replay_block(qg, q_pos, per_query_w, slot_visible, k, v, pos, cache_k, cache_v, cache_pos, log_w, span, scale,
@@ -473,4 +475,4 @@ def _replay_block(qg, q_pos, per_query_w, slot_visible, k, v, pos, cache_k, cach
         p = e_cache * per_query[..., None] * per_slot_w[:, :, :, None, :]
     else:
         p = e_cache * per_query[..., None]
-    return o.astype(qg.dtype), jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)
+    return o, jnp.where(in_chunk, jnp.max(p, axis=(2, 3)), 0.0)

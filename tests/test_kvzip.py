@@ -255,16 +255,18 @@ def test_kvzip_plus_refuses_a_model_without_its_inputs_and_is_registered():
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("block", [8, 32, 7], ids=["3-blocks", "one-block", "whole"])
 @pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "plus"])
-def test_replay_attention_is_prefix_attention_and_reconstruction_scores(plus):
+def test_replay_attention_is_prefix_attention_and_reconstruction_scores(plus, block):
     """`attention.replay_attention` (one set of logits, query blocks) against the two computations it fuses, the
     reference's `prefix_attention` (the replay's output) and `reconstruction_scores` (its slots' scores): 2 rows,
-    3 query blocks, padding queries, empty slots, a `log_w` bias, a slot hidden from some queries, KVzip+'s factors."""
+    24 queries in 3 blocks, in one, or whole (24 is no multiple of 7), padding queries, empty slots, a `log_w`
+    bias, a slot hidden from some queries, KVzip+'s factors; a bfloat16 replay's output stays bfloat16."""
     import jax
 
     from kvjax import attention, reference
 
-    b, kvh, g, t, c, d, block = 2, 2, 3, 24, 40, 8, 8
+    b, kvh, g, t, c, d = 2, 2, 3, 24, 40, 8
     ks = jax.random.split(jax.random.key(0), 8)
     q = jax.random.normal(ks[0], (b, kvh * g, t, d))
     k, v = jax.random.normal(ks[1], (b, kvh, t, d)), jax.random.normal(ks[2], (b, kvh, t, d))
@@ -292,3 +294,7 @@ def test_replay_attention_is_prefix_attention_and_reconstruction_scores(plus):
     want_scores = attention.reconstruction_scores(q, k, pos, cache_k, cache_pos, span, 0.3, weights)
     np.testing.assert_allclose(scores, want_scores, rtol=2e-5, atol=1e-7)
     assert np.count_nonzero(np.asarray(scores)) > 20  # the chunks' slots are scored
+    assert out.shape == q.shape and out.dtype == q.dtype
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v, cache_k, cache_v)]
+    out16, _ = attention.replay_attention(*half[:3], pos, *half[3:], cache_pos, log_w, span, 0.3, block=block)
+    assert out16.shape == q.shape and out16.dtype == jnp.bfloat16
