@@ -327,12 +327,17 @@ def _layer_stats(geom: Geometry, wanted, stats, q, v, pos, who):
     return stats
 
 
-def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
-    """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
+def _extension(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, pos):
+    """What a chunk extending the read-only `cache` attends with (`extend`, `replay`): the cache as read at `pos`,
+    and the chunk's queries and keys rotated at their positions. A pooled cache has no per-head slots to extend."""
     if isinstance(cache, PooledLayerCache):
         raise InvalidInput(f"{plan.rule.describe()}: a pooled per-head cache cannot be extended by a chunk")
-    cache = read(cache, pos)
-    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    return read(cache, pos), geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+
+
+def extend(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, anchor_mask=None):
+    """A chunk attending the read-only `cache` (absolute positions) and itself (prefix caching)."""
+    cache, q_rot, k_rot = _extension(geom, plan, cache, q, k, pos)
     o, _ = attention.prefix_attention(
         q_rot, k_rot, v, pos, cache.k, cache.v, cache.pos, cache.log_w, scale=geom.scale,
         mask=geom.mask(anchor_mask), slot_visible=plan.prefix_visible(cache, anchor_mask),
@@ -351,10 +356,7 @@ def replay(geom: Geometry, plan: LayerPlan, cache: LayerCache, q, k, v, pos, spa
     before the maximum (kvpress's `kvzip_plus_normalization`)."""
     if not geom.mask().plain:
         raise InvalidInput("KVzip's replay scores plain softmax attention: no soft-cap, ALiBi or sliding window")
-    if isinstance(cache, PooledLayerCache):
-        raise InvalidInput(f"{plan.rule.describe()}: a pooled per-head cache cannot be extended by a chunk")
-    cache = read(cache, pos)
-    q_rot, k_rot = geom.rotate(q, pos[:, None, :]), geom.rotate(k, pos[:, None, :])
+    cache, q_rot, k_rot = _extension(geom, plan, cache, q, k, pos)
     weights = None
     if plus:
         who = f"{plan.describe()} with KVzip+'s normalisation"
