@@ -86,6 +86,7 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
             # partition them.
             @functools.wraps(method)
             def call(graphdef, state, *args, **kwargs):
+                _look_after_compiles()
                 mesh = sharding.mesh_of(state)
                 # set once, from outside any trace (`jax.set_mesh` refuses to be entered inside one)
                 keep = mesh is None or not jax.sharding.get_abstract_mesh().empty or _tracing()
@@ -122,8 +123,15 @@ def mapped_regions() -> tuple[int, int] | None:
 
 _released = False  # whether the note below was printed in this process
 
+# The share of `vm.max_map_count` past which compiled programs are dropped. The count is looked at after every
+# compile (`_look_after_compiles`), so the room above it need only hold what one program maps: a 30-layer SmolLM2
+# program maps a few hundred regions, and 15 % of the default limit is 9,800. A lower share dropped the programs a
+# run goes on needing: the RULER section's 25 policies map about 34,000 regions for one batch of prompts and
+# reuse every program in the next, so at half the limit each batch recompiled (or reloaded and retraced) them all.
+MAP_SHARE = 0.85
 
-def release_programs_near_map_limit(share: float = 0.5) -> bool:
+
+def release_programs_near_map_limit(share: float = MAP_SHARE) -> bool:
     """Drops jax's compiled programs (`jax.clear_caches`) once this process maps more than `share` of the regions
     Linux allows it; returns whether it did.
 
@@ -131,8 +139,9 @@ def release_programs_near_map_limit(share: float = 0.5) -> bool:
     the program: a 30-layer program holds hundreds, and a run that compiles thousands of programs (a report's suites,
     the RULER section's shared passes) reaches `vm.max_map_count` (65,530 by default), where LLVM fails to allocate
     and the process dies with a segmentation fault. Dropped programs free their regions; a later call compiles again,
-    or reads the persistent compilation cache. Results do not change. Called between a suite's batches
-    (`experiments.driver.fill`)."""
+    or reads the persistent compilation cache. Results do not change. Called by the next compiled call after any
+    compile (`_look_after_compiles`), between a suite's batches (`experiments.driver.fill`) and between a report's
+    sections."""
     global _released
     got = mapped_regions()
     if got is None or got[0] <= share * got[1]:
@@ -145,6 +154,31 @@ def release_programs_near_map_limit(share: float = 0.5) -> bool:
               "(vm.max_map_count); dropped them to stay under it (they recompile, or load from the compile cache, "
               "when next needed)", file=sys.stderr)
     return True
+
+
+_compiles_unseen = False  # a program was compiled (or loaded from the persistent cache) since the last look
+
+
+def _on_compile(event: str, duration: float, **kwargs) -> None:
+    # jax times every compile under this event, a load from the persistent compilation cache included: both map
+    # the program's kernels. Only noted here; a compile's listener must not drop the caches it is filling.
+    global _compiles_unseen
+    if event == BACKEND_COMPILE_EVENT:
+        _compiles_unseen = True
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name for the event
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
+
+
+def _look_after_compiles() -> None:
+    """Before a compiled call: if anything was compiled since the last look, the mapped regions are counted (reading
+    /proc/self/maps takes milliseconds, so once per compile, not once per call) and the programs dropped past
+    `MAP_SHARE`. Not inside a trace, whose outer program is being built."""
+    global _compiles_unseen
+    if _compiles_unseen and not _tracing():
+        _compiles_unseen = False
+        release_programs_near_map_limit()
 
 
 @compiled(static=("plan",))
