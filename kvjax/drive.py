@@ -173,6 +173,17 @@ def stream(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     return out, cache
 
 
+def follow(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan
+           ) -> tuple[Float[Array, "b V"], Cache]:
+    """`t` tokens that follow the prompt (a question; left padded, position -1 on padding) read into its cache: the
+    last step's logits and the cache. One forward over the chunk where the plan's decoding only appends
+    (`Plan.decode_appends`: SnapKV & co, KVzip, FullCache; `kvjax.step.Append`), else fed one at a time (`stream`),
+    the reference they equal."""
+    if plan.decode_appends:
+        return model(tokens, positions, cache, steps.Append(plan))
+    return stream(model, tokens, positions, cache, plan, all_logits=False)
+
+
 def extend(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan
            ) -> Float[Array, "b t V"]:
     """Logits of a chunk (right padded, positions -1) that continues a prefilled `cache`, which is only read: prefix
@@ -234,5 +245,5 @@ def equal_bytes_budget(model: CachedLM, policy: Policy, prompt_len: int, new_tok
     return max(1, kvcache.num_slots(cache) // (model.cfg.num_layers * model.cfg.num_kv_heads))
 
 
-__all__ = ["chunk", "decode", "empty_cache", "equal_bytes_budget", "extend", "forward", "grad_replay", "logits", "plan", "probe", "prompt", "replay", "shared",
+__all__ = ["chunk", "decode", "empty_cache", "equal_bytes_budget", "extend", "follow", "forward", "grad_replay", "logits", "plan", "probe", "prompt", "replay", "shared",
            "shrink", "size_rows", "stream"]

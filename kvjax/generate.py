@@ -149,9 +149,10 @@ def first_token(logits, key, *, sampling):
 
 @compiled(static=("plan", "sampling"), donate=("cache",))
 def question_fn(model, cache, tokens, positions, key, *, plan, sampling):
-    """A question extends the compressed context's cache token by token (the decode path), so the
-    context was compressed without it; returns the first generated token, as prefill does."""
-    logits, cache = drive.stream(model, tokens, positions, cache, plan, all_logits=False)
+    """A question extends the compressed context's cache as decoding would, token by token (`kvjax.drive.follow`: in
+    one forward where the plan's decoding only appends), so the context was compressed without it; returns the first
+    generated token, as prefill does."""
+    logits, cache = drive.follow(model, tokens, positions, cache, plan)
     return sample(logits, key, sampling), _all_finite(logits), cache
 
 
@@ -387,10 +388,11 @@ def generate(
     With `questions` (one per prompt), the question-agnostic protocol (kvpress's default): each
     prompt is a context compressed alone, then its question extends the compressed cache token by
     token through the policy's decode rule (a policy that compresses only at prefill, e.g. SnapKV,
-    appends it whole; one that evicts while decoding, e.g. StreamingLLM, applies its rule), then
-    generation follows. Without them (question-aware), prompt and question are one prompt. One
-    prompt with several questions is compressed once: each question (a row of the result) extends
-    its own copy of that one compressed cache.
+    appends it whole, read in one forward as kvpress reads it; one that evicts while decoding, e.g.
+    StreamingLLM, applies its rule, token by token: `kvjax.drive.follow`), then generation follows.
+    Without them (question-aware), prompt and question are one prompt. One prompt with several
+    questions is compressed once: each question (a row of the result) extends its own copy of that
+    one compressed cache.
 
     With `truncate=True`, prompts too long for the model are middle-truncated (LongBench's rule;
     with questions, the contexts are); otherwise they are an error. Non-finite logits raise

@@ -514,6 +514,32 @@ def _chunk_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: Lay
     return o, rule.absorb(geom.layer, cache, k, v, ctx, stats)
 
 
+def append(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None):
+    """Tokens that follow the prompt, as one chunk (`kvjax.step.Append`; the plan's rules only append while decoding):
+    the chunk attends the cache and, causally, itself, then each rule writes its tokens in order with `step`, as
+    `decode` fed them one at a time would: `(output [b, h, n, d], cache)`."""
+    check_inputs("append", geom, plan, q, k, v, pos, tokens)
+    past = past_the_plan(plan, cache, jnp.max(pos, axis=1))
+    o, cache = _per_group(geom, plan, cache, q, k, v, pos,
+                          lambda q, k, v, rule, c, mask: _append_heads(geom, q, k, v, pos, rule, c, tokens, mask))
+    return _poisoned(o, past), cache
+
+
+def _append_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, tokens, mask: Mask):
+    k_rot = geom.rotate(k, pos[:, None, :])
+    # Every slot the cache holds is before the chunk, and nothing is evicted while it is read: token i of the chunk
+    # sees the cache and tokens 0..i, what it sees when fed alone after them.
+    o, _ = attention.prefix_attention(geom.rotate(q, pos[:, None, :]), k_rot, v, pos, cache.k, cache.v, cache.pos,
+                                      cache.log_w, scale=geom.scale, mask=mask, impl=geom.impl)
+
+    def write(c, x):
+        k_t, v_t, pos_t, tokens_t = x
+        return rule.step(geom.layer, c, k_t, v_t, Context(pos_t, tokens_t)), None
+
+    per_token = (jnp.moveaxis(k_rot, 2, 0), jnp.moveaxis(v, 2, 0), pos.T, None if tokens is None else tokens.T)
+    return o, jax.lax.scan(write, cache, per_token)[0]
+
+
 def decode(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens=None, hidden=None):
     """One token per row (`q` `[b, h, d]`, `k`, `v` `[b, kvh, d]`, `pos` `[b]`, -1: a padding step that changes
     nothing) through the cache: each rule inserts it (evicting if full), attention reads the cache, each rule
@@ -645,6 +671,8 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
                                                  captured, pos, tokens)
     if isinstance(step, steps.Chunk):
         return chunk(geom, step.plan.layers[i], carry, q, k, v, pos, tokens)
+    if isinstance(step, steps.Append):
+        return append(geom, step.plan.layers[i], carry, q, k, v, pos, tokens)
     if isinstance(step, steps.Token):
         o, carry = decode(geom, step.plan.layers[i], carry, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos[:, 0],
                           None if tokens is None else tokens[:, 0], None if hidden is None else hidden[:, 0])
@@ -661,5 +689,5 @@ def attend(geom: Geometry, step: steps.Step, carry, q, k, v, pos, tokens=None, *
     raise InvalidInput(f"kvjax.layer.attend: {step!r} is not a kvjax.step")
 
 
-__all__ = ["Geometry", "attend", "cache_prompt", "chunk", "decode", "extend", "grad_replay", "init_cache", "init_layer_cache", "prefill",
+__all__ = ["Geometry", "append", "attend", "cache_prompt", "chunk", "decode", "extend", "grad_replay", "init_cache", "init_layer_cache", "prefill",
            "prefill_shared", "recache_shared", "capture", "output_norms", "query_moments", "read", "regroup", "rule_groups", "size_rows", "stored"]

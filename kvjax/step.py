@@ -188,6 +188,25 @@ class Token(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class Append(Step):
+    """Tokens that follow the prompt (a question; left padded, position -1 on padding) read as one chunk under a plan
+    whose decoding only appends (`Plan.decode_appends`): the chunk attends the cache and, causally, itself, then each
+    rule writes its tokens in order with its own `step`. The cache and logits of feeding the tokens one at a time
+    (`Token`), from one forward; the last position's logits."""
+
+    plan: Plan
+
+    def plans_held(self):
+        return (self.plan,)
+
+    def __post_init__(self):
+        if not _plan(self.plan, "an append step").decode_appends:
+            raise InvalidInput(f"{self.plan.policy.describe()} does more than append while decoding (it evicts, "
+                               "observes attention, pools or quantizes its slots, or caches rolling positions): feed "
+                               "the tokens one at a time (kvjax.drive.stream)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Extend(Step):
     """A chunk (right padded, positions -1) attending a read-only cache and itself (prefix caching): carry entries
     come back unchanged; every position's logits. Each layer holds one cache array at absolute positions. The plan

@@ -293,3 +293,75 @@ def test_a_question_runs_from_its_first_real_step(tiny, policy):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(c_last), jax.tree.leaves(c_every)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _appending_policies():
+    from kvjax.policies import KVzip, ExpectedAttention, KeyDiff, PyramidKV, SlimKV, TOVA, by_head
+
+    return [
+        FullCache(),
+        SnapKV(budget=20, observation_window=4, kernel=3),
+        SnapKV(ratio=0.5, observation_window=4, kernel=3),
+        PyramidKV(budget=20, observation_window=4, kernel=3, num_layers=2, beta=1),
+        SlimKV(budget=20, observation_window=4, kernel=3),
+        TOVA(budget=20),
+        KNorm(budget=20),
+        ExpectedAttention(ratio=0.5, future=16, sinks=2),
+        KeyDiff(budget=20),
+        KVzip(ratio=0.5, sinks=2, repeat_ids=(1,), continue_ids=(2,), suffix_ids=(3,)),
+        by_head([[True, False], [False, True]], FullCache(), SnapKV(budget=20, observation_window=4, kernel=3)),
+    ]
+
+
+@pytest.mark.parametrize("policy", _appending_policies(), ids=lambda p: type(p).__name__)
+def test_a_question_read_as_one_chunk_equals_it_read_token_by_token(sharp_dir, policy):
+    """A question after a compressed prompt, under a plan whose decoding only appends (SnapKV & co, KVzip, FullCache,
+    a head split of them): `drive.follow` reads it in one forward (`kvjax.step.Append`), and its last logits and its
+    cache (kept positions, keys, values) are those of `drive.stream` feeding it one token at a time, the decode path,
+    for left-padded questions of different lengths (the rows' padding written nowhere)."""
+    from kvjax.cache import kept_positions
+    from models import load
+
+    model = load(sharp_dir).model
+    prompts = [random_ids(37, 260, seed=95), random_ids(22, 260, seed=96)]
+    tokens, positions = pad_left(prompts, 64, 0)
+    plan = drive.plan(model, policy, 64 + 16 + 8, 64)
+    assert plan.decode_appends
+    _, cache = jax.jit(lambda t, p: drive.prompt(model, t, p, plan))(tokens, positions)
+    q, q_pos = pad_left([random_ids(11, 260, seed=97), random_ids(6, 260, seed=98)], 16, 0)
+    q_pos = np.where(q_pos >= 0, q_pos + np.asarray([[37], [22]]), -1).astype(np.int32)
+    ref, c_ref = jax.jit(lambda c: drive.stream(model, q, q_pos, c, plan, all_logits=False))(cache)
+    seen = []
+    got, c_got = jax.jit(lambda c: drive.follow(_Counting(model, seen), q, q_pos, c, plan))(cache)
+    jax.effects_barrier()
+    assert len(seen) == 1  # one forward
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    for a, b in zip(kept_positions(c_got), kept_positions(c_ref)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(c_got), jax.tree.leaves(c_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", [
+    StreamingLLM(budget=20, sinks=2),
+    H2O(budget=20, recent=4),
+], ids=lambda p: type(p).__name__)
+def test_a_question_under_a_plan_that_evicts_or_observes_while_decoding_is_read_token_by_token(tiny, policy):
+    """A ring (its window moves with every token) and H2O (each token's attention moves its scores) do more than
+    append while decoding: `drive.follow` feeds their question one token at a time, and an `Append` step is refused."""
+    from kvjax import step as steps
+    from kvjax.errors import InvalidInput
+
+    model = tiny.model
+    plan = drive.plan(model, policy, 48, 32)
+    assert not plan.decode_appends
+    tokens, positions = pad_left([random_ids(26, 260, seed=91)], 32, 0)
+    _, cache = jax.jit(lambda t, p: drive.prompt(model, t, p, plan))(tokens, positions)
+    q, q_pos = pad_left([random_ids(5, 260, seed=93)], 8, 0)
+    q_pos = np.where(q_pos >= 0, q_pos + 26, -1).astype(np.int32)
+    seen = []
+    jax.jit(lambda c: drive.follow(_Counting(model, seen), q, q_pos, c, plan))(cache)[0].block_until_ready()
+    jax.effects_barrier()
+    assert len(seen) == 5  # a step per token
+    with pytest.raises(InvalidInput, match="does more than append while decoding"):
+        steps.Append(plan)

@@ -92,6 +92,11 @@ class Rule(abc.ABC):
     # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
+    # Whether a decode step only appends: `step` writes the token into a free slot (the plan reserves one per token
+    # after the prompt) and `observe` changes nothing. Tokens that follow the prompt (a question) are then attended
+    # as one chunk and written in order (`kvjax.layer.append`): the cache and logits of feeding them one at a time,
+    # from one forward instead of one per token.
+    decode_appends: bool = False
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
     # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "recent"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.

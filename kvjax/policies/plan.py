@@ -156,6 +156,14 @@ class Plan:
         """Whether every rule evicts as tokens arrive one by one (SnapKV & co compress a prompt once)."""
         return all(rule.evicts_while_decoding for rule in self.rules())
 
+    @property
+    def decode_appends(self) -> bool:
+        """Whether every group's decoding only appends (`Rule.decode_appends`) to per-head slots stored as they are
+        (no pool shared by the heads, no quantized codes), keys at absolute positions: tokens after the prompt may
+        then be read as one chunk (`kvjax.step.Append`)."""
+        return all(lp.position_mode == "absolute" and not lp.pooled and lp.quant is None
+                   and all(g.rule.decode_appends for g in lp.groups) for lp in self.layers)
+
     def describe(self) -> str:
         def sizes(lp: LayerPlan) -> str:
             quant = "" if lp.quant is None else f", stored quantized ({lp.quant.describe()})"

@@ -127,6 +127,8 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
 class FullCache(RingPolicy, KeepsEveryToken):
     """Keeps every token: capacity = the longest sequence, slot = position."""
 
+    decode_appends = True  # slot = position: a token's slot is free until it is written
+
     def _layout(self, max_len):
         return 0, max_len
 

@@ -80,6 +80,7 @@ class ScoredPolicy(LayerPolicy, ChunkRule, StepOnlyWrites):
     ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
+    decode_appends = True  # `step` appends; nothing observes a decode step
 
     def __post_init__(self):
         super().__post_init__()
