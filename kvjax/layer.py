@@ -480,10 +480,17 @@ def _per_group(geom: Geometry, plan: LayerPlan, cache, q, k, v, pos, run_rule):
 def chunk(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, tokens):
     """A chunk of the prompt (`prefill_mode="chunked"`): it attends the compressed cache and itself, then each
     rule folds it into its cache (see `kvjax.policies.base`): `(output [b, h, n, d], cache)`."""
-    check_inputs("chunk", geom, plan, q, k, v, pos, tokens)
+    return _over_chunk("chunk", _chunk_heads, geom, plan, cache, q, k, v, pos, tokens)
+
+
+def _over_chunk(call: str, heads: Callable, geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos,
+                tokens):
+    """What `chunk` and `append` share: the inputs checked, each head group's rule run by `heads(geom, q, k, v, pos,
+    rule, cache, tokens, mask)`, the rows past a rule that keeps every token poisoned (`past_the_plan`)."""
+    check_inputs(call, geom, plan, q, k, v, pos, tokens)
     past = past_the_plan(plan, cache, jnp.max(pos, axis=1))
     o, cache = _per_group(geom, plan, cache, q, k, v, pos,
-                          lambda q, k, v, rule, c, mask: _chunk_heads(geom, q, k, v, pos, rule, c, tokens, mask))
+                          lambda q, k, v, rule, c, mask: heads(geom, q, k, v, pos, rule, c, tokens, mask))
     return _poisoned(o, past), cache
 
 
@@ -518,11 +525,7 @@ def append(geom: Geometry, plan: LayerPlan, cache: AnyLayerCache, q, k, v, pos, 
     """Tokens that follow the prompt, as one chunk (`kvjax.step.Append`; the plan's rules only append while decoding):
     the chunk attends the cache and, causally, itself, then each rule writes its tokens in order with `step`, as
     `decode` fed them one at a time would: `(output [b, h, n, d], cache)`."""
-    check_inputs("append", geom, plan, q, k, v, pos, tokens)
-    past = past_the_plan(plan, cache, jnp.max(pos, axis=1))
-    o, cache = _per_group(geom, plan, cache, q, k, v, pos,
-                          lambda q, k, v, rule, c, mask: _append_heads(geom, q, k, v, pos, rule, c, tokens, mask))
-    return _poisoned(o, past), cache
+    return _over_chunk("append", _append_heads, geom, plan, cache, q, k, v, pos, tokens)
 
 
 def _append_heads(geom: Geometry, q, k, v, pos, rule: rule_kinds.Rule, cache: LayerCache, tokens, mask: Mask):
