@@ -86,7 +86,7 @@ def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable
             # partition them.
             @functools.wraps(method)
             def call(graphdef, state, *args, **kwargs):
-                _look_after_compiles()
+                _look_after_compiles(state)
                 mesh = sharding.mesh_of(state)
                 # set once, from outside any trace (`jax.set_mesh` refuses to be entered inside one)
                 keep = mesh is None or not jax.sharding.get_abstract_mesh().empty or _tracing()
@@ -171,12 +171,13 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
 
-def _look_after_compiles() -> None:
-    """Before a compiled call: if anything was compiled since the last look, the mapped regions are counted (reading
-    /proc/self/maps takes milliseconds, so once per compile, not once per call) and the programs dropped past
-    `MAP_SHARE`. Not inside a trace, whose outer program is being built."""
+def _look_after_compiles(state) -> None:
+    """Before a compiled call with the model's arrays `state`: if anything was compiled since the last look, the
+    mapped regions are counted (reading /proc/self/maps takes milliseconds, so once per compile, not once per call)
+    and the programs dropped past `MAP_SHARE`. Not inside a trace (traced arrays), whose outer program is being
+    built; told from the arrays, not by running an op, which a compile-only backend (libtpu's topologies) cannot."""
     global _compiles_unseen
-    if _compiles_unseen and not _tracing():
+    if _compiles_unseen and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
         _compiles_unseen = False
         release_programs_near_map_limit()
 

@@ -92,11 +92,6 @@ class Rule(abc.ABC):
     # False for rules that compress a whole prompt once and then only append (SnapKV & co): fed token by
     # token (kvjax.scoring), they would never compress.
     evicts_while_decoding: bool = True
-    # Whether a decode step only appends: `step` writes the token into a free slot (the plan reserves one per token
-    # after the prompt) and `observe` changes nothing. Tokens that follow the prompt (a question) are then attended
-    # as one chunk and written in order (`kvjax.layer.append`): the cache and logits of feeding them one at a time,
-    # from one forward instead of one per token.
-    decode_appends: bool = False
     # The rule's own statistics in its cache, each named for what it holds: {name: "slot" | "head"}, an array per
     # slot (moving with its token: H2O's "mass") or per KV head (RazorAttention's "recent"); see
     # `kvjax.cache.LayerCache.state`. The engine allocates them; none by default.
@@ -182,6 +177,13 @@ class StepOnlyWrites(Rule):
     statistics, reading no cached key or value (the rings, H2O, SnapKV & co, KVzip, AdaKV): a decode step over a
     quantized cache then reads the codes directly (`kvjax.quant`) instead of dequantizing the layer first. Any other
     rule's `step` may read the cached keys and values (RazorAttention's compensation token averages them)."""
+
+
+class AppendsWhileDecoding(StepOnlyWrites):
+    """A rule whose decode step only appends: `step` writes the token into a free slot (the plan reserves one per
+    token after the prompt) and `observe` changes nothing (SnapKV & co, KVzip, FullCache). Tokens that follow the
+    prompt (a question) are then attended as one chunk and written in order (`kvjax.step.Append`): the cache and
+    logits of feeding them one at a time, from one forward instead of one per token."""
 
 
 class PooledRule(Rule):

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import LayerPolicy, StepOnlyWrites
+from kvjax.policies.base import AppendsWhileDecoding, LayerPolicy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVzip(LayerPolicy, StepOnlyWrites):
+class KVzip(LayerPolicy, AppendsWhileDecoding):
     """KVzip at compression `ratio` (the share of all layers' and heads' context slots evicted; per layer with
     `layerwise`), the first `sinks` positions kept, `chunk_size` context tokens per replay; the replay prompts'
     token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length; `plus`: KVzip+'s
@@ -53,7 +53,6 @@ class KVzip(LayerPolicy, StepOnlyWrites):
     prefix: int = 0
     plus: bool = False  # KVzip+'s normalisation (see the module)
     evicts_while_decoding = False
-    decode_appends = True  # `step` appends; nothing observes a decode step
     chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
                      "prefill (a cache bounded while the prompt is read) never holds")
 

@@ -23,7 +23,7 @@ from collections.abc import Hashable
 
 from kvjax.errors import InvalidInput
 from kvjax.layer_runs import Runs, runs_of
-from kvjax.policies.base import Context, Policy, PooledRule, PositionMode, PromptMasking, Rule
+from kvjax.policies.base import AppendsWhileDecoding, Context, Policy, PooledRule, PositionMode, PromptMasking, Rule
 from kvjax.policies.quantized import Quantized
 from kvjax.quant import KVQuant
 from kvjax.stats import NO_STATS, StatsRequest
@@ -158,11 +158,11 @@ class Plan:
 
     @property
     def decode_appends(self) -> bool:
-        """Whether every group's decoding only appends (`Rule.decode_appends`) to per-head slots stored as they are
-        (no pool shared by the heads, no quantized codes), keys at absolute positions: tokens after the prompt may
-        then be read as one chunk (`kvjax.step.Append`)."""
+        """Whether every group's rule only appends while decoding (`AppendsWhileDecoding`), to per-head slots stored
+        as they are (no pool shared by the heads, no quantized codes), keys at absolute positions: tokens after the
+        prompt may then be read as one chunk (`kvjax.step.Append`)."""
         return all(lp.position_mode == "absolute" and not lp.pooled and lp.quant is None
-                   and all(g.rule.decode_appends for g in lp.groups) for lp in self.layers)
+                   and all(isinstance(g.rule, AppendsWhileDecoding) for g in lp.groups) for lp in self.layers)
 
     def describe(self) -> str:
         def sizes(lp: LayerPlan) -> str:

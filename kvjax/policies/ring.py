@@ -17,7 +17,7 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio
+from kvjax.policies.base import AppendsWhileDecoding, ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -124,10 +124,8 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FullCache(RingPolicy, KeepsEveryToken):
-    """Keeps every token: capacity = the longest sequence, slot = position."""
-
-    decode_appends = True  # slot = position: a token's slot is free until it is written
+class FullCache(RingPolicy, KeepsEveryToken, AppendsWhileDecoding):
+    """Keeps every token: capacity = the longest sequence, slot = position (free until that token is written)."""
 
     def _layout(self, max_len):
         return 0, max_len

@@ -47,7 +47,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, PooledRule, StepOnlyWrites, check_numbers, warn_chunked_method
+from kvjax.policies.base import AppendsWhileDecoding, ChunkRule, LayerPolicy, PooledRule, StepOnlyWrites, check_numbers, warn_chunked_method
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -73,14 +73,13 @@ def aggregate(x: jax.Array, how: str, axis: int = 2) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScoredPolicy(LayerPolicy, ChunkRule, StepOnlyWrites):
+class ScoredPolicy(LayerPolicy, ChunkRule, AppendsWhileDecoding):
     """Shared budget, selection and decode-append for the prefill compressors."""
 
     budget: int | None = None
     ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
-    decode_appends = True  # `step` appends; nothing observes a decode step
 
     def __post_init__(self):
         super().__post_init__()
