@@ -211,6 +211,7 @@ SHAPES = {  # the published configs' shapes (vocabulary, widths, depth, heads, R
 BUDGET = 4096  # slots per layer and KV head of the compressing policies (SnapKV, AdaKV's mean, Razor's local heads)
 POLICIES = ("full", "snapkv", "razor", "adakv", "full-4bit")
 NEW_TOKENS = 256  # the decode loop's token buffer
+QUESTION = 64  # the question's bucket (a RULER question is under 64 tokens)
 
 
 def model_config(shape: str, layers: int | None = None, max_len: int = 1 << 17):
@@ -283,10 +284,12 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
                chips: int = 1) -> Case:
     """One whole-model program on one chip: `prefill` (the prompt pass, `kvjax.engine.prefill`), `prefill-xla`
     (the same with `attention_impl="xla"`), `step` (one decode step, `kvjax.engine.decode`), `loop` (the decode
-    loop, `kvjax.generate.decode_fn`, 256 tokens) or `replay` (KVzip's replay of `prompt` tokens against the
+    loop, `kvjax.generate.decode_fn`, 256 tokens), `question` (the agnostic protocol's question, `QUESTION` tokens
+    read into the compressed cache, `kvjax.generate.question_fn`: one forward where the plan only appends while
+    decoding, `kvjax.step.Append`, else token by token) or `replay` (KVzip's replay of `prompt` tokens against the
     cache of a `prompt`-token context, `kvjax.kvzip.replay_fn`; policy "kvzip")."""
     from kvjax import engine, kvzip
-    from kvjax.generate import Sampling, decode_fn
+    from kvjax.generate import Sampling, decode_fn, question_fn
     from kvjax.layer import init_cache
 
     def build(devices):
@@ -316,6 +319,9 @@ def model_case(shape: str, policy: str, program: str, batch: int, prompt: int, l
             return (kvzip.replay_fn.pure, (graphdef, state, ints(batch, prompt), ints(batch, prompt), cache, ints(batch, 3)),
                     {"plan": plan, "plus": False})
         key = tpu.abstract(jax.eval_shape(lambda: jax.random.key(0)), whole)
+        if program == "question":
+            return (question_fn.pure, (graphdef, state, cache, ints(batch, QUESTION), ints(batch, QUESTION), key),
+                    {"plan": plan, "sampling": Sampling()})
         done = tpu.abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_), whole)
         args = (graphdef, state, cache, ints(batch), done, ints(batch), key, ints(4), ints(), ints(), ints())  # eos, max_new, pad_id, reporter
         return decode_fn.pure, args, {"plan": plan, "sampling": Sampling(), "buffer": NEW_TOKENS}
@@ -353,6 +359,19 @@ def compile_case(case: Case, devices, chip: str | None = None) -> dict:
     return row
 
 
+def code_commit() -> str | None:
+    """The checkout's short commit, with `+` if its tracked files have changes; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
 def worker(chip: str, specs: list[list], records: Path) -> None:
     """Compiles each spec not yet in `records` (a JSONL, one row appended and synced as each finishes, so a
     killed run resumes where it stopped)."""
@@ -363,11 +382,14 @@ def worker(chip: str, specs: list[list], records: Path) -> None:
     if not todo:
         return
     devices = tpu.topology(chip).devices
+    commit = code_commit()
     for spec in tqdm(todo, desc=f"TPU {chip} compiles", unit="program"):
         load = os.getloadavg()[0]
         row = compile_case(case_of(spec), devices, chip) | {"chip": chip, "spec": spec}
         # compile seconds are CPU wall time: the 1-minute load average around each says whether others shared it
         row["load"] = round(max(load, os.getloadavg()[0]), 2)
+        if commit:
+            row["commit"] = commit
         with open(records, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -432,8 +454,8 @@ def largest_prompt(rows: list[dict], chip: str) -> int | None:
 
 def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
     """The larger chip compiles every policy's prompt pass at two lengths per batch (the fit: memory does not depend
-    on the chip's size), one decode step at batch 1 and 8 and the decode loop at batch 1; each other chip compiles
-    the same decode programs, its predicted largest prompts (the compiler's check of the fit), and the 8B model
+    on the chip's size), one decode step at batch 1 and 8, the decode loop and the question at batch 1; each other
+    chip compiles the same decode programs, its predicted largest prompts (the compiler's check of the fit), and the 8B model
     tensor parallel over its 2x2 topology. Resumes from `records`."""
     models = ("llama-1b",) if quick else tuple(SHAPES)
     fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
@@ -442,7 +464,7 @@ def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
     # the reference attention's prompt pass at the longest fit point: flash-style tiles, or T x T scores?
     fit_specs += [["model", m, "full", "prefill-xla", 1, FIT_POINTS[1][-1]] for m in models]
     decode_specs = [s for m in models for b in FIT_POINTS
-                    for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop") if b == 1 else ("step",))]
+                    for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop", "question") if b == 1 else ("step",))]
     # tensor parallel over the 2x2 topology (Mosaic kernels under shard_map): the 8B model, whose bf16 weights
     # alone exceed a v5e's 16 GiB
     tp_specs = [] if quick else [["model-tp", "llama-8b", p, prog, 1, FIT_POINTS[1][0]] for p in POLICIES

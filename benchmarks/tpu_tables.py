@@ -9,6 +9,9 @@ from pathlib import Path
 from kvjax import tpu
 
 MiB, GiB = 1 << 20, 1 << 30
+# The commit of the rows recorded before each row named its own (all compiled at it): before the layers were scanned
+# (e189fcc) and a scanned run picked its parameters instead of stacking them (`models.llama.stacks_parameters`).
+FIRST_RECORDS = "e20520c"
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -50,8 +53,9 @@ def kernel_table(rows: list[dict]) -> list[str]:
 def model_table(rows: list[dict], chip: str) -> list[str]:
     bw = tpu.CHIPS[chip].hbm_bandwidth
     out = ["| model | program | policy | batch | prompt | compile s | arguments GiB | temporaries GiB | peak GiB | "
-           "fits | GFLOP | GB accessed | accessed / arguments | roofline ms (arguments at HBM bandwidth) | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "fits | GFLOP | GB accessed | accessed / arguments | roofline ms (arguments at HBM bandwidth) | load | "
+           "code |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spec = r["spec"]
         if not spec[0].startswith("model"):
@@ -63,13 +67,14 @@ def model_table(rows: list[dict], chip: str) -> list[str]:
         fits = {True: "yes", False: "**no**", None: ""}[r.get("fits")]
         if not r["ok"]:
             out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | | | | | {fits} | | | | "
-                       f"{r['error'][:160]} | {r.get('load', '')} |")
+                       f"{r['error'][:160]} | {r.get('load', '')} | {r.get('commit', FIRST_RECORDS)} |")
             continue
         ratio = f"{r['bytes_accessed'] / r['argument_bytes']:.2f}" if step else ""
         ms = f"{1e3 * r['argument_bytes'] / bw:.2f}" if step else ""
         out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | {r['compile_s']:.1f} | "
                    f"{_num(r['argument_bytes'], GiB)} | {_num(r['temp_bytes'], GiB)} | {_num(r['peak_bytes'], GiB)} | "
-                   f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | {r.get('load', '')} |")
+                   f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | {r.get('load', '')} | "
+                   f"{r.get('commit', FIRST_RECORDS)} |")
     return out
 
 
@@ -136,9 +141,13 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
                "(SnapKV, AdaKV's mean, RazorAttention's local heads with 2 of 8 KV heads retrieval); "
                "`full-4bit` is FullCache in 4-bit KIVI codes (group 32, 128 residual tokens). `step` is one decode "
                "step (`kvjax.engine.decode`), `loop` the decode loop of 256 tokens (`kvjax.generate.decode_fn`), "
-               "`prefill-xla` the prompt pass with `attention_impl=\"xla\"`. TP: tensor parallel over the 2x2 "
+               "`question` a 64-token question read into the compressed cache (`kvjax.generate.question_fn`: one "
+               "forward, `kvjax.step.Append`, where the plan only appends while decoding, as FullCache and SnapKV "
+               "do; token by token otherwise), `prefill-xla` the prompt pass with `attention_impl=\"xla\"`. TP: tensor parallel over the 2x2 "
                "topology's 4 chips (`kvjax.sharding`'s placement, the Pallas kernels under `shard_map`); its bytes "
-               "are per chip.", "",
+               "are per chip. `code`: the commit compiled (`+` where the tree had changes). The rows of " + FIRST_RECORDS +
+               " predate the scan over layers (e189fcc): they compiled the unrolled model, not today's scanned one.",
+               "",
                *model_table(rows, chip), "",
                "## The largest prompt each policy fits", "",
                "An affine fit of the prefill's compiled peak bytes against prompt length (two compiled lengths per "

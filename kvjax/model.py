@@ -13,7 +13,7 @@ arrays (`tests/test_own_model.py`); `kvjax.engine.compiled` jits either.
 
 Compiling one body for many layers: `step.layer_runs(num_layers)` gives the runs of neighbouring layers the step
 treats alike (`kvjax.layer_runs`; equal plans up to the index, rules that read nothing of it). A model may run each
-run whose layers also share a structure as one `lax.scan` over their stacked parameters and carry entries, every
+run whose layers also share a structure as one `lax.scan` over their parameters and stacked carry entries, every
 scanned layer passing the run's first index to `attend`; `models.llama.Llama` does, so a 30-layer program compiles
 a few layer bodies instead of 30. An unrolled model is as correct.
 """

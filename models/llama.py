@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention, layer_runs
+from kvjax import attention, backends, layer_runs
 from kvjax import layer as layer_fns
 from kvjax.rope import RopeConfig, apply_rope, inv_freq
 from kvjax.step import Step
@@ -334,6 +334,15 @@ class DecoderLayer(nnx.Module):
         return self._finish(x, a), carry
 
 
+
+def stacks_parameters() -> bool:
+    """Whether a scanned run of layers (`Llama._scan`) stacks its layers' parameters, or picks each iteration's with a
+    `lax.switch` over the layer index. A stack of separate arrays is a copy of them all inside the program: libtpu's
+    compile of an 8B model's 64-token question read for a v6e needed the weights twice, more than the chip holds. The switch holds at most one layer's copy (`tests/test_tpu_aot.py`), but on the CPU, where memory is
+    the host's, the SmolLM2 4K prompt pass ran slower with it than with the stack in side-by-side runs, so the CPU
+    keeps the stack. Same arithmetic either way (`tests/test_layer_scan.py` runs both)."""
+    return backends.platform() == "cpu"
+
 class Llama(nnx.Module):
     """kvjax's functional decoder (Flax NNX) for every family it loads; its attention is projection ->
     `kvjax.layer` -> output projection, and it satisfies `kvjax.model.CachedLM`."""
@@ -378,7 +387,7 @@ class Llama(nnx.Module):
         the logits of `step.select` of the final hidden states, and the layers' new carry entries.
 
         Each run of layers alike in structure and in what the step does with them (`kvjax.layer_runs`) is one
-        `lax.scan` over their stacked parameters and carry entries (`cfg.layer_loop == "scan"`), so a program
+        `lax.scan` over their parameters and stacked carry entries (`cfg.layer_loop == "scan"`), so a program
         compiles one body per run instead of one per layer; "unroll" traces every layer."""
         if len(carry) != self.cfg.num_layers:
             raise ValueError(f"carry has {len(carry)} entries; the model has {self.cfg.num_layers} layers")
@@ -401,14 +410,19 @@ class Llama(nnx.Module):
         return layer_runs.runs_of([nnx.graphdef(layer) for layer in self.layers])
 
     def _scan(self, start, stop, x, positions, carry, step, tokens):
-        """Layers `start .. stop - 1` as one scanned body over their stacked parameters and carry entries, each
-        attending as layer `start` (the step treats them alike)."""
+        """Layers `start .. stop - 1` as one scanned body over their parameters and stacked carry entries, each
+        attending as layer `start` (the step treats them alike); the parameters stacked or picked per iteration
+        (`stacks_parameters`)."""
         stack = lambda *xs: jnp.stack(xs)  # noqa: E731
         graph = nnx.graphdef(self.layers[start])
-        params = jax.tree.map(stack, *(nnx.state(layer) for layer in self.layers[start:stop]))
+        states = [nnx.state(layer) for layer in self.layers[start:stop]]
+        stacked = stacks_parameters()
+        params = jax.tree.map(stack, *states) if stacked else jnp.arange(stop - start)
+        pick = [lambda s=s: s for s in states]
 
         def body(x, xs):
-            state, c = xs
+            p, c = xs
+            state = p if stacked else jax.lax.switch(p, pick)
             return nnx.merge(graph, state)(x, positions, c, step, tokens, start)
 
         x, cs = jax.lax.scan(body, x, (params, jax.tree.map(stack, *carry)))

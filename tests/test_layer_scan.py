@@ -100,6 +100,18 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(params=["stacked", "picked"])
+def parameters(request, monkeypatch):
+    """A scanned run's parameters stacked (the CPU's way) or picked per iteration by a switch (the accelerators':
+    `models.llama.stacks_parameters`), each compiled afresh."""
+    import models.llama
+
+    monkeypatch.setattr(models.llama, "stacks_parameters", lambda: request.param == "stacked")
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 def _prompts():
     rng = np.random.RandomState(0)
     a, b = rng.randint(4, 200, 45).tolist(), rng.randint(4, 200, 33).tolist()
@@ -149,9 +161,9 @@ def test_scanned_model_generates_what_the_unrolled_one_does(models, name):
         assert len(runs) < LAYERS, runs
 
 
-def test_scanned_prompt_logits_and_shared_pass_match_the_unrolled_model(models):
+def test_scanned_prompt_logits_and_shared_pass_match_the_unrolled_model(models, parameters):
     """The prompt's logits under whole, streamed and chunked reads, and one plain pass shared by three plans (the
-    caches of each), scanned and unrolled."""
+    caches of each), scanned (the parameters stacked or picked) and unrolled."""
     scanned, unrolled = models
     ids = _prompts()[0]
     tokens = jnp.asarray([ids])
@@ -173,9 +185,9 @@ def test_scanned_prompt_logits_and_shared_pass_match_the_unrolled_model(models):
     assert [g.sequences() for g in many_s] == [g.sequences() for g in many_u]
 
 
-def test_scanned_plain_forward_gives_the_unrolled_logits_gate_flags_and_gradients(models):
+def test_scanned_plain_forward_gives_the_unrolled_logits_gate_flags_and_gradients(models, parameters):
     """The plain forward (training's): every position's logits, each layer's gate flags, and the gradient of a loss
-    with respect to every parameter, scanned and unrolled."""
+    with respect to every parameter, scanned (the parameters stacked or picked) and unrolled."""
     from flax import nnx
 
     scanned, unrolled = models

@@ -88,7 +88,8 @@ def test_tpu_topology_refuses_without_offline_variables(monkeypatch):
 def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     """kvjax's Llama at Llama-3.2-1B widths (2 of its 16 layers, bf16, attention_impl="pallas") compiled for v5e:
     the prompt pass under SnapKV, one decode step under FullCache, SnapKV, RazorAttention's head groups,
-    AdaKV's pool and a 4-bit cache, and KVzip's replay of a 2048-token chunk. The full-depth tables are `benchmarks/results/tpu_aot_*.md`."""
+    AdaKV's pool and a 4-bit cache, KVzip's replay of a 2048-token chunk, and a question read into SnapKV's cache in
+    one forward and into AdaKV's token by token. The full-depth tables are `benchmarks/results/tpu_aot_*.md`."""
     from benchmarks import tpu_aot
 
     specs = [["model", "llama-1b", "snapkv", "prefill", 1, 2048, 2]]
@@ -96,10 +97,14 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     # 4 chips, the kernels under shard_map; RazorAttention's 2-head retrieval group does not split 4 ways
     specs += [["model-tp", "llama-1b", p, "step", 1, 2048, 2] for p in ("full", "razor")]
     specs += [["model", "llama-1b", "kvzip", "replay", 1, 2048, 2]]  # its attention in XLA (`replay_attention`)
+    # the agnostic protocol's question: one forward (`kvjax.step.Append`) under SnapKV, token by token under AdaKV
+    specs += [["model", "llama-1b", p, "question", 1, 2048, 2] for p in ("snapkv", "adakv")]
+    # scanned programs at twice the depth: their temporaries must not grow by the added layers' weights
+    specs += [["model", "llama-1b", "snapkv", p, 1, 2048, 4] for p in ("prefill", "question")]
     rows = tpu_aot.run_chip("v5e", specs, tmp_path / "records.jsonl", timeout=900)
     failed = [f"{r['kernel']}[{r['shape']}]: {r['error']}" for r in rows if not r["ok"]]
     assert not failed and len(rows) == len(specs), failed
-    by = {(r["spec"][2], r["spec"][3]): r for r in rows if r["spec"][0] == "model"}
+    by = {(r["spec"][2], r["spec"][3]): r for r in rows if r["spec"][0] == "model" and r["spec"][6] == 2}
     tp = next(r for r in rows if r["spec"][0] == "model-tp" and r["spec"][2] == "full")
     # the decode step reads every parameter once: 2 layers of a 1B model's widths and the tied embedding
     cfg = tpu_aot.model_config("llama-1b", 2)
@@ -114,3 +119,10 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     assert tp["argument_bytes"] < full["argument_bytes"] - 0.7 * layers_and_cache
     # a 4-bit cache holds fewer bytes than the full one at the same length (codes, scales and a residual)
     assert by[("full-4bit", "step")]["argument_bytes"] < full["argument_bytes"]
+    # A scanned run picks each layer's parameters (`models.llama.stacks_parameters`) rather than stacking them: a
+    # stack is a copy of every layer's weights in the program: with it, the prompt pass's temporaries grew by 228 MiB
+    # from 2 to 4 layers (about the 2 added layers' weights, 2 x 116 MiB); with the pick, by a few MiB.
+    deeper = {r["spec"][3]: r for r in rows if r["spec"][0] == "model" and len(r["spec"]) > 6 and r["spec"][6] == 4}
+    for program in ("prefill", "question"):
+        grown = deeper[program]["temp_bytes"] - by[("snapkv", program)]["temp_bytes"]
+        assert grown < 0.5 * 2 * layer, (program, grown)
