@@ -360,12 +360,14 @@ def compile_case(case: Case, devices, chip: str | None = None) -> dict:
 
 
 def code_commit() -> str | None:
-    """The checkout's short commit, with `+` if its tracked files have changes; None outside a git checkout."""
+    """The checkout's short commit, with `+` if its tracked files other than the results have changes; None outside
+    a git checkout."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!benchmarks/results"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -1,6 +1,6 @@
 """Where one RULER batch's time goes: each phase of generate_many timed (blocking), per policy, compile seconds
 beside them (batch-profile.md). An ad hoc script kept with its output; run from the repository's root:
-`python benchmarks/results/ruler_section_cpu_smollm2/profile_batch.py OUT`."""
+`python benchmarks/results/ruler_section_cpu_smollm2/profile_batch.py OUT [TASK]` (TASK: niah_single_1 by default)."""
 import collections, functools, sys, time, json
 import kvjax.backends  # noqa: F401  (before jax: libtpu kept off the network)
 import jax
@@ -48,13 +48,14 @@ G.kvzip.compress = kz
 
 from experiments import report
 base = sys.argv[1]
+task = sys.argv[2] if len(sys.argv) > 2 else "niah_single_1"
 from kvjax import compile_cache; compile_cache.enable()
 for rep in (0,):
     T.clear(); N.clear()
     t0 = time.perf_counter()
     try:
         report.main(["--model", "smollm2", "--budgets", "128,256,512", "--ruler-length", "4096",
-                     "--ruler-tasks", "niah_single_1", "--ruler-samples", "5", "--ruler-ratios", "0.5,0.875",
+                     "--ruler-tasks", task, "--ruler-samples", "5", "--ruler-ratios", "0.5,0.875",
                      "--ruler-batch", "5", "--chat-template", "auto", "--ruler-methods",
                      "streaming,h2o,snapkv,pyramidkv,slimkv,tova,knorm,adakv,expected-attention,keydiff,kvzip,duo",
                      "--skip", "perplexity,razor,longbench,zeroshot,passkey,efficiency,quantization",
