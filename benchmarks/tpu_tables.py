@@ -113,8 +113,10 @@ def largest_table(records: list[dict], chip: str) -> list[str]:
                 cells.append(f"{t} (not compiled)")
             elif check.get("fits"):
                 cells.append(f"**{t}** ({check['peak_bytes'] / GiB:.2f})")
-            else:
+            elif check.get("fits") is False:
                 cells.append(f"{t}: does **not** fit when compiled")
+            else:  # refused for another reason than the chip's HBM (e.g. a kernel's scalar memory)
+                cells.append(f"{t}: does **not** compile ({check.get('error', '')[:120]})")
         out.append(f"| {model} | {policy} | " + " | ".join(cells) + " |")
     return out
 
@@ -146,7 +148,9 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
                "do; token by token otherwise), `prefill-xla` the prompt pass with `attention_impl=\"xla\"`. TP: tensor parallel over the 2x2 "
                "topology's 4 chips (`kvjax.sharding`'s placement, the Pallas kernels under `shard_map`); its bytes "
                "are per chip. `code`: the commit compiled (`+` where the tree had changes). The rows of " + FIRST_RECORDS +
-               " predate the scan over layers (e189fcc): they compiled the unrolled model, not today's scanned one.",
+               " predate the scan over layers (e189fcc): they compiled the unrolled model, not today's scanned one. "
+               "XLA's cost analysis counts a loop's body once, so a scanned program's GFLOP and GB accessed count "
+               "one layer of each scanned run (the rows of e20520c count every layer).",
                "",
                *model_table(rows, chip), "",
                "## The largest prompt each policy fits", "",
