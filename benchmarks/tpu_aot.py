@@ -457,8 +457,8 @@ def largest_prompt(rows: list[dict], chip: str) -> int | None:
 def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
     """The larger chip compiles every policy's prompt pass at two lengths per batch (the fit: memory does not depend
     on the chip's size), one decode step at batch 1 and 8, the decode loop and the question at batch 1; each other
-    chip compiles the same decode programs, its predicted largest prompts (the compiler's check of the fit), and the 8B model
-    tensor parallel over its 2x2 topology. Resumes from `records`."""
+    chip compiles the same decode programs, its predicted largest prompts (the compiler's check of the fit), and the
+    8B model tensor parallel over its 2x2 topology. Resumes from `records`."""
     models = ("llama-1b",) if quick else tuple(SHAPES)
     fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
     fit_specs = [["model", m, p, "prefill", b, t] for m in models for p in POLICIES for b in FIT_POINTS
@@ -466,7 +466,8 @@ def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
     # the reference attention's prompt pass at the longest fit point: flash-style tiles, or T x T scores?
     fit_specs += [["model", m, "full", "prefill-xla", 1, FIT_POINTS[1][-1]] for m in models]
     decode_specs = [s for m in models for b in FIT_POINTS
-                    for s in model_specs(m, b, FIT_POINTS[b][0], ("step", "loop", "question") if b == 1 else ("step",))]
+                    for s in model_specs(m, b, FIT_POINTS[b][0],
+                                         ("step", "loop", "question") if b == 1 else ("step",))]
     # tensor parallel over the 2x2 topology (Mosaic kernels under shard_map): the 8B model, whose bf16 weights
     # alone exceed a v5e's 16 GiB
     tp_specs = [] if quick else [["model-tp", "llama-8b", p, prog, 1, FIT_POINTS[1][0]] for p in POLICIES

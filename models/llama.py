@@ -334,14 +334,15 @@ class DecoderLayer(nnx.Module):
         return self._finish(x, a), carry
 
 
-
 def stacks_parameters() -> bool:
     """Whether a scanned run of layers (`Llama._scan`) stacks its layers' parameters, or picks each iteration's with a
     `lax.switch` over the layer index. A stack of separate arrays is a copy of them all inside the program: libtpu's
-    compile of an 8B model's 64-token question read for a v6e needed the weights twice, more than the chip holds. The switch holds at most one layer's copy (`tests/test_tpu_aot.py`), but on the CPU, where memory is
-    the host's, the SmolLM2 4K prompt pass ran slower with it than with the stack in side-by-side runs, so the CPU
-    keeps the stack. Same arithmetic either way (`tests/test_layer_scan.py` runs both)."""
+    compile of an 8B model's 64-token question read for a v6e needed the weights twice, more than the chip holds.
+    The switch holds at most one layer's copy (`tests/test_tpu_aot.py`), but on the CPU, where memory is the host's,
+    the SmolLM2 4K prompt pass ran slower with it than with the stack in side-by-side runs, so the CPU keeps the
+    stack. Same arithmetic either way (`tests/test_layer_scan.py` runs both)."""
     return backends.platform() == "cpu"
+
 
 class Llama(nnx.Module):
     """kvjax's functional decoder (Flax NNX) for every family it loads; its attention is projection ->

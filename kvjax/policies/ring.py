@@ -17,7 +17,15 @@ from jaxtyping import Array, Int
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import AppendsWhileDecoding, ChunkRule, KeepsEveryToken, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio
+from kvjax.policies.base import (
+    AppendsWhileDecoding,
+    ChunkRule,
+    KeepsEveryToken,
+    LayerPolicy,
+    RatioBudget,
+    StepOnlyWrites,
+    check_ratio,
+)
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:

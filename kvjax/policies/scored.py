@@ -47,7 +47,15 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import AppendsWhileDecoding, ChunkRule, LayerPolicy, PooledRule, StepOnlyWrites, check_numbers, warn_chunked_method
+from kvjax.policies.base import (
+    AppendsWhileDecoding,
+    ChunkRule,
+    LayerPolicy,
+    PooledRule,
+    StepOnlyWrites,
+    check_numbers,
+    warn_chunked_method,
+)
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
