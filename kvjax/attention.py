@@ -29,8 +29,8 @@ from kvjax.stats import NO_STATS, AttentionStats, StatsRequest
 # 256 time the same on a CPU (SmolLM2, 4K context); the smallest of them with whole blocks keeps the temporaries small.
 REPLAY_BLOCK = 128
 
-__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCK", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
-           "cudnn_prefill", "decode_attention", "splash_prefill",
+__all__ = ["CAUSAL", "IMPLS", "PREFILL_BLOCK", "SPLASH_BLOCKS", "AnchorMask", "Mask", "alibi_slopes", "check_impl", "reconstruction_scores",
+           "cudnn_prefill", "decode_attention", "splash_block", "splash_prefill",
            "pooled_decode_attention", "prompt_statistics", "prefill_attention", "prefill_route", "prefix_attention",
            "quantized_decode_attention", "replay_attention", "warn_once"]
 
@@ -119,32 +119,50 @@ def prefill_route(
     return "cudnn" if backend == "gpu" and plain and fits else "pallas"
 
 
-SPLASH_BLOCK = 128  # splash attention's query and key tiles (jax's default); a prompt is padded to a multiple
+# Splash attention's tiles: jax's default (128) for prompts up to 64K tokens, twice as large each time the prompt
+# doubles past that. Splash prefetches its block tables (`[nq, nk]`, int16 past 127 tiles) into the core's 1 MiB
+# SMEM: with 128-token tiles, a 64K prompt (512 tiles a side) compiles for v5e and v6e, and a 102,400-token one
+# (800) does not, its table alone 1.4 MB (`tests/test_tpu_aot.py`). Frozen, not tuned for speed.
+SPLASH_BLOCKS = (128, 256, 512, 1024)
+SPLASH_MAX_BLOCKS = 512  # query (and key) tiles per prompt
+
+
+def splash_block(t: int) -> int:
+    """The query and key tile of `splash_prefill` for a `t`-token prompt (padded to a multiple of it): the smallest of
+    `SPLASH_BLOCKS` that cuts the prompt into at most `SPLASH_MAX_BLOCKS` tiles."""
+    for block in SPLASH_BLOCKS:
+        if -(-t // block) <= SPLASH_MAX_BLOCKS:
+            return block
+    raise ValueError(f"a {t}-token prompt is longer than splash attention's tiles reach here "
+                     f"({SPLASH_BLOCKS[-1] * SPLASH_MAX_BLOCKS} tokens)")
+
 
 
 def splash_prefill(
     q: Float[Array, "b h t d"], k: Float[Array, "b kvh t d"], v: Float[Array, "b kvh t d"], pos: Int[Array, "b t"], *,
-    scale: float, interpret: bool = False,
+    scale: float, interpret: bool = False, block: int | None = None,
 ) -> Float[Array, "b h t d"]:
     """A left-padded prompt's causal self-attention through jax's TPU splash attention (`jax.experimental.pallas.
     ops.tpu.splash_attention`), forward only: each (row, KV head) is one MQA call over its group's query heads.
 
     Splash masks by index, not position: padding (left, and the tail up to a whole tile) is its own segment, so a
     real query never sees it, and its outputs are zeroed after, as the reference's. The scale goes on the
-    queries (splash has none). `interpret` runs the kernel in the TPU interpreter (the CPU tests)."""
+    queries (splash has none). `interpret` runs the kernel in the TPU interpreter (the CPU tests); `block`: the
+    tiles, `splash_block(t)` unless given (the tests')."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
     b, h, t, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
-    tp = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
+    block = block or splash_block(t)
+    tp = -(-t // block) * block
     tail = lambda x, axis: jnp.pad(x, [(0, tp - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
     qg = tail((q * jnp.asarray(scale, q.dtype)).reshape(b, kvh, g, t, d), 3)
     k, v = tail(k, 2), tail(v, 2)
     segment = tail((pos >= 0).astype(jnp.int32), 1)  # 1: the prompt's tokens; 0: padding
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((tp, tp))] * g)
-    blocks = splash.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     kernel = splash.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
 
     def one(qh, kh, vh, seg):  # [g, tp, d], [tp, d], [tp, d], [tp]

@@ -324,10 +324,11 @@ def test_tpu_splash_is_routed_only_plain_causal_prompts():
     assert _route(backend="tpu", impl="xla") == "xla"
 
 
-@pytest.mark.parametrize("t", [200, 256])
-def test_tpu_splash_prefill_equals_the_reference_with_left_padding(t):
+@pytest.mark.parametrize("t, block", [(200, None), (256, None), (300, 256)])
+def test_tpu_splash_prefill_equals_the_reference_with_left_padding(t, block):
     """`splash_prefill` (jax's TPU splash attention in the TPU interpreter) on left-padded rows of a GQA prompt, a
-    length no tile divides and one it does: the reference's outputs, zeros for padding queries."""
+    length no tile divides and one it does, and in the larger tiles of a long prompt: the reference's outputs,
+    zeros for padding queries."""
     b, h, kvh, d = 2, 4, 2, 32
     rng = np.random.default_rng(t)
     q = jnp.asarray(rng.normal(size=(b, h, t, d)), jnp.float32)
@@ -337,8 +338,17 @@ def test_tpu_splash_prefill_equals_the_reference_with_left_padding(t):
                       jnp.int32)
     want, _ = reference.prefill_attention(q, k, v, pos, pos, scale=d ** -0.5, self_attention=True)
     want = jnp.where((pos >= 0)[:, None, :, None], want, 0)
-    got = attention.splash_prefill(q, k, v, pos, scale=d ** -0.5, interpret=True)
+    got = attention.splash_prefill(q, k, v, pos, scale=d ** -0.5, interpret=True, block=block)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_splash_tiles_grow_past_64k_tokens():
+    """Hand-computed: 128-token tiles up to 512 of them (65,536 tokens), then the smallest larger tile that keeps
+    the count at 512; a prompt past 1024 x 512 tokens is refused by name."""
+    want = {1: 128, 65536: 128, 65537: 256, 102400: 256, 131072: 256, 131073: 512, 262144: 512, 524288: 1024}
+    assert {t: attention.splash_block(t) for t in want} == want
+    with pytest.raises(ValueError, match="524289-token prompt"):
+        attention.splash_block(524289)
 
 
 def test_prefill_attention_takes_cudnn_for_the_plain_case_only(monkeypatch):
