@@ -188,7 +188,7 @@ def kernel_specs(quick: bool = False) -> Iterator[list]:
                 for stats in (False, True):
                     if not quick or (slots, batch) == (4352, 1):
                         yield ["quant", dtype, bits, slots, batch, stats]
-        for t in (102400, 131072):  # past 64K tokens splash's tiles grow (`attention.splash_block`)
+        for t in (102400, 131072, 262144):  # past 64K tokens splash's tiles grow (`attention.splash_block`)
             if not quick or (t, dtype) == (102400, "bf16"):
                 yield ["splash", dtype, t, 128]
         for t in (2048, 8192, 32768):

@@ -147,10 +147,11 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
                "forward, `kvjax.step.Append`, where the plan only appends while decoding, as FullCache and SnapKV "
                "do; token by token otherwise), `prefill-xla` the prompt pass with `attention_impl=\"xla\"`. TP: tensor parallel over the 2x2 "
                "topology's 4 chips (`kvjax.sharding`'s placement, the Pallas kernels under `shard_map`); its bytes "
-               "are per chip. `code`: the commit compiled (`+` where the tree had changes). The rows of " + FIRST_RECORDS +
-               " predate the scan over layers (e189fcc): they compiled the unrolled model, not today's scanned one. "
-               "XLA's cost analysis counts a loop's body once, so a scanned program's GFLOP and GB accessed count "
-               "one layer of each scanned run (the rows of e20520c count every layer).",
+               "are per chip. `code`: the commit compiled (`+` where the tree had changes)." + (
+                   " The rows of " + FIRST_RECORDS + " predate the scan over layers (e189fcc): they compiled the "
+                   "unrolled model, not today's scanned one." if any("commit" not in r for r in rows) else "") +
+               " XLA's cost analysis counts a loop's body once, so a scanned program's GFLOP and GB accessed count "
+               "one layer of each scanned run.",
                "",
                *model_table(rows, chip), "",
                "## The largest prompt each policy fits", "",

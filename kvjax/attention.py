@@ -120,10 +120,12 @@ def prefill_route(
 
 
 # Splash attention's tiles: jax's default (128) for prompts up to 64K tokens, twice as large each time the prompt
-# doubles past that. Splash prefetches its block tables (`[nq, nk]`, int16 past 127 tiles) into the core's 1 MiB
-# SMEM: with 128-token tiles, a 64K prompt (512 tiles a side) compiles for v5e and v6e, and a 102,400-token one
-# (800) does not, its table alone 1.4 MB (`tests/test_tpu_aot.py`). Frozen, not tuned for speed.
-SPLASH_BLOCKS = (128, 256, 512, 1024)
+# doubles past that. Splash prefetches its block tables into the core's 1 MiB SMEM (for a causal mask, `[nq, nk]`
+# next-block indices, int16 past 128 tiles, and an int8 `[nq, nk]` block mask): with 128-token tiles a 102,400-token
+# prompt's index table alone is 1.4 MB (800 x 896 x 2 bytes) and libtpu refuses it on v5e and v6e, while 512 tiles
+# a side (131,072 tokens in 256-token tiles, 768 KiB) compiles on both (`benchmarks/results/tpu_aot_v5e.md`). Frozen,
+# not tuned for speed; up to 512-token tiles (262,144 tokens), the longest prompt compiled.
+SPLASH_BLOCKS = (128, 256, 512)
 SPLASH_MAX_BLOCKS = 512  # query (and key) tiles per prompt
 
 
@@ -135,7 +137,6 @@ def splash_block(t: int) -> int:
             return block
     raise ValueError(f"a {t}-token prompt is longer than splash attention's tiles reach here "
                      f"({SPLASH_BLOCKS[-1] * SPLASH_MAX_BLOCKS} tokens)")
-
 
 
 def splash_prefill(
