@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas as kernels
 from kvjax import quant, reference
+from kvjax.errors import InvalidInput
 from kvjax.pallas import pool_decode, quant_decode
 from kvjax.masks import CAUSAL, AnchorMask, Mask
 from kvjax.reference import PREFILL_BLOCK, alibi_slopes
@@ -135,7 +136,7 @@ def splash_block(t: int) -> int:
     for block in SPLASH_BLOCKS:
         if -(-t // block) <= SPLASH_MAX_BLOCKS:
             return block
-    raise ValueError(f"a {t}-token prompt is longer than splash attention's tiles reach here "
+    raise InvalidInput(f"a {t}-token prompt is longer than splash attention's tiles reach here "
                      f"({SPLASH_BLOCKS[-1] * SPLASH_MAX_BLOCKS} tokens)")
 
 
@@ -156,7 +157,7 @@ def splash_prefill(
     b, h, t, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
-    block = block or splash_block(t)
+    block = splash_block(t) if block is None else block
     tp = -(-t // block) * block
     tail = lambda x, axis: jnp.pad(x, [(0, tp - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
     qg = tail((q * jnp.asarray(scale, q.dtype)).reshape(b, kvh, g, t, d), 3)

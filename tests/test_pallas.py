@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvjax import attention, reference
 from kvjax.anllm_anchors import anchor_mask
+from kvjax.errors import InvalidInput
 from kvjax.generate import generate
 from kvjax.masks import Mask
 from kvjax.pallas import decode as pdecode
@@ -344,10 +345,10 @@ def test_tpu_splash_prefill_equals_the_reference_with_left_padding(t, block):
 
 def test_splash_tiles_grow_past_64k_tokens():
     """Hand-computed: 128-token tiles up to 512 of them (65,536 tokens), then the smallest larger tile that keeps
-    the count at 512; a prompt past 512 x 512 tokens is refused by name."""
+    the count at 512; a prompt past 512 x 512 tokens is refused by name, as a user error."""
     want = {1: 128, 65536: 128, 65537: 256, 102400: 256, 131072: 256, 131073: 512, 262144: 512}
     assert {t: attention.splash_block(t) for t in want} == want
-    with pytest.raises(ValueError, match="262145-token prompt"):
+    with pytest.raises(InvalidInput, match="262145-token prompt"):
         attention.splash_block(262145)
 
 
