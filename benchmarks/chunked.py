@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -199,7 +198,7 @@ def main(argv=None) -> int:
             res = subprocess.run([sys.executable, "-m", "benchmarks.chunked", "--repeats", str(args.repeats),
                                   "--cell", f"{mode},{n},{int(run)}"], capture_output=True, text=True, check=True)
             cells.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    result = {"device": f"CPU ({platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores)",
+    result = {"device": f"CPU ({timing.machine()})",
               "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.chunked " + " ".join(argv or sys.argv[1:]),
               "repeats": args.repeats, "lengths": lengths, "prefill": cells,
               "perplexity": streaming_perplexity(args.perplexity_tokens)}

@@ -47,7 +47,6 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -337,7 +336,7 @@ def main(argv=None):
                                                            dtype=getattr(torch, args.dtype),
                                                            attn_implementation="sdpa", **where).eval().to(device)
     meta = {"platform": jax.devices()[0].platform, "device": str(jax.devices()[0]), "jax": jax.__version__,
-            "cpu": platform.processor() or platform.machine(), "shape": args.shape, "config": shape,
+            "cpu": timing.machine(), "shape": args.shape, "config": shape,
             "dtype": args.dtype, "new": args.new, "budget": args.budget, "compile_length": lengths[0],
             "attention_impl": args.attention_impl, "model": args.model and Path(args.model).name.removesuffix(".gguf"),
             "repeats": args.repeats,

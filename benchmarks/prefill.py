@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 
@@ -128,7 +127,7 @@ def main(argv=None):
     sparse = time_sparse(args.sparse_length, args.repeats) if args.sparse_length else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"platform": plat, "machine": platform.processor() or platform.machine(), "config": CONFIG,
+    meta = {"platform": plat, "machine": timing.machine(), "config": CONFIG,
             "jax": jax.__version__, "repeats": args.repeats}
     loadavg = guard.record()
     (out / f"prefill_{plat}.json").write_text(json.dumps(guard.stamp({"meta": meta, "rows": rows, "sparse": sparse},

@@ -6,7 +6,7 @@ spread, and the machine's load average before and after the run, with a CPU tabl
     s = timing.repeat(lambda: jax.block_until_ready(f()), repeats)          # seconds, after a warm-up call
     row |= s.fields("prefill_s")                    # prefill_s (the median), prefill_s_min, prefill_s_max
     timing.cell(row, "prefill_s")                   # "0.512 (0.498–0.530)"
-    payload = guard.stamp(payload)                  # payload["load"]: before, after, cores, limit
+    payload = guard.stamp(payload)                  # payload["load"]: before, after, cores, limit, machine
     lines = guard.mark(lines, repeats)              # the title marked if measured under load; a load line under
 
 The limit: a CPU table is measured only when the 1-minute load average before the run is at most `--max-load`
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import platform
 import statistics
 import threading
 import time
@@ -118,6 +119,34 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def machine(cpuinfo: str | None = None) -> str:
+    """The CPU a timing ran on, in one line: its model name with its x86 family and model numbers (a virtual
+    machine's name can be as vague as "Intel(R) Xeon(R) Processor") and the cores this process may use, e.g.
+    `AMD EPYC 9B14 (family 25, model 17), 2 cores`. Timings (compile seconds included) compare only on one machine:
+    kvjax's CPU tables have come from VMs whose matmuls differ 2x. `cpuinfo`: /proc/cpuinfo's text (read where
+    None); without it, Python's name for the processor."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:  # not Linux
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first processor's block is enough: a VM's cores are alike
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, {cores()} cores"
+
+
 def default_max_load() -> float:
     return 0.5 * cores()
 
@@ -174,7 +203,7 @@ class LoadGuard:
         if self.cpu and after is not None and after[0] > self.cores + self.max_load:
             why.append(f"1-minute load {after[0]:.2f} after the run > {self.cores} cores + {self.max_load:g}")
         return {"before": self.before, "after": after, "cores": self.cores, "max_load": self.max_load,
-                "cpu": self.cpu, "under_load": bool(why), "why": "; ".join(why) or None}
+                "cpu": self.cpu, "machine": machine(), "under_load": bool(why), "why": "; ".join(why) or None}
 
     def stamp(self, payload: dict, record: dict | None = None) -> dict:
         """`payload` (a table's JSON) with its "load", and a "warning" where it was measured under load."""
@@ -197,7 +226,7 @@ class LoadGuard:
             return "n/a" if load is None else " / ".join(f"{x:.2f}" for x in load)
 
         note = (f"Load average (1 / 5 / 15 min) before the run {fmt(record['before'])}, after "
-                f"{fmt(record['after'])}, on {record['cores']} cores")
+                f"{fmt(record['after'])}, on {record['machine']}")
         if self.cpu:
             note += (f"; a CPU table is measured only at a 1-minute load of at most {record['max_load']:g} before "
                      "the run")

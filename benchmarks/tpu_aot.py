@@ -30,6 +30,7 @@ import numpy as np
 
 from tqdm import tqdm
 
+from benchmarks import timing
 from kvjax import cli, tpu
 from kvjax.errors import InvalidInput
 from kvjax import drive
@@ -387,12 +388,13 @@ def worker(chip: str, specs: list[list], records: Path) -> None:
     if not todo:
         return
     devices = tpu.topology(chip).devices
-    commit = code_commit()
+    commit, host = code_commit(), timing.machine()
     for spec in tqdm(todo, desc=f"TPU {chip} compiles", unit="program"):
         load = os.getloadavg()[0]
         row = compile_case(case_of(spec), devices, chip) | {"chip": chip, "spec": spec}
         # compile seconds are CPU wall time: the 1-minute load average around each says whether others shared it
         row["load"] = round(max(load, os.getloadavg()[0]), 2)
+        row["host"] = host  # and compile seconds compare only on one machine
         if commit:
             row["commit"] = commit
         with open(records, "a") as f:

@@ -37,25 +37,43 @@ def _num(x, unit, digits=2):
     return "" if x is None else f"{x / unit:.{digits}f}"
 
 
+# a row compiled before rows named their machine (`benchmarks.timing.machine`)
+UNRECORDED = "?"
+
+
+def hosts(rows: list[dict]) -> dict[str, str]:
+    """A short label for each machine that compiled some of `rows` ("A", "B", ... in order of first appearance):
+    compile seconds compare only between rows of one machine: e20520c's rows took about half the seconds of today's
+    for the same decode programs, yet e20520c's code compiled them no faster than today's on one machine
+    (`benchmarks/results/tpu_compile_same_machine.md`): they came from a faster one."""
+    names = dict.fromkeys(r["host"] for r in rows if r.get("host"))
+    return {name: chr(ord("A") + i) for i, name in enumerate(names)}
+
+
+def _host(r: dict, labels: dict[str, str]) -> str:
+    return labels[r["host"]] if r.get("host") else UNRECORDED
+
+
 def kernel_table(rows: list[dict]) -> list[str]:
-    out = ["| kernel | shape | compiles | compile s | arguments MiB | temporaries MiB | peak MiB | load |",
-           "|---|---|---|---|---|---|---|---|"]
+    labels = hosts(rows)
+    out = ["| kernel | shape | compiles | compile s | arguments MiB | temporaries MiB | peak MiB | load | host |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["spec"][0].startswith("model"):
             continue
         status = "yes" if r["ok"] else f"**no**: {r['error']}"
         out.append(f"| {r['kernel']} | {r['shape']} | {status} | {r.get('compile_s', '')} | "
                    f"{_num(r.get('argument_bytes'), MiB, 1)} | {_num(r.get('temp_bytes'), MiB, 1)} | "
-                   f"{_num(r.get('peak_bytes'), MiB, 1)} | {r.get('load', '')} |")
+                   f"{_num(r.get('peak_bytes'), MiB, 1)} | {r.get('load', '')} | {_host(r, labels)} |")
     return out
 
 
 def model_table(rows: list[dict], chip: str) -> list[str]:
-    bw = tpu.CHIPS[chip].hbm_bandwidth
+    bw, labels = tpu.CHIPS[chip].hbm_bandwidth, hosts(rows)
     out = ["| model | program | policy | batch | prompt | compile s | arguments GiB | temporaries GiB | peak GiB | "
            "fits | GFLOP | GB accessed | accessed / arguments | roofline ms (arguments at HBM bandwidth) | load | "
-           "code |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "host | code |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spec = r["spec"]
         if not spec[0].startswith("model"):
@@ -67,14 +85,14 @@ def model_table(rows: list[dict], chip: str) -> list[str]:
         fits = {True: "yes", False: "**no**", None: ""}[r.get("fits")]
         if not r["ok"]:
             out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | | | | | {fits} | | | | "
-                       f"{r['error'][:160]} | {r.get('load', '')} | {r.get('commit', FIRST_RECORDS)} |")
+                       f"{r['error'][:160]} | {r.get('load', '')} | {_host(r, labels)} | {r.get('commit', FIRST_RECORDS)} |")
             continue
         ratio = f"{r['bytes_accessed'] / r['argument_bytes']:.2f}" if step else ""
         ms = f"{1e3 * r['argument_bytes'] / bw:.2f}" if step else ""
         out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | {r['compile_s']:.1f} | "
                    f"{_num(r['argument_bytes'], GiB)} | {_num(r['temp_bytes'], GiB)} | {_num(r['peak_bytes'], GiB)} | "
                    f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | {r.get('load', '')} | "
-                   f"{r.get('commit', FIRST_RECORDS)} |")
+                   f"{_host(r, labels)} | {r.get('commit', FIRST_RECORDS)} |")
     return out
 
 
@@ -133,8 +151,12 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
           f"the cache writes and the rest, not the attention kernel's reads of the cache. A decode step's roofline "
           f"is its arguments (the weights and the cache, read once each) at {c.hbm_bandwidth / 1e9:.0f} GB/s: the "
           f"least time it can take on this chip, not a measurement. "
-          "Compile seconds are wall time on 2 CPU cores; the last column is the 1-minute load average around "
-          "each compile (above 1, another job shared the cores and the seconds are inflated).", ""]
+          "Compile seconds are wall time on the CPU of the `host` column and compare only between rows of one "
+          "host: " + "; ".join([f"{label}: {name}" for name, label in hosts(rows).items()] +
+                               [f"{UNRECORDED}: not recorded (compiled before rows named their machine)"] *
+                               any(not r.get("host") for r in rows)) +
+          ". `load` is the 1-minute load average around each compile (above 1 on 2 cores, another job shared them "
+          "and the seconds are inflated).", ""]
     if any(not r["spec"][0].startswith("model") for r in rows):
         md += ["## Kernels (Mosaic)", "", *kernel_table(rows), ""]
     if any(r["spec"][0].startswith("model") for r in rows):

@@ -36,6 +36,7 @@ def _loads(monkeypatch, *loads):
     seq = list(loads)
     monkeypatch.setattr(os, "getloadavg", lambda: seq.pop(0) if len(seq) > 1 else seq[0])
     monkeypatch.setattr(timing, "cores", lambda: 2)
+    monkeypatch.setattr(timing, "machine", lambda cpuinfo=None: "Test CPU (family 6, model 1), 2 cores")
 
 
 ARGV = ["--lengths", "64", "--steps", "2", "--repeats", "2", "--widths", "16,8", "--no-variants"]
@@ -59,15 +60,16 @@ def test_allow_load_writes_the_table_marked_and_records_the_load_and_the_range(t
     quant.main([*ARGV, "--out", str(tmp_path), "--allow-load"])
     record = json.loads((tmp_path / "quant_cpu.json").read_text())
     assert record["load"] == {"before": [1.73, 1.2, 0.9], "after": [2.5, 1.5, 1.0], "cores": 2, "max_load": 1.0,
-                              "cpu": True, "under_load": True, "why": "1-minute load 1.73 before the run > 1"}
+                              "cpu": True, "machine": "Test CPU (family 6, model 1), 2 cores", "under_load": True,
+                              "why": "1-minute load 1.73 before the run > 1"}
     assert record["warning"] == "MEASURED UNDER LOAD: 1-minute load 1.73 before the run > 1"
     for r in record["rows"]:
         assert r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
     md = (tmp_path / "quant_cpu.md").read_text().splitlines()
     assert md[0].startswith("# MEASURED UNDER LOAD (1-minute load 1.73 before the run > 1): Quantized cache")
-    assert md[-1] == ("Load average (1 / 5 / 15 min) before the run 1.73 / 1.20 / 0.90, after 2.50 / 1.50 / 1.00, on 2 "
-                      "cores; a CPU table is measured only at a 1-minute load of at most 1 before the run. Times: the "
-                      "median of 2 timed runs (min–max).")
+    assert md[-1] == ("Load average (1 / 5 / 15 min) before the run 1.73 / 1.20 / 0.90, after 2.50 / 1.50 / 1.00, on "
+                      "Test CPU (family 6, model 1), 2 cores; a CPU table is measured only at a 1-minute load of at most "
+                      "1 before the run. Times: the median of 2 timed runs (min–max).")
     row = next(line for line in md if line.startswith("| 64 | 16 |"))
     assert "–" in row.split("|")[3]  # the decode tok/s cell: median (min–max)
 
@@ -88,3 +90,51 @@ def test_a_gpu_run_records_the_load_but_is_never_refused(monkeypatch):
     guard.check()
     assert guard.record()["under_load"] is False
     assert guard.mark(["# t", "| a |"])[-1].startswith("Load average (1 / 5 / 15 min) before the run 9.00")
+
+
+# /proc/cpuinfo of two cores of a VM, abridged (a real one repeats ~25 fields per processor)
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu vme avx512f
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9B14
+"""
+
+
+def test_a_timing_names_the_machine_it_ran_on(monkeypatch):
+    """Compile seconds and timings compare only on one machine (kvjax's tables have come from VMs whose matmuls
+    differ 2x), so every table names it: the model name with its family and model numbers, and the cores."""
+    monkeypatch.setattr(timing, "cores", lambda: 2)
+    assert timing.machine(CPUINFO) == "AMD EPYC 9B14 (family 25, model 17), 2 cores"
+    # no x86 numbers (another architecture's cpuinfo): the name alone; no cpuinfo at all: Python's name for it
+    assert timing.machine("processor\t: 0\nmodel name\t: Neoverse-V2\n") == "Neoverse-V2, 2 cores"
+    monkeypatch.setattr(timing.platform, "processor", lambda: "")
+    monkeypatch.setattr(timing.platform, "machine", lambda: "aarch64")
+    assert timing.machine("") == "aarch64, 2 cores"
+
+
+def test_tpu_tables_label_each_compiling_machine_and_the_rows_that_named_none(tmp_path):
+    """Rows from two machines and one from before rows named theirs: a host column, and a legend saying which
+    machine each label is, so compile seconds are compared only within one."""
+    from benchmarks.tpu_tables import write_tables
+
+    def row(shape, seconds, host=None):
+        r = {"kernel": "decode", "shape": shape, "ok": True, "compile_s": seconds, "argument_bytes": 1 << 20,
+             "temp_bytes": 0, "peak_bytes": 1 << 20, "chip": "v6e", "spec": ["decode", shape], "load": 0.5}
+        return r | ({"host": host} if host else {})
+
+    records = [row("old", 3.6), row("b1", 6.3, "AMD EPYC 9B14 (family 25, model 17), 2 cores"),
+               row("b8", 7.1, "Intel Xeon (family 6, model 207), 2 cores"),
+               row("b2", 6.4, "AMD EPYC 9B14 (family 25, model 17), 2 cores")]
+    md = write_tables(records, "v6e", tmp_path).splitlines()
+    assert ("host: A: AMD EPYC 9B14 (family 25, model 17), 2 cores; B: Intel Xeon (family 6, model 207), 2 cores; "
+            "?: not recorded (compiled before rows named their machine).") in md[2]
+    cells = {line.split(" | ")[1]: line.rstrip(" |").rsplit(" | ", 1)[1] for line in md if line.startswith("| decode")}
+    assert cells == {"old": "?", "b1": "A", "b8": "B", "b2": "A"}
