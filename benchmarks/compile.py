@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import re
 import time
 from pathlib import Path
@@ -231,7 +230,7 @@ def main(argv=None):
         jax.clear_caches()
     plat = jax.devices()[0].platform
     name = "default" if args.model is None else Path(str(args.model)).stem.split(".")[0].lower()
-    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=timing.machine(),
                 model=str(args.model or DEFAULT_MODEL_DIR), layers=cfg.num_layers, length=args.length,
                 batch=args.batch, repeats=args.repeats, jax=jax.__version__, layer_loops=loops)
     out = Path(args.out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ def bench_model(seed: int = 0, attention_impl: str = "xla"):
 def bench_meta(**extra) -> dict:
     """Where a benchmark ran and on what model, for its JSON."""
     return dict(platform=jax.devices()[0].platform, device=str(jax.devices()[0]),
-                cpu=platform.processor() or platform.machine(), config=BENCH_CONFIG, jax=jax.__version__, **extra)
+                cpu=timing.machine(), config=BENCH_CONFIG, jax=jax.__version__, **extra)
 
 
 def time_kvjax(model, ids, policy, new, repeats=3):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import jax
@@ -86,7 +85,7 @@ def main(argv=None):
     rows = [measure(lm, n, args.ratio, args.repeats) for n in tqdm([int(x) for x in args.lengths.split(",")],
                                                                    desc="context lengths")]
     plat = jax.devices()[0].platform
-    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=timing.machine(),
                 model=str(args.model or DEFAULT_MODEL_DIR), ratio=args.ratio, repeats=args.repeats,
                 jax=jax.__version__)
     out = Path(args.out)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 from pathlib import Path
 
 import jax
@@ -193,7 +192,7 @@ def main(argv=None):
                 r = timed(**kw)
                 row |= {k.replace("tok_s", f"tok_s_{name}"): r[k] for k in ("tok_s", "tok_s_min", "tok_s_max")}
             rows.append(row)
-    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=platform.processor() or platform.machine(),
+    meta = dict(platform=plat, device=str(jax.devices()[0]), cpu=timing.machine(),
                 shape=shape, shape_name=args.shape, batch=batch, dtype="bfloat16", steps=args.steps,
                 jax=jax.__version__, widths=WIDTHS)
     stem = f"quant_{plat}" + (f"_{args.shape}" if args.shape != "smollm2" else "") + (f"_b{batch}" if batch > 1 else "")

@@ -41,21 +41,18 @@ def _num(x, unit, digits=2):
 UNRECORDED = "?"
 
 
-def hosts(rows: list[dict]) -> dict[str, str]:
-    """A short label for each machine that compiled some of `rows` ("A", "B", ... in order of first appearance):
-    compile seconds compare only between rows of one machine: e20520c's rows took about half the seconds of today's
-    for the same decode programs, yet e20520c's code compiled them no faster than today's on one machine
-    (`benchmarks/results/tpu_compile_same_machine.md`): they came from a faster one."""
-    names = dict.fromkeys(r["host"] for r in rows if r.get("host"))
-    return {name: chr(ord("A") + i) for i, name in enumerate(names)}
+def hosts(records: list[dict]) -> dict[str, str]:
+    """A label for each machine that compiled some of `records`, numbered in the order the records first name it
+    (every chip's, so a machine has one label in both tables, and a recompiled row never renumbers the others)."""
+    names = dict.fromkeys(r["host"] for r in records if r.get("host"))
+    return {name: str(i + 1) for i, name in enumerate(names)}
 
 
 def _host(r: dict, labels: dict[str, str]) -> str:
     return labels[r["host"]] if r.get("host") else UNRECORDED
 
 
-def kernel_table(rows: list[dict]) -> list[str]:
-    labels = hosts(rows)
+def kernel_table(rows: list[dict], labels: dict[str, str]) -> list[str]:
     out = ["| kernel | shape | compiles | compile s | arguments MiB | temporaries MiB | peak MiB | load | host |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -68,8 +65,8 @@ def kernel_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def model_table(rows: list[dict], chip: str) -> list[str]:
-    bw, labels = tpu.CHIPS[chip].hbm_bandwidth, hosts(rows)
+def model_table(rows: list[dict], chip: str, labels: dict[str, str]) -> list[str]:
+    bw = tpu.CHIPS[chip].hbm_bandwidth
     out = ["| model | program | policy | batch | prompt | compile s | arguments GiB | temporaries GiB | peak GiB | "
            "fits | GFLOP | GB accessed | accessed / arguments | roofline ms (arguments at HBM bandwidth) | load | "
            "host | code |",
@@ -85,14 +82,15 @@ def model_table(rows: list[dict], chip: str) -> list[str]:
         fits = {True: "yes", False: "**no**", None: ""}[r.get("fits")]
         if not r["ok"]:
             out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | | | | | {fits} | | | | "
-                       f"{r['error'][:160]} | {r.get('load', '')} | {_host(r, labels)} | {r.get('commit', FIRST_RECORDS)} |")
+                       f"{r['error'][:160]} | {r.get('load', '')} | {_host(r, labels)} | "
+                       f"{r.get('commit', FIRST_RECORDS)} |")
             continue
         ratio = f"{r['bytes_accessed'] / r['argument_bytes']:.2f}" if step else ""
         ms = f"{1e3 * r['argument_bytes'] / bw:.2f}" if step else ""
         out.append(f"| {model} | {program} | {policy} | {batch} | {prompt} | {r['compile_s']:.1f} | "
                    f"{_num(r['argument_bytes'], GiB)} | {_num(r['temp_bytes'], GiB)} | {_num(r['peak_bytes'], GiB)} | "
-                   f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | {r.get('load', '')} | "
-                   f"{_host(r, labels)} | {r.get('commit', FIRST_RECORDS)} |")
+                   f"{fits} | {r['flops'] / 1e9:.1f} | {r['bytes_accessed'] / 1e9:.2f} | {ratio} | {ms} | "
+                   f"{r.get('load', '')} | {_host(r, labels)} | {r.get('commit', FIRST_RECORDS)} |")
     return out
 
 
@@ -140,7 +138,10 @@ def largest_table(records: list[dict], chip: str) -> list[str]:
 
 
 def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
-    rows = _latest(records, chip)
+    rows, labels = _latest(records, chip), hosts(records)
+    legend = [f"{labels[name]}: {name}" for name in dict.fromkeys(r["host"] for r in rows if r.get("host"))]
+    if any(not r.get("host") for r in rows):
+        legend.append(f"{UNRECORDED}: not recorded (compiled before rows named their machine)")
     c = tpu.CHIPS[chip]
     md = [f"# kvjax compiled for TPU {chip} (`python -m benchmarks.tpu_aot`)", "",
           f"Compiled ahead of time by libtpu for a virtual `{c.topology}` topology, one chip, on a CPU-only machine: "
@@ -152,13 +153,12 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
           f"is its arguments (the weights and the cache, read once each) at {c.hbm_bandwidth / 1e9:.0f} GB/s: the "
           f"least time it can take on this chip, not a measurement. "
           "Compile seconds are wall time on the CPU of the `host` column and compare only between rows of one "
-          "host: " + "; ".join([f"{label}: {name}" for name, label in hosts(rows).items()] +
-                               [f"{UNRECORDED}: not recorded (compiled before rows named their machine)"] *
-                               any(not r.get("host") for r in rows)) +
-          ". `load` is the 1-minute load average around each compile (above 1 on 2 cores, another job shared them "
-          "and the seconds are inflated).", ""]
+          "host (the same programs compiled in 0.5–0.6 of the seconds on one machine as on another, "
+          "`tpu_compile_same_machine.md`)" + (": " + "; ".join(legend) if legend else "") + ". `load` is the "
+          "1-minute load average around each compile (above half the host's cores, another job shared them and the "
+          "seconds are inflated).", ""]
     if any(not r["spec"][0].startswith("model") for r in rows):
-        md += ["## Kernels (Mosaic)", "", *kernel_table(rows), ""]
+        md += ["## Kernels (Mosaic)", "", *kernel_table(rows, labels), ""]
     if any(r["spec"][0].startswith("model") for r in rows):
         md += ["## Whole model (kvjax's Llama, bf16, `attention_impl=\"pallas\"`)", "",
                "Llama-3.2-1B and Llama-3.1-8B shapes with random weights. Budgets: 4096 slots per layer and KV head "
@@ -175,7 +175,7 @@ def write_tables(records: list[dict], chip: str, out_dir: Path) -> str:
                " XLA's cost analysis counts a loop's body once, so a scanned program's GFLOP and GB accessed count "
                "one layer of each scanned run.",
                "",
-               *model_table(rows, chip), "",
+               *model_table(rows, chip, labels), "",
                "## The largest prompt each policy fits", "",
                "An affine fit of the prefill's compiled peak bytes against prompt length (two compiled lengths per "
                "batch, on the larger chip, v6e), solved for this chip's HBM and rounded down to 1024 tokens (at "

@@ -107,34 +107,29 @@ model\t\t: 17
 model name\t: AMD EPYC 9B14
 """
 
+# an Arm Neoverse V2 core's block (Linux on arm64), abridged
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2000.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm sve sve2
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x0
+CPU part\t: 0xd4f
+CPU revision\t: 1
+
+processor\t: 1
+BogoMIPS\t: 2000.00
+"""
+
 
 def test_a_timing_names_the_machine_it_ran_on(monkeypatch):
     """Compile seconds and timings compare only on one machine (kvjax's tables have come from VMs whose matmuls
     differ 2x), so every table names it: the model name with its family and model numbers, and the cores."""
     monkeypatch.setattr(timing, "cores", lambda: 2)
     assert timing.machine(CPUINFO) == "AMD EPYC 9B14 (family 25, model 17), 2 cores"
-    # no x86 numbers (another architecture's cpuinfo): the name alone; no cpuinfo at all: Python's name for it
-    assert timing.machine("processor\t: 0\nmodel name\t: Neoverse-V2\n") == "Neoverse-V2, 2 cores"
+    # Arm's cpuinfo has no model name: the architecture's name with the implementer and part codes
     monkeypatch.setattr(timing.platform, "processor", lambda: "")
     monkeypatch.setattr(timing.platform, "machine", lambda: "aarch64")
-    assert timing.machine("") == "aarch64, 2 cores"
+    assert timing.machine(ARM_CPUINFO) == "aarch64 (implementer 0x41, part 0xd4f), 2 cores"
+    assert timing.machine("") == "aarch64, 2 cores"  # no cpuinfo (not Linux): Python's name for the processor
 
-
-def test_tpu_tables_label_each_compiling_machine_and_the_rows_that_named_none(tmp_path):
-    """Rows from two machines and one from before rows named theirs: a host column, and a legend saying which
-    machine each label is, so compile seconds are compared only within one."""
-    from benchmarks.tpu_tables import write_tables
-
-    def row(shape, seconds, host=None):
-        r = {"kernel": "decode", "shape": shape, "ok": True, "compile_s": seconds, "argument_bytes": 1 << 20,
-             "temp_bytes": 0, "peak_bytes": 1 << 20, "chip": "v6e", "spec": ["decode", shape], "load": 0.5}
-        return r | ({"host": host} if host else {})
-
-    records = [row("old", 3.6), row("b1", 6.3, "AMD EPYC 9B14 (family 25, model 17), 2 cores"),
-               row("b8", 7.1, "Intel Xeon (family 6, model 207), 2 cores"),
-               row("b2", 6.4, "AMD EPYC 9B14 (family 25, model 17), 2 cores")]
-    md = write_tables(records, "v6e", tmp_path).splitlines()
-    assert ("host: A: AMD EPYC 9B14 (family 25, model 17), 2 cores; B: Intel Xeon (family 6, model 207), 2 cores; "
-            "?: not recorded (compiled before rows named their machine).") in md[2]
-    cells = {line.split(" | ")[1]: line.rstrip(" |").rsplit(" | ", 1)[1] for line in md if line.startswith("| decode")}
-    assert cells == {"old": "?", "b1": "A", "b8": "B", "b2": "A"}
