@@ -38,6 +38,7 @@ for sa, sb in [((2048, 2048), (2048, 2048)), ((2048, 576), (576, 1536))]:
                      "gflop_s_max": rate.max})
         print(f"{impl:5s} {sa} @ {sb}: {rate.median:.0f} GFLOP/s ({rate.min:.0f}–{rate.max:.0f})")
 out = {"machine": timing.machine(), "jax": jax.__version__, "torch": torch.__version__,
-       "torch_threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg(), "rows": rows}
+       "torch_threads": torch.get_num_threads(), "load_before": load_before, "load_after": os.getloadavg(),
+       "rows": rows}
 with open(sys.argv[1], "w") as fh:
     json.dump(out, fh, indent=1)

@@ -1,7 +1,7 @@
-"""One `benchmarks.tpu_aot` model program compiled for a TPU by the kvjax of a given checkout (tpu_compile_same_machine.md):
-python compile_one.py TREE CHIP POLICY PROGRAM BATCH PROMPT, in a process started with `kvjax.tpu.offline_env(CHIP)`.
-TREE goes first on sys.path, so two commits' code compile the same program on one machine; the kvjax imported is
-printed, then the compile seconds."""
+"""One `benchmarks.tpu_aot` model program compiled for a TPU by the kvjax of a given checkout
+(tpu_compile_same_machine.md): python compile_one.py TREE CHIP POLICY PROGRAM BATCH PROMPT, in a process started
+with `kvjax.tpu.offline_env(CHIP)`. TREE goes first on sys.path, so two commits' code compile the same program on
+one machine; the kvjax imported is printed, then the compile seconds."""
 import sys
 import time
 
