@@ -2,12 +2,25 @@
 plain, each product split in two halves along its output by slicing, and with the halves stored apart (two
 independent dots the two cores could run at once); first the largest difference from plain. profile.md:
 python split_products.py LABEL (both cores), taskset -c 0 python split_products.py LABEL (one)"""
+import os
 import sys
 import time
 
-from xla_flags import D, W, jax, jnp, layers, np, rng  # noqa: E402  (SmolLM2's layer shapes, random weights)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: a CPU run only (libtpu never starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-
+D, F, L = 576, 1536, 30
+rng = np.random.default_rng(0)
+shapes = [(D, D), (D, 192), (D, 192), (D, D), (D, F), (D, F), (F, D)]
+W = [[jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02) for s in shapes] for _ in range(L)]
+def layers(x, weights):
+    for w in weights:
+        q, k, v = x @ w[0], x @ w[1], x @ w[2]
+        a = q @ w[3] + jnp.sum(k) + jnp.sum(v)
+        x = x + (jax.nn.silu(a @ w[4]) * (a @ w[5])) @ w[6] * 0.01
+    return x
 # split each product into two halves along `out` (two independent dots the executor may run at once)
 def mv2(a, m):
     h = m.shape[1] // 2
