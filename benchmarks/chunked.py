@@ -1,4 +1,4 @@
-"""Chunked prefill on the CPU, measured side by side in one run on kvjax-small (`models/small`):
+"""Chunked prefill on the CPU, measured side by side in one run on kvjax-small (`kvjax/models/small`):
 
 1. StreamingLLM perplexity over a 64K-token text (rolling positions, budget 256, 4 sinks), read token
    by token (`prefill_mode="stream"`, the paper's protocol) and in chunks of 512 (the same numbers):
@@ -40,14 +40,14 @@ CHUNK = 512
 
 
 def _model():
-    from models import SMALL_DIR, load
+    from kvjax.models import SMALL_DIR, load
 
     return load(SMALL_DIR)
 
 
 def perplexity_text(lm, n: int) -> list[int]:
     """`n` tokens of the library text (training and held-out documents, repeated if need be)."""
-    from experiments import corpus
+    from kvjax.experiments import corpus
 
     docs = [t for split in ("heldout", "train") for _, t in (*corpus.doc_documents(split),
                                                              *corpus.code_documents(split))]

@@ -15,7 +15,7 @@ column sums, `kvjax.generate.capture_fn`) and "recache of N" (the N plans' cache
 memory above the process's while each program was compiled once more and run (`run_seconds`). Each
 figure is the median of `--repeats` (min–max); compile seconds are tracing + lowering to StableHLO + XLA's
 compilation. `--layer-loop`: `unroll` traces every layer (kvjax before the scan), `scan` (the default) runs each run of
-layers alike as one scanned body (`models.llama.Llama.__call__`). A CPU table is refused on a busy machine
+layers alike as one scanned body (`kvjax.models.llama.Llama.__call__`). A CPU table is refused on a busy machine
 (`benchmarks.timing`). Writes compile_<platform>[_<model>].json / .md. Numbers are for reading, never asserted in
 tests.
 """
@@ -49,7 +49,7 @@ from kvjax.policies import (
     SnapKV,
     StreamingLLM,
 )
-from models import load
+from kvjax.models import load
 
 NEW_TOKENS = 32
 PROGRAMS = ("prefill full", "prefill snapkv", "prefill mat", "prefill razor", "decode loop", "shared pass of 4",
@@ -185,7 +185,7 @@ def main(argv=None):
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
 
     names = [n.strip() for n in args.programs.split(",") if n.strip()]
     for n in names:

@@ -26,8 +26,8 @@ from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
 from kvjax.cli import add_compile_cache_flag, description
 from kvjax import drive
-from models import load
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 
 def time_prefill(graphdef, state, tokens, positions, plan, repeats) -> timing.Spread:

@@ -21,12 +21,12 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import timing
-from experiments.efficiency import time_policy
+from kvjax.experiments.efficiency import time_policy
 from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
 from kvjax.cli import add_compile_cache_flag, description
-from models import load
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 BENCH_CONFIG = dict(
     vocab_size=260, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=2,
@@ -49,7 +49,7 @@ def bench_meta(**extra) -> dict:
 
 def time_kvjax(model, ids, policy, new, repeats=3):
     """Decode tokens/s and prefill seconds, each the median of `repeats` samples with its range, and cache bytes.
-    A sample is one `experiments.efficiency.time_policy` call timing one prefill and one decode loop, each after an
+    A sample is one `kvjax.experiments.efficiency.time_policy` call timing one prefill and one decode loop, each after an
     untimed one (the first of all compiles)."""
     runs = [time_policy(model, [ids], policy, new, 1) for _ in range(repeats)]
     spread = lambda key: timing.Spread(tuple(r[key] for r in runs))  # noqa: E731

@@ -8,7 +8,7 @@ transformers + kvpress, side by side in one run, on the same weights and device.
     python -m benchmarks.e2e --shape issue25 --lengths 1024,4096,16384 --batches 1 --budget 256 \
         --policies full,streaming --new 64 --compile-layers ''   # issue #25's CPU table
     python -m benchmarks.e2e --model smollm2 --batches 1 --policies full,streaming,snapkv,'snapkv chunked 512' \
-        --compile-layers ''                      # the real model (python -m models.fetch smollm2), 2K-8K prompts
+        --compile-layers ''                      # the real model (python -m kvjax.models.fetch smollm2), 2K-8K prompts
 
 Per (implementation, policy, prompt length, batch): time to first token (the prompt's prefill and the
 first sampled token), decode tokens/s per row, cache bytes, peak device memory (GPU/TPU only: CPU
@@ -36,7 +36,7 @@ e2e_<platform>_<model name>.*.
 
 Budgets: `--budget` tokens per layer and KV head for kvjax; kvpress takes a compression ratio, so it
 gets `1 - budget / prompt`, the same kept count. MAT's prompt is attended whole here
-(`prefill_mode="full"`): its token-by-token protocol is MAT Table 6's, in `experiments.efficiency`.
+(`prefill_mode="full"`): its token-by-token protocol is MAT Table 6's, in `kvjax.experiments.efficiency`.
 RazorAttention protects a fixed quarter of the KV heads (random weights have no retrieval heads).
 """
 
@@ -60,15 +60,15 @@ from tqdm import tqdm
 
 from benchmarks import timing
 from benchmarks.timing import rss_peak
-from experiments.efficiency import peak_bytes
+from kvjax.experiments.efficiency import peak_bytes
 from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax import drive
-from models import load
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B), a CPU-sized one, and the
 # model of issue #25's first table (4 layers, d 256), for its prefill / decode / kvpress columns re-measured.
@@ -300,7 +300,7 @@ def main(argv=None):
     batches = [int(x) for x in args.batches.split(",")]
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.model:
-        from models.loading import resolve
+        from kvjax.models.loading import resolve
 
         ckpt = resolve(args.model)
         lm = load(ckpt, tokenizer=False, dtype=dtype, attention_impl=args.attention_impl)

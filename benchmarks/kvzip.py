@@ -29,7 +29,7 @@ from kvjax.policies import KVzip, SnapKV
 from benchmarks import timing
 from kvjax.cli import add_compile_cache_flag, description, model_help
 from kvjax import drive
-from models import load
+from kvjax.models import load
 
 
 def best(fn, repeats: int) -> tuple[float, timing.Spread]:
@@ -76,7 +76,7 @@ def main(argv=None):
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
 
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")  # the load before the run
     lm = load(args.model or DEFAULT_MODEL_DIR)

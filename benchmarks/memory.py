@@ -2,10 +2,10 @@
 
     python -m benchmarks.memory --model smollm2 --out docs/report-smollm2/runs/memory
 
-Each cell `TOKENSxPROMPTS` runs `python -m experiments.passkey --policy full --lengths TOKENS --samples PROMPTS
+Each cell `TOKENSxPROMPTS` runs `python -m kvjax.experiments.passkey --policy full --lengths TOKENS --samples PROMPTS
 --batch PROMPTS --depths 0.5` (the full cache: the most a policy holds) as a child process, and records the
 child's peak resident set size (its VmHWM: the kernel's own peak, nothing sampled). OUT/rss.json
-is rewritten atomically after every cell, with the model's cache shape, so `experiments.report_page`'s `memory`
+is rewritten atomically after every cell, with the model's cache shape, so `kvjax.experiments.report_page`'s `memory`
 block can say how much of the growth per token is the cache. Memory, not time: another job on the cores does
 not change it, so there is no load guard. The children use the persistent compilation cache as any passkey run
 does, so a cell whose programs are cached does not count the compiler's own memory.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments.records import write_atomic
+from kvjax.experiments.records import write_atomic
 from kvjax.cli import description, model_help
 from kvjax.errors import InvalidInput
 
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     todo = cells(args.cells)
-    from models import load
-    from models.loading import resolve
+    from kvjax.models import load
+    from kvjax.models.loading import resolve
 
     lm = load(resolve(args.model), tokenizer=False)  # the cache's shape and dtype, for the block's per-token bytes
     config, dtype = lm.config, str(getattr(lm.model, "dtype", ""))
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = ["--model", args.model, "--policy", "full", "--lengths", str(tokens), "--samples", str(prompts),
                    "--batch", str(prompts), "--depths", "0.5"]
-            rss = peak_rss("experiments.passkey", [*cmd, "--out", tmp])
-        rows.append({"command": "python -m experiments.passkey " + " ".join(cmd), "prompt_tokens": tokens,
+            rss = peak_rss("kvjax.experiments.passkey", [*cmd, "--out", tmp])
+        rows.append({"command": "python -m kvjax.experiments.passkey " + " ".join(cmd), "prompt_tokens": tokens,
                      "prompts": prompts, "peak_rss_bytes": rss})
         record = {"dtype": dtype, "layers": config.num_layers, "kv_heads": config.num_kv_heads,
                   "head_dim": config.head_dim, "machine": platform.platform(), "python": platform.python_version(),

@@ -28,8 +28,8 @@ from kvjax.masks import Mask
 from benchmarks import timing
 from kvjax.cli import add_compile_cache_flag, description
 from kvjax import drive
-from models import load
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=2,
               head_dim=32, max_position_embeddings=32768)

@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import timing
+from benchmarks.tpu_tables import FIT_POINTS, MAX_PROMPT, largest_prompt, write_tables
 from kvjax import cli, tpu
 from kvjax.errors import InvalidInput
 from kvjax import drive
@@ -220,7 +221,7 @@ QUESTION = 64  # the question's bucket (a RULER question is under 64 tokens)
 
 def model_config(shape: str, layers: int | None = None, max_len: int = 1 << 17):
     from kvjax.rope import RopeConfig
-    from models.llama import LlamaConfig
+    from kvjax.models.llama import LlamaConfig
 
     spec = dict(SHAPES[shape], num_layers=layers or SHAPES[shape]["num_layers"])
     return LlamaConfig(**spec, max_position_embeddings=max_len, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
@@ -253,7 +254,7 @@ def abstract_model(cfg, sharding):
     model)`; `model` answers the plan's questions (its config), never computes."""
     from flax import nnx
 
-    from models.llama import Llama
+    from kvjax.models.llama import Llama
 
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
@@ -436,27 +437,8 @@ def run_chip(chip: str, specs: list[list], records: Path, timeout: float = 3600)
 
 # ---- the model table: the programs at a report point, and the largest prompt each policy fits ----
 
-FIT_POINTS = {1: (8192, 32768), 8: (2048, 8192)}  # prompt lengths compiled to fit memory against length, by batch
-MAX_PROMPT = 131072  # the Llama 3 models' context
-
-
 def model_specs(model: str, batch: int, prompt: int, programs=("prefill", "step", "loop")) -> list[list]:
     return [["model", model, policy, program, batch, prompt] for policy in POLICIES for program in programs]
-
-
-def largest_prompt(rows: list[dict], chip: str) -> int | None:
-    """The longest prompt (a multiple of 1024, at most 128K) whose prefill the affine fit of the compiled points'
-    peak bytes against prompt length puts within `chip`'s HBM; None if even the shortest point does not fit."""
-    pts = sorted((r["spec"][5], r["peak_bytes"]) for r in rows if r["ok"])
-    if len(pts) < 2:
-        return None
-    (t0, m0), (t1, m1) = pts[0], pts[-1]
-    slope = (m1 - m0) / (t1 - t0)
-    room = tpu.CHIPS[chip].hbm_bytes - m0
-    if room < 0:
-        return None
-    t = MAX_PROMPT if slope <= 0 else min(MAX_PROMPT, t0 + int(room / slope))
-    return t // 1024 * 1024
 
 
 def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
@@ -525,8 +507,6 @@ def main(argv: list[str] | None = None) -> int:
             run_chip(chip, list(kernel_specs(a.quick)), records)
     if "models" in suites:
         models_stage(records, chips, a.quick)
-    from benchmarks.tpu_tables import write_tables
-
     for chip in chips:
         print(write_tables(read_records(records), chip, a.out))
     return 0

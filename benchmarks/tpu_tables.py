@@ -10,8 +10,27 @@ from kvjax import tpu
 
 MiB, GiB = 1 << 20, 1 << 30
 # The commit of the rows recorded before each row named its own (all compiled at it): before the layers were scanned
-# (e189fcc) and a scanned run picked its parameters instead of stacking them (`models.llama.stacks_parameters`).
+# (e189fcc) and a scanned run picked its parameters instead of stacking them (`kvjax.models.llama.stacks_parameters`).
 FIRST_RECORDS = "e20520c"
+
+
+FIT_POINTS = {1: (8192, 32768), 8: (2048, 8192)}  # prompt lengths compiled to fit memory against length, by batch
+MAX_PROMPT = 131072  # the Llama 3 models' context
+
+
+def largest_prompt(rows: list[dict], chip: str) -> int | None:
+    """The longest prompt (a multiple of 1024, at most 128K) whose prefill the affine fit of the compiled points'
+    peak bytes against prompt length puts within `chip`'s HBM; None if even the shortest point does not fit."""
+    pts = sorted((r["spec"][5], r["peak_bytes"]) for r in rows if r["ok"])
+    if len(pts) < 2:
+        return None
+    (t0, m0), (t1, m1) = pts[0], pts[-1]
+    slope = (m1 - m0) / (t1 - t0)
+    room = tpu.CHIPS[chip].hbm_bytes - m0
+    if room < 0:
+        return None
+    t = MAX_PROMPT if slope <= 0 else min(MAX_PROMPT, t0 + int(room / slope))
+    return t // 1024 * 1024
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -102,8 +121,6 @@ def largest_table(records: list[dict], chip: str) -> list[str]:
     """Per model, policy and batch: the longest prompt whose prefill the fit (on the larger chip's compiles, as
     `benchmarks.tpu_aot.models_stage` makes them) predicts within this chip's HBM, and whether this chip's
     compile at that length fits (the compiler's verdict)."""
-    from benchmarks.tpu_aot import FIT_POINTS, largest_prompt
-
     chips = {r["chip"] for r in _prefills(records)}
     fit_chip = max(chips, key=lambda c: tpu.CHIPS[c].hbm_bytes)
     fit_rows, own = _prefills(_latest(records, fit_chip)), _prefills(_latest(records, chip))

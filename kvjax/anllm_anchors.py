@@ -1,5 +1,5 @@
 """AnLLM's anchor tokens (papers/anllm-anchor-based-llms.md): the eq. 4 mask from token ids,
-AnLLM-AC's `<AC>` token in a token stream (adding it to a model and tokenizer: `models.vocab`), sentence splitting.
+AnLLM-AC's `<AC>` token in a token stream (adding it to a model and tokenizer: `kvjax.models.vocab`), sentence splitting.
 
 A sequence ends with its anchor: AnLLM-EP's anchors are existing ids (the English
 period), AnLLM-AC's a new `<AC>` token appended after every sentence.

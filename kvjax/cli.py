@@ -1,4 +1,4 @@
-"""How every entry point (`python -m experiments.<name>`, `models.fetch`, `benchmarks.*`) ends: a user error as one line, a bug with its traceback.
+"""How every entry point (`python -m kvjax.experiments.<name>`, `kvjax.models.fetch`, `benchmarks.*`) ends: a user error as one line, a bug with its traceback.
 
     if __name__ == "__main__":
         sys.exit(cli.run(main))
@@ -34,10 +34,10 @@ def description(doc: str | None) -> str:
 
 
 def model_help(default: str | None = None) -> str:
-    """--model's help, the same in every suite, trainer and benchmark: every form `models.load` reads, and the
+    """--model's help, the same in every suite, trainer and benchmark: every form `kvjax.models.load` reads, and the
     default."""
     return ("a local Hugging Face directory, a .gguf file, or a fetched model's name (smollm2, after python -m "
-            "models.fetch smollm2)" + (f"; default: {default}" if default else ""))
+            "kvjax.models.fetch smollm2)" + (f"; default: {default}" if default else ""))
 
 
 def debugging(argv: Sequence[str]) -> bool:
@@ -84,7 +84,7 @@ def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None, *,
     except KeyboardInterrupt:
         if debugging(argv):
             raise
-        # every finished record was appended and fsynced as it finished (experiments.records.ResultLog)
+        # every finished record was appended and fsynced as it finished (kvjax.experiments.records.ResultLog)
         print("interrupted: the records finished so far are kept; run the same command again to resume",
               file=sys.stderr)
         return 130

@@ -30,7 +30,7 @@ _announced = False
 
 
 def home() -> Path:
-    """kvjax's home: `$KVJAX_HOME`, else ~/.cache/kvjax (the rule of `models.fetch.home`)."""
+    """kvjax's home: `$KVJAX_HOME`, else ~/.cache/kvjax (the rule of `kvjax.models.fetch.home`)."""
     return Path(os.environ.get("KVJAX_HOME") or Path.home() / ".cache" / "kvjax").expanduser()
 
 

@@ -140,7 +140,7 @@ def release_programs_near_map_limit(share: float = MAP_SHARE) -> bool:
     the RULER section's shared passes) reaches `vm.max_map_count` (65,530 by default), where LLVM fails to allocate
     and the process dies with a segmentation fault. Dropped programs free their regions; a later call compiles again,
     or reads the persistent compilation cache. Results do not change. Called by the next compiled call after any
-    compile (`_look_after_compiles`), between a suite's batches (`experiments.driver.fill`) and between a report's
+    compile (`_look_after_compiles`), between a suite's batches (`kvjax.experiments.driver.fill`) and between a report's
     sections."""
     global _released
     got = mapped_regions()

@@ -207,7 +207,7 @@ def load_gates(model, path: str | Path, **overrides):
     for f in (meta_file, weights):
         if not f.is_file():
             raise MissingFile(f"{f} not found: --gate-params must be a directory written by "
-                              "experiments.train_gate (gate.json + gate.safetensors)")
+                              "kvjax.experiments.train_gate (gate.json + gate.safetensors)")
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:

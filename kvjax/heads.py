@@ -310,10 +310,10 @@ def save_heads(path, **fields) -> None:
 
 
 def load_heads(path) -> dict:
-    """Reads a heads file written by `save_heads` / `python -m experiments.find_heads`."""
+    """Reads a heads file written by `save_heads` / `python -m kvjax.experiments.find_heads`."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"heads file {str(path)!r} does not exist (make one with python -m experiments.find_heads)")
+        raise FileNotFoundError(f"heads file {str(path)!r} does not exist (make one with python -m kvjax.experiments.find_heads)")
     data = json.loads(path.read_text())
     for key in ("num_layers", "num_kv_heads"):
         if key not in data:

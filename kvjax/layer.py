@@ -15,7 +15,7 @@ Shapes: q `[b, h, t, d]`, k / v `[b, kvh, t, d]` (`decode`: `[b, h, d]`, `[b, kv
 (`[b]`), -1 on padding. Head-group dispatch (a plan that splits the KV heads: RazorAttention, DuoAttention),
 rolling positions (keys cached unrotated and rotated by their rank), the eq. 4 mask and cache construction live
 here, so a model of any structure (Flax, pure pytrees, ...) only projects, calls `attend`, and projects back
-(`models/llama.py` and the pure-pytree decoder of `tests/test_own_model.py` do exactly that).
+(`kvjax/models/llama.py` and the pure-pytree decoder of `tests/test_own_model.py` do exactly that).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ handed untouched to `kvjax.layer.attend` in that layer's attention and collected
 (`kvjax.step`): what the forward does to the cache (a whole prompt, a chunk, one token, a read-only extension,
 several plans sharing one pass, the plain forward); the model passes it to `kvjax.layer.attend` and picks its
 logits with `step.select(hidden)` before its final norm and head. Logits are float32 (or the model's accumulation
-dtype). A model of any structure satisfies it: kvjax's Flax NNX `models.llama.Llama`, or a registered pytree of
+dtype). A model of any structure satisfies it: kvjax's Flax NNX `kvjax.models.llama.Llama`, or a registered pytree of
 arrays (`tests/test_own_model.py`); `kvjax.engine.compiled` jits either.
 
 Compiling one body for many layers: `step.layer_runs(num_layers)` gives the runs of neighbouring layers the step
 treats alike (`kvjax.layer_runs`; equal plans up to the index, rules that read nothing of it). A model may run each
 run whose layers also share a structure as one `lax.scan` over their parameters and stacked carry entries, every
-scanned layer passing the run's first index to `attend`; `models.llama.Llama` does, so a 30-layer program compiles
+scanned layer passing the run's first index to `attend`; `kvjax.models.llama.Llama` does, so a 30-layer program compiles
 a few layer bodies instead of 30. An unrolled model is as correct.
 """
 

@@ -141,7 +141,7 @@ def load(path: str | Path) -> tuple[Surrogate, dict]:
     path = Path(path).absolute()
     if not (path / META).is_file() or not (path / "params").is_dir():
         raise MissingFile(f"{path}: not a KVzap surrogate (a directory with {META} and params/, written by "
-                          "python -m experiments.train_kvzap)")
+                          "python -m kvjax.experiments.train_kvzap)")
     try:
         meta = json.loads((path / META).read_text())
     except ValueError as err:

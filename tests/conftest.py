@@ -19,7 +19,7 @@ import kvjax.backends  # noqa: E402, F401  (the CPU only on a machine without ac
 import pytest
 from hypothesis import Phase, settings
 
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 # Parity tolerances (1e-4 / 1e-5 in float32) assume true float32 matmuls; GPUs default to
 # TF32 for float32 dots, so the suite asks for full precision on every backend.
@@ -49,7 +49,7 @@ def sdpa_llama(path, *, seed: int, input_norm_noise: float = 0.0):
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models import load
+    from kvjax.models import load
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
@@ -126,7 +126,7 @@ def sharp_mha_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from models import load
+    from kvjax.models import load
 
     return load(tiny_dir)
 

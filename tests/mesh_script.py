@@ -12,7 +12,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from kvjax import FullCache, StreamingLLM, generate  # noqa: E402
 from kvjax.sharding import make_mesh, shard_model  # noqa: E402
-from models import load  # noqa: E402
+from kvjax.models import load  # noqa: E402
 from kvjax import drive
 
 

@@ -126,7 +126,7 @@ def test_fact_task_with_absent_distractors_holds_only_the_answer(capsys):
     """`--distractors absent` (the task SmolLM2-135M's full attention does): of each item's options only the
     answer is a demonstration's number, and it is the asked name's; the answer's place varies; the
     default task (other demonstrations' numbers) is unchanged by the option."""
-    from experiments import eval_anllm
+    from kvjax.experiments import eval_anllm
 
     demos, items = eval_anllm.fact_task(40, 5, 4, 0, "absent")
     code = {d.split()[3]: d.split()[5].rstrip(".") for d in demos}
@@ -159,8 +159,8 @@ def test_errors():
 def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
     import json
 
-    from experiments import train_anllm
-    from models import load
+    from kvjax.experiments import train_anllm
+    from kvjax.models import load
 
     data = tmp_path / "d.txt"
     data.write_text("The cache holds keys. Anchors compress a sentence! Is it enough? Yes. " * 20)
@@ -180,7 +180,7 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
     assert (out / "training" / "loss.png").is_file()
 
     # The paper's metrics on the trained directory; the anchors come from its config.json.
-    from experiments import eval_anllm
+    from kvjax.experiments import eval_anllm
 
     ev = tmp_path / "eval"
     eval_argv = ["--model", str(out), "--out", str(ev), "--items", "6", "--time-items", "2"]
@@ -206,8 +206,8 @@ def test_train_anllm_cli_writes_a_loadable_model(tiny_dir, tmp_path, variant):
 
 
 def test_ac_embedding_init(tiny):
-    from models.vocab import add_ac_token
-    from models import load
+    from kvjax.models.vocab import add_ac_token
+    from kvjax.models import load
 
     lm = load(tiny.path)
     emb = np.asarray(lm.model.embed_tokens.embedding[...])
@@ -235,7 +235,7 @@ def metaspace_tokenizer():
 
 
 def test_anchor_id_is_the_sentence_final_period_on_a_metaspace_tokenizer():
-    from experiments.train_anllm import anchor_ids_of
+    from kvjax.experiments.train_anllm import anchor_ids_of
     from kvjax.anllm_anchors import anchor_flags
 
     tok = metaspace_tokenizer()
@@ -289,9 +289,9 @@ def test_table_3_placements_every_n_tokens_and_at_random(tiny_dir, tmp_path):
     the evaluation's demonstrations (read back from config.json)."""
     import json
 
-    from experiments import eval_anllm, train_anllm
+    from kvjax.experiments import eval_anllm, train_anllm
     from kvjax.anllm_anchors import parse_placement, place_anchors
-    from models import load
+    from kvjax.models import load
 
     ids = list(range(100, 135))
     every = place_anchors(ids, 7, "every:10")
@@ -346,12 +346,12 @@ def test_anchors_in_one_head_group_are_refused_with_the_reason(tiny):
 
 
 def test_identity_train_anllm_never_reads_the_held_out_topics(tiny_dir, tmp_path, monkeypatch):
-    """The default text's held-out topics (`experiments.corpus`) are what the zero-shot and LongBench passages
+    """The default text's held-out topics (`kvjax.experiments.corpus`) are what the zero-shot and LongBench passages
     and perplexity's default text are made of: `train_anllm` must not train on them, or an evaluation of the
     trained model on them scores text it learned. No 128-token stretch of a held-out topic (bytes: 128
     characters) is in a training window. Before 2026-11-27 it trained on every topic."""
-    from experiments import corpus, train_anllm
-    from models import load
+    from kvjax.experiments import corpus, train_anllm
+    from kvjax.models import load
 
     class Stop(Exception):
         pass

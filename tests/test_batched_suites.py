@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cli
-from experiments import needle
-from experiments import passkey
-from experiments.longbench import __main__ as lb_cli
-from experiments.ruler import __main__ as ruler_cli
+from kvjax.experiments import cli
+from kvjax.experiments import needle
+from kvjax.experiments import passkey
+from kvjax.experiments.longbench import __main__ as lb_cli
+from kvjax.experiments.ruler import __main__ as ruler_cli
 
 
 def _records(out: Path) -> dict:

@@ -94,9 +94,9 @@ def test_kvzip_benchmark_writes_its_table_and_counts_the_replays(tmp_path):
     """On the embedded model at 300 tokens: one replay of the 300 context tokens plus kvpress's prompt and the
     suffix, and every time finite and positive."""
     from benchmarks import kvzip as bench
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
     from kvjax.kvzip import replay_prompts
-    from models.loading import load_tokenizer
+    from kvjax.models.loading import load_tokenizer
 
     bench.main(["--lengths", "300", "--repeats", "1", "--out", str(tmp_path), "--allow-load"])
     (row,) = json.loads((tmp_path / "kvzip_cpu.json").read_text())["rows"]
@@ -116,9 +116,9 @@ def test_compile_benchmark_times_cold_compiles_only(tmp_path):
     import sys
 
     from benchmarks import compile as bench
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
     from kvjax.errors import InvalidInput
-    from models import load
+    from kvjax.models import load
 
     fn, args, kw = bench.program(load(DEFAULT_MODEL_DIR), "prefill full", 32)
     with pytest.raises(InvalidInput, match="persistent compilation cache"):
@@ -143,9 +143,9 @@ def test_compile_benchmark_batches_the_prompt_programs_and_refuses_a_batched_dec
     """`--batch N`: the prompt passes read N prompt rows; the decode loop's arguments are one row's, so a batched
     decode loop is refused by name before anything loads."""
     from benchmarks import compile as bench
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
     from kvjax.errors import InvalidInput
-    from models import load
+    from kvjax.models import load
 
     lm = load(DEFAULT_MODEL_DIR)
     for name in ("prefill full", "shared pass of 2"):
@@ -163,9 +163,9 @@ def test_compile_benchmark_recaches_the_plans_of_the_shared_pass_it_is_compared_
     import numpy as np
 
     from benchmarks import compile as bench
-    from experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
     from kvjax.errors import InvalidInput
-    from models import load
+    from kvjax.models import load
 
     lm = load(DEFAULT_MODEL_DIR)
     fn, args, kw = bench.program(lm, "recache of 3", 32, 2)

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from experiments import cli
-from experiments.common import chat_parts, chat_template_on, prompt_ids
+from kvjax.experiments import cli
+from kvjax.experiments.common import chat_parts, chat_template_on, prompt_ids
 
 # SmolLM2-Instruct's template (ChatML with a default system turn), as its tokenizer_config.json ships it.
 SMOLLM2_TEMPLATE = (
@@ -22,10 +22,10 @@ SMOLLM2_TEMPLATE = (
 
 
 def tokenizer(template: bool):
-    """models/default's tokenizer (local, no network), with SmolLM2-Instruct's chat template or without one."""
+    """kvjax/models/default's tokenizer (local, no network), with SmolLM2-Instruct's chat template or without one."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained("models/default")
+    tok = AutoTokenizer.from_pretrained("kvjax/models/default")
     tok.chat_template = SMOLLM2_TEMPLATE if template else None
     return tok
 
@@ -67,7 +67,7 @@ def test_auto_resolves_per_tokenizer_and_off_is_raw_even_with_a_template():
 # ---- the suites: the resolved mode in the identity, the records' keys and the tables ----
 
 
-# A short template for the suites' runs: models/default's tokenizer spells ChatML's markers out letter by letter, and
+# A short template for the suites' runs: kvjax/models/default's tokenizer spells ChatML's markers out letter by letter, and
 # SmolLM2's system turn leaves RULER's smallest haystack no room in its 512 tokens.
 SHORT_TEMPLATE = ("{% for m in messages %}U: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:"
                   "{% endif %}")
@@ -75,9 +75,9 @@ SHORT_TEMPLATE = ("{% for m in messages %}U: {{ m['content'] }}\n{% endfor %}{% 
 
 @pytest.fixture(scope="module")
 def templated_dir(tmp_path_factory):
-    """models/default with a chat template in its tokenizer_config.json."""
+    """kvjax/models/default with a chat template in its tokenizer_config.json."""
     d = tmp_path_factory.mktemp("templated") / "default"
-    shutil.copytree("models/default", d)
+    shutil.copytree("kvjax/models/default", d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": SHORT_TEMPLATE}))
     return d
@@ -89,7 +89,7 @@ def ruler_argv(model, out, *extra):
 
 
 def test_ruler_mode_is_in_identity_records_and_table(templated_dir, tmp_path, capsys):
-    from experiments.ruler import __main__ as ruler_cli
+    from kvjax.experiments.ruler import __main__ as ruler_cli
 
     on, off = tmp_path / "on", tmp_path / "off"
     assert cli.run(ruler_cli.main, ruler_argv(templated_dir, on)) == 0  # auto: the tokenizer has a template
@@ -108,7 +108,7 @@ def test_ruler_mode_is_in_identity_records_and_table(templated_dir, tmp_path, ca
 
 
 def test_records_made_before_the_option_are_another_configuration(templated_dir, tmp_path, capsys):
-    from experiments.ruler import __main__ as ruler_cli
+    from kvjax.experiments.ruler import __main__ as ruler_cli
 
     out = tmp_path / "old"
     assert cli.run(ruler_cli.main, ruler_argv(templated_dir, out, "--chat-template", "off")) == 0
@@ -121,18 +121,18 @@ def test_records_made_before_the_option_are_another_configuration(templated_dir,
 
 
 def test_on_is_refused_for_a_tokenizer_without_a_template(tmp_path, capsys):
-    from experiments.ruler import __main__ as ruler_cli
+    from kvjax.experiments.ruler import __main__ as ruler_cli
 
-    assert cli.run(ruler_cli.main, ruler_argv("models/default", tmp_path / "r", "--chat-template", "on")) == 2
+    assert cli.run(ruler_cli.main, ruler_argv("kvjax/models/default", tmp_path / "r", "--chat-template", "on")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --chat-template on: the model's tokenizer has no chat template") and err.count("\n") == 1
     assert not (tmp_path / "r").exists()
 
 
 def test_kvzip_replays_in_the_prompt_format_and_a_mismatch_is_refused(templated_dir):
-    from experiments import driver
+    from kvjax.experiments import driver
     from kvjax.kvzip import replay_prompts
-    from models.loading import tokenizer_at
+    from kvjax.models.loading import tokenizer_at
 
     tok = tokenizer_at(templated_dir)
     on = driver.resolve_policies("kvzip", ratio=0.5, model_dir=templated_dir, chat=True)["kvzip"]

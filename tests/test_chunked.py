@@ -31,7 +31,7 @@ from kvjax.policies import (
 )
 from kvjax.policies.base import Context
 from kvjax.scoring import chunked_logprobs, stream_logprobs
-from models import load
+from kvjax.models import load
 from tests.conftest import compile_log, left_pad, prefill_policy, random_ids
 import functools
 from kvjax import drive, engine
@@ -345,7 +345,7 @@ def test_chunked_scoring_streams_exactly_and_compiles_once(sharp):
 
 @pytest.fixture(scope="module")
 def default_model():
-    from models import load_default
+    from kvjax.models import load_default
 
     return load_default().model
 

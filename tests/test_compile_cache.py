@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cli, passkey
+from kvjax.experiments import cli, passkey
 from kvjax import compile_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _run(home: Path, out: Path, events: Path, *extra: str) -> tuple[str, dict]:
     """One passkey run on the embedded default model in a fresh process: (stderr, compile counts)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     env.update(KVJAX_HOME=str(home), EVENTS_OUT=str(events), JAX_PLATFORMS="cpu")
-    argv = ["experiments.passkey", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--policy", "full",
+    argv = ["kvjax.experiments.passkey", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--policy", "full",
             "--out", str(out), *extra]
     r = subprocess.run([sys.executable, "-c", _COUNTING, *argv], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -120,8 +120,8 @@ def test_the_flag_is_in_no_runs_identity(tiny_dir, tmp_path, capsys):
     can hold it; and a run with --no-compile-cache resumes one without it: the cache does not change results."""
     import argparse
 
-    from experiments.common import add_run_args
-    from experiments.records import options_of, training_identity
+    from kvjax.experiments.common import add_run_args
+    from kvjax.experiments.records import options_of, training_identity
 
     p = argparse.ArgumentParser()
     add_run_args(p)
@@ -142,12 +142,12 @@ def test_the_flag_is_in_no_runs_identity(tiny_dir, tmp_path, capsys):
 
 
 ENTRY_POINTS = sorted(".".join(p.relative_to(REPO).with_suffix("").parts)
-                      for d in ("benchmarks", "experiments", "models") for p in (REPO / d).rglob("*.py")
+                      for d in ("benchmarks", "kvjax/experiments", "kvjax/models") for p in (REPO / d).rglob("*.py")
                       if "cli.run(main" in p.read_text())
 
 
 def test_the_entry_points_are_found():
-    assert {"experiments.report", "experiments.ruler.__main__", "benchmarks.e2e", "models.fetch"} <= set(ENTRY_POINTS)
+    assert {"kvjax.experiments.report", "kvjax.experiments.ruler.__main__", "benchmarks.e2e", "kvjax.models.fetch"} <= set(ENTRY_POINTS)
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)

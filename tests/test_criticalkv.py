@@ -148,7 +148,7 @@ def test_command_line_flags_reach_criticalkv_and_chunkkv():
     they belong to; given to a policy that does not take them, they are refused by name."""
     import argparse
 
-    from experiments.common import add_policy_args, policy_from_args
+    from kvjax.experiments.common import add_policy_args, policy_from_args
     from kvjax.errors import InvalidInput
     from kvjax.policies.chunkkv import ChunkKV
 

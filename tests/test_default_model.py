@@ -1,4 +1,4 @@
-"""The embedded default model (models/default, trained by experiments.train_tiny): it loads in both
+"""The embedded default model (kvjax/models/default, trained by kvjax.experiments.train_tiny): it loads in both
 frameworks, uses its context (passkey) and has an attention sink."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments import model_card, passkey
-from experiments.common import DEFAULT_MODEL_DIR
-from experiments.records import ResultLog
+from kvjax.experiments import model_card, passkey
+from kvjax.experiments.common import DEFAULT_MODEL_DIR
+from kvjax.experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax import drive
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "model.safetensors").is
 
 @pytest.fixture(scope="module")
 def default():
-    from models import load
+    from kvjax.models import load
 
     return load(DEFAULT_MODEL_DIR)
 
@@ -53,7 +53,7 @@ def test_passkey_full_cache_retrieves_and_streaming_without_the_key_does_not(def
 
 
 def test_first_token_is_an_attention_sink_in_deep_layers(default):
-    from experiments.corpus import doc_documents
+    from kvjax.experiments.corpus import doc_documents
 
     tok, n = default.tokenizer, default.config.max_position_embeddings
     text = " ".join(t for _, t in doc_documents("heldout"))

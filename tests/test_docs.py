@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTED = ("kvjax", "kvjax.policies", "models", "experiments.driver")
+DOCUMENTED = ("kvjax", "kvjax.policies", "kvjax.models", "kvjax.experiments.driver")
 
 
 def _hooks():
@@ -50,7 +50,7 @@ def test_the_site_builds_strictly_with_every_guide_page(site):
                  "policies/mat", "policies/razor", "reproduce/mat", "report-smollm2", "reference/policies"):
         assert (site / page / "index.html").is_file(), page
     # files from beside the code: a model card, a benchmark table, a notebook
-    assert (site / "models" / "small" / "index.html").is_file()
+    assert (site / "kvjax" / "models" / "small" / "index.html").is_file()
     assert (site / "benchmarks" / "results" / "quant_cpu.png").is_file()
     assert (site / "colab" / "quickstart.ipynb").is_file()
     # equations are MathML, rendered at build time: no raw TeX is left for a script to typeset
@@ -120,7 +120,7 @@ def test_every_snippet_is_run_or_says_why_not():
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
 def test_guide_snippets_run(page, monkeypatch, tmp_path):
-    monkeypatch.chdir(ROOT)  # the snippets name models/small as a path from the repository root
+    monkeypatch.chdir(ROOT)  # the snippets name kvjax/models/small as a path from the repository root
     namespace: dict = {"__name__": "__docs__"}
     for block in python_blocks(page):
         if block.startswith("# not run:"):

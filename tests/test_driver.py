@@ -1,5 +1,5 @@
 """The suite driver (issue #22, item 6): a suite is a typed function, called the same way by its
-command line and by `experiments.report`; errors name what the caller wrote (a keyword from Python,
+command line and by `kvjax.experiments.report`; errors name what the caller wrote (a keyword from Python,
 a flag from the shell); a Python call and a command line share a results directory."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from experiments import cli, driver, passkey, report
-from experiments.driver import ArgumentError, SuiteResult
+from kvjax.experiments import cli, driver, passkey, report
+from kvjax.experiments.driver import ArgumentError, SuiteResult
 from kvjax.errors import InvalidInput
 from kvjax.policies import FullCache, StreamingLLM
 

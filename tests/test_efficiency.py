@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import efficiency
+from kvjax.experiments import efficiency
 
 
 def test_cli_rows_cache_bytes_and_resume(tmp_path, tiny_dir):

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from experiments import common
-from experiments import generate as gen_cli
+from kvjax.experiments import common
+from kvjax.experiments import generate as gen_cli
 
 
 def test_generate_cli_on_a_local_model(tiny_dir, capsys):
@@ -26,7 +26,7 @@ def test_generate_cli_on_a_local_model(tiny_dir, capsys):
 
 def test_generate_cli_default_model_is_labelled_random_when_the_trained_one_is_missing(tmp_path, monkeypatch,
                                                                                        capsys):
-    from experiments import default_model
+    from kvjax.experiments import default_model
 
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "no-such-model")
     monkeypatch.setattr(default_model, "RANDOM_DEFAULT_DIR", tmp_path / "random")

@@ -17,7 +17,7 @@ from kvjax.gate import (PRESETS, GateConfig, attach_gates, eviction_loss, load_g
 from kvjax.generate import generate
 from kvjax.masks import Mask
 from kvjax.policies import FullCache, GateEviction, make_policy
-from models import load
+from kvjax.models import load
 from kvjax import drive
 from tests.conftest import prefill_policy
 
@@ -229,8 +229,8 @@ def test_lora_starts_at_the_base_model_and_merges_exactly(tiny_dir):
 def test_train_gate_cli_cpt_then_generate(tiny_dir, tmp_path, capsys):
     """CPT trains only the gates (base weights unchanged), lowers the kept share towards beta, writes
     the gates, the eviction table / plot and the baseline comparison; generate runs on them."""
-    from experiments import generate as gen_cli
-    from experiments import train_gate
+    from kvjax.experiments import generate as gen_cli
+    from kvjax.experiments import train_gate
 
     out = tmp_path / "gates"
     argv = ["--model", str(tiny_dir), "--mode", "cpt", "--out", str(out), "--steps", "12", "--seq-len", "64",
@@ -258,7 +258,7 @@ def test_train_gate_cli_cpt_then_generate(tiny_dir, tmp_path, capsys):
 
 
 def test_train_gate_cli_sft_merges_lora(tiny_dir, tmp_path):
-    from experiments import train_gate
+    from kvjax.experiments import train_gate
 
     out = tmp_path / "sft"
     assert train_gate.main(["--model", str(tiny_dir), "--mode", "sft", "--out", str(out), "--steps", "3",
@@ -321,7 +321,7 @@ def test_gate_prompts_with_different_kept_counts_in_one_bucket_share_a_compiled_
 
 def test_learning_rate_defaults_follow_the_mode(tiny_dir, tmp_path, monkeypatch):
     """SFT defaults to the paper's 5e-5 (sec. 4.2); CPT, which trains only the new gates, to 1e-3."""
-    from experiments import train_gate
+    from kvjax.experiments import train_gate
 
     seen = {}
 
@@ -343,7 +343,7 @@ def test_learning_rate_defaults_follow_the_mode(tiny_dir, tmp_path, monkeypatch)
 def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
     """Table 1's protocol (baselines at a fixed 50 %) or matched eviction (the gates' measured share of
     the prefix), with the eviction reported either way; the full cache's NLL is the same in both."""
-    from experiments.eval_gate import evaluate
+    from kvjax.experiments.eval_gate import evaluate
 
     model = _gated(tiny_dir)
     tokens = np.random.default_rng(4).integers(4, model.cfg.vocab_size, (4, 32)).astype(np.int32)
@@ -374,7 +374,7 @@ def test_eval_gate_baselines_at_matched_or_fixed_eviction(tiny_dir):
 def test_paired_standard_error_by_hand():
     """s.e. of the per-window difference from the full cache: d = (0.5, 0, 0.4), mean 0.3, sample s.d.
     sqrt(0.14 / 2), so s.e. sqrt(0.07 / 3); None where windows are missing (records of an older run)."""
-    from experiments.eval_gate import paired_se
+    from kvjax.experiments.eval_gate import paired_se
 
     se = paired_se({"full": [1.0, 2.0, 3.0], "x": [1.5, 2.0, 3.4], "old": None})
     assert se["x"] == pytest.approx(np.sqrt(0.07 / 3)) and se["full"] == 0.0 and se["old"] is None
@@ -445,7 +445,7 @@ def test_table_1_protocol_accuracy_and_eviction_through_the_zero_shot_scorer(tin
     included), the gate what its flags kept, measured from the cache."""
     import json
 
-    from experiments import zeroshot
+    from kvjax.experiments import zeroshot
     from kvjax.gate import save_gates
 
     save_gates(_gated(tiny_dir), tmp_path / "g")
@@ -476,9 +476,9 @@ def test_identity_train_and_eval_windows_never_overlap(tiny_dir, tmp_path, monke
     sentences a text repeats by chance). The windows are the ones the two commands hand to training and to
     evaluation. Before 2026-11-27 training held out the last 16 windows of the text and evaluation scored the
     last 32, so 16 scored windows had been trained on; and pydoc repeats whole topics inside others."""
-    from experiments import eval_gate, train_gate
-    from experiments.common import default_text
-    from models import load as load_lm
+    from kvjax.experiments import eval_gate, train_gate
+    from kvjax.experiments.common import default_text
+    from kvjax.models import load as load_lm
 
     class Stop(Exception):
         pass
@@ -518,9 +518,9 @@ def test_identity_a_combination_that_would_score_trained_text_is_one_error(tiny_
     trained under the old rule (all of their text) evaluated on that text, by eval_gate, zeroshot or perplexity:
     each one line, exit 2, naming the options. The data: 10 lines of 100 characters (bytes: tokens), so the held-out fifth is 2 lines, 202
     tokens with their line ends: 3 windows of 64."""
-    from experiments import cli, eval_gate, train_gate
-    from experiments.common import SPLIT_RULE, trained_on_scored_text
-    from experiments.records import content_fingerprint
+    from kvjax.experiments import cli, eval_gate, train_gate
+    from kvjax.experiments.common import SPLIT_RULE, trained_on_scored_text
+    from kvjax.experiments.records import content_fingerprint
 
     data = tmp_path / "data.txt"
     data.write_text("".join(f"{i}" * 100 + "\n" for i in range(10)))
@@ -550,7 +550,7 @@ def test_identity_a_combination_that_would_score_trained_text_is_one_error(tiny_
     # gates trained on the default text before the split read the held-out topics that the zero-shot task's
     # passages and perplexity's default text come from: Table 1's protocol on them is refused too
     (gates / "training" / "train_identity.json").write_text(json.dumps({"--data": None}))
-    from experiments import perplexity, zeroshot
+    from kvjax.experiments import perplexity, zeroshot
 
     for main, flag in ((zeroshot.main, "--data"), (perplexity.main, "--text")):
         assert cli.run(main, ["--model", str(tiny_dir), "--gate-params", str(gates), "--compare", "full,gate",

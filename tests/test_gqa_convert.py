@@ -1,4 +1,4 @@
-"""MHA -> GQA conversion by mean-pooling K/V heads (models.gqa)."""
+"""MHA -> GQA conversion by mean-pooling K/V heads (kvjax.models.gqa)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gqa import mean_pool_heads, to_grouped_query
-from models.llama import Llama
-from models.tiny import tiny_config
+from kvjax.models.gqa import mean_pool_heads, to_grouped_query
+from kvjax.models.llama import Llama
+from kvjax.models.tiny import tiny_config
 from kvjax import drive
 
 

@@ -1,4 +1,4 @@
-"""Block expansion (models.grow): the grown model computes what the original does."""
+"""Block expansion (kvjax.models.grow): the grown model computes what the original does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.rope import RopeConfig
-from models.grow import grow_depth, source_layers
+from kvjax.models.grow import grow_depth, source_layers
 from tests.conftest import random_ids
 from kvjax import drive
 

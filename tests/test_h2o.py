@@ -11,7 +11,7 @@ from kvjax.cache import kept_sets
 from kvjax.policies.base import Context
 from kvjax.policies.h2o import H2O
 from kvjax.stats import AttentionStats
-from models import load
+from kvjax.models import load
 from tests.conftest import left_pad, random_ids, stepper
 from tests.reference import RefLlama, h2o_update
 

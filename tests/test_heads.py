@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import find_heads
-from experiments import generate as generate_cli
+from kvjax.experiments import find_heads
+from kvjax.experiments import generate as generate_cli
 from kvjax import heads as H
 from kvjax.rope import RopeConfig
-from models.llama import Llama
-from models.tiny import tiny_config
+from kvjax.models.llama import Llama
+from kvjax.models.tiny import tiny_config
 
 V, HD, D = 40, 64, 96
 TOKEN, CONST, PREV = 0, V, V + 1  # residual stream layout: token one-hot, a constant, the previous token

@@ -15,7 +15,7 @@ import pytest
 from kvjax import cache as kvcache
 from kvjax.cache import kept_sets
 from kvjax.policies import TOVA, ExpectedAttention, KeyDiff, KNorm, ObservedAttention, PyramidKV, SnapKV, StreamingLLM
-from models import load
+from kvjax.models import load
 from tests.conftest import left_pad, sdpa_llama, stepper
 
 torch = pytest.importorskip("torch")

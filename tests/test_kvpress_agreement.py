@@ -1,4 +1,4 @@
-"""experiments.kvpress_agreement (issue 65, item 7): kvpress 0.5.5's own pipeline beside kvjax's committed RULER
+"""kvjax.experiments.kvpress_agreement (issue 65, item 7): kvpress 0.5.5's own pipeline beside kvjax's committed RULER
 records. The table on a hand-made case, the refusals, and (slow, the real model) kvpress giving kvjax's committed
 answers for two methods."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import kvpress_agreement as agreement
+from kvjax.experiments import kvpress_agreement as agreement
 from kvjax import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,10 +62,10 @@ def test_kvpress_pipeline_gives_kvjax_committed_answers_for_streaming_and_knorm(
     """The real model, niah_single_1's first prompt at 4K in the chat template: kvpress's pipeline (transformers'
     GGUF loading, StreamingLLMPress and KnormPress at 0.5) answers what kvjax's committed records say."""
     pytest.importorskip("kvpress")
-    from models.fetch import cached_path
+    from kvjax.models.fetch import cached_path
 
     if not cached_path("smollm2").is_file():
-        pytest.skip("the SmolLM2 file is absent: python -m models.fetch smollm2")
+        pytest.skip("the SmolLM2 file is absent: python -m kvjax.models.fetch smollm2")
     out = tmp_path / "agree"
     assert agreement.main(["--records", str(RECORDS), "--model", "smollm2", "--methods", "streaming,knorm",
                            "--ratios", "0.5", "--samples", "1", "--out", str(out)]) == 0

@@ -218,10 +218,10 @@ def test_the_mlp_learns_a_teachers_scores_and_its_loss_falls():
 
 
 def test_the_training_command_writes_both_surrogates_and_resumes(tmp_path, capsys):
-    """`experiments.train_kvzap` on the embedded model: both surrogates load and run as `--policy kvzap`; a rerun
+    """`kvjax.experiments.train_kvzap` on the embedded model: both surrogates load and run as `--policy kvzap`; a rerun
     asking for more texts collects only the new ones; another --length in the same OUT is refused in one line."""
-    from experiments import generate as gen_cli
-    from experiments import train_kvzap
+    from kvjax.experiments import generate as gen_cli
+    from kvjax.experiments import train_kvzap
 
     out = tmp_path / "kz"
     argv = ["--out", str(out), "--heldout-texts", "1", "--length", "128", "--per-text", "16", "--epochs", "2"]
@@ -240,21 +240,21 @@ def test_the_training_command_writes_both_surrogates_and_resumes(tmp_path, capsy
         assert gen_cli.main(["--policy", "kvzap", "--kvzap", str(out / kind), "--threshold", "-5",
                              "--max-new-tokens", "2", "The sky is blue."]) == 0
         assert f"KVzap(surrogate={kind}:{s.digest[:12]}" in capsys.readouterr().out
-    from experiments.driver import ArgumentError
+    from kvjax.experiments.driver import ArgumentError
 
     with pytest.raises(ArgumentError, match="length"):
         train_kvzap.main(["--out", str(out), "--length", "64"])
 
 
 def test_the_shipped_surrogates_load_and_fit_their_models():
-    """models/kvzap/: SmolLM2's (30 layers, 3 KV heads of input 576) and kvjax-small's surrogates load (their digests
+    """kvjax/models/kvzap/: SmolLM2's (30 layers, 3 KV heads of input 576) and kvjax-small's surrogates load (their digests
     match their kvzap.json), and kvjax-small's runs on the embedded model as `--policy kvzap`, evicting."""
     from pathlib import Path
 
-    from experiments.driver import load_model
+    from kvjax.experiments.driver import load_model
     from kvjax.generate import generate
 
-    root = Path(__file__).resolve().parents[1] / "models" / "kvzap"
+    root = Path(__file__).resolve().parents[1] / "kvjax" / "models" / "kvzap"
     for kind in ("linear", "mlp"):
         s, meta = load(root / "smollm2" / kind)
         assert (s.num_layers, s.kv_heads, s.input_dim) == (30, 3, 576) and meta["trained_on"].startswith("SmolLM2")

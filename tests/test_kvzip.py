@@ -180,9 +180,9 @@ def test_command_line_builds_the_replay_from_the_models_tokenizer(capsys, tmp_pa
     one-line errors naming why."""
     import shutil
 
-    from experiments import generate as gen_cli
-    from experiments.common import DEFAULT_MODEL_DIR
-    from models.loading import load_tokenizer
+    from kvjax.experiments import generate as gen_cli
+    from kvjax.experiments.common import DEFAULT_MODEL_DIR
+    from kvjax.models.loading import load_tokenizer
 
     assert gen_cli.main(["--policy", "kvzip", "--ratio", "0.5", "--kvzip-chunk", "16", "--max-new-tokens", "2",
                          "The sky is blue. The grass is green."]) == 0

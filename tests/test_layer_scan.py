@@ -43,8 +43,8 @@ from kvjax.policies.anllm import AnchorReduction
 from kvjax.policies.scored import PromptStreamingLLM
 from kvjax.policies.chunkkv import ChunkKV
 from kvjax.policies.critical import CriticalAdaKV, CriticalKV
-from models import load
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 LAYERS = 6
 ANCHOR = 10
@@ -103,10 +103,10 @@ def models(tmp_path_factory):
 @pytest.fixture(params=["stacked", "picked"])
 def parameters(request, monkeypatch):
     """A scanned run's parameters stacked (the CPU's way) or picked per iteration by a switch (the accelerators':
-    `models.llama.stacks_parameters`), each compiled afresh."""
-    import models.llama
+    `kvjax.models.llama.stacks_parameters`), each compiled afresh."""
+    from kvjax.models import llama
 
-    monkeypatch.setattr(models.llama, "stacks_parameters", lambda: request.param == "stacked")
+    monkeypatch.setattr(llama, "stacks_parameters", lambda: request.param == "stacked")
     jax.clear_caches()
     yield request.param
     jax.clear_caches()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax import FullCache, StreamingLLM
-from models import load
+from kvjax.models import load
 from tests.conftest import hf_llama, random_ids, stepper
 from kvjax import drive
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models import load
-from models.tiny import byte_tokenizer, is_random, make_random_checkpoint, tiny_config
+from kvjax.models import load
+from kvjax.models.tiny import byte_tokenizer, is_random, make_random_checkpoint, tiny_config
 
 
 @pytest.fixture

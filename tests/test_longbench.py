@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from experiments.longbench import __main__ as lb_cli
-from experiments.longbench import harness, metrics
-from experiments.longbench.suite import BUILDERS, DATA_DIR
+from kvjax.experiments.longbench import __main__ as lb_cli
+from kvjax.experiments.longbench import harness, metrics
+from kvjax.experiments.longbench.suite import BUILDERS, DATA_DIR
 
 # ---- metrics on hand-written cases (values worked out by hand from the official code) ----
 
@@ -190,8 +190,8 @@ def test_config_holds_every_official_dataset():
 
 
 def test_default_suite_is_committed_and_regenerates_identically(tmp_path):
-    from experiments import corpus
-    from experiments.longbench import suite
+    from kvjax.experiments import corpus
+    from kvjax.experiments.longbench import suite
 
     names = harness.dataset_names(DATA_DIR)
     assert sorted(names) == sorted(BUILDERS)
@@ -211,7 +211,7 @@ def test_paragraph_kv_and_count_answers_are_what_their_contexts_say(data_dir):
     line occurs in its context."""
     import re
 
-    from experiments.tasks import MARKERS
+    from kvjax.experiments.tasks import MARKERS
 
     for row in harness.load_rows(DATA_DIR.parent / data_dir, "stdlib_paragraph_kv"):
         key = re.fullmatch(r"The value of key (\d{4}) is", row["input"]).group(1)
@@ -300,7 +300,7 @@ def test_cli_compare_writes_one_table(tmp_path, tiny_dir):
 
 
 def test_cli_refuses_to_resume_over_another_models_predictions(tmp_path, tiny_dir):
-    from models.tiny import make_random_checkpoint
+    from kvjax.models.tiny import make_random_checkpoint
 
     data = _suite_dir(tmp_path, n=2)
     out = tmp_path / "out"
@@ -335,9 +335,9 @@ def test_every_stdlib_answer_fits_its_generation_budget(data_dir):
     """Each reference answer, in the form kvjax-small is taught to give it, fits the dataset's max_new_tokens
     under the models' 512-token BPE (digits one by one): "Paragraph 3" alone is 9 tokens, and a budget of 8
     had cut every passage-retrieval answer before its number, scoring 0 whatever the cache."""
-    from experiments.train_small import ANSWER_FORMS
-    from models import DEFAULT_DIR
-    from models.loading import load_tokenizer
+    from kvjax.experiments.train_small import ANSWER_FORMS
+    from kvjax.models import DEFAULT_DIR
+    from kvjax.models.loading import load_tokenizer
 
     tok, budgets = load_tokenizer(DEFAULT_DIR), harness.config()["max_new_tokens"]
     for path in sorted((DATA_DIR.parent / data_dir).glob("stdlib_*.jsonl")):
@@ -368,7 +368,7 @@ def test_predictions_hold_kv_held_and_one_without_it_shows_blank(tmp_path, tiny_
     recomputed: its policy's cell is blank (None in the summary, empty in the CSV), never 0."""
     import numpy as np
 
-    from experiments import driver
+    from kvjax.experiments import driver
     from kvjax.policies import StreamingLLM
 
     data = _suite_dir(tmp_path, n=2)

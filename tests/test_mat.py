@@ -21,7 +21,7 @@ from kvjax.policies.mat import (
     mat_with_sink,
 )
 from kvjax.stats import AttentionStats
-from models import load
+from kvjax.models import load
 from tests.conftest import compile_log, left_pad, random_ids, stepper
 from tests.reference import RefLlama, mat_update
 
@@ -99,7 +99,7 @@ def test_mat_matches_algorithm_1_step_by_step(request, model, agg, positions, pr
 def test_mat_float32_within_1e5_on_a_default_scale_model(tmp_path, heads):
     """The issue's literal bound: float32 logits within 1e-5 (absolute) of the reference, on a
     random model at the usual init scale (std 0.02), MHA and GQA, kept positions every step."""
-    from models.tiny import make_random_checkpoint, tiny_config
+    from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
     model_dir = make_random_checkpoint(tmp_path, tiny_config(num_kv_heads=heads), seed=3)
     ids = random_ids(70, 260, seed=27)
@@ -228,8 +228,8 @@ def test_pi_is_the_same_in_stream_and_full_prefill_on_an_alibi_model(impl):
 
     from flax import nnx
 
-    from models.llama import Llama
-    from models.tiny import tiny_config
+    from kvjax.models.llama import Llama
+    from kvjax.models.tiny import tiny_config
 
     cfg = dataclasses.replace(tiny_config(position_embedding="alibi"), attention_impl=impl)
     model = Llama(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3), init_std=0.3)

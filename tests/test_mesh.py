@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvjax.sharding import check_shardable
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

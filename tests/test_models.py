@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from kvjax import FullCache, StreamingLLM
 from kvjax.attention import alibi_slopes
-from models import load
+from kvjax.models import load
 from tests.conftest import left_pad, random_ids, stepper
 from kvjax import drive
 

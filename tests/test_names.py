@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import generate as gen_cli
+from kvjax.experiments import generate as gen_cli
 from kvjax import attention
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import needle
+from kvjax.experiments import needle
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_records_hold_kv_held_and_a_record_without_it_shows_blank(tmp_path, tiny
     StreamingLLM at budget 64 its 64 slots of the 200-token prompt); each policy's table has a "KV held" row, the
     length's mean, and its summary a "kv_held" entry. A record from before the field is not recomputed: its
     length's cell is blank (None in the summary), never 0."""
-    from experiments import driver
+    from kvjax.experiments import driver
 
     hay = tmp_path / "hay"
     hay.mkdir()

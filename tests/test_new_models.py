@@ -1,5 +1,5 @@
 """Qwen3, Gemma 2 and Gemma 3 (text) against transformers' PyTorch models on tiny random configs:
-full-forward and prefill + decode logits, greedy generation through `experiments.generate`, and
+full-forward and prefill + decode logits, greedy generation through `kvjax.experiments.generate`, and
 Gemma 3 under a policy (global layers compressed, local layers a window ring, bytes by formula)."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import generate as gen_cli
+from kvjax.experiments import generate as gen_cli
 from kvjax import FullCache, StreamingLLM, generate, kept_positions
 from kvjax.cache import nbytes
 from kvjax.policies import SnapKV
-from models import load
-from models.tiny import byte_tokenizer
+from kvjax.models import load
+from kvjax.models.tiny import byte_tokenizer
 from tests.conftest import random_ids
 from tests.test_models import decode_logits
 from kvjax import drive
 
 torch = pytest.importorskip("torch")
 
-VOCAB = 260  # the byte tokenizer's, so experiments.generate can run on these checkpoints
+VOCAB = 260  # the byte tokenizer's, so kvjax.experiments.generate can run on these checkpoints
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=24, max_position_embeddings=512, initializer_range=0.1,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=3)
@@ -80,7 +80,7 @@ def test_logits_equal_transformers_full_and_decode(checkpoint):
 
 
 def cli_and_transformers_greedy(pt, path, prompt: str, new: int, capsys) -> tuple[str, str]:
-    """(text of `python -m experiments.generate --policy full`, text of transformers' greedy `generate`)."""
+    """(text of `python -m kvjax.experiments.generate --policy full`, text of transformers' greedy `generate`)."""
     assert gen_cli.main(["--model", str(path), "--policy", "full", "--max-new-tokens", str(new), prompt]) == 0
     text = capsys.readouterr().out.split(f">>> {prompt}\n", 1)[1].split("\n\ncache")[0]
     tok = byte_tokenizer()
@@ -105,7 +105,7 @@ def test_gemma_windows_matter(checkpoint):
 
     from flax import nnx
 
-    from models.llama import Llama
+    from kvjax.models.llama import Llama
 
     lm = load(path)
     ids = jnp.asarray([random_ids(40, VOCAB, seed=31, low=4)])
@@ -230,7 +230,7 @@ def test_gemma3_sharded_and_through_a_suite(tmp_path):
 
     import transformers as tf
 
-    from experiments import cli, passkey
+    from kvjax.experiments import cli, passkey
 
     cfg = tf.models.gemma3.Gemma3TextConfig(**{**BASE, "num_attention_heads": 8, "num_key_value_heads": 4,
                                                "head_dim": 8}, sliding_window=8, query_pre_attn_scalar=20,

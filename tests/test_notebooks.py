@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from models import SMALL_DIR
+from kvjax.models import SMALL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))

@@ -1,9 +1,9 @@
 """kvjax's policies inside a researcher's own JAX model: a Llama written here as pure functions over a dict of
-arrays (no Flax, nothing from `models/`), a registered pytree that implements only the one cached forward of
+arrays (no Flax, nothing from `kvjax/models/`), a registered pytree that implements only the one cached forward of
 `kvjax.model.CachedLM`, its attention calling `kvjax.layer.attend`. kvjax drives it: its logits are checked against
 transformers (full cache) and transformers + kvpress (a compressed prompt); it generates through `kvjax.generate`
 the same greedy text as kvjax's own Llama under every policy family, scores text through `kvjax.scoring`, runs a
-suite (`experiments.passkey`), and compiles once per sized plan.
+suite (`kvjax.experiments.passkey`), and compiles once per sized plan.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def models(tmp_path_factory):
     """transformers' Llama, the own model on its weights, and kvjax's Llama loaded from its checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models import load
+    from kvjax.models import load
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
@@ -248,7 +248,7 @@ OWN_VS_LLAMA = {
 @pytest.mark.filterwarnings("ignore:.*This is a different method from the paper's")  # chunked H2O / SnapKV, chosen
 @pytest.mark.parametrize("name", list(OWN_VS_LLAMA))
 def test_own_model_keeps_what_llama_keeps(models, name):
-    """The own model and kvjax's Flax Llama (`models/llama.py`, itself checked against transformers and kvpress)
+    """The own model and kvjax's Flax Llama (`kvjax/models/llama.py`, itself checked against transformers and kvpress)
     on the same weights, under each policy: the same kept positions per KV head in every layer after the prompt
     and after decoding, and the same logits, within float32 rounding. A policy that evicts nothing here would
     prove nothing, so each must have evicted."""
@@ -305,12 +305,12 @@ def test_own_model_perplexity_through_scoring(models):
 
 
 def test_own_model_runs_the_passkey_suite(tiny_dir, tiny, tmp_path):
-    """`experiments.passkey` (its Python API) on the own model built from a kvjax checkpoint's weights, with that
+    """`kvjax.experiments.passkey` (its Python API) on the own model built from a kvjax checkpoint's weights, with that
     checkpoint's tokenizer: the same records (outputs) as kvjax's Llama."""
     from safetensors.numpy import load_file
 
-    from experiments import passkey
-    from experiments.records import ResultLog
+    from kvjax.experiments import passkey
+    from kvjax.experiments.records import ResultLog
 
     c = tiny.model.cfg
     own = own_model(load_file(str(tiny_dir / "model.safetensors")),

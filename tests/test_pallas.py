@@ -25,7 +25,7 @@ from kvjax.pallas import platform_variant, tiles
 from kvjax.pallas import prefill as pprefill
 from kvjax.policies import H2O, FullCache, SnapKV, StreamingLLM
 from kvjax.stats import AttentionStats, StatsRequest
-from models import load
+from kvjax.models import load
 
 VARIANTS = ["gpu", "tpu"]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

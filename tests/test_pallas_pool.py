@@ -87,7 +87,7 @@ def test_adakv_generation_under_attention_impl_pallas_decodes_with_the_kernel(sh
     from kvjax import generate
     from kvjax.cache import kept_sets
     from kvjax.policies import AdaKV, SnapKV
-    from models import load
+    from kvjax.models import load
 
     calls = []
     real = pool_decode.attend

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from experiments import passkey
-from experiments.records import ResultLog
-from experiments.tasks import PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
+from kvjax.experiments import passkey
+from kvjax.experiments.records import ResultLog
+from kvjax.experiments.tasks import PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax.policies import FullCache
 
 
@@ -87,7 +87,7 @@ def test_records_hold_kv_held_and_a_record_without_it_shows_blank(tiny_dir, tmp_
     StreamingLLM at budget 32 its 32 slots of the 300-token prompt); the table's "KV held" column is the length's
     mean, the summary's "kv_held" too, beside the accuracy tables it leaves as they were. A record from before the
     field is not recomputed: its length's cell is blank (None in the summary), never 0."""
-    from experiments import driver
+    from kvjax.experiments import driver
 
     lm = driver.load_model(tiny_dir)
     pols = driver.resolve_policies("full,streaming", budget=32)

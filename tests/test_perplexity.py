@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import perplexity as ppl_cli
+from kvjax.experiments import perplexity as ppl_cli
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax.scoring import stream_logprobs
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 from kvjax import drive
 
 
@@ -23,7 +23,7 @@ def _full_forward_nll(model, ids):
 
 
 def test_full_cache_perplexity_equals_one_forward(sharp_dir):
-    from models import load
+    from kvjax.models import load
 
     model = load(sharp_dir).model
     ids = list(np.random.default_rng(0).integers(4, 260, 100))
@@ -35,7 +35,7 @@ def test_full_cache_perplexity_equals_one_forward(sharp_dir):
 
 
 def test_streaming_matches_full_cache_until_the_budget_fills(sharp_dir):
-    from models import load
+    from kvjax.models import load
 
     model = load(sharp_dir).model
     ids = list(np.random.default_rng(1).integers(4, 260, 80))
@@ -71,7 +71,7 @@ def test_cli_in_and_out_of_window(tmp_path):
 
 def test_cli_errors(tmp_path, tiny_dir, capsys):
     from kvjax.policies import SnapKV
-    from models import load
+    from kvjax.models import load
 
     text = tmp_path / "t.txt"
     text.write_text("short")
@@ -85,7 +85,7 @@ def test_cli_errors(tmp_path, tiny_dir, capsys):
 def test_cli_averages_the_nll_of_several_sequences(tmp_path):
     """MAT Table 3's average over sequences: --sequences N scores N consecutive windows and the table's
     perplexity is exp(mean NLL); a rerun asking for more sequences resumes."""
-    from models import load
+    from kvjax.models import load
 
     model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
     text = tmp_path / "t.txt"
@@ -132,7 +132,7 @@ def test_anchor_grid_picks_mats_beta_on_a_tuning_window_it_never_scores(tmp_path
     """MAT's β grid-searched per budget (issue 65, item 5): each β of the grid runs on the scored windows and on
     the window after them; MAT's row is the scored windows at the β with the lowest NLL on that tuning window."""
     from kvjax.policies import mat
-    from models import load
+    from kvjax.models import load
 
     model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
     text = tmp_path / "t.txt"
@@ -167,7 +167,7 @@ def test_leave_one_out_scores_each_window_at_the_beta_the_other_windows_chose(tm
     window i is scored at the β of the grid with the lowest mean NLL on the other windows, computed here by hand
     from each window read alone (`--batch` 3 reads them as the rows of one batch)."""
     from kvjax.policies import mat
-    from models import load
+    from kvjax.models import load
 
     model_dir = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=3)
     text = tmp_path / "t.txt"

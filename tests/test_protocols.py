@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from experiments import efficiency, eval_anllm, eval_gate, find_heads, passkey
+from kvjax.experiments import efficiency, eval_anllm, eval_gate, find_heads, passkey
 from tests.conftest import prefill_policy
 
 
@@ -65,7 +65,7 @@ def test_slimkv_table_3_ablations_through_a_suite(tiny_dir, tmp_path):
 
     from kvjax import FullCache, cache as kvcache
     from kvjax.policies import SlimKV
-    from models import load
+    from kvjax.models import load
 
     model = load(tiny_dir).model
     ids = jnp.asarray(np.random.default_rng(4).integers(4, model.cfg.vocab_size, (1, 96)), jnp.int32)
@@ -128,7 +128,7 @@ def test_anllm_table_1_on_a_local_multiple_choice_file(tiny_dir, tmp_path):
     assert res["items"] == 3 and res["L_kv"] == pytest.approx((3 + 3 + 1) / 3)
     from kvjax import fewshot
     from kvjax.fewshot import Item
-    from models import load
+    from kvjax.models import load
 
     lm = load(tiny_dir)
     enc = lambda s: lm.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -308,7 +308,7 @@ def test_refusals():
 def test_cli_flags_are_part_of_the_policy(tmp_path):
     import argparse
 
-    from experiments.common import add_policy_args, policies_from_args
+    from kvjax.experiments.common import add_policy_args, policies_from_args
 
     p = argparse.ArgumentParser()
     add_policy_args(p)
@@ -327,7 +327,7 @@ def test_cli_flags_are_part_of_the_policy(tmp_path):
 
 @pytest.fixture(scope="module")
 def small():
-    import models
+    from kvjax import models
 
     return models.load_default()
 
@@ -336,7 +336,7 @@ def small():
 def test_small_model_perplexity_and_bytes(small):
     """The default model reading 256 tokens of text token by token: int8 and 4-bit cost < 1 % perplexity, 2-bit with
     a residual of 128 (KIVI's setting) a few %; the cache is as small as the formula says."""
-    from experiments.common import default_text
+    from kvjax.experiments.common import default_text
     from kvjax.scoring import perplexity
 
     ids = small.tokenizer.encode(default_text())[:256]
@@ -376,7 +376,7 @@ def test_a_residual_larger_than_fits_runs_as_the_largest_that_fits_chunked_or_st
     "compressed" cache larger than the unquantized one (issue 61). It is cut to the most that fits
     (`KVQuant.largest_residual`), so scoring a text in chunks or token by token gives exactly the numbers of that
     residual, closer to the unquantized cache than with R = 0."""
-    from experiments.common import default_text
+    from kvjax.experiments.common import default_text
     from kvjax.policies import LocalWindow
     from kvjax.scoring import logprobs
 

@@ -18,9 +18,9 @@ from kvjax.errors import InvalidInput
 from kvjax.heads import alibi_scopes, attention_maps, kv_scopes, save_heads
 from kvjax.policies import RazorAttention, make_policy, razor_from_heads
 from kvjax.policies.razor import CompensatedWindow
-from models import load
-from models.llama import Llama
-from models.tiny import tiny_config
+from kvjax.models import load
+from kvjax.models.llama import Llama
+from kvjax.models.tiny import tiny_config
 from tests.conftest import left_pad, random_ids, stepper
 from tests.reference import RefLlama
 from kvjax import drive
@@ -397,7 +397,7 @@ def test_table_1_controls_protect_no_head_or_as_many_at_random(tiny_dir, tmp_pat
     """RazorAttention Table 1: protect 0 %, random heads as many as the probe's, or the probe's."""
     import json
 
-    from experiments import find_heads
+    from kvjax.experiments import find_heads
     from kvjax.heads import control_heads
 
     found = np.array([[True, False, False, True], [False, False, True, False], [False, False, False, False]])
@@ -497,10 +497,10 @@ def test_every_suite_takes_the_models_shipped_heads_when_heads_is_not_given(tmp_
     passkey and generate commands once refused it), and only when razor is asked for."""
     import argparse
 
-    from experiments import passkey
-    from experiments.common import add_compare_args, add_policy_args, chosen_policies, policy_from_args
-    from experiments.ruler import __main__ as ruler_cli
-    from models.tiny import make_random_checkpoint
+    from kvjax.experiments import passkey
+    from kvjax.experiments.common import add_compare_args, add_policy_args, chosen_policies, policy_from_args
+    from kvjax.experiments.ruler import __main__ as ruler_cli
+    from kvjax.models.tiny import make_random_checkpoint
 
     model = make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=512), seed=0)
     save_heads(model / "heads.json", num_layers=2, num_heads=4, num_kv_heads=2, retrieval_kv_heads=[[1, 0], [0, 1]])
@@ -550,7 +550,7 @@ def test_a_comparison_applies_the_prefill_mode_to_every_policy_or_refuses(tmp_pa
     refused by name instead of being run another way."""
     import argparse
 
-    from experiments.common import add_compare_args, chosen_policies
+    from kvjax.experiments.common import add_compare_args, chosen_policies
 
     p = argparse.ArgumentParser()
     add_compare_args(p, default="full")
@@ -593,9 +593,9 @@ def test_table_1_controls_decide_the_protected_heads_of_an_alibi_model(control, 
     """An ALiBi heads file carries each head's vision scope, which alone decided which heads Razor keeps
     whole, so a Table 1 control changed nothing. With a control, its heads are kept whole and every
     other head keeps its scope capped at S0."""
-    from experiments import find_heads
+    from kvjax.experiments import find_heads
 
-    from models.loading import LoadedModel
+    from kvjax.models.loading import LoadedModel
 
     model = _alibi_model(std=0.05)
     lm = LoadedModel(model=model, tokenizer=None, config=model.cfg, path=tmp_path)

@@ -24,8 +24,8 @@ VOCAB = 260
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from models import load
-    from models.tiny import make_random_checkpoint, tiny_config
+    from kvjax.models import load
+    from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
     cfg = tiny_config(num_layers=3, intermediate_size=MLP)
     assert cfg.vocab_size == VOCAB

@@ -20,21 +20,21 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from experiments import cli, passkey
-from experiments import generate as gen_cli
-from experiments.records import ResultLog, claim_results_dir, options_of
+from kvjax.experiments import cli, passkey
+from kvjax.experiments import generate as gen_cli
+from kvjax.experiments.records import ResultLog, claim_results_dir, options_of
 from kvjax import FullCache, Sampling, StreamingLLM, generate
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong, UserError
 from kvjax.policies import SnapKV
 from kvjax.scoring import stream_logprobs
-from models import load
+from kvjax.models import load
 from kvjax import drive
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(main, argv, capsys) -> tuple[int, str]:
-    """(exit status, stderr) of `python -m experiments.<name> argv`, run in this process."""
+    """(exit status, stderr) of `python -m kvjax.experiments.<name> argv`, run in this process."""
     code = cli.run(main, argv)
     return code, capsys.readouterr().err
 
@@ -82,8 +82,8 @@ def test_identity_passkey_seed_is_refused_naming_both_values(tiny_dir, tmp_path,
 
 def test_identity_longbench_max_length_is_refused(tiny_dir, tmp_path, capsys):
     # Seen before: --max-length 64 over a default run's --out printed the default run's scores.
-    from experiments import longbench  # noqa: F401  (the package)
-    from experiments.longbench import __main__ as lb
+    from kvjax.experiments import longbench  # noqa: F401  (the package)
+    from kvjax.experiments.longbench import __main__ as lb
 
     out = tmp_path / "lb"
     base = ["--model", str(tiny_dir), "--datasets", "stdlib_passkey", "--samples", "1", "--policy", "full",
@@ -123,7 +123,7 @@ SUITES = {
 def test_identity_records_every_option_of_each_suite(suite, tiny_dir, tmp_path, monkeypatch):
     import importlib
 
-    mod = importlib.import_module(f"experiments.{suite}" if suite != "longbench" else "experiments.longbench.__main__")
+    mod = importlib.import_module(f"kvjax.experiments.{suite}" if suite != "longbench" else "kvjax.experiments.longbench.__main__")
     seen = {}
 
     class Claimed(Exception):
@@ -133,7 +133,7 @@ def test_identity_records_every_option_of_each_suite(suite, tiny_dir, tmp_path, 
         seen.update(claim_results_dir(out, lm, options))
         raise Claimed
 
-    from experiments import driver
+    from kvjax.experiments import driver
 
     for where in (mod, driver):  # a suite claims through the driver (or, not yet ported, itself)
         if hasattr(where, "claim_results_dir"):
@@ -356,7 +356,7 @@ def test_cli_error_broken_model_directory_is_one_line(damage, named, tiny_dir, t
 
 def test_cli_error_real_process_exit_code_and_debug_traceback(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    args = [sys.executable, "-m", "experiments.perplexity", "--model", str(tmp_path / "nope")]
+    args = [sys.executable, "-m", "kvjax.experiments.perplexity", "--model", str(tmp_path / "nope")]
     r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: model directory {str(tmp_path / 'nope')!r} does not exist"]
@@ -399,7 +399,7 @@ def test_atomic_write_leaves_the_permissions_of_a_plain_write(tmp_path):
     0600 is not what the user gets."""
     import stat
 
-    from experiments.records import write_atomic
+    from kvjax.experiments.records import write_atomic
 
     (tmp_path / "plain.md").write_text("x")
     write_atomic(tmp_path / "atomic.md", "x")
@@ -426,7 +426,7 @@ def test_atomic_sigkill_while_appending_loses_no_acknowledged_record(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from experiments.records import ResultLog
+        from kvjax.experiments.records import ResultLog
         log = ResultLog({str(tmp_path / 'log.jsonl')!r})
         i = len(log)
         while True:
@@ -469,7 +469,7 @@ def test_loading_remote_code_hint_is_reported_once(tiny_dir, tmp_path, caplog):
     cfg = json.loads((d / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (d / "config.json").write_text(json.dumps(cfg))
-    with caplog.at_level(logging.WARNING, logger="models.loading"):
+    with caplog.at_level(logging.WARNING, logger="kvjax.models.loading"):
         load(d, tokenizer=False)
         load(d, tokenizer=False)
     notes = [r for r in caplog.records if "ships its own code" in r.getMessage()]
@@ -505,7 +505,7 @@ def test_cli_error_api_refuses_texts_past_the_window_at_absolute_positions(tmp_p
     from kvjax import fewshot
     from kvjax.fewshot import Item
     from kvjax.scoring import chunked_logprobs, perplexity
-    from models.tiny import make_random_checkpoint, tiny_config
+    from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
     model = load(make_random_checkpoint(tmp_path / "m", tiny_config(max_position_embeddings=64), seed=0)).model
     ids = np.random.default_rng(0).integers(4, model.cfg.vocab_size, 100).tolist()
@@ -567,8 +567,8 @@ def test_cli_error_degenerate_parameters_are_refused_or_marked(tiny_dir, tmp_pat
     comparison printed MAT = StreamingLLM on the 2-layer default model): refused, and the default L_s is the
     paper's 2 of 32 scaled to the depth. PyramidKV below kvpress's pyramid (budget < window (beta + 1)) is
     SnapKV in every layer: warned where built and marked under every table it appears in."""
-    from experiments import driver
-    from experiments.longbench import __main__ as lb
+    from kvjax.experiments import driver
+    from kvjax.experiments.longbench import __main__ as lb
     from kvjax.policies import PyramidKV, make_policy, mat, reduces_to
 
     lm = driver.load_model(tiny_dir)
@@ -597,7 +597,7 @@ def test_cli_error_degenerate_parameters_are_refused_or_marked(tiny_dir, tmp_pat
     ('[1, 2]', r"an item is a JSON object, got list"),
 ])
 def test_cli_error_zero_shot_data_is_validated(tmp_path, line, message):
-    from experiments import zeroshot
+    from kvjax.experiments import zeroshot
 
     f = tmp_path / "d.jsonl"
     f.write_text(line + "\n")
@@ -611,8 +611,8 @@ def test_cli_error_zero_shot_data_is_validated(tmp_path, line, message):
 def _claim_in_child(out: Path, model_dir: Path, hold: float) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import time
-        from experiments.records import claim_results_dir
-        from models import load
+        from kvjax.experiments.records import claim_results_dir
+        from kvjax.models import load
         claim_results_dir({str(out)!r}, load({str(model_dir)!r}), {{}})
         print("claimed", flush=True)
         time.sleep({hold})
@@ -657,24 +657,24 @@ def test_lock_and_identity_never_write_into_the_users_directory(tiny_dir, tmp_pa
 
 
 def test_atomic_outputs_never_default_to_a_committed_path(capsys):
-    """`small_card` once rewrote models/small/README.md and eval.json by default (a 1-sample run replaced the
-    committed card) and `train_small --from X` without --out trained into models/small: the cards write into
+    """`small_card` once rewrote kvjax/models/small/README.md and eval.json by default (a 1-sample run replaced the
+    committed card) and `train_small --from X` without --out trained into kvjax/models/small: the cards write into
     results/ unless told otherwise, and train_small needs an --out."""
-    from experiments import model_card, small_card, train_small
+    from kvjax.experiments import model_card, small_card, train_small
 
     for main, default in ((small_card.main, "results/small_card"), (model_card.main, "results/model_card")):
         with pytest.raises(SystemExit):
             main(["--help"])
         assert f"(default: {default})" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit):
-        train_small.parse(["--from", "models/small", "--extend-steps", "5"])
+        train_small.parse(["--from", "kvjax/models/small", "--extend-steps", "5"])
     assert "the following arguments are required: --out" in capsys.readouterr().err
 
 
 def test_atomic_every_table_file_goes_through_a_temporary_file(tiny_dir, tmp_path, monkeypatch):
     """results.csv (perplexity, RULER, LongBench) and the report's report.md were written in place, so a kill
     mid-write left a torn table; every one of them is now replaced whole (`write_atomic`)."""
-    from experiments import driver, perplexity, records
+    from kvjax.experiments import driver, perplexity, records
 
     written = []
     real = records.write_atomic
@@ -687,7 +687,7 @@ def test_atomic_every_table_file_goes_through_a_temporary_file(tiny_dir, tmp_pat
     lm = driver.load_model(tiny_dir)
     perplexity.suite(lm, {"full": FullCache()}, tmp_path / "ppl", lengths=[32], text=None, progress=False)
     assert "results.csv" in written
-    import experiments.report as report
+    import kvjax.experiments.report as report
 
     monkeypatch.setattr(report, "write_atomic", spy)
     written.clear()
@@ -706,8 +706,8 @@ def test_cli_error_files_and_faults_end_in_one_line(tiny_dir, tmp_path, capsys):
     missing (found before any section runs). Each is one `error:` line with exit status 2."""
     import shutil
 
-    from experiments import perplexity, report
-    from experiments.ruler import __main__ as ruler_cli
+    from kvjax.experiments import perplexity, report
+    from kvjax.experiments.ruler import __main__ as ruler_cli
 
     def one(main, argv):
         code, err = run_cli(main, argv, capsys)

@@ -75,7 +75,7 @@ def test_identity_a_quantized_run_names_its_width_in_every_table(tiny_dir, tmp_p
     identity) is the quantized policy's description. A plain run of the same name keeps `full`."""
     import json
 
-    from experiments import cli, perplexity
+    from kvjax.experiments import cli, perplexity
 
     for bits, label in ((2, "full (2-bit KV)"), (None, "full")):
         out = tmp_path / f"ppl{bits}"
@@ -258,8 +258,8 @@ def test_lock_a_folder_is_kvjax_only_by_its_own_record(tiny_dir, tmp_path):
     it was; a folder with its own record is still resumed."""
     import json
 
-    from experiments.records import claim_results_dir
-    from models import load
+    from kvjax.experiments.records import claim_results_dir
+    from kvjax.models import load
 
     lm = load(tiny_dir)
     mine = tmp_path / "notes"
@@ -301,7 +301,7 @@ def test_cli_error_every_benchmark_ends_through_the_cli_handler(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    scripts = [p for d in ("benchmarks", "experiments") for p in sorted((repo / d).rglob("*.py"))
+    scripts = [p for d in ("benchmarks", "kvjax/experiments") for p in sorted((repo / d).rglob("*.py"))
                if '__name__ == "__main__"' in p.read_text()]
     assert len([p for p in scripts if p.parent.name == "benchmarks"]) >= 10
     missing = [str(p.relative_to(repo)) for p in scripts if "cli.run" not in _main_block_calls(p)]
@@ -326,8 +326,8 @@ def test_cli_error_duo_pattern_faults_end_in_one_line(tiny_dir, tmp_path, capsys
     one line naming the file (and key), exit 2; a good pattern still runs."""
     import json
 
-    from experiments import cli
-    from experiments import generate as gen_cli
+    from kvjax.experiments import cli
+    from kvjax.experiments import generate as gen_cli
 
     def folder(name, config, tsv="1\t0\n0\t1\n"):
         d = tmp_path / name
@@ -363,8 +363,8 @@ def test_cli_error_duo_pattern_faults_end_in_one_line(tiny_dir, tmp_path, capsys
 def test_cli_error_a_prompt_that_is_not_utf8_is_one_line(capsys):
     """A Latin-1 shell hands `café` as bytes Python keeps as a lone surrogate; the tokenizer raised a TypeError.
     The prompt (and the needle suite's --needle / --question) is refused where it is parsed, naming the byte."""
-    from experiments import generate as gen_cli
-    from experiments import needle
+    from kvjax.experiments import generate as gen_cli
+    from kvjax.experiments import needle
 
     for main, argv in ((gen_cli.main, ["caf\udce9"]), (needle.main, ["--needle", "caf\udce9"])):
         with pytest.raises(SystemExit) as stop:
@@ -381,8 +381,8 @@ def test_reliability_new_tokens_past_int32_or_memory_are_refused_before_allocati
     machine would allocate until the process died. Both are refused before anything is allocated: past int32 by
     the bucketed span, past memory by the caches' shapes (`jax.eval_shape`) and the token buffer; a budget policy
     whose cache fits still runs."""
-    from experiments import cli
-    from experiments import generate as gen_cli
+    from kvjax.experiments import cli
+    from kvjax.experiments import generate as gen_cli
     import sys
 
     from kvjax.generate import generate
@@ -415,8 +415,8 @@ def test_cli_error_out_symlink_loop_and_non_utf8_longbench_are_one_line(tiny_dir
     import json
     import os
 
-    from experiments import cli, perplexity
-    from experiments.longbench import __main__ as longbench
+    from kvjax.experiments import cli, perplexity
+    from kvjax.experiments.longbench import __main__ as longbench
 
     loop, dangling = tmp_path / "loop", tmp_path / "dangling"
     os.symlink(loop, loop)
@@ -495,8 +495,8 @@ def test_cli_error_a_long_prompt_gets_kvjax_words_only(tiny_dir, tmp_path, capsy
     import logging
     import shutil
 
-    from experiments import cli
-    from experiments import generate as gen_cli
+    from kvjax.experiments import cli
+    from kvjax.experiments import generate as gen_cli
 
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
@@ -533,7 +533,7 @@ def test_cli_error_help_names_every_model_form_in_whole_sentences(capsys):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    scripts = [p for d in ("benchmarks", "experiments") for p in sorted((repo / d).rglob("*.py"))
+    scripts = [p for d in ("benchmarks", "kvjax/experiments") for p in sorted((repo / d).rglob("*.py"))
                if '__name__ == "__main__"' in p.read_text() and p.name != "tpu_aot.py"]  # tpu_aot: the TPU's
     with_model = []
     for path in scripts:

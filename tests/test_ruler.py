@@ -10,13 +10,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from experiments import cli
-from experiments.ruler import __main__ as ruler_cli
-from experiments.ruler import scoring
-from experiments.ruler import tasks as T
+from kvjax.experiments import cli
+from kvjax.experiments.ruler import __main__ as ruler_cli
+from kvjax.experiments.ruler import scoring
+from kvjax.experiments.ruler import tasks as T
 from kvjax import FullCache, generate, kept_positions
 from kvjax.policies import SnapKV
-from models import load_default
+from kvjax.models import load_default
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from kvjax.cache import kept_sets, nbytes
 from kvjax.policies.base import Context
 from kvjax.policies.scored import TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV
 from kvjax.stats import AttentionStats, StatsRequest
-from models import load
+from kvjax.models import load
 from tests.conftest import random_ids
 from kvjax import drive
 
@@ -225,7 +225,7 @@ def test_ratio_counts_under_jit_are_kvpress_float64_counts(sharp_dir):
     ring policy's per-row budget."""
     from kvjax.cache import kept_sets
     from kvjax.policies import StreamingLLM
-    from models import load
+    from kvjax.models import load
     from tests.conftest import left_pad, random_ids, stepper
 
     assert int(100 * (1 - 0.8)) == 19 and int(np.float32(100) * np.float32(1 - 0.8)) == 20

@@ -1,4 +1,4 @@
-"""kvjax-small (models/small, made by experiments.train_small): it loads in both frameworks, uses its
+"""kvjax-small (kvjax/models/small, made by kvjax.experiments.train_small): it loads in both frameworks, uses its
 2048-token context, has attention sinks and a minority of retrieval heads (the model card's targets)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import passkey
-from experiments.records import ResultLog
+from kvjax.experiments import passkey
+from kvjax.experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
-from models import SMALL_DIR
+from kvjax.models import SMALL_DIR
 from kvjax import drive
 
 pytestmark = pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(),
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(),
 
 @pytest.fixture(scope="module")
 def small():
-    from models import load
+    from kvjax.models import load
 
     return load(SMALL_DIR)
 
@@ -67,7 +67,7 @@ def test_passkey_at_the_full_context_and_not_outside_a_streaming_window(small, t
 
 
 def test_retrieval_heads_are_a_minority_and_the_shipped_table_is_the_probes(small, tmp_path):
-    from experiments import find_heads
+    from kvjax.experiments import find_heads
 
     shipped = json.loads((SMALL_DIR / "heads.json").read_text())["retrieval_kv_heads"]
     n = small.config.max_position_embeddings
@@ -87,7 +87,7 @@ def test_every_suite_dataset_scores_and_the_lookups_use_the_far_context(tmp_path
     prose) 95 against 20, the window holding the last paragraph or two; marker_count (a sound line 1-5 times
     in 1800 tokens, chance 20) 40 against 20; QA 16.7 (qa_f1) against 3.3. lcc (code_sim, 36.9) needs little
     far context (the window scores 35.2) and is left to the card."""
-    from experiments.longbench.__main__ import main
+    from kvjax.experiments.longbench.__main__ import main
 
     datasets = ("passkey", "kv_retrieval", "paragraph_kv", "marker_count", "qa")
     assert main(["--model", str(SMALL_DIR), "--datasets", ",".join(f"stdlib_{d}" for d in datasets),
@@ -105,8 +105,8 @@ def test_sinks_are_per_layer_and_strongest_where_the_retrieval_heads_are(small):
     """The card's sink line: the first token draws > 5x uniform attention from the mean head of some layer
     (layer 3, 6.6x on the card, the layer of both retrieval heads) and not from every layer (layers 1-2
     attend to it about uniformly), so sinks differ per layer, as the card's table says."""
-    from experiments import model_card
-    from experiments.corpus import doc_documents
+    from kvjax.experiments import model_card
+    from kvjax.experiments.corpus import doc_documents
 
     tok, n = small.tokenizer, small.config.max_position_embeddings
     text = " ".join(t for _, t in doc_documents("heldout"))
@@ -121,7 +121,7 @@ def test_sinks_are_per_layer_and_strongest_where_the_retrieval_heads_are(small):
 def test_niah_single_1_at_the_full_context(tmp_path):
     """The card's RULER line (90 % on 20 samples at 2048 tokens, target 80 %): RULER's niah_single_1 with the
     full cache on 10 samples of the card's seed finds the needle at least 8 times (10 measured)."""
-    from experiments.ruler.__main__ import main
+    from kvjax.experiments.ruler.__main__ import main
 
     assert main(["--model", str(SMALL_DIR), "--tasks", "niah_single_1", "--lengths", "2048", "--samples", "10",
                  "--policy", "full", "--out", str(tmp_path)]) == 0

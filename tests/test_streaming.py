@@ -64,7 +64,7 @@ def test_streaming_logits_match_reference(sharp_dir, positions, prompt_len, pref
     """Logits at every step equal a NumPy model that evicts by the plain rule and, in rolling
     mode, recomputes attention with positions reassigned by rank. "stream" feeds the prompt
     token by token too."""
-    from models import load
+    from kvjax.models import load
 
     sinks, budget = 2, 10
     ref = RefLlama(sharp_dir)

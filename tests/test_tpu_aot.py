@@ -124,7 +124,7 @@ def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     assert tp["argument_bytes"] < full["argument_bytes"] - 0.7 * layers_and_cache
     # a 4-bit cache holds fewer bytes than the full one at the same length (codes, scales and a residual)
     assert by[("full-4bit", "step")]["argument_bytes"] < full["argument_bytes"]
-    # A scanned run picks each layer's parameters (`models.llama.stacks_parameters`) rather than stacking them: a
+    # A scanned run picks each layer's parameters (`kvjax.models.llama.stacks_parameters`) rather than stacking them: a
     # stack is a copy of every layer's weights in the program: with it, the prompt pass's temporaries grew by 228 MiB
     # from 2 to 4 layers (about the 2 added layers' weights, 2 x 116 MiB); with the pick, by a few MiB.
     deeper = {r["spec"][3]: r for r in rows if r["spec"][0] == "model" and len(r["spec"]) > 6 and r["spec"][6] == 4}

@@ -12,7 +12,7 @@ from flax import nnx
 
 from kvjax.anllm_anchors import anchor_flags, anchor_mask
 from kvjax.train import TrainConfig, next_token_loss, schedule, train
-from models import load
+from kvjax.models import load
 from kvjax import drive
 
 
@@ -80,7 +80,7 @@ def test_training_identity_refuses_to_resume_another_run(tiny_dir, tmp_path):
 
 def test_cli_identity_train_anllm_rerun_with_another_lr_is_refused(tiny_dir, tmp_path, capsys):
     """The command-line form: `train_anllm --out X` again with another --lr ends in one line naming it."""
-    from experiments import cli, train_anllm
+    from kvjax.experiments import cli, train_anllm
 
     data = tmp_path / "d.txt"
     data.write_text("The cache holds keys. Anchors compress a sentence. " * 40)

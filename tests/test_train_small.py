@@ -7,20 +7,20 @@ import json
 import numpy as np
 import pytest
 
-from experiments.longbench.harness import config
-from experiments.longbench.metrics import sample_score
-from experiments.ruler.scoring import sample_match_all
-from experiments.tasks import Mixture, RowSampler
-from experiments.train_small import ntk_theta, suite_examples, suite_prompts
+from kvjax.experiments.longbench.harness import config
+from kvjax.experiments.longbench.metrics import sample_score
+from kvjax.experiments.ruler.scoring import sample_match_all
+from kvjax.experiments.tasks import Mixture, RowSampler
+from kvjax.experiments.train_small import ntk_theta, suite_examples, suite_prompts
 from kvjax.errors import NonFiniteError
-from models import DEFAULT_DIR
+from kvjax.models import DEFAULT_DIR
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_DIR / "tokenizer.json").is_file(), reason="no default tokenizer")
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from models.loading import load_tokenizer
+    from kvjax.models.loading import load_tokenizer
 
     return load_tokenizer(DEFAULT_DIR)
 
@@ -67,7 +67,7 @@ def test_batches_route_each_step_to_its_stage():
     without an extension the long stage's sampler serves every later step."""
     import argparse
 
-    from experiments.train_small import batches
+    from kvjax.experiments.train_small import batches
 
     class Rows:  # a sampler whose rows say which stage drew them
         def __init__(self, mark, seq_len):
@@ -89,7 +89,7 @@ def test_extension_draws_spans_from_the_upper_half_of_the_context():
     before their question (passkey at depth 0 of a full context) are common there."""
     import argparse
 
-    from experiments.train_small import batches
+    from kvjax.experiments.train_small import batches
 
     class Rows:
         def __init__(self, seq_len):
@@ -112,10 +112,10 @@ def test_from_takes_the_base_models_recorded_training_and_continues_its_rows(tmp
     the whole run with --extend-steps would), this call's extension options."""
     import json
 
-    from experiments.train_small import continued, parse
+    from kvjax.experiments.train_small import continued, parse
     from kvjax.errors import MissingFile
 
-    base = {"command": "python -m experiments.train_small --layers 6", "train_minutes": 77.0,
+    base = {"command": "python -m kvjax.experiments.train_small --layers 6", "train_minutes": 77.0,
             "args": vars(parse(["--out", "models/small", "--layers", "6", "--short-steps", "1500", "--long-steps", "700",
                                 "--seed", "3"]))}
     (tmp_path / "eval.json").write_text(json.dumps({"training": base}))
@@ -135,12 +135,12 @@ def test_from_takes_the_base_models_recorded_training_and_continues_its_rows(tmp
 
 
 def test_the_card_names_each_extension_and_the_chain_that_reproduces_the_weights(tmp_path):
-    from experiments.small_card import final_loss, training_chain
+    from kvjax.experiments.small_card import final_loss, training_chain
 
     def run(command, out, **args):
         return {"command": command, "args": {"out": out, "long_batch": 2, **args}}
 
-    first = run("python -m experiments.train_small", "models/small")
+    first = run("python -m kvjax.experiments.train_small", "models/small")
     ext1 = {**run("train_small --from models/small --out A --extend-steps 450", "A", extend_steps=450,
                   extend_lr=5e-4, from_="models/small"), "base": first}
     ext2 = {**run("train_small --from A --out B --extend-steps 400 --extend-lr 3e-4", "B", extend_steps=400, from_="A",
@@ -245,7 +245,7 @@ def test_title_rows_ask_which_paragraph_has_a_title_their_text_gives(tok):
     TITLE_QUERIES questions, each answered with the number that follows the asked title."""
     import re
 
-    from experiments.tasks import TITLE_QUERIES
+    from kvjax.experiments.tasks import TITLE_QUERIES
 
     code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
     s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=0, facts=0, copy=0, induction=0,
@@ -269,7 +269,7 @@ def test_count_rows_ask_how_often_each_hidden_sound_occurs(tok):
     often its line occurs in the row (1-5)."""
     import re
 
-    from experiments.tasks import MARKERS
+    from kvjax.experiments.tasks import MARKERS
 
     code = docs = np.arange(4, 400, dtype=np.int32).repeat(50)
     s = RowSampler(tok, code, docs, 2048, mixture=Mixture(text=0, passkey=0, kv=0, facts=0, copy=0, induction=0,
@@ -290,7 +290,7 @@ def test_count_rows_ask_how_often_each_hidden_sound_occurs(tok):
 
 
 def test_extend_mixture_option_names_every_bad_kind_and_share(capsys):
-    from experiments.train_small import mixture, parse
+    from kvjax.experiments.train_small import mixture, parse
 
     assert mixture("kv=0.5,suite=0.5") == Mixture(text=0, passkey=0, kv=0.5, facts=0, copy=0, induction=0, suite=0.5)
     for bad, says in [("kv=x", "'kv=x'"), ("keys=1", "'keys=1'"), ("kv=0", "not all 0"), ("kv=-1,text=2", ">= 0")]:
@@ -307,8 +307,8 @@ def test_the_card_reads_its_training_record_from_the_run_else_from_the_last_card
     both files and the command that writes them."""
     import json
 
-    from experiments import small_card
-    from experiments.small_card import training_record
+    from kvjax.experiments import small_card
+    from kvjax.experiments.small_card import training_record
     from kvjax.errors import InvalidInput, MissingFile
 
     with pytest.raises(MissingFile, match=r"neither .*run.json nor .*eval.json.*train_small --out"):

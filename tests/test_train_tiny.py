@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import corpus
-from experiments import train_tiny as tt
-from experiments.records import ResultLog
-from experiments.tasks import PASSKEY_QUESTION, Curriculum, RowSampler
+from kvjax.experiments import corpus
+from kvjax.experiments import train_tiny as tt
+from kvjax.experiments.records import ResultLog
+from kvjax.experiments.tasks import PASSKEY_QUESTION, Curriculum, RowSampler
 from kvjax import drive
 
 
@@ -75,7 +75,7 @@ def test_train_tiny_writes_a_model_that_both_frameworks_load_and_resumes(tmp_pat
     torch = pytest.importorskip("torch")
     from transformers import LlamaForCausalLM
 
-    from models import load
+    from kvjax.models import load
 
     out = tmp_path / "m"
     argv = ["--out", str(out), "--seq-len", "256", "--batch", "2", "--vocab", "300", "--hidden", "32", "--ffn",
@@ -181,10 +181,10 @@ def test_sink_shares_are_the_mean_and_strongest_head_share_of_the_first_token():
     import jax.numpy as jnp
     from flax import nnx
 
-    from experiments import model_card
+    from kvjax.experiments import model_card
     from kvjax.heads import attention_maps
-    from models.llama import Llama
-    from models.tiny import tiny_config
+    from kvjax.models.llama import Llama
+    from kvjax.models.tiny import tiny_config
 
     model = Llama(tiny_config(), rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(4, 200, (2, 40)).astype(np.int32)

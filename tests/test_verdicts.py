@@ -1,4 +1,4 @@
-"""The one rule that words every verdict of the report (experiments.verdicts), on hand-computed cases."""
+"""The one rule that words every verdict of the report (kvjax.experiments.verdicts), on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from experiments import verdicts
-from experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, all_of, binomial_se, evidence, paired_se, verdict
+from kvjax.experiments import verdicts
+from kvjax.experiments.verdicts import FAILS, HOLDS, INCONCLUSIVE, all_of, binomial_se, evidence, paired_se, verdict
 
 
 @pytest.mark.parametrize("diff, se, said", [

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import zeroshot
+from kvjax.experiments import zeroshot
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax import drive
 
@@ -33,7 +33,7 @@ def _by_hand(model, tok, row):
 
 
 def test_scores_equal_a_hand_computation(sharp_dir):
-    from models import load
+    from kvjax.models import load
 
     lm = load(sharp_dir)
     tok = lm.tokenizer
@@ -47,7 +47,7 @@ def test_scores_equal_a_hand_computation(sharp_dir):
 
 
 def test_policy_is_applied_to_the_context(sharp_dir):
-    from models import load
+    from kvjax.models import load
 
     lm = load(sharp_dir)
     row = {"context": "x" * 200 + " The key is 42.", "query": " The key is", "choices": [" 42", " 17"], "gold": 0}
@@ -63,7 +63,7 @@ def test_cli_on_a_jsonl_task_and_errors(tmp_path, tiny_dir, capsys):
     assert zeroshot.main(["--model", str(tiny_dir), "--data", str(data), "--compare", "full,streaming",
                           "--budget", "32", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())["results"]
-    from models import load
+    from kvjax.models import load
 
     lm = load(tiny_dir)
     hand = [_by_hand(lm.model, lm.tokenizer, row) for row in ITEMS]
@@ -118,7 +118,7 @@ def test_stream_scoring_reads_every_token_under_the_policy(sharp_dir):
     budget the choices of an item (sequences of different lengths, one batch) each keep their own
     share, i.e. each equals its sequence scored alone under a token budget of floor(n (1 - r))."""
     from kvjax import scoring
-    from models import load
+    from kvjax.models import load
 
     lm = load(sharp_dir)
     tok = lm.tokenizer

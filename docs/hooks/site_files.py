@@ -2,7 +2,7 @@
 
 - The site shows files that live beside the code, not under docs/: the model cards (models/*/README.md and
   their plots), the committed benchmark results (benchmarks/results/) and the notebooks (colab/). They are
-  added to the site at the same relative paths, so a page links them as `models/small/README.md` from the
+  added to the site at the same relative paths, so a page links them as `kvjax/models/small/README.md` from the
   site's root and the link checker sees them.
 - Equations are rendered at build time: the TeX that pymdownx.arithmatex marks is converted to MathML
   (latex2mathml), which browsers draw natively, so the site shows its equations offline, with no script.
@@ -24,13 +24,13 @@ log = logging.getLogger("mkdocs.plugins.kvjax")
 ROOT = Path(__file__).resolve().parents[2]
 # (folder under the repository root, file patterns) shown on the site
 SITE_FILES = [
-    ("models/default", ("README.md", "*.png")),
-    ("models/small", ("README.md", "*.png")),
+    ("kvjax/models/default", ("README.md", "*.png")),
+    ("kvjax/models/small", ("README.md", "*.png")),
     ("benchmarks/results", ("*.md", "*.png", "*.json")),
     ("colab", ("*.ipynb",)),
 ]
 # The modules whose public names the reference must document (issue: "every public name exported by ...").
-DOCUMENTED = ("kvjax", "kvjax.policies", "models", "experiments.driver")
+DOCUMENTED = ("kvjax", "kvjax.policies", "kvjax.models", "kvjax.experiments.driver")
 
 
 def on_files(files, config):
@@ -76,7 +76,7 @@ def undocumented(module: str, search_paths: list[str] | None = None) -> list[str
     loader = griffe.GriffeLoader(search_paths=search_paths or [str(ROOT)])
     mod = loader.load(module)
     # re-exports are followed into the packages they come from
-    for name in {module.split(".")[0]} | (set() if search_paths else {"kvjax", "models", "experiments"}):
+    for name in {module.split(".")[0]} | (set() if search_paths else {"kvjax"}):
         loader.load(name)
     loader.resolve_aliases(implicit=True, external=False)
     names = mod.exports

@@ -89,7 +89,7 @@ def _sized(budget, ratio):
     return None if ratio is not None else budget
 
 
-# CLI name -> constructor. Keyword names are the command-line options (experiments/common.py).
+# CLI name -> constructor. Keyword names are the command-line options (kvjax/experiments/common.py).
 REGISTRY = {
     "full": lambda budget, positions="absolute", prefill_mode="full", chunk=None: FullCache(
         positions=positions, prefill_mode=prefill_mode, chunk=chunk
@@ -179,7 +179,7 @@ REGISTRY.update({
         heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks, compensate=compensate, fold=fold,
         prefill_mode=prefill_mode, chunk=chunk),
     # DuoAttention: a pattern (DuoAttention's attn_patterns folder, or a heads file with duo_scores from
-    # `experiments.find_heads --duo`); --head-compression: the share of KV heads made streaming heads
+    # `kvjax.experiments.find_heads --duo`); --head-compression: the share of KV heads made streaming heads
     "duo": lambda budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None, prefill_mode="full",
     chunk=None: duo_from_pattern(_needs(duo_pattern, "duo", "--duo-pattern"), head_compression, sinks=sinks,
                                  recent=recent, prefill_mode=prefill_mode, chunk=chunk),
@@ -230,7 +230,7 @@ NO_BUDGET = frozenset({"full", "razor", "razor-table1", "gate", "duo", "duo-kvpr
 def _kvzap(path, threshold, window, decoding) -> KVzap:
     if path is None:
         raise InvalidInput("KVzap scores pairs with a trained surrogate: give its directory (--kvzap DIR, written by "
-                           "python -m experiments.train_kvzap)")
+                           "python -m kvjax.experiments.train_kvzap)")
     if threshold is None:
         raise InvalidInput("KVzap evicts the pairs its surrogate scores below a threshold: give it (--threshold)")
     from kvjax.surrogate import Surrogate, load

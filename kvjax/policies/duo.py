@@ -128,7 +128,7 @@ def load_pattern(path) -> tuple[np.ndarray, int, int]:
     if path.is_file():
         data = _json_object(path)
         if "duo_scores" not in data:
-            raise InvalidInput(f"{path} has no 'duo_scores' table (write one with python -m experiments.find_heads "
+            raise InvalidInput(f"{path} has no 'duo_scores' table (write one with python -m kvjax.experiments.find_heads "
                                "--duo)")
         return (_score_table(data["duo_scores"], f"{path}: duo_scores"), _size(data, "sink_size", path, 128),
                 _size(data, "recent_size", path, 256))

@@ -404,7 +404,7 @@ def razor_from_heads(
     from kvjax.heads import load_heads
 
     if heads is None:
-        raise InvalidInput("RazorAttention needs a heads file (--heads, from python -m experiments.find_heads)")
+        raise InvalidInput("RazorAttention needs a heads file (--heads, from python -m kvjax.experiments.find_heads)")
     data = heads if isinstance(heads, dict) else load_heads(heads)
     alibi = "kv_scopes" in data
     common = dict(

@@ -1,1 +1,0 @@
-"""LongBench v1 / LongBench-E harness and kvjax's offline LongBench-format suite (`python -m experiments.longbench`)."""

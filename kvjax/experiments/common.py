@@ -1,0 +1,643 @@
+"""Shared command-line pieces: model resolution and --policy options for every experiment."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.experiments import driver
+from kvjax.experiments.default_model import (  # noqa: F401
+    DEFAULT_MODEL_DIR,
+    RANDOM_DEFAULT_DIR,
+    default_model_dir,
+)
+from kvjax.experiments.policy_options import POLICY_OPTIONS
+from kvjax.cli import add_compile_cache_flag, model_help  # noqa: F401  (every suite's --model help)
+from kvjax.errors import InvalidInput, MissingFile
+from kvjax.policies import (
+    NO_BUDGET,
+    REGISTRY,
+    Policy,
+    Quantized,
+    Recompress,
+)
+from kvjax.policies.scored import ScoredPolicy
+
+
+def flag_given(args: argparse.Namespace, dest: str) -> str:
+    """The command-line flag of option `dest` (`anchor_slots` -> `--anchor-slots`)."""
+    del args
+    return "--" + dest.replace("_", "-")
+
+
+# ---- option types: a bad value is refused where it is parsed, naming the flag ----
+
+
+def _number(kind, text: str, what: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    # NaN fails every comparison, so `ok` states what is valid, never what is not.
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"{text} must be {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, ">= 1", lambda x: x >= 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return _number(int, text, ">= 0", lambda x: x >= 0)
+
+
+def odd_positive_int(text: str) -> int:
+    """A pooling kernel: odd, so that `kernel // 2` padding on each side keeps one score per token."""
+    return _number(int, text, "a positive odd number (pooling keeps the length only for odd kernels)",
+                   lambda x: x >= 1 and x % 2 == 1)
+
+
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, "a finite number >= 0", lambda x: x >= 0)
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, "a finite number > 0", lambda x: x > 0)
+
+
+def finite_float(text: str) -> float:
+    return _number(float, text, "a finite number", lambda x: True)
+
+
+def probability(text: str) -> float:
+    """top-p: in (0, 1]."""
+    return _number(float, text, "in (0, 1]", lambda x: 0 < x <= 1)
+
+
+def fraction_removed(text: str) -> float:
+    """--ratio: the fraction of the prompt removed, in [0, 1)."""
+    return _number(float, text, "in [0, 1) (the fraction of the prompt removed)", lambda x: 0 <= x < 1)
+
+
+def int_list(text: str) -> list[int]:
+    """`4096,8192`: positive integers."""
+    return [positive_int(x) for x in text.split(",") if x.strip()] or _empty(text)
+
+
+def float_list(text: str) -> list[float]:
+    return [_number(float, x, "a finite number", lambda v: True) for x in text.split(",") if x.strip()] or \
+        _empty(text)
+
+
+def utf8_text(text: str) -> str:
+    """Text given on the command line. A shell in another encoding (Latin-1) hands Python bytes that are not UTF-8,
+    which it keeps as lone surrogates that no tokenizer reads (a TypeError deep in it): refused here, naming the
+    byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = text.encode("utf-8", "surrogateescape")
+        byte = text[err.start].encode("utf-8", "surrogateescape")[0]
+        raise argparse.ArgumentTypeError(f"{raw!r} is not UTF-8 (byte 0x{byte:02x} at character {err.start}); "
+                                         "set a UTF-8 locale (LANG=C.UTF-8) or convert the text") from None
+    return text
+
+
+def _empty(text: str):
+    raise argparse.ArgumentTypeError(f"{text!r} holds no values")
+
+
+PROTOCOLS = ("aware", "agnostic")
+
+
+def add_protocol_arg(p: argparse.ArgumentParser, default: str = "aware") -> None:
+    """--protocol: compress the context with its question (aware) or without it (agnostic, kvpress's default)."""
+    p.add_argument("--protocol", choices=PROTOCOLS, default=default,
+                   help="aware: compress context and question together; agnostic: compress the context alone, "
+                        "then extend the compressed cache with the question (kvpress's protocol)")
+
+
+def split_question(prompts: list[list[int]], question_lengths: list[int], protocol: str
+                   ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """`generate`'s (prompts, questions) for a protocol: the same token ids either way, the last
+    `question_lengths[i]` of prompt i being its question."""
+    if protocol == "aware":
+        return prompts, None
+    return [p[: len(p) - n] for p, n in zip(prompts, question_lengths)], [p[len(p) - n:] for p, n in
+                                                                          zip(prompts, question_lengths)]
+
+
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    """--chat-template auto|on|off: the model's prompt format, for every suite that builds prompts."""
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                   help="wrap each context in the tokenizer's chat template as kvpress's pipeline does (context in "
+                        "the user turn; question, end of turn, assistant header, answer prefix after it): on, off "
+                        "(raw text), or auto (on iff the tokenizer has a template, as kvpress). Default auto")
+
+
+def chat_template_on(tok, mode: str) -> bool:
+    """`mode` ("auto" / "on" / "off") resolved for tokenizer `tok`: auto is on iff `tok.chat_template` is not None
+    (kvpress's rule); "on" for a tokenizer without a template is an `InvalidInput`."""
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise InvalidInput(f"chat_template={mode!r} is not one of {', '.join(CHAT_TEMPLATE_MODES)}")
+    has = getattr(tok, "chat_template", None) is not None
+    if mode == "on" and not has:
+        raise InvalidInput("--chat-template on: the model's tokenizer has no chat template; pass --chat-template off "
+                           "or auto")
+    return has if mode == "auto" else mode == "on"
+
+
+def chat_template_mode(tok, mode: str) -> str:
+    """--chat-template resolved for `tok`, "on" or "off" (what a run's identity and tables record); "on" without a
+    template is an `InvalidInput` (one `error:` line, exit 2)."""
+    return "on" if chat_template_on(tok, mode) else "off"
+
+
+def chat_parts(tok, on: bool, *, enable_thinking: bool = False) -> tuple[str, str]:
+    """(text before the context, text between the question and the answer prefix), as kvpress's
+    `KVPressTextGenerationPipeline.preprocess` makes them: with the template, the user turn's opening and the end of
+    the turn + the assistant header (the template applied to the context + a separator, split there); without,
+    the BOS token's text and "\n"."""
+    if not on:
+        return getattr(tok, "bos_token", None) or "", "\n"
+    context = "kvjax chat template probe"
+    separator = "#" * (len(context) + 10)
+    text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                   tokenize=False, enable_thinking=enable_thinking)
+    head, suffix = text.split(separator)
+    return head[: len(head) - len(context)], suffix
+
+
+def prompt_ids(tok, context: str, question: str, answer_prefix: str = "", *, on: bool) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of one prompt as kvpress's pipeline builds them (`preprocess`): with the template
+    (`on`), the chat template around the context (the user turn's opening, then the context) and the question + the
+    end of the turn + the assistant header + `answer_prefix`; without, BOS + context and question + "\n" +
+    `answer_prefix`. Each part is tokenized alone, without special tokens (the BOS is text in the context). The
+    question-agnostic protocol compresses the first and appends the second; the aware one reads both together."""
+    head, suffix = chat_parts(tok, on)
+    if on:  # kvpress applies the template to the context itself: the split is the template's
+        separator = "#" * (len(context) + 10)
+        text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                       tokenize=False, enable_thinking=False)
+        ctx, suffix = text.split(separator)
+    else:
+        ctx = head + context
+    return (tok.encode(ctx, add_special_tokens=False),
+            tok.encode(question + suffix + answer_prefix, add_special_tokens=False))
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """--allow-nonfinite, --debug and --no-compile-cache, for every command that loads a model."""
+    g = p.add_argument_group("run")
+    g.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a checkpoint even if a weight holds NaN or inf (results are still checked)")
+    g.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error (also KVJAX_DEBUG=1)")
+    add_compile_cache_flag(g)
+
+
+def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming", budget: int = 256) -> None:
+    g = p.add_argument_group("cache policy")
+    g.add_argument("--policy", default=default, choices=sorted(REGISTRY), help="cache policy")
+    g.add_argument("--budget", type=positive_int,
+                   help=f"cache slots per layer and KV head (MAT's c); default {budget} for the policies "
+                        f"that take a budget ({', '.join(sorted(set(REGISTRY) - NO_BUDGET))})")
+    g.add_argument("--sinks", type=nonnegative_int, help="attention sinks (streaming, MAT's shallow layers: s); "
+                                                         "default 4")
+    g.add_argument("--anchor-slots", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
+    g.add_argument("--shallow-layers", type=nonnegative_int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
+    g.add_argument("--group-agg", choices=["mean", "max", "sum"],
+                   help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
+    g.add_argument("--ratio", type=fraction_removed,
+                   help="fraction of each prompt removed, instead of --budget (every policy with a budget; razor: "
+                        "the share its local heads drop, instead of --compression/--buffer; mat: give --anchor-slots)")
+    g.add_argument("--observation-window", type=nonnegative_int,
+                   help="the last prompt tokens, always kept and (SnapKV) scored from (SnapKV 32, kvpress 64)")
+    g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
+    g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
+    g.add_argument("--combine", choices=["product", "sum", "s1", "s2"],
+                   help="SlimKV: S1*S2 (eq. 5), S1+S2 (Listing 1), or S1 / S2 alone (Table 3's ablations)")
+    g.add_argument("--recent", type=nonnegative_int, help="H2O: recent window; default budget // 2")
+    g.add_argument("--beta", type=positive_int, help="PyramidKV: steepness of the pyramid; default 20")
+    g.add_argument("--heads", help="RazorAttention: heads file from python -m kvjax.experiments.find_heads")
+    g.add_argument("--compression", type=positive_float,
+                   help="RazorAttention: C, local heads keep max(S0, N / C); default 5")
+    g.add_argument("--buffer", type=positive_int, help="RazorAttention: S0, the least window of a local head; "
+                                                       "default 4000")
+    g.add_argument("--no-compensation", dest="compensate", action="store_const", const=False,
+                   help="RazorAttention: drop tokens without the compensation token")
+    g.add_argument("--fold", choices=["decode", "prefill"],
+                   help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
+                        "prompt only and append generated tokens (the paper's Algorithm 1)")
+    g.add_argument("--duo-pattern", help="DuoAttention: a pattern folder (full_attention_heads.tsv + config.json, as "
+                                         "mit-han-lab/duo-attention ships them) or a heads file with duo_scores "
+                                         "(python -m kvjax.experiments.find_heads --duo)")
+    g.add_argument("--head-compression", type=fraction_removed,
+                   help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
+    g.add_argument("--adakv-alpha", type=probability,
+                   help="AdaKV: the share of its count each head keeps before the top-k over the layer; default 0.2")
+    g.add_argument("--chunk-length", type=positive_int,
+                   help="ChunkKV: contiguous tokens per chunk, kept or evicted whole; default 20 (kvpress's)")
+    g.add_argument("--epsilon", type=positive_float,
+                   help="CriticalKV: added to each score before it is weighed by ||v W_o||_1; default 1e-4 (kvpress's)")
+    g.add_argument("--first-stage-ratio", type=probability,
+                   help="CriticalKV: the share of the count chosen by the score alone; default 0.5 (kvpress's)")
+    g.add_argument("--kvzip-chunk", type=positive_int,
+                   help="KVzip: context tokens per replay; default 2048 (kvpress's chunk_size)")
+    g.add_argument("--kvzip-layerwise", action="store_const", const=True,
+                   help="KVzip: evict --ratio of each layer's slots instead of a share of all layers' together")
+    g.add_argument("--kvzap", help="KVzap: its surrogate, a directory written by python -m kvjax.experiments.train_kvzap "
+                                   "(kvjax ships SmolLM2's and kvjax-small's under kvjax/models/kvzap/)")
+    g.add_argument("--threshold", type=finite_float,
+                   help="KVzap: pairs the surrogate scores below this (a log KVzip+ score) are evicted once they leave "
+                        "the sliding window; no default (the share evicted depends on it and on the text)")
+    g.add_argument("--dms-window", type=nonnegative_int,
+                   help="KVzap: the most recent tokens, never evicted (DMSPress's sliding_window_size); default 128")
+    g.add_argument("--kvzap-decoding", action="store_const", const=True,
+                   help="KVzap: also evict while decoding (DMSPress's decoding=True; the question of the "
+                        "question-agnostic protocol is read as decoded tokens): a different method from the default, "
+                        "which compresses the prompt only")
+    g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m kvjax.experiments.train_gate")
+    g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
+                                                       "this; default 64")
+    g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
+    g.add_argument("--prefill-mode", choices=["full", "stream", "chunked"],
+                   help="attend the prompt whole then compress, token by token, or --chunk tokens at a time in "
+                        "memory bounded by the budget (default: the policy's)")
+    g.add_argument("--chunk", type=positive_int, help="prompt tokens per chunk with --prefill-mode chunked")
+    g.add_argument("--recompress-every", type=positive_int,
+                   help="prompt compressors (snapkv, slimkv, ...): re-score the cache every N generated tokens and "
+                        "evict back to the budget (as kvpress's PrefillDecodingPress with both targets at the budget); the cache holds budget + N slots")
+    q = p.add_argument_group("quantized cache (kvjax.quant): every policy's kept slots stored as codes")
+    q.add_argument("--kv-bits", type=int, choices=[8, 4, 2],
+                   help="8: int8, one scale per token; 4 or 2: KIVI (keys per channel, values per token)")
+    q.add_argument("--kv-group", type=positive_int, help="KIVI's group size G (4 and 2 bits); default 32")
+    q.add_argument("--kv-residual", type=nonnegative_int,
+                   help="the R most recent tokens also held in full precision; default 128 for 4 and 2 bits, 0 for 8")
+    p.set_defaults(default_budget=budget)
+
+
+def quantizer(args: argparse.Namespace):
+    """What --kv-bits / --kv-group / --kv-residual do to each policy of a run: store it quantized
+    (`kvjax.policies.Quantized`), or nothing without --kv-bits. Checked once, before any policy is built."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        given = [f"{f} {getattr(args, k)}" for f, k in (("--kv-group", "kv_group"), ("--kv-residual", "kv_residual"))
+                 if getattr(args, k, None) is not None]
+        if given:
+            raise InvalidInput(f"{', '.join(given)} without --kv-bits: the cache is not quantized")
+        return lambda policy: policy
+    if bits == 8 and args.kv_group is not None:
+        raise InvalidInput(f"--kv-group {args.kv_group} with --kv-bits 8: int8 has one scale per token (the group "
+                           "size is KIVI's, for 4 and 2 bits)")
+    group = None if bits == 8 else (args.kv_group if args.kv_group is not None else 32)
+    residual = args.kv_residual if args.kv_residual is not None else (0 if bits == 8 else 128)
+    return lambda policy: Quantized(policy, bits=bits, group=group, residual=residual)
+
+
+def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
+    """--budget as given, or the command's default; an error when it cannot apply, so a budget the
+    policies ignore never looks like it was used."""
+    budgeted = [n for n in names if n not in NO_BUDGET]
+    if args.budget is not None:
+        if not budgeted:
+            raise InvalidInput(f"--budget {args.budget} does not apply to --policy {','.join(names)}: "
+                               + "; ".join(NO_BUDGET_WHY[n] for n in names))
+        if args.ratio is not None:
+            raise InvalidInput(f"--budget {args.budget} and --ratio {args.ratio} both size the cache: give one")
+        return args.budget
+    return args.default_budget  # with --ratio, the scored policies use the ratio instead
+
+
+# Why a policy takes no --budget (said in the error, with what sizes it instead).
+NO_BUDGET_WHY = {
+    "full": "full keeps every token",
+    "kvzip": "kvzip evicts --ratio of all layers' slots together",
+    "kvzip-plus": "kvzip-plus evicts --ratio of all layers' slots together",
+    "kvgrad": "kvgrad evicts --ratio of all layers' slots together",
+    "razor": "razor sizes its local heads with --compression and --buffer, or --ratio",
+    "razor-table1": "razor-table1's local heads keep the recent --buffer tokens",
+    "duo": "duo's streaming heads keep --sinks + --recent tokens and its other heads everything",
+    "duo-kvpress": "duo-kvpress's streaming heads keep the prompt's --sinks + --recent tokens and its other heads "
+                   "everything",
+    "kvzap": "kvzap evicts the pairs its surrogate scores below --threshold",
+    "gate": "gate keeps what the trained gates keep (--bucket rounds it)",
+}
+
+
+def policy_from_args(args: argparse.Namespace, num_layers: int | None = None, model_dir=None) -> Policy:
+    """The policy named by --policy, with the options given on the command line.
+
+    An option the policy does not take is an error (e.g. --anchor-slots with --policy streaming).
+    `num_layers` is passed to the policies that need the model's depth (PyramidKV); RazorAttention
+    without --heads reads `model_dir/heads.json` (`shipped_heads`).
+    """
+    return policies_from_args(args, [args.policy], num_layers, model_dir=model_dir)[0]
+
+
+def shipped_heads(args: argparse.Namespace, names: list[str], model_dir) -> None:
+    """RazorAttention without --heads takes `model_dir/heads.json` when the model ships one (kvjax-small
+    does), in every suite alike; its description names the head table, so the records say which heads
+    were used. Only when razor is asked for: --heads is an error for the other policies."""
+    if any(n.startswith("razor") for n in names) and getattr(args, "heads", None) is None and model_dir is not None:
+        shipped = Path(model_dir) / "heads.json"
+        if shipped.is_file():
+            args.heads = str(shipped)
+
+
+def add_compare_args(p: argparse.ArgumentParser, default: str, budget: int = 128) -> None:
+    """--policy / --budget / every policy option, plus --compare p1,p2 (`default` when neither is given)."""
+    p.add_argument("--compare", help=f"comma-separated policies, one table (default without --policy: {default})")
+    add_policy_args(p, default=None, budget=budget)
+    p.set_defaults(compare_default=default)
+
+
+def chosen_policies(p: argparse.ArgumentParser, args: argparse.Namespace, num_layers: int, model_dir=None
+                    ) -> tuple[list[str], list[Policy]]:
+    """(labels, policies) of --compare, --policy or the default list; a name given twice is labelled name#i.
+
+    RazorAttention without --heads reads `model_dir/heads.json` (`shipped_heads`)."""
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    names = (args.compare or args.policy or args.compare_default).split(",")
+    return driver.labels(names), policies_from_args(args, names, num_layers=num_layers, model_dir=model_dir)
+
+
+def suite_model(args: argparse.Namespace, *, check=None, **load):
+    """The model of a suite's command line: --model (the default model without it) loaded with `load` and
+    --allow-nonfinite, `check(lm)` run (a suite's own checks of its options against the model, reported before
+    the gates'), with --gate-params attached."""
+    lm = driver.load_model(args.model, allow_nonfinite=args.allow_nonfinite, **load)
+    if check is not None:
+        check(lm)
+    attach_gate_params(args, lm)
+    return lm
+
+
+def compared(p: argparse.ArgumentParser | None, args: argparse.Namespace, num_layers: int, model_dir=None, *,
+             by_room: bool = False):
+    """`{label: policy}` of --compare / --policy (`chosen_policies`), or with --ratios each policy at each ratio
+    (`policies_at_ratios`); `by_room`: a function of a cell's prompt room giving them (MAT's default beta a
+    quarter of that ratio's share of the room)."""
+    if not getattr(args, "ratios", None):
+        return dict(zip(*chosen_policies(p, args, num_layers, model_dir=model_dir)))
+    if args.compare and args.policy:
+        p.error("give --policy or --compare, not both")
+    names = (args.compare or args.policy or args.compare_default).split(",")
+    at = lambda room=None: dict(policies_at_ratios(args, names, num_layers, args.ratios, room=room,  # noqa: E731
+                                                   model_dir=model_dir))
+    return at if by_room else at()
+
+
+def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: int | None = None,
+                       model_dir=None) -> list[Policy]:
+    """One policy per name (`--compare p1,p2`), each given the command-line options it takes.
+
+    An option that none of them takes is an error, as a typo must not be silently ignored; so is a
+    --budget that none of them takes, or one given with --ratio. A value a policy refuses is
+    reported with its command-line flag."""
+    shipped_heads(args, names, model_dir)
+    driver.check_names(names)
+    budget = _budget(args, names)
+    options = given_options(args)
+    per_policy = refuse_unused(args, names, options)
+    check_modes(args, names, options)
+    quantize = quantizer(args)
+    out = []
+    for n, kw in zip(names, per_policy):
+        try:
+            out.append(driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
+                                           chat=getattr(args, "replay_chat", False)))
+            if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
+                out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
+            out[-1] = quantize(out[-1])
+        except InvalidInput as err:
+            # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
+            raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None
+    if getattr(args, "recompress_every", None) and not any(isinstance(p, Recompress) for p in out):
+        raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
+                           "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
+    return out
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """The policy options given on the command line."""
+    return {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+
+
+def refuse_unused(args: argparse.Namespace, names: list[str], options: dict) -> list[dict]:
+    """Each policy's share of `options` (`driver.policy_options`); an option none of them takes is an error
+    naming its flag, as a typo must not be silently ignored."""
+    per_policy, unused = driver.policy_options(names, options)
+    if unused:
+        raise InvalidInput(f"{', '.join(flag_given(args, k) for k in sorted(unused))}: no policy of "
+                           f"{','.join(names)} takes it")
+    return per_policy
+
+
+# Options that say how every policy of a run reads the prompt or positions its keys: in a comparison they
+# apply to each policy named, so one that cannot take them is refused rather than run another way.
+MODE_OPTIONS = ("prefill_mode", "chunk", "positions")
+
+
+def check_modes(args: argparse.Namespace, names: list[str], options) -> None:
+    for k in MODE_OPTIONS:
+        if k not in options:
+            continue
+        missing = [n for n in names if k not in inspect.signature(REGISTRY[n]).parameters]
+        if missing:
+            raise InvalidInput(f"{flag_given(args, k)} {getattr(args, k)} applies to every policy compared, and "
+                               f"{', '.join(missing)} cannot take it; leave {', '.join(missing)} out of this run")
+
+
+def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: int, ratios, room: int | None = None,
+                       model_dir=None) -> list[tuple[str, Policy]]:
+    """(label, policy) for `--ratios`: each policy with a ratio mode at each ratio, labelled `name@r`, and a
+    policy sized by its own options (full, gate) once. Each takes the command line's options it has.
+
+    MAT's beta is a token count, not a share: `--anchor-slots`, or, given `room` (the prompt length all rows
+    share, as in a RULER cell), a quarter of that ratio's budget, MAT's default."""
+    shipped_heads(args, names, model_dir)
+    check_modes(args, names, given_options(args))
+    out = []
+    for n in names:
+        params = inspect.signature(REGISTRY[n]).parameters
+        own = argparse.Namespace(**vars(args))
+        for k in POLICY_OPTIONS:  # each policy takes its own options (that none takes is checked below)
+            if k not in params:
+                setattr(own, k, None)
+        if "ratio" not in params:
+            out.append((n, policies_from_args(own, [n], num_layers, model_dir=model_dir)[0]))
+            continue
+        for r in ratios:
+            own.ratio, own.budget = r, None
+            if "anchor_slots" in params and args.anchor_slots is None and room is not None:
+                own.anchor_slots = max(1, math.floor((1 - r) * room) // 4)
+            out.append((f"{n}@{r:g}", policies_from_args(own, [n], num_layers, model_dir=model_dir)[0]))
+    refuse_unused(args, names, {k: v for k, v in given_options(args).items() if k != "ratio"})
+    return out
+
+
+def parse_ratios(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--ratios a,b`: parsed in place into a tuple of fractions removed; it sizes every policy itself."""
+    if not args.ratios:
+        return
+    try:
+        args.ratios = tuple(fraction_removed(r) for r in args.ratios.split(",") if r.strip())
+    except argparse.ArgumentTypeError as err:
+        p.error(f"argument --ratios: {err}")
+    if not args.ratios:
+        p.error("argument --ratios: no ratio given")
+    if args.budget is not None or args.ratio is not None:
+        p.error("--ratios sets each policy's size: leave out --budget and --ratio")
+
+
+def _as_flags(message: str) -> str:
+    """A policy's parameters in `message` as the command line's flags (`every=` is --recompress-every)."""
+    return driver.as_flags(message, {*POLICY_OPTIONS, "budget", "recompress_every"}, {"every": "recompress_every"})
+
+
+def attach_gate_params(args: argparse.Namespace, lm) -> None:
+    """Loads --gate-params into the model `lm` (a `LoadedModel`, whose identity records them);
+    --policy gate without them is an error."""
+    if getattr(args, "gate_params", None):
+        driver.attach_gates(lm, args.gate_params)
+    elif getattr(args, "policy", None) == "gate" or "gate" in (getattr(args, "compare", None) or "").split(","):
+        raise InvalidInput("--policy gate needs --gate-params DIR (from python -m kvjax.experiments.train_gate)")
+
+
+
+# ---- training text (offline) ----
+
+
+def read_text(files: list[str] | None) -> str:
+    """The text of `files` (--data / --text), or the offline default text; a missing, binary or non-UTF-8
+    file is one error naming it."""
+    if not files:
+        return default_text()
+    parts = []
+    for f in files:
+        try:
+            parts.append(Path(f).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise MissingFile(f"{f} does not exist") from None
+        except IsADirectoryError:
+            raise InvalidInput(f"{f} is a directory; pass text files") from None
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"{f} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return "\n\n".join(parts)
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def windows(ids: list[int], seq_len: int) -> np.ndarray:
+    n = len(ids) // seq_len
+    if n == 0:
+        raise InvalidInput(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
+    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
+
+
+# ---- training and evaluation text, disjoint by construction ----
+
+# Given --data files, the last fifth of their text is evaluation's. A share of the text, not a count of
+# windows: training and evaluation commands take different --seq-len and window counts, and a cut in
+# windows moves with them (issue 65: train_gate held out its last 16 windows, eval_gate scored the last
+# 32, so 16 scored windows had been trained on).
+HELD_OUT_SHARE = 0.2
+REPEATED_LINE = 20  # the shortest held-out line training skips where it repeats it (`split_text`)
+# Joins a training run's identity: a run begun under the old rule (all of the text) is not resumed on another
+SPLIT_RULE = ("default text: kvjax.experiments.corpus's train / heldout topics; --data: the last 20 % held out; "
+              "training skips held-out lines of 20+ characters")
+
+
+def split_text(files: list[str] | None) -> tuple[str, str]:
+    """(training text, held-out text) of `files` (--data), or of the offline default. Training commands read
+    only the first and evaluation commands only the second, so no choice of windows, lengths or counts makes
+    them share a character. The default text splits as every offline suite does (`kvjax.experiments.corpus`: one
+    topic in ten held out by a hash of its name), so the held-out reference text that zero-shot and
+    LongBench passages are built from is never trained on either; given files, the last `HELD_OUT_SHARE`
+    of their text (from a line's start) is held out. A line the held-out text also has is not trained on."""
+    if not files:
+        from kvjax.experiments import corpus
+
+        train, held = ("\n\n".join(t for _, t in corpus.doc_documents(split)) for split in ("train", "heldout"))
+    else:
+        text = read_text(files)
+        cut = int(len(text) * (1 - HELD_OUT_SHARE))
+        cut = text.rfind("\n", 0, cut) + 1 or cut  # a line's start, where there is one
+        train, held = text[:cut], text[cut:]
+    # A text can say the same thing twice: pydoc's "attribute-access" and "context-managers" topics are
+    # sections of "specialnames", word for word, and "try" repeats paragraphs of "exceptions". Training skips
+    # every line the held-out text has, of at least `REPEATED_LINE` characters (short ones, "", "else:", are
+    # common to any two texts and say nothing).
+    seen = {line.strip() for line in held.splitlines() if len(line.strip()) >= REPEATED_LINE}
+    return "\n".join(line for line in train.split("\n") if line.strip() not in seen), held
+
+
+def trained_on_scored_text(identity: dict, data: list[str] | None, held_out_only: bool = True) -> str | None:
+    """Why gates trained with `identity` (their training/train_identity.json) have read text that an evaluation
+    scores, or None. The evaluation reads `data` (text files; None: the default text's held-out part), only its
+    held-out part (`held_out_only`, as `kvjax.experiments.eval_gate`) or all of it (a suite's --text or --data).
+    Under the split, a held-out part is never trained on; so the cases that overlap are gates trained before
+    the split (they read all of their text) on the text scored, the two commands given different --data that
+    share a file (each splits its own concatenation), and a suite reading the whole of a training file."""
+    from kvjax.experiments.records import content_fingerprint
+
+    trained = identity.get("--data content") or None  # None: the default text
+    scored = [content_fingerprint(f) for f in data] if data else None
+    if trained != scored and not set(trained or ()) & set(scored or ()):
+        return None  # another text altogether: nothing scored was trained on
+    if identity.get("held-out text") != SPLIT_RULE:
+        return "the gates were trained on all of that text (before training and evaluation text were split)"
+    if scored is not None and not held_out_only:
+        return "the gates were trained on the first four fifths of it, and this reads all of it"
+    if trained != scored:
+        return (f"the gates were trained with --data {' '.join(identity.get('--data') or [])}, which shares a file "
+                "with it but splits differently")
+    return None
+
+
+def refuse_trained_text(gate_params: str | None, data: list[str] | None, data_flag: str = "--data",
+                        held_out_only: bool = False) -> None:
+    """An error naming the options where the gates in `gate_params` were trained on text that an evaluation of
+    `data` (`data_flag`; None: the default held-out text) scores (`trained_on_scored_text`). Gates saved by the
+    API carry no record of their training (no training/train_identity.json): nothing to check."""
+    import json
+
+    record = Path(gate_params or "") / "training" / "train_identity.json"
+    why = gate_params and record.is_file() and trained_on_scored_text(json.loads(record.read_text()), data,
+                                                                      held_out_only)
+    if why:
+        raise InvalidInput(f"--gate-params {gate_params} with {data_flag} {' '.join(data or ['(default)'])}: {why}; "
+                           "evaluate them on other text, or retrain them")
+
+
+def training_windows(tok, files: list[str] | None, seq_len: int) -> np.ndarray:
+    """The `seq_len`-token windows a training command reads: the training part of `split_text` only."""
+    return windows(tok(split_text(files)[0], add_special_tokens=False)["input_ids"], seq_len)
+
+
+def held_out_windows(tok, files: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
+    """The first `n` `seq_len`-token windows of the held-out part of `split_text`: what an evaluation scores.
+    Asking for more than it holds is an error naming the options (`count_flag` and --seq-len): more would be
+    trained-on text."""
+    ids = tok(split_text(files)[1], add_special_tokens=False)["input_ids"]
+    have = len(ids) // seq_len
+    if have < n:
+        fix = f"ask for at most {have}" if have else "pass a shorter --seq-len"
+        raise InvalidInput(f"{count_flag} {n} with --seq-len {seq_len}: the held-out part of "
+                           f"{'--data' if files else 'the default text'} ({len(ids)} tokens) has {have} windows of "
+                           f"{seq_len} tokens, and training reads the rest; {fix}")
+    return windows(ids, seq_len)[:n]
