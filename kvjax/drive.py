@@ -7,7 +7,10 @@ Planning, cache construction and reading a prompt live here, in one copy each, f
     logits, cache = drive.prompt(model, tokens, positions, plan)  # whole, token by token or chunk by chunk
     logits, cache = drive.decode(model, token, position, cache, plan)
 
-Every function here traces: called eagerly it runs op by op, inside `jax.jit` (`kvjax.engine.compiled`) it is
+Every call into the model goes through `kvjax.contract.forward`, which checks what the forward returns against the
+contract (shapes only: free at run time), and `plan` checks once per model structure that the forward hands each
+layer's carry entry back in its place (`kvjax.contract.check_layer_order`). Every function here traces: called
+eagerly it runs op by op, inside `jax.jit` (`kvjax.engine.compiled`) it is
 one program keyed by the sized plan. `generate`, `scoring`, `fewshot`, KVzip's replay and the suites call these.
 """
 
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kvcache
-from kvjax import attention, layer
+from kvjax import attention, contract, layer
 from kvjax import step as steps
 from kvjax.cache import Cache
 from kvjax.model import CachedLM
@@ -33,6 +36,7 @@ def plan(model: CachedLM, policy: Policy, max_len: int | None = None, prompt_len
     each sliding layer keeps its W-slot ring, as kvpress does on Gemma 3), checked and resolved into each layer's
     rule and head groups. With `max_len`, sized: each group's slot count fixed for sequences of at most `max_len`
     tokens whose (padded) prompt is `prompt_len` long, the key of every compiled step."""
+    contract.check_layer_order(model)  # once per model structure: traced, nothing computed
     c = model.cfg
     resolved = resolve(on_windows(policy, c.windows, c.num_layers, c.num_kv_heads), c.num_layers, c.num_kv_heads)
     return resolved if max_len is None else resolved.sized(max_len, prompt_len)
@@ -56,7 +60,8 @@ def forward(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b
     flags (None when the model has no gates). `anchors`: AnLLM's eq. 4 mask (`kvjax.anllm_anchors.anchor_mask`)."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, flags = model(tokens, positions, (None,) * model.cfg.num_layers, steps.Forward(anchors))
+    carry = (None,) * model.cfg.num_layers
+    logits, flags = contract.forward(model, tokens, positions, carry, steps.Forward(anchors))
     return logits, (None if flags[0] is None else flags)
 
 
@@ -64,7 +69,7 @@ def probe(model: CachedLM, tokens: Int[Array, "b t"], read) -> tuple:
     """The plain forward over `tokens` (positions 0..t-1), each layer's attention handed to `read(geometry, q, k,
     positions, hidden)` (`kvjax.step.Probe`): what `read` returned, layer by layer."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return model(tokens, positions, (None,) * model.cfg.num_layers, steps.Probe(read))[1]
+    return contract.forward(model, tokens, positions, (None,) * model.cfg.num_layers, steps.Probe(read))[1]
 
 
 def logits(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
@@ -81,7 +86,7 @@ def prompt(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     cache = empty_cache(model, plan, tokens.shape[0])
     mode = plan.policy.prefill_mode
     if mode == "full":
-        return model(tokens, positions, cache, steps.Prompt(plan))
+        return contract.forward(model, tokens, positions, cache, steps.Prompt(plan))
     cache = size_rows(plan, cache, positions)  # what depends on a row's whole prompt, before the first token
     if mode == "stream":
         return stream(model, tokens, positions, cache, plan, all_logits=False)
@@ -108,7 +113,7 @@ def shared(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     all, and each plan's cache. A comparison of prompt compressors pays for one forward instead of one per policy."""
     step = steps.Shared(tuple(plans))
     caches = [empty_cache(model, p, tokens.shape[0]) for p in plans]
-    out, per_layer = model(tokens, positions, tuple(zip(*caches)), step)
+    out, per_layer = contract.forward(model, tokens, positions, tuple(zip(*caches)), step)
     return out, tuple(zip(*per_layer))
 
 
@@ -117,7 +122,8 @@ def capture(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b
     """The plain pass over a prompt (`shared`'s, nothing cached), keeping each layer's attention inputs: the last
     logits and, per layer, `(q, k, v, hidden, colsum)` (`kvjax.step.Capture`: the attention input and H2O's column
     sums only if asked), for `recache`."""
-    return model(tokens, positions, (None,) * model.cfg.num_layers, steps.Capture(hidden, colsum))
+    step = steps.Capture(hidden, colsum)
+    return contract.forward(model, tokens, positions, (None,) * model.cfg.num_layers, step)
 
 
 def recache(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], captured: tuple,
@@ -127,20 +133,21 @@ def recache(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b
     runs the model once and recaches the prompt per group of plans."""
     step = steps.Recache(tuple(plans))
     caches = [empty_cache(model, p, tokens.shape[0]) for p in plans]
-    return tuple(zip(*model(tokens, positions, tuple(zip(captured, zip(*caches))), step)[1]))
+    carry = tuple(zip(captured, zip(*caches)))
+    return tuple(zip(*contract.forward(model, tokens, positions, carry, step)[1]))
 
 
 def chunk(model: CachedLM, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: Cache, plan: Plan,
           all_logits: bool = False) -> tuple[Array, Cache]:
     """One chunk of a prompt under `prefill_mode="chunked"`: it attends the cache and itself, then each rule folds it
     in; the chunk's logits (the last, or all) and the cache."""
-    return model(tokens, positions, cache, steps.Chunk(plan, last=not all_logits))
+    return contract.forward(model, tokens, positions, cache, steps.Chunk(plan, last=not all_logits))
 
 
 def decode(model: CachedLM, tokens: Int[Array, "b"], positions: Int[Array, "b"], cache: Cache, plan: Plan
            ) -> tuple[Float[Array, "b V"], Cache]:
     """One token per row at `positions` (-1: a padding step that changes nothing) through the cache."""
-    return model(tokens[:, None], positions[:, None], cache, steps.Token(plan))
+    return contract.forward(model, tokens[:, None], positions[:, None], cache, steps.Token(plan))
 
 
 def stream(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan, *,
@@ -180,7 +187,7 @@ def follow(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     (`Plan.decode_appends`: SnapKV & co, KVzip, FullCache; `kvjax.step.Append`), else fed one at a time (`stream`),
     the reference they equal."""
     if plan.decode_appends:
-        return model(tokens, positions, cache, steps.Append(plan))
+        return contract.forward(model, tokens, positions, cache, steps.Append(plan))
     return stream(model, tokens, positions, cache, plan, all_logits=False)
 
 
@@ -189,14 +196,14 @@ def extend(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b 
     """Logits of a chunk (right padded, positions -1) that continues a prefilled `cache`, which is only read: prefix
     caching (few-shot demonstrations, AnLLM's anchors reused for many continuations). The chunk follows the rules'
     eq. 4 mask within itself and against the cache; nothing is evicted."""
-    return model(tokens, positions, cache, steps.Extend(plan))[0]
+    return contract.forward(model, tokens, positions, cache, steps.Extend(plan))[0]
 
 
 def replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
            span: Int[Array, "b 3"], plus: bool = False) -> tuple[Float[Array, "b kvh c"], ...]:
     """KVzip's replay (`kvjax.kvzip`): the tokens extend the read-only `cache` (right padded), and each layer returns
     its cached slots' reconstruction scores for the context chunk `span` = (sinks, start, end); KVzip+'s with `plus`."""
-    return model(tokens, positions, tuple((c, span) for c in cache), steps.Replay(plan, plus))[1]
+    return contract.forward(model, tokens, positions, tuple((c, span) for c in cache), steps.Replay(plan, plus))[1]
 
 
 def grad_replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: Cache, plan: Plan,
@@ -210,7 +217,8 @@ def grad_replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array
     step = steps.GradReplay(plan)
 
     def forward(taps):
-        return model(tokens, positions, tuple((c, span, tap) for c, tap in zip(cache, taps)), step)
+        carry = tuple((c, span, tap) for c, tap in zip(cache, taps))
+        return contract.forward(model, tokens, positions, carry, step)
 
     taps = tuple(jnp.zeros((b, t), jnp.float32) for _ in cache)
     logits, pullback, parts = jax.vjp(forward, taps, has_aux=True)

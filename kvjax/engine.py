@@ -2,10 +2,11 @@
 
 Every compiled call into a model (generation's prompt pass, question and decode loop, scoring, few-shot
 extension, KVzip's replay, the gate's evaluation) is a function of the model written with `@compiled(...)`. The
-model is split at the call into a static structure and its arrays, and rebuilt inside the one `jax.jit`, so the
-compiled program is pure in `(structure, arrays)` and a model with the same structure reuses it. One convention
-for both kinds of model kvjax drives: a Flax NNX module (`nnx.split` / `nnx.merge`) and any registered pytree
-(`jax.tree.flatten` / `unflatten`; its static fields, such as a config, are in the structure). The arguments named
+model is split at the call into a static structure and its arrays (`kvjax.structure`), and rebuilt inside the one
+`jax.jit`, so the compiled program is pure in `(structure, arrays)` and a model with the same structure reuses it.
+One convention for both kinds of model kvjax drives: a Flax NNX module and any registered pytree. The structure is
+the key: the tree, the class of every node and the class's forward, so two classes of one pytree structure (equal
+treedefs, in jax) never share a program. The arguments named
 in `donate` (a cache the call replaces) are updated in place. What may vary between calls without a new
 compilation are arrays (lengths, counts, token ids); what is static (`static`: a sized plan, sampling settings,
 buffer sizes) is part of the compiled key.
@@ -22,9 +23,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from kvjax import drive, sharding
+from kvjax.structure import merge, split  # noqa: F401  (re-exported: the model's halves)
 
 # Token counts that vary between calls are padded to buckets, so a new length compiles only at a new bucket.
 MIN_BUCKET = 16
@@ -38,35 +39,6 @@ def bucket_length(n: int, min_bucket: int = MIN_BUCKET) -> int:
 def _tracing() -> bool:
     """Whether this runs inside a jit / vmap trace (a compiled call made from another)."""
     return isinstance(jax.numpy.zeros(()), jax.core.Tracer)  # every op is staged inside a trace
-
-
-@jax.tree_util.register_static
-class _Pytree:
-    """The structure of a pytree model, static in a compiled call (hashable; equal for models of one structure)."""
-
-    def __init__(self, treedef):
-        self.treedef = treedef
-
-    def __eq__(self, other):
-        return isinstance(other, _Pytree) and other.treedef == self.treedef
-
-    def __hash__(self):
-        return hash(self.treedef)
-
-
-def split(model):
-    """`(structure, arrays)` of a model: `nnx.split` of an NNX module, the flattened leaves of a pytree."""
-    if isinstance(model, nnx.Module):
-        return nnx.split(model)
-    leaves, treedef = jax.tree.flatten(model)
-    return _Pytree(treedef), leaves
-
-
-def merge(structure, arrays):
-    """The model back from `split`'s halves (inside a trace: its arrays are the traced ones)."""
-    if isinstance(structure, _Pytree):
-        return jax.tree.unflatten(structure.treedef, arrays)
-    return nnx.merge(structure, arrays)
 
 
 def compiled(static: Sequence[str] = (), donate: Sequence[str] = ()) -> Callable:
@@ -184,9 +156,11 @@ def _look_after_compiles(state) -> None:
 
 @compiled(static=("plan",))
 def prefill(model, tokens, positions, *, plan):
-    """`kvjax.drive.prompt`: the last position's logits and the compressed cache. Keyed by the sized plan, not by
-    `max_len`: a budget policy's slot counts do not grow with `max_len`, so its prompts compile once for any number of
-    tokens to generate."""
+    """`kvjax.drive.prompt`: the last position's logits and the compressed cache. Keyed by the sized plan (each
+    layer's slot counts), not by `max_len` itself: a policy whose slot counts do not depend on the room after the
+    prompt (StreamingLLM's and H2O's rings) compiles once for any number of tokens to generate; one that reserves a
+    slot per new token (FullCache, SnapKV & co) compiles once per room (`kvjax.generate` rounds it up to a power of
+    two)."""
     return drive.prompt(model, tokens, positions, plan)
 
 

@@ -398,6 +398,12 @@ def generate(
     with questions, the contexts are); otherwise they are an error. Non-finite logits raise
     `NonFiniteError` naming the row and the generated token. `progress(step)`, if given, is called
     from the decode loop after each generated token (a separate compilation of the loop).
+
+    Compiles (docs/getting-started.md): the prompt pass once per policy, prompt bucket (the longest prompt rounded up
+    to a power of two, at least `min_bucket`), batch and room after the prompt (the questions' bucket plus the new
+    tokens' buffer, `max_new_tokens` rounded up the same way); the decode loop once per policy, bucket, batch, buffer
+    and `sampling`. A policy whose slot counts do not grow with the room (StreamingLLM's ring) compiles its prompt
+    pass once for every buffer. The exact `max_new_tokens`, EOS ids and pad id are arrays: they compile nothing.
     """
     return generate_many(model, prompts, [policy], max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                          eos_ids=eos_ids, pad_id=pad_id, truncate=truncate, min_bucket=min_bucket, progress=progress,

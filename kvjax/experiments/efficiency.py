@@ -23,8 +23,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from kvjax import engine
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import (
     add_compare_args,
@@ -49,7 +49,7 @@ def peak_bytes() -> int | None:
 
 def time_policy(model, prompts: list[list[int]], policy, new: int, repeats: int = 3) -> dict:
     """Prefill seconds, decode tokens/s (per row), cache bytes and peak device bytes for one batch."""
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     n = max(map(len, prompts))
     bucket = bucket_length(n)
     tokens, positions = pad_left(prompts, bucket, 0)

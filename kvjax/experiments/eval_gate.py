@@ -29,9 +29,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
+from kvjax import engine
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import (
     add_run_args,
@@ -88,9 +88,9 @@ def evaluate(model, tokens: np.ndarray, prefix_share: float = 0.75, batch: int =
     if not 0 < prefix_share < 1:
         raise InvalidInput(f"prefix share {prefix_share} must be in (0, 1)")
     # the gated model and the same weights without gates: two structures, two compiled programs
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     with without_gates(model):
-        base_graph, base_state = nnx.split(model)
+        base_graph, base_state = engine.split(model)
     batches = [jnp.asarray(tokens[i : i + batch]) for i in range(0, len(tokens), batch)]
     p = int(tokens.shape[1] * prefix_share)
 
