@@ -27,6 +27,8 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kvjax import locks
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -143,6 +145,7 @@ def train(
     tx = optimizer(cfg)
     opt_state = tx.init(params)
 
+    locks.hold(out_dir)  # two runs never train into one directory (its checkpoints would interleave)
     manager = ocp.CheckpointManager(
         out_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True)
     )

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -343,11 +344,17 @@ class InMemory:
 
 def fill(suite: Suite, log: ResultLog | InMemory, progress: bool = True) -> None:
     """Adds to `log` the record of each cell of `suite` it lacks, with a progress bar over them."""
-    todo, ids = [], set()
+    todo, ids, reused = [], set(), set()
     for c in suite.cells() if callable(suite.cells) else suite.cells:
-        if (rid := suite.record_id(c)) not in log and rid not in ids:
+        rid = suite.record_id(c)
+        if rid in log:
+            reused.add(rid)
+        elif rid not in ids:
             todo.append(c)
             ids.add(rid)
+    if reused and progress:  # a rerun of the same identity: say what it reuses, never silently
+        print(f"{suite.name}: resuming {Path(log.path).parent}: {len(reused)} records of this identity reused, "
+              f"{len(todo)} to compute", file=sys.stderr)
     with tqdm(total=len(todo), desc=suite.name, disable=not progress) as bar:
         for batch in suite.batches(todo):
             for record in suite.run(batch):

@@ -18,7 +18,9 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from kvjax import locks
 from kvjax.errors import InvalidInput, NonFiniteError
+from kvjax.locks import LOCK_NAME
 
 
 def _umask() -> int:
@@ -279,19 +281,35 @@ def _plain(value):
 
 
 def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
-    """Ties OUT's resumable records to the whole configuration that produces them: kvjax's version,
-    the model (weights fingerprint, dtype, attention implementation) and `options` (from
-    `options_of`). A rerun with the same identity resumes; one that differs in anything is refused,
-    naming each differing option with both values, so one table never mixes two configurations."""
+    """Ties OUT's resumable records to the whole configuration that produces them: kvjax's source (a digest of its
+    files, so an edited policy never resumes into the records of the code before it), the model as it is in memory
+    (its class, config and weights digest: `kvjax.experiments.identity`, never a path that may not hold it), its
+    dtype and attention implementation, and `options` (from `options_of`). A rerun with the same identity resumes;
+    one that differs in anything is refused, naming each differing option with both values, so one table never
+    mixes two configurations. A claim that fails leaves nothing behind in a directory it created."""
     import kvjax
+    from kvjax.experiments.identity import model_identity, source_digest
 
     out = Path(out)
-    lock_results_dir(out)
-    # Python's version too: the default texts (pydoc topics, the stdlib corpus) come with it.
-    identity = {"kvjax": kvjax.__version__, "python": ".".join(platform.python_version_tuple()[:2]),
-                "model": str(lm.path), "weights": model_fingerprint(lm.path),
+    # Python's version too: the default texts (pydoc topics, the stdlib corpus) come with it. Everything is
+    # computed before OUT is touched: an error here writes nothing.
+    path = getattr(lm, "path", None)
+    identity = {"kvjax": kvjax.__version__, "kvjax source": source_digest(),
+                "python": ".".join(platform.python_version_tuple()[:2]),
+                "model": None if path is None else shown(path), **model_identity(lm.model),
                 "model dtype": str(getattr(lm.model, "dtype", "")),
-                "attention impl": getattr(lm.config, "attention_impl", "xla"), **_plain(options)}
+                "attention impl": getattr(getattr(lm, "config", None), "attention_impl", "xla"), **_plain(options)}
+    created = not out.exists()
+    lock_results_dir(out)
+    try:
+        return _claim(out, identity)
+    except BaseException:
+        if created:
+            locks.release(out, remove_empty=True)
+        raise
+
+
+def _claim(out: Path, identity: dict) -> dict:
     path = out / "identity.json"
     if path.is_file():
         try:
@@ -301,7 +319,7 @@ def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
         except ValueError as err:
             raise InvalidInput(f"{path} is unreadable ({err}); it was torn or edited: delete {out} or pass "
                                "a new --out") from None
-        # The model's path may move; its weights fingerprint says whether it is the same model.
+        # The model's path may move or be none (a model built in memory); its digests say whether it is the same.
         diff = [k for k in sorted(old.keys() | identity.keys()) if k != "model" and old.get(k) != identity.get(k)]
         if diff and not _holds_results(out):
             # claimed by a run that stopped before its first record (a bad option found later): nothing to keep
@@ -316,9 +334,7 @@ def claim_results_dir(out: str | Path, lm, options: dict) -> dict:
     return identity
 
 
-LOCK_NAME = ".kvjax.lock"
 _OWN_FILES = {"identity.json", LOCK_NAME}
-_LOCKS: dict[Path, int] = {}  # results directories this process holds, and their lock files' descriptors
 
 
 def _holds_results(out: Path) -> bool:
@@ -329,11 +345,7 @@ def lock_results_dir(out: Path) -> None:
     """Makes `out` this process's for the rest of its life (an exclusive `flock` on OUT/.kvjax.lock), after
     checking that it is a directory kvjax may write into: a second run on the same OUT is refused naming
     the process that holds it, and a directory of the user's own files (no identity.json) is never written
-    into. Idempotent within a process."""
-    import fcntl
-    import socket
-    import time
-
+    into. Idempotent within a process; let go at exit, the lock file with it (`kvjax.locks`)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InvalidInput(f"--out {out} is a file, not a directory; pass a directory for the results")
@@ -344,7 +356,7 @@ def lock_results_dir(out: Path) -> None:
         key = out.resolve()
     except (RuntimeError, OSError) as err:  # a loop further up: RuntimeError until Python 3.13, OSError (ELOOP) after
         raise InvalidInput(f"--out {out} cannot be resolved: a symbolic link on its path loops ({err})") from None
-    if key in _LOCKS:
+    if locks.holds(key):
         return
     # kvjax's directories carry their own identity.json (a report's too: it claims its folder before its sections
     # claim theirs); one with files and none of its own is the user's, whatever its subfolders hold (an old run's
@@ -354,23 +366,7 @@ def lock_results_dir(out: Path) -> None:
         raise InvalidInput(f"--out {out} holds files kvjax did not write ({', '.join(names[:4])}"
                            f"{', ...' if len(names) > 4 else ''}) and no identity.json: kvjax never writes into a "
                            "directory it did not create; pass a new or empty --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except PermissionError as err:
-        raise InvalidInput(f"--out {out} cannot be written ({err.strerror}); pass a writable --out") from None
-    except OSError as err:
-        raise InvalidInput(f"--out {out} cannot be created ({err.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
-        os.close(fd)
-        raise InvalidInput(f"--out {out} is in use by {holder}: two runs never share an --out; wait for it to "
-                           "finish or pass another --out") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
-    _LOCKS[key] = fd
+    locks.hold(out)
 
 
 def _show(identity: dict, key: str) -> str:
