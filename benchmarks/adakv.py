@@ -28,7 +28,7 @@ from benchmarks import timing
 from benchmarks.decode import BENCH_CONFIG, bench_meta, bench_model, time_kvjax
 from kvjax import FullCache
 from kvjax.policies import AdaKV, SnapKV
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 
 
 def policies(budget: int) -> dict:
@@ -44,7 +44,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="pallas (a GPU): the decode kernels, AdaKV's pool read by kvjax.pallas.pool_decode")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)
     args = p.parse_args(argv)

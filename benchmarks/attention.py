@@ -37,7 +37,7 @@ from tqdm import tqdm
 from kvjax import attention
 from kvjax import pallas as kernels
 from kvjax.masks import Mask
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 
 # Peak HBM bandwidth (bytes/s) by device kind, for "% of peak".
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12, "TPU v5e": 0.82e12}
@@ -195,7 +195,7 @@ def main(argv=None):
     p.add_argument("--masking", choices=["block", "token"], default="block")
     p.add_argument("--common", default="", help="prompt lengths of the common-case table (causal, no mask)")
     p.add_argument("--interpret", action="store_true", help="on CPU, also run the kernels in interpret mode")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     add_compile_cache_flag(p)
     args = p.parse_args(argv)
     dtypes = [x for x in args.decode_dtypes.split(",") if x]

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import timing
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 from kvjax import drive
 
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -82,7 +82,6 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
     """Run in a subprocess: memory analysis, seconds (if `run`) and peak RSS of one prefill."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from kvjax import engine
     from kvjax.policies import SnapKV
@@ -92,7 +91,7 @@ def one_prefill(mode: str, length: int, repeats: int, run: bool) -> dict:
     rng = np.random.default_rng(length)
     tokens = rng.integers(4, model.cfg.vocab_size, (1, length)).astype(np.int32)
     positions = np.arange(length, dtype=np.int32)[None]
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     max_len = length + 1
     if mode == "full":
         policy = SnapKV(budget=256)
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--full-up-to", type=int, default=32768, help="longest whole-prompt prefill actually run")
     p.add_argument("--perplexity-tokens", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: mode,length,run (one subprocess)
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)

@@ -37,7 +37,7 @@ from benchmarks import timing
 from benchmarks.timing import rss_peak
 from kvjax import drive, engine
 from kvjax import step as steps
-from kvjax.cli import add_compile_cache_flag, description, model_help
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
 from kvjax.errors import InvalidInput
 from kvjax.generate import Sampling, capture_fn, decode_fn, prefill_many_fn, recache_fn
 from kvjax.policies import (
@@ -181,7 +181,7 @@ def main(argv=None):
     p.add_argument("--no-run", action="store_true", help="compile only (no run seconds)")
     p.add_argument("--tag", help="appended to the tables' names (compile_<platform>_<model>_<tag>.md), so that a "
                    "run of other programs does not replace the main table")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from benchmarks import timing
@@ -24,8 +23,8 @@ from benchmarks.decode import BENCH_CONFIG
 from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
-from kvjax.cli import add_compile_cache_flag, description
-from kvjax import drive
+from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax import drive, engine
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
@@ -41,7 +40,7 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)
     args = p.parse_args(argv)
@@ -50,7 +49,7 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp())
     make_random_checkpoint(tmp, tiny_config(**BENCH_CONFIG))
     model = load(tmp).model
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     n = args.length
     tokens, positions = pad_left([np.random.RandomState(0).randint(4, 260, n).tolist()], n, 0)
     b = args.budget

@@ -24,7 +24,7 @@ from benchmarks import timing
 from kvjax.experiments.efficiency import time_policy
 from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
@@ -86,7 +86,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)
     args = p.parse_args(argv)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from benchmarks.attention import best_time, peak_bandwidth
 from kvjax import pallas as kernels
 from kvjax.pallas import decode as pallas_decode
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -70,7 +70,7 @@ def main(argv=None):
     p.add_argument("--splits", default="8,16,32,64,128")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--stages", default="1,2,3,4")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     add_compile_cache_flag(p)
     args = p.parse_args(argv)
     variant, interpret = kernels.platform_variant()

@@ -43,12 +43,9 @@ RazorAttention protects a fixed quarter of the KV heads (random weights have no 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -61,11 +58,12 @@ from tqdm import tqdm
 from benchmarks import timing
 from benchmarks.timing import rss_peak
 from kvjax.experiments.efficiency import peak_bytes
-from kvjax import Sampling
+from kvjax import Sampling, engine
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
-from kvjax.cli import add_compile_cache_flag, description, model_help
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
+from kvjax.experiments.common import int_list, positive_int
 from kvjax import drive
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
@@ -107,7 +105,7 @@ def _seconds(fn):
 
 
 def time_kvjax(model, prompts: np.ndarray, policy, new: int, repeats: int) -> dict:
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     b, n = prompts.shape
     tokens, positions = pad_left(prompts.tolist(), bucket_length(n), 0)
     key = jax.random.key(0)
@@ -276,14 +274,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     p.add_argument("--model", help="a real checkpoint instead of --shape's random weights: " + model_help())
-    p.add_argument("--lengths", default="2048,4096,8192")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--max-batch-tokens", type=int, default=16384,
+    p.add_argument("--lengths", type=int_list, default="2048,4096,8192", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--batches", type=int_list, default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=16384,
                    help="cells whose batch x prompt exceeds this are skipped (the CPU's prefill time)")
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per cell, after a warm-up; the median is shown")
+    p.add_argument("--new", type=positive_int, default=32, help="tokens generated per row")
+    p.add_argument("--budget", type=positive_int, default=512, help="the compressing policies' slots per KV head")
+    p.add_argument("--chunk", type=positive_int, default=512, help="tokens per chunk of the chunked prompt pass")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per cell, after a warm-up; the median is shown")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
     p.add_argument("--policies", default="", help="kvjax policies to run, comma-separated (default: all of them); "
@@ -291,13 +290,15 @@ def main(argv=None):
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="kvjax's attention: the jnp reference or the Pallas kernels (a GPU's plain prompts: cuDNN)")
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)
     guard = timing.LoadGuard(args, cpu=jax.devices()[0].platform == "cpu")  # the load before the run
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    lengths, batches = args.lengths, args.batches
+    if not any(n * b <= args.max_batch_tokens for n in lengths for b in batches):
+        p.error(f"--max-batch-tokens {args.max_batch_tokens} is below every --lengths x --batches cell: nothing "
+                "would be measured")
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.model:
         from kvjax.models.loading import resolve
@@ -307,8 +308,9 @@ def main(argv=None):
         model, c = lm.model, lm.config
         shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                      num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-        if max(int(x) for x in args.lengths.split(",")) + args.new > c.max_position_embeddings:
-            p.error(f"--lengths {args.lengths} + --new {args.new} exceed the model's {c.max_position_embeddings} positions")
+        if max(lengths) + args.new > c.max_position_embeddings:
+            p.error(f"--lengths {','.join(map(str, lengths))} + --new {args.new} exceed the model's "
+                    f"{c.max_position_embeddings} positions")
     else:
         shape = SHAPES[args.shape]
     policies = kvjax_policies(args.budget, shape["num_layers"], shape["num_kv_heads"], args.chunk)

@@ -27,7 +27,7 @@ from kvjax import engine, kvzip
 from kvjax.engine import bucket_length
 from kvjax.policies import KVzip, SnapKV
 from benchmarks import timing
-from kvjax.cli import add_compile_cache_flag, description, model_help
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
 from kvjax import drive
 from kvjax.models import load
 
@@ -72,7 +72,7 @@ def main(argv=None):
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--ratio", type=float, default=0.75)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)
     args = p.parse_args(argv)

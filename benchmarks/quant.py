@@ -30,7 +30,7 @@ from benchmarks import timing
 from kvjax import cache as kvcache
 from kvjax import layer, quant
 from kvjax.policies import FullCache, Quantized, resolve
-from kvjax.cli import add_compile_cache_flag, description
+from kvjax.cli import add_compile_cache_flag, description, out_dir
 
 SHAPES = {"smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M's attention
           "llama-3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128)}
@@ -160,7 +160,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-variants", action="store_true", help="skip the rolled-loop and view columns (slow at "
                    "large shapes; they are the jnp path's settings, not kvjax's)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)
     args = p.parse_args(argv)

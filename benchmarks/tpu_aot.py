@@ -31,10 +31,10 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import timing
-from benchmarks.tpu_tables import FIT_POINTS, MAX_PROMPT, largest_prompt, write_tables
+from benchmarks.tpu_tables import FIT_POINTS, largest_prompt, write_tables
 from kvjax import cli, tpu
 from kvjax.errors import InvalidInput
-from kvjax import drive
+from kvjax import drive, engine
 
 RESULTS = Path(__file__).parent / "results"
 TP_AXES = ("data", "model")  # kvjax.sharding's mesh axes: the batch over "data", whole heads over "model"
@@ -257,7 +257,7 @@ def abstract_model(cfg, sharding):
     from kvjax.models.llama import Llama
 
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    graphdef, state = engine.split(model)
     return graphdef, tpu.abstract(state, sharding), model
 
 
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chips", default="v5e,v6e", help="comma-separated, of: " + ", ".join(tpu.CHIPS))
     p.add_argument("--only", default="kernels,models", help="kernels, models, or both (comma-separated)")
     p.add_argument("--quick", action="store_true", help="the test suite's smaller set of shapes")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for tpu_aot_{chip}.{json,md} and the records")
+    p.add_argument("--out", type=cli.out_dir, default=RESULTS, help="folder for tpu_aot_{chip}.{json,md} and the records")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--specs", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--records", type=Path, default=None, help=argparse.SUPPRESS)
@@ -493,7 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     for chip in chips:
         if chip not in tpu.CHIPS:
             raise InvalidInput(f"--chips: {chip!r} is not one of {', '.join(tpu.CHIPS)}")
+    if not chips:
+        raise InvalidInput(f"--chips {a.chips!r} names no chip; give one or more of {', '.join(tpu.CHIPS)}")
     suites = [s for s in a.only.split(",") if s]
+    if not suites:
+        raise InvalidInput(f"--only {a.only!r} names nothing to compile; give kernels, models or both")
     for suite in suites:
         if suite not in ("kernels", "models"):
             raise InvalidInput(f"--only: {suite!r} is not one of kernels, models")

@@ -17,13 +17,23 @@ compiles nothing with `compile_cache=None` (jax is left alone).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvjax import compile_cache as _compile_cache
 from kvjax.errors import UserError
+
+
+def out_dir(text: str) -> Path:
+    """An --out folder (an argparse type): a path that is not an existing file, which a run could not write into."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; pass a folder for the results")
+    return path
 
 
 def description(doc: str | None) -> str:

@@ -110,7 +110,8 @@ class Surrogate:
         ckpt.save(path / "params", {"layers": [dict(a) for a in self.layers]}, force=True)
         ckpt.wait_until_finished()
         meta = {"kind": self.kind, "num_layers": self.num_layers, "input_dim": self.input_dim,
-                "kv_heads": self.kv_heads, "digest": self.digest, **dict(info or {})}
+                "kv_heads": self.kv_heads, "digest": self.digest, **dict(info or {}),
+                "files": checkpoint_files(path / "params")}
         (path / META).write_text(json.dumps(meta, indent=1) + "\n")
         return path
 
@@ -134,6 +135,21 @@ def apply(kind: str, arrays: Mapping[str, Array], hidden: Float[Array, "*b D"]) 
     return jax.nn.gelu(h @ arrays["w1"] + arrays["b1"], approximate=False) @ arrays["w2"] + arrays["b2"]
 
 
+def checkpoint_files(params: Path) -> dict[str, int]:
+    """`{relative name: size}` of an orbax checkpoint's files: recorded at save, checked before a restore, so a
+    partial copy is refused naming the file it lacks (orbax's own error comes from a background thread's traceback)."""
+    return {f.relative_to(params).as_posix(): f.stat().st_size for f in sorted(params.rglob("*")) if f.is_file()}
+
+
+def _check_files(path: Path, meta: dict) -> None:
+    have = checkpoint_files(path / "params")
+    for name, size in meta.get("files", {}).items():
+        if have.get(name) != size:
+            got = "missing" if name not in have else f"{have[name]} bytes, not {size}"
+            raise InvalidInput(f"{path / 'params' / name}: {got}; the surrogate directory is a partial or damaged "
+                               "copy: copy it whole, or train it again")
+
+
 def load(path: str | Path) -> tuple[Surrogate, dict]:
     """(the surrogate saved at `path`, its kvzap.json)."""
     import orbax.checkpoint as ocp
@@ -146,7 +162,16 @@ def load(path: str | Path) -> tuple[Surrogate, dict]:
         meta = json.loads((path / META).read_text())
     except ValueError as err:
         raise InvalidInput(f"{path / META} is not valid JSON ({err})") from None
-    tree = ocp.StandardCheckpointer().restore(path / "params")
+    _check_files(path, meta)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        tree = checkpointer.restore(path / "params")
+    except (OSError, ValueError) as err:  # orbax / tensorstore: a file of the checkpoint missing or cut short
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InvalidInput(f"{path / 'params'}: the surrogate's parameters cannot be read ({first[:160]}); the "
+                           "directory is a partial or damaged copy: copy it whole, or train it again") from None
+    finally:
+        checkpointer.close()  # its background threads, which otherwise report a closed event loop at exit
     got = Surrogate(meta.get("kind"), tuple(tree["layers"]))
     if got.digest != meta.get("digest"):
         raise InvalidInput(f"{path}: its weights' digest is not the one {META} records (a partial or mixed copy)")

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from kvjax.backends import compiling_for
+from kvjax.errors import InvalidInput
 
 GiB = 1 << 30
 
@@ -62,9 +63,16 @@ CHIPS = {
 }
 
 
-def offline_env(chip: str) -> dict[str, str]:
-    """libtpu's variables for a single host of `chip`'s 2x2 topology, so it never queries a metadata server."""
-    c = CHIPS[chip]
+def chip(name: str) -> Chip:
+    """The chip called `name` (`CHIPS`); an `InvalidInput` naming the known ones otherwise."""
+    if name not in CHIPS:
+        raise InvalidInput(f"TPU chip {name!r} is not one of {', '.join(CHIPS)}")
+    return CHIPS[name]
+
+
+def offline_env(chip_name: str) -> dict[str, str]:
+    """libtpu's variables for a single host of the chip's 2x2 topology, so it never queries a metadata server."""
+    c = chip(chip_name)
     return {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": c.accelerator_type, "TPU_WORKER_HOSTNAMES": "localhost",
             "TPU_WORKER_ID": "0", "TPU_HOST_BOUNDS": "1,1,1", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
             # the CPU runs everything that is executed; the TPU is only compiled for
@@ -91,15 +99,17 @@ def offline_command(argv: list[str]) -> list[str]:
     return list(argv)
 
 
-def topology(chip: str):
-    """The virtual `chip` topology (4 devices). Refuses unless `offline_env(chip)` was set before libtpu loaded."""
-    missing = {k: v for k, v in offline_env(chip).items() if os.environ.get(k) != v}
+def topology(chip_name: str):
+    """The chip's virtual topology (4 devices). Refuses unless `offline_env(chip_name)` was set before libtpu
+    loaded."""
+    c = chip(chip_name)
+    missing = {k: v for k, v in offline_env(chip_name).items() if os.environ.get(k) != v}
     if missing:
         raise RuntimeError(f"a TPU compile needs libtpu's offline variables set before it loads (kvjax.tpu."
-                           f"offline_env({chip!r})); missing or different: {sorted(missing)}")
+                           f"offline_env({chip_name!r})); missing or different: {sorted(missing)}")
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(CHIPS[chip].topology, "tpu")
+    return topologies.get_topology_desc(c.topology, "tpu")
 
 
 @contextlib.contextmanager
@@ -154,5 +164,5 @@ def analysis(compiled) -> dict[str, float]:
     return out
 
 
-__all__ = ["CHIPS", "Chip", "abstract", "analysis", "compile", "offline_command", "offline_env", "on_device",
+__all__ = ["CHIPS", "Chip", "abstract", "chip", "analysis", "compile", "offline_command", "offline_env", "on_device",
            "replicated", "target", "topology", "unavailable"]

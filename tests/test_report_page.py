@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvjax.errors import NonFiniteError
+
 from kvjax.experiments import report_page, verdicts
 from kvjax.experiments.ruler import compare
 
@@ -339,7 +341,7 @@ def test_the_quantization_block_refuses_a_perplexity_that_is_not_finite(tmp_path
         "ppl": {"full@16": {"2048": 12.0}, "full@2 (2-bit KV)": {"2048": float("nan")}},
         "nll_per_sequence": {"full@16": {"2048": [2.5]}, "full@2 (2-bit KV)": {"2048": [float("nan")]}},
         "policies": {"full@16": PK_FULL, "full@2 (2-bit KV)": f"Quantized({PK_FULL}, bits=2)"}}))
-    with pytest.raises(report_page.InvalidInput, match="not a finite number"):
+    with pytest.raises(NonFiniteError, match="holds a non-finite number"):  # refused as its file is read
         report_page.quantization(tmp_path / "q", "q")
 
 

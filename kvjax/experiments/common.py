@@ -152,7 +152,10 @@ def chat_template_on(tok, mode: str) -> bool:
     if mode == "on" and not has:
         raise InvalidInput("--chat-template on: the model's tokenizer has no chat template; pass --chat-template off "
                            "or auto")
-    return has if mode == "auto" else mode == "on"
+    on = has if mode == "auto" else mode == "on"
+    if on:
+        chat_parts(tok, True)  # a template that cannot be applied is refused now, not hours into a run
+    return on
 
 
 def chat_template_mode(tok, mode: str) -> str:
@@ -169,11 +172,30 @@ def chat_parts(tok, on: bool, *, enable_thinking: bool = False) -> tuple[str, st
     if not on:
         return getattr(tok, "bos_token", None) or "", "\n"
     context = "kvjax chat template probe"
-    separator = "#" * (len(context) + 10)
-    text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
-                                   tokenize=False, enable_thinking=enable_thinking)
-    head, suffix = text.split(separator)
+    head, suffix = templated(tok, context, enable_thinking=enable_thinking)
     return head[: len(head) - len(context)], suffix
+
+
+def templated(tok, context: str, *, enable_thinking: bool = False) -> tuple[str, str]:
+    """The tokenizer's chat template applied to one user turn, `context` + a separator, with the assistant header:
+    (the text up to the separator, the text after it), as kvpress splits it. A template that does not parse or
+    fails, or that renders the turn without its content (or twice), is an `InvalidInput` naming it."""
+    from jinja2 import TemplateError
+
+    separator = "#" * (len(context) + 10)
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                       tokenize=False, enable_thinking=enable_thinking)
+    except (TemplateError, ValueError, TypeError) as err:
+        raise InvalidInput(f"the tokenizer's chat template cannot be applied ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); fix chat_template in its "
+                           "tokenizer_config.json, or pass --chat-template off") from None
+    if not isinstance(text, str) or text.count(separator) != 1:
+        raise InvalidInput("the tokenizer's chat template renders a user turn without its content (or more than "
+                           "once), so the context cannot be placed in it; fix chat_template in its "
+                           "tokenizer_config.json, or pass --chat-template off")
+    head, tail = text.split(separator)
+    return head, tail
 
 
 def prompt_ids(tok, context: str, question: str, answer_prefix: str = "", *, on: bool) -> tuple[list[int], list[int]]:
@@ -184,10 +206,7 @@ def prompt_ids(tok, context: str, question: str, answer_prefix: str = "", *, on:
     question-agnostic protocol compresses the first and appends the second; the aware one reads both together."""
     head, suffix = chat_parts(tok, on)
     if on:  # kvpress applies the template to the context itself: the split is the template's
-        separator = "#" * (len(context) + 10)
-        text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
-                                       tokenize=False, enable_thinking=False)
-        ctx, suffix = text.split(separator)
+        ctx, suffix = templated(tok, context)
     else:
         ctx = head + context
     return (tok.encode(ctx, add_special_tokens=False),
@@ -413,15 +432,18 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     quantize = quantizer(args)
     out = []
     for n, kw in zip(names, per_policy):
+        where = f"--policy {n}"
         try:
-            out.append(driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
-                                           chat=getattr(args, "replay_chat", False)))
-            if getattr(args, "recompress_every", None) and isinstance(out[-1], ScoredPolicy):
-                out[-1] = Recompress(scorer=out[-1], every=args.recompress_every)
-            out[-1] = quantize(out[-1])
+            policy = driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
+                                         chat=getattr(args, "replay_chat", False))
+            if getattr(args, "recompress_every", None) and isinstance(policy, ScoredPolicy):
+                policy = Recompress(scorer=policy, every=args.recompress_every)
+            if getattr(args, "kv_bits", None) is not None:
+                where += f" with --kv-bits {args.kv_bits}"  # a refusal of the quantized cache names its flag
+            out.append(quantize(policy))
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
-            raise InvalidInput(f"--policy {n}: {_as_flags(str(err))}") from None
+            raise InvalidInput(f"{where}: {_as_flags(str(err))}") from None
     if getattr(args, "recompress_every", None) and not any(isinstance(p, Recompress) for p in out):
         raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
                            "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
@@ -542,10 +564,12 @@ def default_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def windows(ids: list[int], seq_len: int) -> np.ndarray:
+def windows(ids: list[int], seq_len: int, length_flag: str = "--seq-len") -> np.ndarray:
+    """`ids` cut into whole `seq_len`-token windows; fewer tokens than one window is an error naming the command's
+    own length flag (`length_flag`)."""
     n = len(ids) // seq_len
     if n == 0:
-        raise InvalidInput(f"the data has {len(ids)} tokens, fewer than one --seq-len={seq_len} window")
+        raise InvalidInput(f"the data has {len(ids)} tokens, fewer than one {length_flag} {seq_len} window")
     return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
 
 
@@ -624,20 +648,21 @@ def refuse_trained_text(gate_params: str | None, data: list[str] | None, data_fl
                            "evaluate them on other text, or retrain them")
 
 
-def training_windows(tok, files: list[str] | None, seq_len: int) -> np.ndarray:
+def training_windows(tok, files: list[str] | None, seq_len: int, length_flag: str = "--seq-len") -> np.ndarray:
     """The `seq_len`-token windows a training command reads: the training part of `split_text` only."""
-    return windows(tok(split_text(files)[0], add_special_tokens=False)["input_ids"], seq_len)
+    return windows(tok(split_text(files)[0], add_special_tokens=False)["input_ids"], seq_len, length_flag)
 
 
-def held_out_windows(tok, files: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
+def held_out_windows(tok, files: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows",
+                     length_flag: str = "--seq-len") -> np.ndarray:
     """The first `n` `seq_len`-token windows of the held-out part of `split_text`: what an evaluation scores.
-    Asking for more than it holds is an error naming the options (`count_flag` and --seq-len): more would be
-    trained-on text."""
+    Asking for more than it holds is an error naming the command's options (`count_flag`, `length_flag`): more
+    would be trained-on text."""
     ids = tok(split_text(files)[1], add_special_tokens=False)["input_ids"]
     have = len(ids) // seq_len
     if have < n:
-        fix = f"ask for at most {have}" if have else "pass a shorter --seq-len"
-        raise InvalidInput(f"{count_flag} {n} with --seq-len {seq_len}: the held-out part of "
+        fix = f"ask for at most {have}" if have else f"pass a shorter {length_flag}"
+        raise InvalidInput(f"{count_flag} {n} with {length_flag} {seq_len}: the held-out part of "
                            f"{'--data' if files else 'the default text'} ({len(ids)} tokens) has {have} windows of "
                            f"{seq_len} tokens, and training reads the rest; {fix}")
-    return windows(ids, seq_len)[:n]
+    return windows(ids, seq_len, length_flag)[:n]

@@ -60,17 +60,19 @@ class ArgumentError(InvalidInput):
         self.usage = usage
 
 
-def call(parser: argparse.ArgumentParser, suite, *args, **kwargs) -> SuiteResult:
+def call(parser: argparse.ArgumentParser, suite, *args, flag_names: Mapping[str, str] | None = None,
+         **kwargs) -> SuiteResult:
     """`suite(*args, **kwargs)` from a command line, each keyword of an `ArgumentError` written as the
     flag the user typed: a usage error ends as `parser`'s (exit 2 after the usage line, as argparse's
-    own), any other as one `error:` line (`kvjax.experiments.cli`)."""
+    own), any other as one `error:` line (`kvjax.experiments.cli`). `flag_names` maps a keyword to the option
+    that sets it where the two differ (the report's `tasks=` is its `--ruler-tasks`)."""
     try:
         return suite(*args, **kwargs)
     except ArgumentError as err:
-        message = as_flags(str(err), {a.dest for a in parser._actions})
+        message = as_flags(str(err), {a.dest for a in parser._actions}, flag_names)
         if err.usage:
             parser.error(message)
-        raise InvalidInput(message) from None
+        raise ArgumentError(message, usage=False) from None  # an InvalidInput: one line at the command line
 
 
 def builtin_task(data: str | None, defaults: Mapping[str, Any], **given: Any) -> dict[str, Any]:

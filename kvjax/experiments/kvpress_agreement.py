@@ -36,8 +36,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvjax.experiments import cli, driver
-from kvjax.experiments.common import float_list, model_help, prompt_ids
-from kvjax.experiments.records import content_fingerprint, write_atomic
+from kvjax.experiments.common import float_list, model_help, positive_int, prompt_ids
+from kvjax.experiments.records import content_fingerprint, model_fingerprint, read_json, write_atomic
 from kvjax.experiments.ruler import compare, scoring
 from kvjax.experiments.ruler import tasks as T
 from kvjax.errors import InvalidInput, MissingFile
@@ -123,8 +123,8 @@ def read_run(records: Path) -> tuple[dict, list[dict], dict]:
     for name in ("identity.json", "preds.jsonl"):
         if not (records / name).is_file():
             raise MissingFile(f"{records / name}: not a kvjax RULER run (no {name})")
-    identity = json.loads((records / "identity.json").read_text())
-    duo = json.loads((records / "duo.json").read_text()) if (records / "duo.json").is_file() else None
+    identity = read_json(records / "identity.json")
+    duo = read_json(records / "duo.json") if (records / "duo.json").is_file() else None
     return identity, compare.read(records), duo
 
 
@@ -169,6 +169,19 @@ def table(rows: list[dict], methods: list[str], ratios: list[float]) -> tuple[st
     return "\n".join(lines), summary
 
 
+def check_same_model(records: Path, identity: dict, lm) -> None:
+    """Refuses to compare kvpress on `lm` with a run of another model: the run's weights digest (of the arrays, or of
+    the model file for runs recorded before `kvjax.experiments.identity`) and dtype must be `lm`'s."""
+    from kvjax.experiments.identity import model_identity
+
+    ours = model_identity(lm.model)["weights"] if "model class" in identity else model_fingerprint(lm.path)
+    dtype = str(getattr(lm.model, "dtype", ""))
+    if (identity.get("weights"), identity.get("model dtype")) != (ours, dtype):
+        raise InvalidInput(f"--model {lm.path}: its weights ({ours}, {dtype}) are not those of the run in {records} "
+                           f"({identity.get('weights')}, {identity.get('model dtype')}); kvpress would answer for "
+                           "another model than kvjax's records")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m kvjax.experiments.kvpress_agreement", description=cli.description(__doc__))
     p.add_argument("--records", required=True, help="a kvjax RULER run directory (identity.json, preds.jsonl, data/)")
@@ -177,7 +190,7 @@ def main(argv: list[str]) -> int:
                    help=f"kvjax labels, comma-separated (known: {', '.join(SETTINGS)})")
     p.add_argument("--ratios", type=float_list, default=[0.5, 0.875])
     p.add_argument("--tasks", default="niah_single_1", help="comma-separated RULER tasks of the run")
-    p.add_argument("--samples", type=int, default=10, help="the first N samples of each task")
+    p.add_argument("--samples", type=positive_int, default=10, help="the first N samples of each task")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     methods = args.methods.split(",")
@@ -207,6 +220,7 @@ def main(argv: list[str]) -> int:
     if gguf.suffix != ".gguf":
         raise InvalidInput(f"--model {args.model}: kvpress reads the model through transformers' GGUF loading; "
                            f"{gguf} is not a GGUF file")
+    check_same_model(records, identity, lm)
     chat = identity.get("--chat-template") == "on"
     # kvpress's answers depend on the prompts (the run's data/ files) and their format; kvjax's answers are copied
     # into each record, so kvjax records added to the run later (another method) change nothing here
@@ -224,7 +238,7 @@ def main(argv: list[str]) -> int:
     for task in args.tasks.split(","):
         if task not in T.TASKS:
             raise InvalidInput(f"--tasks: {task!r} is not a RULER task")
-        gen = T.TASKS[task].tokens_to_generate
+        gen = identity.get("--max-new-tokens") or T.TASKS[task].tokens_to_generate  # the run's, as its answers
         for sample in samples_of(records, task, length)[: args.samples]:
             for name in methods:
                 for ratio in ([None] if name == "full" else args.ratios):

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from kvjax import locks
-from kvjax.errors import InvalidInput, NonFiniteError
+from kvjax.errors import InvalidInput, MissingFile, NonFiniteError
 from kvjax.locks import LOCK_NAME
 
 
@@ -124,6 +124,49 @@ def _has_nonfinite(v) -> bool:
 
 def _no_constants(name: str):
     raise ValueError(name)
+
+
+def read_json(path: str | Path, what: str = "records") -> object:
+    """A JSON file of records or results, strictly: a missing one is a `MissingFile`, a torn or edited one an
+    `InvalidInput`, and a NaN or an infinity in it a `NonFiniteError`, each one line naming the file (Python's
+    json reads NaN silently, and a table then showed it as a number)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFile(f"{path}: no {what} there")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constants)
+    except json.JSONDecodeError as err:
+        raise InvalidInput(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); it was torn or edited") \
+            from None
+    except ValueError as err:
+        raise NonFiniteError(f"{path} holds a non-finite number ({err}): no table is made from it") from None
+
+
+def read_records(path: str | Path, what: str = "records", key: str = "id") -> list[dict]:
+    """The JSON lines of a records file, strictly (`read_json`'s refusals, per line) and each `key` once: a record
+    written twice (a copy appended by hand, two runs' logs concatenated) is an `InvalidInput` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFile(f"{path}: no {what} records there")
+    rows, seen = [], {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, parse_constant=_no_constants)
+        except json.JSONDecodeError:
+            raise InvalidInput(f"{path}:{n} is not valid JSON; the record was torn or edited") from None
+        except ValueError as err:
+            raise NonFiniteError(f"{path}:{n} holds a non-finite number ({err}): no table is made from it") from None
+        if not isinstance(row, dict):
+            raise InvalidInput(f"{path}:{n} is not a record (a JSON object)")
+        if key in row:
+            if str(row[key]) in seen:
+                raise InvalidInput(f"{path}:{n} repeats the record {row[key]!r} of line {seen[str(row[key])]}: each "
+                                   "record once")
+            seen[str(row[key])] = n
+        rows.append(row)
+    return rows
 
 
 class ResultLog:

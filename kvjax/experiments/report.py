@@ -124,6 +124,11 @@ RULER_2026 = ("adakv", "expected-attention", "keydiff", "kvzip")
 RULER_RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)
 # section 4's methods by default, each at every --ruler-ratios (--ruler-methods chooses others)
 RULER_METHODS = RULER_POLICIES + RULER_2026 + ("duo", "snapkv-avg", "slimkv-max", "snapkv-kvpress", "slimkv-kvpress")
+# the RULER suite's keywords as the report's options name them (its refusals name the flag the user typed)
+RULER_FLAGS = {"lengths": "ruler_length", "tasks": "ruler_tasks", "samples": "ruler_samples", "batch": "ruler_batch",
+               "chat_template": "chat_template"}
+PPL_FLAGS = {"lengths": "ppl_lengths", "text": "ppl_text", "sequences": "ppl_sequences",
+             "anchor_grid": "ppl_anchor_grid", "anchor_tuning": "ppl_anchor_tuning"}
 
 
 def _kvzap_thresholds(args, ratios) -> dict[float, float]:
@@ -177,7 +182,7 @@ def perplexity_section(run: Run) -> tuple[list[str], list[str]]:
     md, claims = [], []
     d = out / "perplexity"
     full = driver.call(p, perplexity.suite, lm, driver.resolve_policies("full"), d / "full",
-                       lengths=[x for x in ppl_lengths if x <= n], text=args.ppl_text)
+                       lengths=[x for x in ppl_lengths if x <= n], text=args.ppl_text, flag_names=PPL_FLAGS)
     md += ["## 1. Perplexity with a bounded cache (MAT Table 3)", "", "Full cache (absolute positions):", "",
            full.table, ""]
     for budget in args.budgets:
@@ -185,7 +190,7 @@ def perplexity_section(run: Run) -> tuple[list[str], list[str]]:
                                        num_layers=depth)
         res = driver.call(p, perplexity.suite, lm, pols, d / f"rolling-{budget}", lengths=ppl_lengths,
                           text=args.ppl_text, sequences=args.ppl_sequences, anchor_grid=args.ppl_anchor_grid,
-                          anchor_tuning=args.ppl_anchor_tuning)
+                          anchor_tuning=args.ppl_anchor_tuning, flag_names=PPL_FLAGS)
         roll = res.summary["ppl"]
         beta = ("MAT's β grid-searched per length (`--ppl-anchor-grid`), chosen "
                 + ("per sequence on the other sequences" if args.ppl_anchor_tuning == "leave-one-out"
@@ -224,7 +229,8 @@ def razor_section(run: Run, heads: Path, kv_mask: np.ndarray) -> tuple[list[str]
     razor = driver.resolve_policies("razor", heads=str(heads), buffer=args.budget)["razor"]
     same_bytes = equal_bytes_budget(lm.model, razor, longest, passkey.MAX_NEW_TOKENS)
     pols = driver.resolve_policies("full,streaming,h2o", budget=same_bytes) | {"razor": razor}
-    res = driver.call(p, passkey.suite, lm, pols, d, lengths=lengths, samples=args.razor_samples)
+    res = driver.call(p, passkey.suite, lm, pols, d, lengths=lengths, samples=args.razor_samples,
+                      flag_names={"lengths": "razor_lengths", "samples": "razor_samples"})
     md += [f"The probe's retrieval heads: {int(kv_mask.sum())} of {kv_mask.size} KV heads "
            f"({kv_mask.mean():.0%}; the paper finds about 15 % of query heads), in layers "
            f"{sorted({int(i) for i in np.nonzero(kv_mask.any(axis=1))[0]})}.", ""]
@@ -264,7 +270,8 @@ def longbench_section(run: Run) -> tuple[list[str], list[str]]:
         for name in ("snapkv-avg", "slimkv-max") + (("snapkv-kvpress", "slimkv-kvpress") if kvpress else ()):
             base = name.split("-", 1)[0]
             pols[name] = driver.resolve_policies(base, budget=budget, **{**window, **MATCHED_POOLING[name]})[base]
-        res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data)
+        res = driver.call(p, longbench.suite, lm, pols, d, samples=args.samples, data_dir=args.longbench_data,
+                          flag_names={"data_dir": "longbench_data"})
         md += [f"Budget {budget}:", "", res.table, "", f"![longbench](longbench/budget-{budget}/results.png)", ""]
         if not kvpress:
             md += [f"kvpress's settings (window {MATCHED_POOLING['snapkv-kvpress']['observation_window']}) do not "
@@ -324,6 +331,7 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
         return pols
 
     res = driver.call(p, ruler.suite, lm, at_ratios, out / "ruler", lengths=[length], tasks=tasks,
+                      flag_names=RULER_FLAGS,
                       samples=args.ruler_samples, protocol="agnostic", batch=args.ruler_batch,
                       chat_template=args.chat_template)
     scores = {lab: row[str(length)] for lab, row in res.summary["average"].items()}
@@ -360,7 +368,8 @@ def zeroshot_section(run: Run) -> tuple[list[str], list[str]]:
     md, claims = [], []
     pols = driver.resolve_policies("full,streaming,mat,snapkv", budget=args.budget, shallow_layers=shallow,
                                    num_layers=depth, **window)
-    zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot", facts=args.zeroshot_facts)
+    zs = driver.call(p, zeroshot.suite, lm, pols, out / "zeroshot", facts=args.zeroshot_facts,
+                     flag_names={"facts": "zeroshot_facts"})
     res = zs.summary["results"]
     md += ["## 5. Zero-shot multiple choice, policy on the context", "", zs.table, ""]
     if args.zeroshot_ratios:
@@ -375,7 +384,8 @@ def zeroshot_section(run: Run) -> tuple[list[str], list[str]]:
             for name, pol in driver.resolve_policies("streaming,mat,snapkv", ratio=r, num_layers=depth,
                                                      shallow_layers=shallow, anchor_slots=room).items():
                 sweep[f"{name}@{r:g}"] = pol
-        sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep", facts=args.zeroshot_facts)
+        sw = driver.call(p, zeroshot.suite, lm, sweep, out / "zeroshot-sweep", facts=args.zeroshot_facts,
+                         flag_names={"facts": "zeroshot_facts"})
         md += ["MAT Table 2's sweep: each policy removes a share r of each context (KV % = 100 (1 - r)); "
                "MAT's beta is a quarter of the kept share of the median context, one value per ratio (the paper "
                "grid-searches beta per budget; this sweep does not).", "", sw.table, "",
@@ -592,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
             if d and not (Path(d) / name).is_file():
                 p.error(f"{flag} {d}: no {name} there (the output directory of kvjax.experiments.eval_"
                         f"{flag.removeprefix('--')})")
+    if args.kvzap is not None and ("ruler" in skip or "kvzap" not in (args.ruler_methods or RULER_METHODS)):
+        p.error(f"--kvzap {args.kvzap} is section 4's KVzap surrogate, but "
+                + ("--skip leaves out section 4" if "ruler" in skip else "--ruler-methods does not name kvzap"))
     lm = driver.load_model(args.model)  # once: every section runs on these weights
     # OUT is this run's (a lock; a directory of the user's own files is refused) and this model's; each section
     # claims its own folder with its options

@@ -12,7 +12,6 @@ records, and `tests/test_report_page.py` holds the committed page to its records
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from kvjax.experiments import cli, verdicts
 from kvjax.experiments import passkey as passkey_suite
 from kvjax.experiments.held import mean_held, shown_held
-from kvjax.experiments.records import write_atomic
+from kvjax.experiments.records import read_json, read_records, write_atomic
 from kvjax.experiments.ruler import compare
 from kvjax.errors import InvalidInput, MissingFile
 
@@ -30,10 +29,9 @@ OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /rec
 
 
 def _records(path: Path, what: str) -> list[dict]:
-    """The JSON lines of a records file; a missing one is one line naming it (`what`: whose records)."""
-    if not path.is_file():
-        raise MissingFile(f"{path}: no {what} records there")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The JSON lines of a records file (`kvjax.experiments.records.read_records`: a missing, torn, non-finite or
+    repeated record is one line naming it; `what`: whose records)."""
+    return read_records(path, what, key="i" if path.name == "items.jsonl" and "anllm" in str(path) else "id")
 
 
 def ruler(run: Path, where: str, only: str | None = None, plot: str | None = None, versus: str | None = None, *,
@@ -44,7 +42,7 @@ def ruler(run: Path, where: str, only: str | None = None, plot: str | None = Non
     (relative to the page) of each method's share of prompts found against the KV bytes it held, drawn into the
     directory `figures` (the page's) when given: a check compares the text and draws nothing. `versus`
     ("kvzip:snapkv,kvgrad:kvzip"): claims "A >= B" at each ratio both ran (`compare.versus_claims`)."""
-    identity = json.loads((run / "identity.json").read_text())
+    identity = read_json(run / "identity.json")
     rows = compare.read(run)
     if only:
         keep = {"full", *only.split(",")}
@@ -138,8 +136,8 @@ def zeroshot(run: Path, where: str, items: str = "sweep-items.jsonl", ratios: st
 def _trained_tokens(run: Path) -> int:
     """Tokens a training run read: its logged steps x batch x accumulation x sequence length (train_identity.json
     and loss.json, as `kvjax.experiments.train_anllm` and `kvjax.experiments.train_gate` write them)."""
-    ident = json.loads((run / "train_identity.json").read_text())
-    steps = len(json.loads((run / "loss.json").read_text()))
+    ident = read_json(run / "train_identity.json")
+    steps = len(read_json(run / "loss.json"))
     return steps * ident["--batch"] * ident.get("--accum", 1) * ident["--seq-len"]
 
 
@@ -156,7 +154,7 @@ def gate(run: Path, where: str, paper_tokens: str, results: str = "results.json"
     continuation NLL per policy with paired standard errors, and Table 1's claim (the gates lose no more than the
     best training-free baseline; `results` names the file, e.g. the baselines at 50 % eviction).
     `paper_tokens`: the paper's continual pre-training tokens."""
-    r = json.loads((run / results).read_text())
+    r = read_json(run / results)
     share, trained = _training(run, paper_tokens)
     c, se_full, vs = r["continuation_nll"], r["delta_se"], r.get("gate_minus_baseline", {})
     at = ("the gates' measured eviction" if r.get("baseline_eviction_source") == "gates"
@@ -184,7 +182,7 @@ def anllm(run: Path, where: str, paper_tokens: str, base: str, trained: str, *, 
     """AnLLM (`kvjax.experiments.eval_anllm`'s results of the untrained model, `base`, and of the trained variant,
     `trained`, json files in `run`): Table 1's columns, and its claim (with only the anchors cached, accuracy
     within 0.05 of full attention's), unpaired binomial (the files keep accuracies, not items)."""
-    rows = {name: json.loads((run / f).read_text()) for name, f in (("untrained", base), ("trained", trained))}
+    rows = {name: read_json(run / f) for name, f in (("untrained", base), ("trained", trained))}
     share, training = _training(run, paper_tokens)
     t = rows["trained"]
     lines = [f"Records: `{where}/{base}`, `{where}/{trained}` ({t['items']} items, {t['data']}, chance "
@@ -231,7 +229,7 @@ def anllm_placements(run: Path, where: str, paper_tokens: str, task: str = "abse
     rows, right = {}, {}
     for p in _PLACEMENTS:
         d = run / f"eval-{task}-{p}"
-        rows[p] = json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else None
+        rows[p] = read_json(d / "results.json") if (d / "results.json").is_file() else None
         if rows[p] is None:
             raise MissingFile(f"{d}/results.json: no AnLLM-AC evaluation at placement {p} there")
         recs = _records(d / "items.jsonl", "AnLLM item")
@@ -267,7 +265,7 @@ def kvpress(run: Path, where: str, *, figures: Path | None = None) -> str:
     from kvjax.experiments import kvpress_agreement
 
     rows = _records(run / "answers.jsonl", "kvpress agreement")
-    identity = json.loads((run / "identity.json").read_text())
+    identity = read_json(run / "identity.json")
     methods = list(dict.fromkeys(r["method"] for r in rows))
     ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
     per_task = {t: len({r["index"] for r in rows if r["task"] == t}) for t in dict.fromkeys(r["task"] for r in rows)}
@@ -341,7 +339,7 @@ def passkey(run: Path, where: str, versus: str | None = None, label: str | None 
     found = {(n, L): passkey_suite.found_by_prompt(rows, desc, L) for n, desc in names.items() for L in lengths}
     held = {(n, L): mean_held([r for r in rows if r["policy"] == names[n] and r["length"] == L])
             for n in names for L in lengths}
-    identity = json.loads((run / "identity.json").read_text()) if (run / "identity.json").is_file() else {}
+    identity = read_json(run / "identity.json") if (run / "identity.json").is_file() else {}
     how = "".join(f", {k.lstrip('-')} {identity[k]}" for k in ("--protocol", "--batch", "--seed") if k in identity)
     if "weights" in identity:
         how += f", {identity['model dtype']} weights {identity['weights']}"
@@ -390,7 +388,7 @@ def quantization(run: Path, where: str, within: str = "0.05", *, figures: Path |
     path = run / "perplexity" / "results.json"
     if not path.is_file():
         raise MissingFile(f"{path}: no perplexity records there")
-    r = json.loads(path.read_text())
+    r = read_json(path)
     margin = math.log1p(float(within))
     values = [v for per in r["ppl"].values() for v in per.values()] + [
         x for per in r["nll_per_sequence"].values() for seq in per.values() for x in seq]
@@ -437,7 +435,7 @@ def needle(run: Path, where: str, versus: str | None = None, *, figures: Path | 
     full cache's, and `versus` ("razor:streaming") claims "A >= B" in exact matches at each length, paired over
     the depths by the rule of `kvjax.experiments.verdicts`."""
     rows = _records(run / "cells.jsonl", "needle")
-    identity = json.loads((run / "identity.json").read_text())
+    identity = read_json(run / "identity.json")
     labels = list(dict.fromkeys(r["label"] for r in rows))
     lengths, depths = sorted({r["length"] for r in rows}), sorted({r["depth"] for r in rows})
     cell = {(r["label"], r["length"], r["depth"]): r for r in rows}
@@ -488,13 +486,12 @@ def _longbench_records(run: Path, where: str) -> tuple[dict, dict[tuple[str, str
     path = run / "result.json"
     if not path.is_file():
         raise MissingFile(f"{path}: no LongBench records there")
-    r = json.loads(path.read_text())
+    r = read_json(path)
     sample = {}
     for lab in r["policies"]:
         for d in r["datasets"]:
             metric = r["scores"][lab][d]["metric"]
-            preds = [json.loads(x) for x in (run / "preds" / r["slugs"][lab] / f"{d}.jsonl").read_text().splitlines()
-                     if x.strip()]
+            preds = read_records(run / "preds" / r["slugs"][lab] / f"{d}.jsonl", "LongBench", key="_id")
             sample[lab, d] = {p["_id"]: 100 * metrics.sample_score(d, metric, p["pred"], p["answers"],
                                                                     p["all_classes"]) for p in preds}
             if abs(metrics.score([v / 100 for v in sample[lab, d].values()]) - r["scores"][lab][d]["score"]) > 0.01:
@@ -532,7 +529,7 @@ def longbench(run: Path, where: str, versus: str | None = None, *, figures: Path
     """The LongBench-format suite (`kvjax.experiments.longbench`'s result.json and per-policy predictions in `run`):
     score per task and policy, the KV held, and `versus`'s claims (`longbench_claims`)."""
     r, sample = _longbench_records(run, where)
-    identity = json.loads((run / "identity.json").read_text())
+    identity = read_json(run / "identity.json")
     labels, tasks = list(r["policies"]), r["datasets"]
     n = {len(v) for v in sample.values()}
     lines = [f"Records: `{where}` ({'/'.join(map(str, sorted(n)))} samples per task; chat template "
@@ -561,7 +558,7 @@ def memory(run: Path, where: str, project: str = "8000x8", *, figures: Path | No
     path = run / "rss.json"
     if not path.is_file():
         raise MissingFile(f"{path}: no peak-memory records there")
-    r = json.loads(path.read_text())
+    r = read_json(path)
     cells = r["cells"]
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     lines = [f"Records: `{where}/rss.json` ({r['machine']}, Python {r['python']}, {r['dtype']} weights; each command "
@@ -603,7 +600,7 @@ def _anchor_slots(description: str) -> int:
 def _nll_by_sequence(path: Path, where: str) -> tuple[dict, dict[tuple[str, int | None], dict[int, float]]]:
     """(identity.json, {(label, β or None): {sequence: NLL}}) of a perplexity run (`kvjax.experiments.perplexity`'s
     runs.jsonl), one length; a skipped or non-finite record is an error (the block states numbers only)."""
-    identity = json.loads((path / "identity.json").read_text())
+    identity = read_json(path / "identity.json")
     cells: dict[tuple[str, int | None], dict[int, float]] = {}
     lengths = set()
     for r in _records(path / "runs.jsonl", "perplexity"):
@@ -665,7 +662,7 @@ def perplexity(run: Path, where: str, *, figures: Path | None = None) -> str:
             hows.add("the lowest NLL on a window after the scored ones")
         counts.add(len(seqs))
         mat = {i: grid[beta][i] for i, beta in zip(seqs, chosen)}
-        results = json.loads((run / f"rolling-{b}" / "results.json").read_text())
+        results = read_json(run / f"rolling-{b}" / "results.json")
         length = str(identity["length"])
         for lab, nll in (("streaming", stream), ("mat", mat)):
             if not math.isclose(results["ppl"][lab][length], ppl(list(nll.values())), rel_tol=1e-3):

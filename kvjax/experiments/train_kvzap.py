@@ -103,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.length > lm.config.max_position_embeddings:
         raise driver.ArgumentError(f"--length {args.length} exceeds the model's max_position_embeddings="
                                    f"{lm.config.max_position_embeddings}", usage=False)
-    held = held_out_windows(lm.tokenizer, args.data, args.length, args.heldout_texts, "--heldout-texts")
-    train = training_windows(lm.tokenizer, args.data, args.length)
+    held = held_out_windows(lm.tokenizer, args.data, args.length, args.heldout_texts, "--heldout-texts", "--length")
+    train = training_windows(lm.tokenizer, args.data, args.length, "--length")
     if len(train) < args.texts:
         raise driver.ArgumentError(f"--texts {args.texts} with --length {args.length}: the training text holds "
                                    f"{len(train)} windows", usage=False)
     train = train[np.sort(np.random.RandomState(args.seed).permutation(len(train))[:args.texts])]
     options = {k: getattr(args, k) for k in ("data", "length", "per_text", "seed")}
-    out = driver.claim(args.out, lm, options, files=("data",), selection=("texts", "heldout_texts"),
-                       extra={"held-out text": SPLIT_RULE})
+    out = driver.call(p, driver.claim, args.out, lm, options, files=("data",), selection=("texts", "heldout_texts"),
+                      extra={"held-out text": SPLIT_RULE})
     identity = json.loads((out / "identity.json").read_text())
     command = "python -m kvjax.experiments.train_kvzap " + " ".join(sys.argv[1:] if argv is None else argv)
     policy = make_policy("kvzip-plus", ratio=0.5, replay=driver.kvzip_replay(lm.path, chat=False))

@@ -258,6 +258,9 @@ class Policy(abc.ABC):
     prefill_mode: PrefillMode
     # Prompt tokens per chunk when prefill_mode == "chunked", else None.
     chunk: int | None = None
+    # Whether the policy scores its slots by running the model again over the cached prompt once it is read
+    # (KVzip's replay, `kvjax.kvzip`): the cache it scores is the full-precision one.
+    replays_prompt: bool = False
 
     def at_layer(self, layer: int) -> "Policy":
         """The policy that caches `layer`: itself, or for a combinator the member that owns the layer.

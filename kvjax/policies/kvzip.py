@@ -53,6 +53,7 @@ class KVzip(LayerPolicy, AppendsWhileDecoding):
     prefix: int = 0
     plus: bool = False  # KVzip+'s normalisation (see the module)
     evicts_while_decoding = False
+    replays_prompt = True
     chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
                      "prefill (a cache bounded while the prompt is read) never holds")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy, check_numbers
+from kvjax.policies.base import Policy, PooledRule, check_numbers
 from kvjax.quant import KVQuant
 
 
@@ -31,6 +31,18 @@ class Quantized(Policy):
         self.kv_quant  # noqa: B018  (checks the width, group and residual)
         if isinstance(self.policy, Quantized):
             raise InvalidInput("Quantized(Quantized(...)): a cache is quantized once")
+        pooled = [p for p in _members(self.policy) if isinstance(p, PooledRule)]
+        if pooled:
+            raise InvalidInput(f"{type(pooled[0]).__name__}: its KV heads share one pool of slots "
+                               "(kvjax.cache.PooledLayerCache), which is not stored quantized; quantize a policy "
+                               "whose heads keep their own slots")
+        replaying = [p for p in _members(self.policy) if p.replays_prompt]
+        if replaying:
+            # generation replayed nothing under the wrapper, so the 4-bit "KVzip" kept every slot: refused instead
+            raise InvalidInput(f"{type(replaying[0]).__name__}: its slots are scored by replaying the prompt through "
+                               "the model over the full-precision cache, which a quantized cache does not keep; a "
+                               "quantized KVzip-family cache is not supported (quantize SnapKV, StreamingLLM, ... "
+                               "or run KVzip unquantized)")
         shrinking = [p for p in _members(self.policy) if type(p).shrink is not Policy.shrink]
         if shrinking:
             raise InvalidInput(f"{shrinking[0].describe()} moves its cache on the host after the prompt (shrink); it "

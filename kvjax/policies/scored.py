@@ -527,6 +527,9 @@ class AdaKV(LayerPolicy, PooledRule, StepOnlyWrites):
         n_keep = sc._keep(layer, length, pos.shape[1])  # [b] per head
         score = jnp.where(real, sc.score(layer, k, v, pos, stats).astype(jnp.float32), -jnp.inf)
         top = jnp.max(jnp.where(real & ~in_window, score, -jnp.inf), axis=(1, 2), keepdims=True)
+        # A prompt no longer than the window has no scored key: any finite level puts its tokens above the padding
+        # (-inf), which they tied with, so the layer's top-k took padding slots and kept no prompt token at all
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
         score = jnp.where(in_window, top + 1, score)  # the window above every scored key (kvpress: max + 1)
         n_safe = jnp.where(n_keep > 0, jnp.maximum(1, jnp.floor(n_keep * self.alpha)), 0).astype(jnp.int32)
         rank = jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1)

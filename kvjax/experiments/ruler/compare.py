@@ -10,12 +10,11 @@ that differs in those is shown with its numbers and what differs, and no verdict
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
+from kvjax.experiments.records import read_records
 from kvjax.experiments.verdicts import evidence, paired_gap, verdict
-from kvjax.errors import MissingFile
 
 Key = tuple[str, int, int]  # (task, length, sample index)
 # what SnapKV's and SlimKV's scores are pooled by: a comparison of the two is matched when these agree
@@ -24,10 +23,7 @@ SETTINGS = ("observation_window", "kernel", "pool")
 
 def read(run: str | Path) -> list[dict]:
     """The records of a RULER run directory (its preds.jsonl)."""
-    path = Path(run) / "preds.jsonl"
-    if not path.is_file():
-        raise MissingFile(f"{path}: no RULER records there")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(Path(run) / "preds.jsonl", "RULER")
 
 
 def scores(rows: list[dict], label: str) -> dict[Key, float]:
