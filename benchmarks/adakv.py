@@ -28,7 +28,7 @@ from benchmarks import timing
 from benchmarks.decode import BENCH_CONFIG, bench_meta, bench_model, time_kvjax
 from kvjax import FullCache
 from kvjax.policies import AdaKV, SnapKV
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 
 
 def policies(budget: int) -> dict:
@@ -37,11 +37,13 @@ def policies(budget: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--lengths", default="4096,16384")
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.adakv", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default="4096,16384", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--budget", type=int, default=256,
+                   help="SnapKV's slots per KV head; AdaKV's pool holds KV heads x this per layer")
+    p.add_argument("--new", type=int, default=64, help="tokens decoded per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per cell; the median is shown, with the range")
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="pallas (a GPU): the decode kernels, AdaKV's pool read by kvjax.pallas.pool_decode")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")

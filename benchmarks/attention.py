@@ -37,7 +37,7 @@ from tqdm import tqdm
 from kvjax import attention
 from kvjax import pallas as kernels
 from kvjax.masks import Mask
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 
 # Peak HBM bandwidth (bytes/s) by device kind, for "% of peak".
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12, "TPU v5e": 0.82e12}
@@ -184,15 +184,20 @@ def write(out: Path, info: dict, decode: list, prefill: list, common: list) -> s
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=description(__doc__))
-    p.add_argument("--decode", default="1024,4096,16384,32768,65536")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--decode", default="1024,4096,16384,32768,65536",
+                   help="cache slots C of the decode table, comma-separated")
     p.add_argument("--decode-block", default="", help="decode kernel block sizes to compare (default: the kernel's)")
     p.add_argument("--decode-splits", default="", help="GPU decode splits to compare (default: the kernel's)")
     p.add_argument("--decode-batches", default="1", help="decode batch sizes")
     p.add_argument("--decode-dtypes", default="bfloat16", help="decode cache dtypes (bfloat16, float32)")
-    p.add_argument("--prefill", default="1024,4096,16384")
-    p.add_argument("--masked", default="0,0.5,0.9")
-    p.add_argument("--masking", choices=["block", "token"], default="block")
+    p.add_argument("--prefill", default="1024,4096,16384",
+                   help="prompt lengths T in tokens of the masked prefill table, comma-separated")
+    p.add_argument("--masked", default="0,0.5,0.9",
+                   help="shares of the keys the keep-mask removes in the prefill table, comma-separated")
+    p.add_argument("--masking", choices=["block", "token"], default="block",
+                   help="block: drop whole 128-token key blocks (what block skipping exploits); token: random tokens")
     p.add_argument("--common", default="", help="prompt lengths of the common-case table (causal, no mask)")
     p.add_argument("--interpret", action="store_true", help="on CPU, also run the kernels in interpret mode")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import timing
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 from kvjax import drive
 
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -171,11 +171,15 @@ def write(out: Path, result: dict, guard: timing.LoadGuard) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunked", description=description(__doc__))
-    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.chunked", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                   help="prompt lengths in tokens of the SnapKV prefill table, comma-separated")
     p.add_argument("--full-up-to", type=int, default=32768, help="longest whole-prompt prefill actually run")
-    p.add_argument("--perplexity-tokens", type=int, default=65536)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--perplexity-tokens", type=int, default=65536,
+                   help="tokens of the text StreamingLLM's perplexity is measured over")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed prefills per cell after a compiling call; the median is shown, with the range")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: mode,length,run (one subprocess)
     timing.add_load_args(p)

@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from kvjax.progress import Bar
+
 from benchmarks import timing
 from benchmarks.timing import rss_peak
 from kvjax import drive, engine
 from kvjax import step as steps
-from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir, HelpFormatter
 from kvjax.errors import InvalidInput
 from kvjax.generate import Sampling, capture_fn, decode_fn, prefill_many_fn, recache_fn
 from kvjax.policies import (
@@ -166,7 +168,8 @@ def compile_seconds(fn, args, kw) -> tuple[float, float]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
     p.add_argument("--programs", default=",".join(PROGRAMS[:-1]),
@@ -212,7 +215,7 @@ def main(argv=None):
     rows = []
     for loop in tqdm(loops, desc="layer loops"):
         lm = load(args.model or DEFAULT_MODEL_DIR, tokenizer=False, layer_loop=loop)
-        for name in tqdm(names, desc=f"programs ({loop})", leave=False):
+        for name in Bar(names, desc=f"programs ({loop})", nested=True):
             fn, fargs, kw = program(lm, name, args.length, args.batch)
             with token_step_scanned(name):
                 runs = [compile_seconds(fn, fargs, kw) for _ in range(args.repeats)]

@@ -23,7 +23,7 @@ from benchmarks.decode import BENCH_CONFIG
 from kvjax import FullCache, Sampling
 from kvjax.generate import pad_left, prefill_fn
 from kvjax.policies import H2O, TOVA, KNorm, ObservedAttention, PyramidKV, SlimKV, SnapKV, StreamingLLM
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 from kvjax import drive, engine
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
@@ -36,10 +36,12 @@ def time_prefill(graphdef, state, tokens, positions, plan, repeats) -> timing.Sp
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=3)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compression", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--length", type=int, default=8192, help="prompt length in tokens")
+    p.add_argument("--budget", type=int, default=1024, help="each compressing policy's slots per KV head")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed prefills per policy after a compiling one; the median is shown, with the range")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)

@@ -24,7 +24,7 @@ from benchmarks import timing
 from kvjax.experiments.efficiency import time_policy
 from kvjax import FullCache, StreamingLLM
 from kvjax.policies import mat
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
 
@@ -80,12 +80,14 @@ def time_torch(path, ids, new, repeats=3):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--lengths", default="1024,4096,16384")
-    p.add_argument("--new", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--no-torch", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--new", type=int, default=256, help="tokens decoded per prompt")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell; the median is shown, with the range")
+    p.add_argument("--budget", type=int, default=256, help="StreamingLLM's and MAT's slots per KV head (MAT's c)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip transformers' PyTorch generate even when torch is installed")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from benchmarks.attention import best_time, peak_bandwidth
 from kvjax import pallas as kernels
 from kvjax.pallas import decode as pallas_decode
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -63,13 +63,17 @@ def time_config(q, k, v, pos, log_w, nbytes, **kw) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_tuning", description=description(__doc__))
-    p.add_argument("--lengths", default="32768")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--blocks", default="64,128,256")
-    p.add_argument("--splits", default="8,16,32,64,128")
-    p.add_argument("--warps", default="2,4,8")
-    p.add_argument("--stages", default="1,2,3,4")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_tuning", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default="32768", help="cache lengths C in slots, comma-separated")
+    p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--blocks", default="64,128,256", help="slots per tile to sweep, comma-separated")
+    p.add_argument("--splits", default="8,16,32,64,128",
+                   help="slot splits to sweep, comma-separated (one over C / block is skipped)")
+    p.add_argument("--warps", default="2,4,8",
+                   help="Triton warps to sweep at the best block and splits, comma-separated")
+    p.add_argument("--stages", default="1,2,3,4",
+                   help="Triton pipeline stages to sweep at the best block and splits, comma-separated")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     add_compile_cache_flag(p)
     args = p.parse_args(argv)

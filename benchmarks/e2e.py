@@ -62,7 +62,7 @@ from kvjax import Sampling, engine
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, prefill_fn
 from kvjax.policies import FullCache, PyramidKV, RazorAttention, SnapKV, StreamingLLM, mat
-from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir, HelpFormatter
 from kvjax.experiments.common import int_list, positive_int
 from kvjax import drive
 from kvjax.models import load
@@ -271,8 +271,10 @@ def write(out: Path, meta: dict, rows: list[dict], compile_rows: list[dict], gua
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="cpu",
+                   help="the random-weight model's shape: a named model's, issue #25's, or a reduced one (cpu)")
     p.add_argument("--model", help="a real checkpoint instead of --shape's random weights: " + model_help())
     p.add_argument("--lengths", type=int_list, default="2048,4096,8192", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--batches", type=int_list, default="1,8", help="batch sizes, comma-separated")
@@ -283,13 +285,14 @@ def main(argv=None):
     p.add_argument("--chunk", type=positive_int, default=512, help="tokens per chunk of the chunked prompt pass")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per cell, after a warm-up; the median is shown")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' and cache's dtype, in kvjax and transformers alike")
     p.add_argument("--compile-layers", default="16,32", help="depths of the compile-time table ('' for none)")
     p.add_argument("--policies", default="", help="kvjax policies to run, comma-separated (default: all of them); "
                    "kvpress runs the ones it has")
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="kvjax's attention: the jnp reference or the Pallas kernels (a GPU's plain prompts: cuDNN)")
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="skip transformers and kvpress: kvjax's rows alone")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)

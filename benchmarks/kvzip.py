@@ -27,7 +27,7 @@ from kvjax import engine, kvzip
 from kvjax.engine import bucket_length
 from kvjax.policies import KVzip, SnapKV
 from benchmarks import timing
-from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir
+from kvjax.cli import add_compile_cache_flag, description, model_help, out_dir, HelpFormatter
 from kvjax import drive
 from kvjax.models import load
 
@@ -67,11 +67,14 @@ def measure(lm, length: int, ratio: float, repeats: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kvzip", description=description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--ratio", type=float, default=0.75)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens, comma-separated")
+    p.add_argument("--ratio", type=float, default=0.75,
+                   help="share of the context's cache evicted, by KVzip and SnapKV alike")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed calls per step after a compiling one; the median is shown, with the range")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)
     add_compile_cache_flag(p, measures_compile=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvjax.experiments.records import write_atomic
-from kvjax.cli import description, model_help, out_dir
+from kvjax.cli import description, model_help, out_dir, HelpFormatter
 from kvjax.errors import InvalidInput
 
 
@@ -68,7 +68,8 @@ def peak_rss(module: str, args: list[str], env: dict | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--cells", default="2048x1,2048x8,8000x1", help="TOKENSxPROMPTS, comma-separated")
     p.add_argument("--out", type=out_dir, required=True, help="folder for the tables and plots")

@@ -26,7 +26,7 @@ from kvjax import FullCache, attention, engine
 from kvjax.anllm_anchors import anchor_mask
 from kvjax.masks import Mask
 from benchmarks import timing
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 from kvjax import drive
 from kvjax.models import load
 from kvjax.models.tiny import make_random_checkpoint, tiny_config
@@ -100,9 +100,11 @@ def time_sparse(t: int, repeats: int) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--lengths", default="1024,4096,16384")
-    p.add_argument("--repeats", type=int, default=3)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed calls per cell after a compiling one (torch: a warm-up); the median is shown")
     p.add_argument("--sparse-length", type=int, default=16384, help="tokens of the block-sparse table (0: none)")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")
     timing.add_load_args(p)

@@ -30,7 +30,7 @@ from benchmarks import timing
 from kvjax import cache as kvcache
 from kvjax import layer, quant
 from kvjax.policies import FullCache, Quantized, resolve
-from kvjax.cli import add_compile_cache_flag, description, out_dir
+from kvjax.cli import add_compile_cache_flag, description, out_dir, HelpFormatter
 
 SHAPES = {"smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M's attention
           "llama-3.1-8b": dict(num_heads=32, num_kv_heads=8, head_dim=128)}
@@ -149,15 +149,19 @@ def plot(rows: list[dict], widths: list[int], plat: str, path: Path) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__))
-    p.add_argument("--lengths", default="4096,16384,65536")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--widths", default="16,8,4,2")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quant", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--lengths", default="4096,16384,65536",
+                   help="tokens L in the cache before decoding, comma-separated")
+    p.add_argument("--steps", type=int, default=32, help="tokens decoded per run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per cell after a compiling one; the median is shown, with the range")
+    p.add_argument("--widths", default="16,8,4,2",
+                   help="cache widths in bits, comma-separated (16: unquantized, 8: int8, 4 and 2: KIVI)")
     p.add_argument("--kernel", action="store_true", help="also the Pallas kernel reading codes (a GPU): its "
                    "tokens/s, and its largest difference from the jnp reference on the same cache")
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES), help="one attention layer of this model")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="rows decoded at once, each with its own cache")
     p.add_argument("--no-variants", action="store_true", help="skip the rolled-loop and view columns (slow at "
                    "large shapes; they are the jnp path's settings, not kvjax's)")
     p.add_argument("--out", type=out_dir, default="benchmarks/results", help="folder for the tables and plots")

@@ -35,6 +35,7 @@ from benchmarks.tpu_tables import FIT_POINTS, largest_prompt, write_tables
 from kvjax import cli, tpu
 from kvjax.errors import InvalidInput
 from kvjax import drive, engine
+from kvjax.cli import HelpFormatter
 
 RESULTS = Path(__file__).parent / "results"
 TP_AXES = ("data", "model")  # kvjax.sharding's mesh axes: the batch over "data", whole heads over "model"
@@ -476,7 +477,8 @@ def models_stage(records: Path, chips: list[str], quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--chips", default="v5e,v6e", help="comma-separated, of: " + ", ".join(tpu.CHIPS))
     p.add_argument("--only", default="kernels,models", help="kernels, models, or both (comma-separated)")
     p.add_argument("--quick", action="store_true", help="the test suite's smaller set of shapes")

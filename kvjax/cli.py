@@ -21,11 +21,27 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvjax import compile_cache as _compile_cache
 from kvjax.errors import UserError
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every entry point's help: each option's default said after its help, unless the help already says it (or the
+    option has none: a flag, an option that is unset by default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = (None, False, argparse.SUPPRESS)
+        if (action.option_strings and "default" not in text.lower() and "%(default)" not in text
+                and not isinstance(action.default, bool) and action.default not in quiet
+                and not isinstance(action, (argparse._StoreConstAction, argparse._HelpAction))):
+            shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+            text += f" (default: {shown})"
+        return text
 
 
 def out_dir(text: str) -> Path:
@@ -67,6 +83,15 @@ class LengthHandled(logging.Filter):
 _LENGTH_HANDLED = LengthHandled()
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning at the command line: `warning: <message>` on one line, beside any progress bar. Python's own format
+    adds the file, line number and source line of the code that warned, which a user cannot act on (`--debug`
+    keeps it)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: {message}", file=file or sys.stderr)
+
+
 def add_compile_cache_flag(parser, *, measures_compile: bool = False) -> None:
     """`--no-compile-cache` on a parser (or argument group) whose command goes through `run`; `measures_compile`:
     the command runs with `compile_cache=False` (it reports first compiles) and takes the flag so that every
@@ -84,6 +109,8 @@ def run(main: Callable[[list[str]], int], argv: Sequence[str] | None = None, *,
         else:
             _compile_cache.disable()
     logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_HANDLED)  # once: a set of filters
+    if not debugging(argv):
+        warnings.showwarning = _one_line_warning
     try:
         return main(argv)
     except UserError as err:

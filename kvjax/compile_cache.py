@@ -10,8 +10,8 @@ not part of any run's identity. The directory may be deleted at any time.
     from kvjax import compile_cache
     compile_cache.enable()       # what `kvjax.cli.run` does before it calls a command's `main`
 
-The location is printed once on stderr, when the first program is compiled (an error before that is still one
-line). Benchmarks that report compile seconds never use the cache: theirs are first compiles.
+The location is printed on stderr once per `KVJAX_HOME`, by the run whose first compile creates the directory (an
+error before that is still one line). Benchmarks that report compile seconds never use the cache: theirs are first compiles.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def enable(announce: bool = True) -> Path | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor (0 lets jax pick one)
-    if announce and not chosen:
+    if announce and not chosen and not path.exists():  # once per KVJAX_HOME: the run that makes the directory
         _announce_at_first_compile(path)
     return path
 

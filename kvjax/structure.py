@@ -63,8 +63,11 @@ def split(model) -> tuple[Structure, object]:
     return Structure(treedef, node_types(treedef), forward), leaves
 
 
-def merge(structure: Structure, arrays):
-    """The model back from `split`'s halves (inside a trace: its arrays are the traced ones)."""
+def merge(structure: Structure | nnx.graph.GraphDef, arrays):
+    """The model back from `split`'s halves (inside a trace: its arrays are the traced ones). `nnx.split`'s own graph
+    definition is taken too (it holds every module's class; a method replaced on a class is not in it)."""
+    if isinstance(structure, nnx.graph.GraphDef):
+        return nnx.merge(structure, arrays)
     if structure.is_module:
         return nnx.merge(structure.tree, arrays)
     return jax.tree.unflatten(structure.tree, arrays)

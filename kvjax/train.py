@@ -28,6 +28,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax import locks
+from kvjax.progress import bar as progress_bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +185,7 @@ def train(
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+        bar = progress_bar(total=cfg.steps, initial=start, desc="train", unit="step")
     try:
         for step in range(start, cfg.steps):
             total, aux_sum, g_sum = 0.0, {}, None

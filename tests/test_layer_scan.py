@@ -100,10 +100,11 @@ def models(tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=["stacked", "picked"])
+@pytest.fixture(params=["stacked", pytest.param("picked", marks=pytest.mark.slow)])
 def parameters(request, monkeypatch):
     """A scanned run's parameters stacked (the CPU's way) or picked per iteration by a switch (the accelerators':
-    `kvjax.models.llama.stacks_parameters`), each compiled afresh."""
+    `kvjax.models.llama.stacks_parameters`), each compiled afresh; the accelerators' way under `pytest -m slow`
+    (about 30 s on 2 cores), and compiled for TPU in `tests/test_tpu_aot.py`'s whole-model compiles."""
     from kvjax.models import llama
 
     monkeypatch.setattr(llama, "stacks_parameters", lambda: request.param == "stacked")

@@ -1,6 +1,6 @@
-"""The Colab notebooks run top to bottom on CPU (with kvjax-small), are committed
-without outputs, carry an "Open in Colab" badge and import only what the documentation (README.md and the
-site under docs/) documents."""
+"""The Colab notebooks are committed without outputs, install kvjax in their first cell, and import only what the
+documentation (README.md and the site under docs/) documents. They run top to bottom from an installed wheel in
+`tests/test_wheel.py` (the quickstart in the default suite, the other three under `pytest -m slow`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvjax.models import SMALL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -48,23 +47,3 @@ def test_outputs_stripped_badge_and_public_imports(path):
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] in ("kvjax", "models", "experiments"):
                 assert re.search(rf"\b{re.escape(node.module)}\b", readme), f"{path.name}: {node.module} not documented"
-
-
-# The quickstart runs in the default suite; the other three take 40-110 s each on 2 cores (`pytest -m slow`)
-RUN_BY_DEFAULT = {"quickstart"}
-
-
-@pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").is_file(), reason="needs kvjax-small")
-@pytest.mark.parametrize("path", [p if p.stem in RUN_BY_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv("KVJAX_MODEL_DIR", str(tmp_path / "no-model"))  # the offline fallback of the last one
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()  # raises CellExecutionError, naming the cell, on any error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors

@@ -481,8 +481,8 @@ def test_loading_remote_code_hint_is_reported_once(tiny_dir, tmp_path, caplog):
 
 def test_progress_generate_cli_shows_a_bar_and_generates_once(tiny_dir, capsys, monkeypatch):
     calls = []
-    real = gen_cli.generate
-    monkeypatch.setattr(gen_cli, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gen_cli.generate_many
+    monkeypatch.setattr(gen_cli, "generate_many", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert gen_cli.main(["--model", str(tiny_dir), "--policy", "full", "--max-new-tokens", "24", "hi"]) == 0
     out, err = capsys.readouterr()
     assert calls == [1]

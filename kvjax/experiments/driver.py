@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
 from kvjax.experiments.records import (
     ResultLog,
@@ -40,6 +39,7 @@ from kvjax.experiments.records import (
     write_atomic,
 )
 from kvjax import engine
+from kvjax.progress import bar as progress_bar
 from kvjax.errors import InvalidInput
 from kvjax.policies import NO_BUDGET, REGISTRY, Policy, make_policy
 
@@ -357,7 +357,7 @@ def fill(suite: Suite, log: ResultLog | InMemory, progress: bool = True) -> None
     if reused and progress:  # a rerun of the same identity: say what it reuses, never silently
         print(f"{suite.name}: resuming {Path(log.path).parent}: {len(reused)} records of this identity reused, "
               f"{len(todo)} to compute", file=sys.stderr)
-    with tqdm(total=len(todo), desc=suite.name, disable=not progress) as bar:
+    with progress_bar(total=len(todo), desc=suite.name, disable=not progress) as bar:
         for batch in suite.batches(todo):
             for record in suite.run(batch):
                 log.add(record)

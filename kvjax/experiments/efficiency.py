@@ -40,6 +40,7 @@ from kvjax import Sampling
 from kvjax.cache import nbytes
 from kvjax.generate import bucket_length, check_finite_steps, decode_fn, eos_array, pad_left, position_limit, prefill_fn
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 
 def peak_bytes() -> int | None:
@@ -146,16 +147,21 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.efficiency", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.efficiency", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list,
                    help="comma-separated context lengths (default: max/4, max/2, max - new)")
     p.add_argument("--new", type=positive_int, default=32, help="decoded tokens per timing (>= 2)")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--out", default="results/efficiency")
+    p.add_argument("--batch", type=positive_int, default=1, help="prompts decoded together (rows of random token ids)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed decode loops per cell after a compiling one; the fastest is kept")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and the cache's dtype")
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")
+    p.add_argument("--out", default="results/efficiency",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
     args = p.parse_args(argv)

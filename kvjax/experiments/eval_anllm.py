@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from kvjax.progress import Bar as progress_bar
 
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import add_run_args, model_help, nonnegative_int, positive_int
@@ -41,6 +41,7 @@ from kvjax.errors import InvalidInput
 from kvjax.fewshot import Item
 from kvjax.policies import FullCache
 from kvjax.policies.anllm import AnchorReduction
+from kvjax.cli import HelpFormatter
 
 NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "John", "Frances", "Ken", "Dennis", "Guido",
          "Niklaus", "Tony", "Leslie", "Margaret", "Robin", "Dana", "Michael", "Fran", "Butler"]
@@ -152,9 +153,10 @@ def write_report(out: Path, summary: dict, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.eval_anllm", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.eval_anllm", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="where the results go (a folder; a rerun resumes there)")
     p.add_argument("--data", help="JSON lines of items (default: the built-in fact-retrieval task)")
     p.add_argument("--anchor-tokens", nargs="*", help="anchor token strings (default: from config.json)")
     p.add_argument("--items", type=positive_int, help=f"built-in task: items (default {BUILTIN['items']})")
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-items", type=nonnegative_int, default=20, help="items timed for T⇑ (0: no timing)")
     p.add_argument("--placement", help="AnLLM-AC: where <AC> goes in the demonstrations: sentence, every:N or "
                                        "random:P (Table 3; default: where the model was trained with it)")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="the random seed of the built-in task's facts and of --placement random:P")
     add_run_args(p)
     args = p.parse_args(argv)
     # the options the items from --data would silently ignore are refused
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": args.data, "anchor_tokens": args.anchor_tokens, "items": args.items, "shots": args.shots,
         "options": args.options, "distractors": args.distractors, "seed": args.seed, "placement": args.placement},
         files=("data",), key="i")
-    for i in tqdm(range(len(items)), desc="items", initial=len(log), total=len(items)):
+    for i in progress_bar(range(len(items)), desc="items", initial=len(log), total=len(items)):
         if i not in log:
             it = items[i]
             demo_ids, policy, cache, _ = prefixes[which[i]]

@@ -49,6 +49,7 @@ from kvjax.gate import eviction_ratios, without_gates
 from kvjax.policies import GateEviction, make_policy
 from kvjax.train import next_token_loss
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 
 def held_out(tok, data: list[str] | None, seq_len: int, n: int, count_flag: str = "--windows") -> np.ndarray:
@@ -204,12 +205,14 @@ def write_report(out: Path, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.eval_gate", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.eval_gate", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
-    p.add_argument("--gate-params", required=True)
+    p.add_argument("--gate-params", required=True,
+                   help="the trained gates: a directory written by python -m kvjax.experiments.train_gate")
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
-    p.add_argument("--windows", type=positive_int, default=32)
-    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--windows", type=positive_int, default=32, help="held-out text windows scored (the first N)")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
     p.add_argument("--prefix", type=float, default=0.75, help="fraction of each window that is the prompt, in (0, 1)")
     p.add_argument("--baseline-eviction", type=fraction_removed,
                    help="the baselines' eviction share of the prefix (Table 1: 0.5); default: the gates' measured share")

@@ -23,6 +23,7 @@ from kvjax.experiments.records import shown
 from kvjax import heads as H
 from kvjax.errors import require_finite
 from kvjax.models import load
+from kvjax.cli import HelpFormatter
 
 
 def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_ratio: float = 0.14,
@@ -80,18 +81,21 @@ def find(lm, out, *, k: int = 2500, repeats: int = 4, seed: int = 0, induction_r
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.find_heads", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.find_heads", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
     p.add_argument("--out", required=True, help="heads file to write (JSON)")
     p.add_argument("--k", type=int, default=2500, help="random tokens per repetition (paper: 2500)")
     p.add_argument("--repeats", type=int, default=4, help="repetitions of the K tokens (paper: 4)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the random seed of the probe's K tokens (and of --control random)")
     p.add_argument("--induction-ratio", type=float, default=0.14, help="share of heads kept by induction score")
     p.add_argument("--echo-ratio", type=float, default=0.01, help="share of heads kept by echo score")
     p.add_argument("--eps", type=float, default=1e-3, help="ALiBi: attention bound of Theorem 1")
     p.add_argument("--bound", choices=H.BOUNDS, default="paper", help="ALiBi: eq. 2 as printed, or the repaired bound")
     p.add_argument("--plot", help="PNG heatmap of the scores (default: next to --out)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' and the cache's dtype")
     p.add_argument("--control", choices=["none", "random"],
                    help="RazorAttention Table 1's controls: write no protected head, or as many as the probe "
                         "finds drawn at random (--seed), instead of the retrieval heads")

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
+from kvjax.progress import Bar as progress_bar
 
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import float_list, model_help, positive_int, prompt_ids
@@ -41,6 +41,7 @@ from kvjax.experiments.records import content_fingerprint, model_fingerprint, re
 from kvjax.experiments.ruler import compare, scoring
 from kvjax.experiments.ruler import tasks as T
 from kvjax.errors import InvalidInput, MissingFile
+from kvjax.cli import HelpFormatter
 
 # kvjax's label -> (what kvpress runs, the settings that match kvjax's policy; a setting that does not, said)
 SETTINGS = {
@@ -183,15 +184,17 @@ def check_same_model(records: Path, identity: dict, lm) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.kvpress_agreement", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.kvpress_agreement", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--records", required=True, help="a kvjax RULER run directory (identity.json, preds.jsonl, data/)")
     p.add_argument("--model", required=True, help=model_help() + "; the run's model (transformers reads its .gguf file)")
     p.add_argument("--methods", default="full,streaming,snapkv-kvpress,knorm,tova",
                    help=f"kvjax labels, comma-separated (known: {', '.join(SETTINGS)})")
-    p.add_argument("--ratios", type=float_list, default=[0.5, 0.875])
+    p.add_argument("--ratios", type=float_list, default=[0.5, 0.875],
+                   help="the run's compression ratios to compare, comma-separated (kvpress's compression_ratio)")
     p.add_argument("--tasks", default="niah_single_1", help="comma-separated RULER tasks of the run")
     p.add_argument("--samples", type=positive_int, default=10, help="the first N samples of each task")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="where the answers and the table go (a folder; a rerun resumes there)")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     for name in methods:
@@ -247,7 +250,7 @@ def main(argv: list[str]) -> int:
                         raise MissingFile(f"{records}: kvjax has no record of {label} on {task} sample "
                                           f"{sample['index']}")
                     cells.append((name, ratio, label, task, gen, sample))
-    with offline_presses(tok, duo), tqdm(cells, desc="kvpress", unit="answer") as bar:
+    with offline_presses(tok, duo), progress_bar(cells, desc="kvpress", unit="answer") as bar:
         for name, ratio, label, task, gen, sample in bar:
             key = f"{label}|{task}|{sample['index']}"
             if key in log:

@@ -26,6 +26,7 @@ from kvjax.experiments.records import ResultLog
 from kvjax.policies import FullCache, StreamingLLM
 from kvjax.models import DEFAULT_DIR
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 SINK_SKIP = 16  # queries this early attend few keys, so any key gets a large share: left out
 
@@ -186,7 +187,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.model_card", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.model_card", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_DIR), help=model_help("%(default)s"))
     p.add_argument("--samples", type=int, default=4, help="passkey samples per (length, depth)")
     p.add_argument("--out", default="results/model_card",

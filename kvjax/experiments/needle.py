@@ -41,6 +41,7 @@ from kvjax.experiments.common import (
 from kvjax.experiments.held import kv_held, mean_held, shown_held
 from kvjax import Sampling, generate
 from kvjax.errors import InvalidInput, MissingFile
+from kvjax.cli import HelpFormatter
 
 NEEDLE = " The founder of Kalomiven is Ravendor."
 QUESTION = "\nQuestion: What is the founder of Kalomiven?\nAnswer:"
@@ -201,18 +202,20 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.needle", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.needle", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--haystack", help="directory of .txt files (default: Python's reference documentation)")
-    p.add_argument("--needle", type=utf8_text, default=NEEDLE)
+    p.add_argument("--needle", type=utf8_text, default=NEEDLE, help="the fact hidden in the haystack")
     p.add_argument("--question", type=utf8_text, default=QUESTION, help="appended after the context")
     p.add_argument("--answer", default=ANSWER, help="the needle's key fact, for exact match")
     p.add_argument("--lengths", type=int_list, help="comma-separated prompt lengths (default: 5 up to the model's "
                                                     "window)")
     p.add_argument("--depths", type=float_list, default=[0.0, 25.0, 50.0, 75.0, 100.0],
                    help="comma-separated percentages")
-    p.add_argument("--batch", type=positive_int, default=5)
-    p.add_argument("--out", default="results/needle")
+    p.add_argument("--batch", type=positive_int, default=5, help="prompts generated together (depths of one length)")
+    p.add_argument("--out", default="results/needle",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_protocol_arg(p)
     add_compare_args(p, default="full,streaming")
     add_run_args(p)

@@ -39,6 +39,7 @@ from kvjax.experiments.records import ResultLog
 from kvjax.experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
 from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput
+from kvjax.cli import HelpFormatter
 
 MAX_NEW_TOKENS = 8
 
@@ -249,16 +250,18 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.passkey", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.passkey", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list, help="prompt lengths in tokens (default: max/4, max/2, max - 8, "
                                                 "those the prompt fits in)")
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths in [0, 1], comma-separated")
     p.add_argument("--samples", type=positive_int, default=5, help="samples per (length, depth)")
-    p.add_argument("--batch", type=positive_int, default=8)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--out", default="results/passkey")
+    p.add_argument("--batch", type=positive_int, default=8, help="prompts generated together (of one length)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="the random seed of the five-digit pass keys")
+    p.add_argument("--out", default="results/passkey",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_protocol_arg(p)
     add_compare_args(p, default="full")
     add_run_args(p)

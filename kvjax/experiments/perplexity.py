@@ -54,6 +54,7 @@ from kvjax.errors import InvalidInput
 from kvjax.policies import AnchorCache, ByLayer
 from kvjax.policies.mat import default_anchor_grid
 from kvjax.scoring import logprobs, logprobs_rows
+from kvjax.cli import HelpFormatter
 
 
 def heldout_text() -> str:
@@ -285,7 +286,8 @@ def anchor_grid_arg(text: str) -> list[int] | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.perplexity", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.perplexity", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--text", nargs="*", help="text files (default: held-out standard-library text)")
     p.add_argument("--lengths", type=int_list, help="comma-separated token counts (default: max/2, max, 2 max)")
@@ -300,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=8,
                    help="windows of one policy and length read together, one row each (float rounding aside, the "
                         "same numbers as --batch 1)")
-    p.add_argument("--out", default="results/perplexity")
+    p.add_argument("--out", default="results/perplexity",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_compare_args(p, default="full,streaming,mat")
     add_run_args(p)
     args = p.parse_args(argv)

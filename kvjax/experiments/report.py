@@ -61,6 +61,7 @@ from kvjax.experiments.longbench import __main__ as longbench
 from kvjax import engine
 from kvjax.policies import REGISTRY, default_shallow_layers, make_policy
 from kvjax.models import SMALL_DIR
+from kvjax.cli import HelpFormatter
 
 
 def _json(path: Path) -> dict:
@@ -526,7 +527,8 @@ SECTION_RUNS = {"perplexity": perplexity_section, "longbench": longbench_section
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.report", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.report", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     small = SMALL_DIR if (SMALL_DIR / "model.safetensors").is_file() else DEFAULT_MODEL_DIR
     p.add_argument("--model", default=str(small), help=model_help("kvjax-small"))
     p.add_argument("--budget", type=positive_int, default=256,
@@ -586,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"the share of the paper's training tokens the --{flag} variant was trained on, in (0, 1]; "
                             "its verdict states it")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
-    p.add_argument("--out", default="results/report")
+    p.add_argument("--out", default="results/report",
+                   help="where the report goes (a folder; each section's results in OUT/<section>; a rerun resumes)")
     cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     out = Path(args.out)

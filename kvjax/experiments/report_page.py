@@ -24,6 +24,7 @@ from kvjax.experiments.held import mean_held, shown_held
 from kvjax.experiments.records import read_json, read_records, write_atomic
 from kvjax.experiments.ruler import compare
 from kvjax.errors import InvalidInput, MissingFile
+from kvjax.cli import HelpFormatter
 
 OPEN = re.compile(r"<!-- records: (\S+) (\S+)((?: \S+=\S+)*) -->\n(.*?)<!-- /records -->", re.S)
 
@@ -773,7 +774,8 @@ def regenerate(page: Path, draw: bool = False) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.report_page", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.report_page", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("page", help="the markdown page (its blocks name record directories relative to it)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs from its records")
     args = p.parse_args(argv)

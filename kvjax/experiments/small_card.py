@@ -41,6 +41,7 @@ from kvjax.experiments.train_tiny import tokenize_corpus
 from kvjax.errors import InvalidInput, MissingFile, NonFiniteError
 from kvjax.models import SMALL_DIR
 from kvjax.models.loading import load_tokenizer
+from kvjax.cli import HelpFormatter
 
 STREAMING_BUDGET = 256  # the main job's budget: 8x compression of the 2048-token context
 
@@ -278,7 +279,8 @@ def write_card(out: Path, data: dict[str, np.ndarray], meta: dict, *, samples: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.small_card", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.small_card", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=str(SMALL_DIR), help=model_help("%(default)s"))
     p.add_argument("--samples", type=positive_int, default=4, help="passkey samples per (length, depth); RULER and "
                                                                    "LongBench take 5x as many")

@@ -9,7 +9,7 @@ period for the official code's copy of "."). Without --data the text is Python's
 own English reference documentation (`pydoc_data.topics`), so the command runs
 offline. Training never reads the held-out part of the text (`kvjax.experiments.common.split_text`:
 the held-out topics of the default text, which the zero-shot, LongBench and perplexity suites
-read, or the last fifth of --data). The run resumes from OUT/checkpoints if it was interrupted.
+read, or the last fifth of --data). The run resumes from OUT/training if it was interrupted.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from kvjax.train import TrainConfig, next_token_loss, train
 from kvjax.models.loading import save_pretrained
 from kvjax.models.vocab import add_ac_token
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 # Sentences the anchor string is appended to, to see which id it gets at the end of a sentence.
 ANCHOR_PROBES = ("The sky is blue", "It ends here", "word", "A b c")
@@ -69,26 +70,32 @@ def anchor_ids_of(tokenizer, anchors: list[str]) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_anllm", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_anllm", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
-    p.add_argument("--variant", choices=["ep", "ac"], required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--variant", choices=["ep", "ac"], required=True,
+                   help="ep: existing tokens (--anchor-tokens) are the anchors; ac: a new <AC> token (see --placement)")
+    p.add_argument("--out", required=True,
+                   help="the trained model's HF directory; a killed run resumes from OUT/training")
     p.add_argument("--data", nargs="*", help="text files (default: pydoc_data.topics)")
     p.add_argument("--anchor-tokens", nargs="+", default=["."], help="AnLLM-EP: anchor token strings")
-    p.add_argument("--ac-init", choices=["mean", "period"], default="mean")
+    p.add_argument("--ac-init", choices=["mean", "period"], default="mean",
+                   help="AnLLM-AC: <AC>'s initial embedding: the embeddings' mean, or the period's (the official code)")
     p.add_argument("--placement", default="sentence",
                    help="AnLLM-AC: where <AC> goes: sentence (after each sentence), or Table 3's every:N (after every "
                         "N tokens) and random:p (after each token with probability p)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW; constant after the warm-up)")
+    p.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up from 0")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    p.add_argument("--batch", type=int, default=4, help="windows per micro-batch")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--bf16", action="store_true", help="bf16 compute over float32 master weights")
     p.add_argument("--trainable", nargs="*", default=[], help="regexes of parameter paths to train (default all)")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50,
+                   help="steps between checkpoints in OUT/training (a killed run resumes from the last)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the random seed of the window order (and of --placement random:p)")
     add_run_args(p)
     args = p.parse_args(argv)
 

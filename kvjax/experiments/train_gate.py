@@ -40,6 +40,7 @@ from kvjax.lora import LORA_PATTERN, attach_lora, merge_lora
 from kvjax.train import TrainConfig, next_token_loss, train
 from kvjax import drive
 from kvjax.models.loading import save_pretrained
+from kvjax.cli import HelpFormatter
 
 GATE_PATTERN = r"self_attn/gate/"
 
@@ -78,30 +79,45 @@ def sft_arrays(tok, rows: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndar
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_gate", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_gate", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=model_help())
-    p.add_argument("--mode", choices=["cpt", "sft"], required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["cpt", "sft"], required=True,
+                   help="cpt: the gates alone learn, from text (Section 4.1); sft: LoRA and the gates, on "
+                        "prompt / answer items (Section 4.2)")
+    p.add_argument("--out", required=True,
+                   help="where the gates go (--gate-params OUT; sft: the merged model in OUT/model); a killed run "
+                        "resumes from OUT/training")
     p.add_argument("--data", nargs="*", help="CPT: text files (default: pydoc_data.topics)")
     p.add_argument("--sft-data", help="SFT: JSON lines with prompt / answer (default: the fact task)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="hyper-parameters (default: the --mode's)")
     for name in ("tau", "gamma", "alpha", "beta"):
-        p.add_argument(f"--{name}", type=float)
+        p.add_argument(f"--{name}", type=float,
+                       help={"tau": "eq. 6's threshold tau: a token is kept if sigmoid(logit + gamma) > tau, in (0, 1)",
+                             "gamma": "eq. 6's offset gamma >= 0 on the gate's logit (large: keep probabilities start "
+                                      "near 1)",
+                             "alpha": "eq. 1's weight alpha of the eviction loss alpha * |mean(AG) - beta|",
+                             "beta": "eq. 1's target mean keep flag beta, in [0, tau]"}[name]
+                       + " (default: the --preset's)")
     p.add_argument("--gate-heads", type=int, default=4, help="h'")
     p.add_argument("--gate-head-dim", type=int, help="d'_k (default: the model's head_dim)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lora-rank", type=int, default=8, help="SFT: the rank r of the LoRA adapters on q/k/v/o")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="SFT: LoRA's alpha (the update is scaled by alpha / r)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, help="default by --mode: cpt 1e-3 (only the small gates train: a large rate); "
                                             "sft 5e-5, the paper's (sec. 4.2, AdamW)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warm-up from 0")
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per training row (CPT: a text window; SFT: prompt + answer, padded)")
+    p.add_argument("--batch", type=int, default=4, help="rows per optimizer step")
     p.add_argument("--eval-windows", type=int, default=16,
                    help="CPT: windows of the held-out text (never trained on) the closing evaluation scores")
-    p.add_argument("--sft-items", type=int, default=256)
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-items", type=int, default=256, help="SFT without --sft-data: items of the built-in fact task")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="steps between checkpoints in OUT/training (a killed run resumes from the last)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the random seed of the gates' and LoRA's initialisation, the row order and the fact task")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.lr is None:

@@ -32,6 +32,7 @@ from kvjax.experiments.common import SPLIT_RULE, add_run_args, held_out_windows,
 from kvjax.experiments.records import write_atomic
 from kvjax import kvzap
 from kvjax.policies import make_policy
+from kvjax.cli import HelpFormatter
 
 SHARES = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875)  # the leaderboard's ratios: the threshold that evicts each
 
@@ -79,7 +80,8 @@ def _loss_plot(path: Path, history: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_kvzap", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_kvzap", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded kvjax-small"))
     p.add_argument("--out", required=True, help="where the surrogates, the tables and the collected data go")
     p.add_argument("--data", nargs="*", help="text files (default: the offline default text)")
@@ -91,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens drawn from each window (kvpress: 500 of about 1000)")
     p.add_argument("--hidden", type=positive_int, default=32,
                    help="the MLP's hidden units (kvpress: 512 for hidden size 4096)")
-    p.add_argument("--epochs", type=positive_int, default=15)
-    p.add_argument("--lr", type=float, default=5e-3)
-    p.add_argument("--batch", type=positive_int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=positive_int, default=15, help="the MLP's passes over the training pairs")
+    p.add_argument("--lr", type=float, default=5e-3, help="the MLP's peak learning rate (AdamW, cosine decay to 0)")
+    p.add_argument("--batch", type=positive_int, default=512, help="tokens per MLP optimizer step")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the random seed of the training windows, the tokens drawn and the MLP's initialisation")
     add_run_args(p)
     args = p.parse_args(argv)
     started = time.perf_counter()

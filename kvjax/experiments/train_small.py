@@ -59,6 +59,7 @@ from kvjax.models import load
 from kvjax.models.grow import grow_depth
 from kvjax.models.loading import save_pretrained
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 TRAIN_SEED = 1_000_003  # RULER samples for training: never the evaluation's seed (42)
@@ -147,7 +148,8 @@ def checked(convert):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_small", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_small", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="a new directory for the trained model (to replace the committed "
                                                  "kvjax-small, --out kvjax/models/small)")
     p.add_argument("--init", default="kvjax/models/default", help="the trained model to grow (an HF directory)")
@@ -158,13 +160,17 @@ def parse(argv):
     p.add_argument("--layers", type=positive_int, default=4, help="a multiple of --init's layers")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="the long stage's rows = the context")
     p.add_argument("--rope-theta", type=float, help="default: NTK-aware for --seq-len over --init's context")
-    p.add_argument("--short-steps", type=positive_int, default=1000)
-    p.add_argument("--short-batch", type=positive_int, default=8)
-    p.add_argument("--long-steps", type=positive_int, default=400)
-    p.add_argument("--long-batch", type=positive_int, default=2)
+    p.add_argument("--short-steps", type=positive_int, default=1000,
+                   help="optimizer steps of the short stage (rows of --init's context)")
+    p.add_argument("--short-batch", type=positive_int, default=8, help="rows per step of the short stage")
+    p.add_argument("--long-steps", type=positive_int, default=400,
+                   help="optimizer steps of the long stage (rows of --seq-len)")
+    p.add_argument("--long-batch", type=positive_int, default=2,
+                   help="rows per step of the long stage and the extension")
     p.add_argument("--extend-steps", type=nonnegative_int, default=0,
                    help="a third stage at --seq-len from the long stage's model (0: none)")
-    p.add_argument("--extend-lr", type=positive_float, default=5e-4)
+    p.add_argument("--extend-lr", type=positive_float, default=5e-4,
+                   help="the extension's peak learning rate (AdamW, linear warm-up, then cosine decay)")
     p.add_argument("--extend-mixture", type=checked(mixture), default=mixture_text(EXTEND_MIXTURE), metavar="KIND=SHARE,...",
                    help="the extension's row kinds (unnamed kinds: 0), e.g. kv=0.45,suite=0.2,text=0.1,"
                         "passkey=0.1,facts=0.1,induction=0.05; default: " + mixture_text(EXTEND_MIXTURE))
@@ -174,14 +180,17 @@ def parse(argv):
     p.add_argument("--extend-fact-queries", type=nonnegative_int, default=0, metavar="N",
                    help="the extension's fact rows: N > 0 asks N questions on 3-16 facts hidden in text; "
                         "0 (default) hides 1-3 and asks one")
-    p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--answer-weight", type=float, default=4.0)
+    p.add_argument("--lr", type=positive_float, default=1e-3,
+                   help="peak learning rate of the short and long stages (AdamW, linear warm-up, then cosine decay)")
+    p.add_argument("--warmup", type=int, default=50,
+                   help="steps of linear learning-rate warm-up at the start of each stage")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay")
+    p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
     p.add_argument("--suite-samples", type=positive_int, default=48, help="pool prompts per (task, size)")
-    p.add_argument("--save-every", type=positive_int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--save-every", type=positive_int, default=50,
+                   help="steps between checkpoints in OUT/training (a killed run resumes from the last)")
+    p.add_argument("--seed", type=int, default=0, help="the random seed of the training rows and the suite prompts")
+    p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
     cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)
     if args.from_ and not args.extend_steps:

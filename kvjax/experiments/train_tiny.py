@@ -46,6 +46,7 @@ from kvjax.models.llama import Llama, LlamaConfig
 from kvjax.models.loading import save_pretrained
 from kvjax.models.tiny import SPECIAL  # <unk> <s> </s> <pad>: ids 0..3, as the random test models
 from kvjax import drive
+from kvjax.cli import HelpFormatter
 
 
 def train_bpe(texts, vocab_size: int):
@@ -127,35 +128,39 @@ def batches(args, tok, data: dict[str, np.ndarray]) -> Callable[[int], dict]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_tiny", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.train_tiny", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", default="kvjax/models/default",
                    help="output HF directory (default: the embedded default, kvjax/models/default)")
     p.add_argument("--steps", type=int, default=3000, help="all steps, the warm stage's included")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="rows per step after the warm stage")
     p.add_argument("--seq-len", type=int, default=512, help="training length = max_position_embeddings")
     p.add_argument("--warm-steps", type=int, default=500,
                    help="first steps: pure short-period repeats in short rows, until induction heads form")
     p.add_argument("--warm-len", type=int, default=128, help="row length of the warm stage")
     p.add_argument("--warm-batch", type=int, default=32, help="rows per warm step")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--ffn", type=int, default=384)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512, help="the BPE tokenizer's vocabulary size")
+    p.add_argument("--hidden", type=int, default=128, help="the model's hidden size")
+    p.add_argument("--ffn", type=int, default=384, help="the MLP's intermediate size")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="query heads per layer")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads per layer after the warm stage (GQA)")
     p.add_argument("--warm-kv-heads", type=int,
                    help="KV heads in the warm stage (default --heads: MHA, where induction heads form fast); "
                         "mean-pooled to --kv-heads after it (kvjax.models.gqa)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate (AdamW; constant in the warm stage, then cosine decay)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="steps of linear learning-rate warm-up at the start of each stage")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay")
     p.add_argument("--answer-weight", type=float, default=4.0, help="loss weight of the tokens a task asks for")
     p.add_argument("--curriculum", type=float, default=0.5,
                    help="fraction of the main stage over which the tasks grow from the shortest span that fits "
                         "them to the full row and the induction-heavy regime anneals to the main mixture "
                         "(kvjax.experiments.tasks.Curriculum)")
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100,
+                   help="steps between checkpoints in OUT/training (a killed run resumes from the last)")
+    p.add_argument("--seed", type=int, default=0, help="the random seed of the initialisation and the training rows")
     p.add_argument("--no-eval", action="store_true", help="skip the model card's evaluation")
     cli.add_compile_cache_flag(p)
     args = p.parse_args(argv)

@@ -45,6 +45,7 @@ from kvjax import cache as kvcache
 from kvjax import fewshot, scoring
 from kvjax.errors import InvalidInput, MissingFile
 from kvjax.fewshot import Item
+from kvjax.cli import HelpFormatter
 
 FIELDS = ("context", "query", "choices", "gold")
 
@@ -246,7 +247,8 @@ def write_report(out: Path, summary: dict, task: str, rows: list[dict], scoring:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.zeroshot", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.zeroshot", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--data", help="JSON lines of {context, query, choices, gold} (default: the built-in task)")
     p.add_argument("--items", type=positive_int, help=f"built-in task: number of items (default {BUILTIN['items']})")
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                         "sequence, choice included, token by token under the policy (MAT's protocol)")
     p.add_argument("--ratios", help="comma-separated fractions removed: every policy with a ratio mode at each "
                                     "(MAT Fig. 4's KV budgets are 1 - ratio)")
-    p.add_argument("--out", default="results/zeroshot")
+    p.add_argument("--out", default="results/zeroshot",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_compare_args(p, default="full,streaming")
     add_run_args(p)
     args = p.parse_args(argv)

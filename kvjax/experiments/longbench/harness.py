@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from tqdm import tqdm
+from kvjax.progress import bar as progress_bar
 
 from kvjax.experiments.held import kv_held, mean_held
 from kvjax.experiments.longbench import metrics
@@ -169,8 +169,8 @@ def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Op
     if dataset in cfg["stop_at_newline"]:
         eos.append(tok.encode("\n", add_special_tokens=False)[-1])
     total = len(rows) * len(policies)
-    bar = tqdm(total=total, initial=sum(r["_id"] in log for log in logs for r in rows), desc=dataset,
-               disable=not progress, leave=False)
+    bar = progress_bar(total=total, initial=sum(r["_id"] in log for log in logs for r in rows), desc=dataset,
+                       disable=not progress, nested=True)
     for s in range(0, len(todo), opts.batch):
         chunk = todo[s : s + opts.batch]
         wanted = [i for i, log in enumerate(logs) if any(r["_id"] not in log for r in chunk)]

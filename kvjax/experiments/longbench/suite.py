@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.cli import HelpFormatter
 from kvjax.experiments import cli, corpus
 from kvjax.experiments.common import positive_int
 from kvjax.experiments.tasks import (
@@ -199,10 +200,11 @@ def build(out: Path, samples: int, seed: int = 0, scale: int = 1) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.longbench.suite", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(DATA_DIR))
-    p.add_argument("--samples", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.longbench.suite", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--out", default=str(DATA_DIR), help="the folder the datasets' .jsonl files are written to")
+    p.add_argument("--samples", type=int, default=20, help="samples per dataset")
+    p.add_argument("--seed", type=int, default=0, help="the random seed of the generated samples")
     p.add_argument("--scale", type=positive_int, default=1,
                    help="context size multiplier (1: the default model's 512-token window; 4: kvjax-small's 2048)")
     args = p.parse_args(argv)

@@ -53,6 +53,7 @@ from kvjax.experiments.ruler import scoring
 from kvjax.experiments.ruler import tasks as T
 from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput
+from kvjax.cli import HelpFormatter
 
 # kvpress's public leaderboard: RULER at 4K, these compression ratios, the presses kvjax shares with
 # kvpress (StreamingLLM, SnapKV, PyramidKV, TOVA, KNorm, ObservedAttention) plus the papers' methods.
@@ -62,7 +63,8 @@ LEADERBOARD_POLICIES = ("full", "streaming", "snapkv", "pyramidkv", "tova", "kno
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.ruler", description=cli.description(__doc__))
+    p = argparse.ArgumentParser(prog="python -m kvjax.experiments.ruler", description=cli.description(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--lengths", type=int_list, help="sequence lengths in tokens, prompt + generation "
                                                     "(default: the model's max_position_embeddings)")
@@ -81,10 +83,13 @@ def parse(argv):
     p.add_argument("--preset", choices=["leaderboard"],
                    help="leaderboard: the ratios 0.25,0.5,0.75,0.875,0.9375,0.96875 (to 32:1) and the policies kvjax "
                         "shares with kvpress plus the papers' (razor with --heads, gate with --gate-params)")
-    p.add_argument("--batch", type=positive_int, default=4)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--out", default="results/ruler")
+    p.add_argument("--batch", type=positive_int, default=4, help="samples generated together (of one task and length)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and the cache's dtype")
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="pallas: the kernels of kvjax.pallas (interpret mode on CPU: slow, for checking)")
+    p.add_argument("--out", default="results/ruler",
+                   help="where the results go (a folder; a rerun with the same options resumes there)")
     add_compare_args(p, default="full,streaming,snapkv")
     add_run_args(p)
     args = p.parse_args(argv)
