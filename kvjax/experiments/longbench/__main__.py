@@ -20,9 +20,11 @@ from pathlib import Path
 
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import (
+    CHAT_TEMPLATE_MODES,
     add_compare_args,
     add_protocol_arg,
     add_run_args,
+    chat_template_on,
     compared,
     model_help,
     positive_int,
@@ -51,8 +53,11 @@ def parse(argv):
     p.add_argument("--max-length", type=positive_int,
                    help="prompt tokens after middle truncation (default: max_position_embeddings - max new tokens)")
     p.add_argument("--batch", type=positive_int, default=8, help="samples generated together")
-    p.add_argument("--no-chat", dest="chat", action="store_false",
-                   help="never apply the tokenizer's chat template (default: as pred.py, if the tokenizer has one)")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                   help="the tokenizer's chat template around each prompt, as LongBench's pred.py (not for the "
+                        "datasets it exempts): auto (where the tokenizer has one), on (required) or off (raw text)")
+    p.add_argument("--no-chat", dest="chat_template", action="store_const", const="off",
+                   help="the same as --chat-template off")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and the cache's dtype")
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # a wrong dataset is reported before a wrong policy (and before --gate-params)
     lm = suite_model(args, dtype=args.dtype, attention_impl=args.attention_impl,
                      check=lambda lm: chosen_datasets(lm, args.data_dir, datasets, args.e))
+    chat = lm.tokenizer is None or chat_template_on(lm.tokenizer, args.chat_template)  # "on" without one: refused
     chosen = (args.compare or args.policy or args.compare_default).split(",")
     if "razor" in chosen and args.buffer is None and args.compression is None:
         # RazorAttention's S0 = 4000 (the paper's, for 7B models at long contexts) would keep these whole
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         args.buffer = args.budget or args.default_budget
     res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, data_dir=args.data_dir,
                       datasets=datasets, e=args.e, samples=args.samples,
-                      max_length=args.max_length, batch=args.batch, chat=args.chat, protocol=args.protocol)
+                      max_length=args.max_length, batch=args.batch, chat=chat, protocol=args.protocol)
     print(res.table)
     print(f"wrote {res.out}/result.json and results.{{md,csv,json,png}}")
     return 0
