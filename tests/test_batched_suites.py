@@ -45,6 +45,7 @@ def _same_at_batches(main, argv, tmp_path, batches=(1, 3)):
     return runs[0]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_ruler_batched_equals_one_by_one(tmp_path):
     recs = _same_at_batches(ruler_cli.main, ["--tasks", "niah_single_1,niah_multikey_2", "--samples", "3",
                                              "--max-new-tokens", "8", "--compare", "full,snapkv,streaming,kvzip",
@@ -59,6 +60,7 @@ def test_passkey_batched_equals_one_by_one(tmp_path, tiny_dir):
     assert len(recs) == 2 * 3 * 3
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_longbench_batched_equals_one_by_one(tmp_path, tiny_dir):
     from tests.test_longbench import _suite_dir
 

@@ -106,6 +106,7 @@ def test_kvzip_benchmark_writes_its_table_and_counts_the_replays(tmp_path):
     assert "| 300 |" in (tmp_path / "kvzip_cpu.md").read_text()
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_compile_benchmark_times_cold_compiles_only(tmp_path):
     """The command turns the persistent compilation cache off before compiling anything, even with
     JAX_COMPILATION_CACHE_DIR set, so every repeat is a cold compilation; a process already using the cache (this

@@ -16,6 +16,7 @@ from kvjax.models.tiny import make_random_checkpoint, tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_sharded_generation_equals_one_device(tmp_path):
     # 8 query heads, 4 KV heads: whole heads split over a 4-way tensor-parallel axis.
     path = make_random_checkpoint(tmp_path / "m", tiny_config(num_heads=8, num_kv_heads=4, head_dim=8), init_std=0.15)

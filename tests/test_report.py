@@ -158,6 +158,7 @@ def test_the_perplexity_section_averages_sequences_and_tunes_mats_beta(tmp_path)
     assert set(grid["mat"]["48"]["tuning_nll"]) == {"1", "4"}
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_razors_claim_is_paired_at_equal_bytes_and_quantizations_over_sequences(tmp_path):
     """Issue 65: RazorAttention's claim pairs its prompts with the better baseline's at the length where the bytes
     are equal (not two pooled accuracies); the quantization section scores --ppl-sequences windows, so its claim has

@@ -87,6 +87,7 @@ def test_tpu_topology_refuses_without_offline_variables(monkeypatch):
         tpu.topology("v5e")
 
 
+@pytest.mark.slow  # over 20 s on 2 cores (issue 88: the default suite within 15 minutes)
 def test_tpu_whole_model_compiles_under_every_policy(tmp_path):
     """kvjax's Llama at Llama-3.2-1B widths (2 of its 16 layers, bf16, attention_impl="pallas") compiled for v5e:
     the prompt pass under SnapKV, one decode step under FullCache, SnapKV, RazorAttention's head groups,
