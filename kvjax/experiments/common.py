@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 from pathlib import Path
 
@@ -26,72 +25,25 @@ from kvjax.policies import (
     Recompress,
 )
 from kvjax.policies.scored import ScoredPolicy
+from kvjax.values import (  # noqa: F401  (re-exported: the option types every suite's flags use)
+    _number,
+    finite_float,
+    float_list,
+    fraction_removed,
+    int_list,
+    nonnegative_float,
+    nonnegative_int,
+    odd_positive_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 
 
 def flag_given(args: argparse.Namespace, dest: str) -> str:
     """The command-line flag of option `dest` (`anchor_slots` -> `--anchor-slots`)."""
     del args
     return "--" + dest.replace("_", "-")
-
-
-# ---- option types: a bad value is refused where it is parsed, naming the flag ----
-
-
-def _number(kind, text: str, what: str, ok) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    # NaN fails every comparison, so `ok` states what is valid, never what is not.
-    if not (math.isfinite(value) and ok(value)):
-        raise argparse.ArgumentTypeError(f"{text} must be {what}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _number(int, text, ">= 1", lambda x: x >= 1)
-
-
-def nonnegative_int(text: str) -> int:
-    return _number(int, text, ">= 0", lambda x: x >= 0)
-
-
-def odd_positive_int(text: str) -> int:
-    """A pooling kernel: odd, so that `kernel // 2` padding on each side keeps one score per token."""
-    return _number(int, text, "a positive odd number (pooling keeps the length only for odd kernels)",
-                   lambda x: x >= 1 and x % 2 == 1)
-
-
-def nonnegative_float(text: str) -> float:
-    return _number(float, text, "a finite number >= 0", lambda x: x >= 0)
-
-
-def positive_float(text: str) -> float:
-    return _number(float, text, "a finite number > 0", lambda x: x > 0)
-
-
-def finite_float(text: str) -> float:
-    return _number(float, text, "a finite number", lambda x: True)
-
-
-def probability(text: str) -> float:
-    """top-p: in (0, 1]."""
-    return _number(float, text, "in (0, 1]", lambda x: 0 < x <= 1)
-
-
-def fraction_removed(text: str) -> float:
-    """--ratio: the fraction of the prompt removed, in [0, 1)."""
-    return _number(float, text, "in [0, 1) (the fraction of the prompt removed)", lambda x: 0 <= x < 1)
-
-
-def int_list(text: str) -> list[int]:
-    """`4096,8192`: positive integers."""
-    return [positive_int(x) for x in text.split(",") if x.strip()] or _empty(text)
-
-
-def float_list(text: str) -> list[float]:
-    return [_number(float, x, "a finite number", lambda v: True) for x in text.split(",") if x.strip()] or \
-        _empty(text)
 
 
 def utf8_text(text: str) -> str:
@@ -106,10 +58,6 @@ def utf8_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{raw!r} is not UTF-8 (byte 0x{byte:02x} at character {err.start}); "
                                          "set a UTF-8 locale (LANG=C.UTF-8) or convert the text") from None
     return text
-
-
-def _empty(text: str):
-    raise argparse.ArgumentTypeError(f"{text!r} holds no values")
 
 
 PROTOCOLS = ("aware", "agnostic")
@@ -224,74 +172,20 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming", budget: int = 256) -> None:
+    """--policy, --budget and every option of every method, each flag made from its declaration on the method's
+    field (`kvjax.policies.options`): what it does, its parser and choices, and each method's default. A user's
+    own method (`--policy my_module:MyRule`) brings its fields' options when the command line names it."""
     g = p.add_argument_group("cache policy")
-    g.add_argument("--policy", default=default, choices=sorted(REGISTRY), help="cache policy")
+    g.add_argument("--policy", default=default,
+                   help=f"cache policy: one of {', '.join(sorted(REGISTRY))}, or a class of your own as "
+                        "module:Class (a kvjax.policies.LayerPolicy; its options are its fields')")
     g.add_argument("--budget", type=positive_int,
                    help=f"cache slots per layer and KV head (MAT's c); default {budget} for the policies "
                         f"that take a budget ({', '.join(sorted(set(REGISTRY) - NO_BUDGET))})")
-    g.add_argument("--sinks", type=nonnegative_int, help="attention sinks (streaming, MAT's shallow layers: s); "
-                                                         "default 4")
-    g.add_argument("--anchor-slots", type=positive_int, help="MAT's anchor cache size beta; default budget // 4")
-    g.add_argument("--shallow-layers", type=nonnegative_int, help="MAT's L_s: layers 0..L_s-1 use sinks; default 2")
-    g.add_argument("--group-agg", choices=["mean", "max", "sum"],
-                   help="how a KV head's score combines its query heads (MAT: mean/max; SnapKV-style: mean/max/sum)")
-    g.add_argument("--ratio", type=fraction_removed,
-                   help="fraction of each prompt removed, instead of --budget (every policy with a budget; razor: "
-                        "the share its local heads drop, instead of --compression/--buffer; mat: give --anchor-slots)")
-    g.add_argument("--observation-window", type=nonnegative_int,
-                   help="the last prompt tokens, always kept and (SnapKV) scored from (SnapKV 32, kvpress 64)")
-    g.add_argument("--kernel", type=odd_positive_int, help="pooling kernel, odd (SnapKV 7, kvpress 5)")
-    g.add_argument("--pool", choices=["max", "avg", "none"], help="pooling of scores over positions")
-    g.add_argument("--combine", choices=["product", "sum", "s1", "s2"],
-                   help="SlimKV: S1*S2 (eq. 5), S1+S2 (Listing 1), or S1 / S2 alone (Table 3's ablations)")
-    g.add_argument("--recent", type=nonnegative_int, help="H2O: recent window; default budget // 2")
-    g.add_argument("--beta", type=positive_int, help="PyramidKV: steepness of the pyramid; default 20")
-    g.add_argument("--heads", help="RazorAttention: heads file from python -m kvjax.experiments.find_heads")
-    g.add_argument("--compression", type=positive_float,
-                   help="RazorAttention: C, local heads keep max(S0, N / C); default 5")
-    g.add_argument("--buffer", type=positive_int, help="RazorAttention: S0, the least window of a local head; "
-                                                       "default 4000")
-    g.add_argument("--no-compensation", dest="compensate", action="store_const", const=False,
-                   help="RazorAttention: drop tokens without the compensation token")
-    g.add_argument("--fold", choices=["decode", "prefill"],
-                   help="RazorAttention: fold tokens leaving the window while decoding (default), or compress the "
-                        "prompt only and append generated tokens (the paper's Algorithm 1)")
-    g.add_argument("--duo-pattern", help="DuoAttention: a pattern folder (full_attention_heads.tsv + config.json, as "
-                                         "mit-han-lab/duo-attention ships them) or a heads file with duo_scores "
-                                         "(python -m kvjax.experiments.find_heads --duo)")
-    g.add_argument("--head-compression", type=fraction_removed,
-                   help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored); default 0.5")
-    g.add_argument("--adakv-alpha", type=probability,
-                   help="AdaKV: the share of its count each head keeps before the top-k over the layer; default 0.2")
-    g.add_argument("--chunk-length", type=positive_int,
-                   help="ChunkKV: contiguous tokens per chunk, kept or evicted whole; default 20 (kvpress's)")
-    g.add_argument("--epsilon", type=positive_float,
-                   help="CriticalKV: added to each score before it is weighed by ||v W_o||_1; default 1e-4 (kvpress's)")
-    g.add_argument("--first-stage-ratio", type=probability,
-                   help="CriticalKV: the share of the count chosen by the score alone; default 0.5 (kvpress's)")
-    g.add_argument("--kvzip-chunk", type=positive_int,
-                   help="KVzip: context tokens per replay; default 2048 (kvpress's chunk_size)")
-    g.add_argument("--kvzip-layerwise", action="store_const", const=True,
-                   help="KVzip: evict --ratio of each layer's slots instead of a share of all layers' together")
-    g.add_argument("--kvzap", help="KVzap: its surrogate, a directory written by python -m kvjax.experiments.train_kvzap "
-                                   "(kvjax ships SmolLM2's and kvjax-small's under kvjax/models/kvzap/)")
-    g.add_argument("--threshold", type=finite_float,
-                   help="KVzap: pairs the surrogate scores below this (a log KVzip+ score) are evicted once they leave "
-                        "the sliding window; no default (the share evicted depends on it and on the text)")
-    g.add_argument("--dms-window", type=nonnegative_int,
-                   help="KVzap: the most recent tokens, never evicted (DMSPress's sliding_window_size); default 128")
-    g.add_argument("--kvzap-decoding", action="store_const", const=True,
-                   help="KVzap: also evict while decoding (DMSPress's decoding=True; the question of the "
-                        "question-agnostic protocol is read as decoded tokens): a different method from the default, "
-                        "which compresses the prompt only")
+    for dest, (spec, defaults) in policy_option_specs().items():
+        add_option(g, dest, spec, defaults)
+    _own_methods_on_parse(p, g)
     g.add_argument("--gate-params", help="Attention-Gate: directory written by python -m kvjax.experiments.train_gate")
-    g.add_argument("--bucket", type=positive_int, help="Attention-Gate: kept slots are rounded up to a multiple of "
-                                                       "this; default 64")
-    g.add_argument("--positions", choices=["absolute", "rolling"], help="default absolute")
-    g.add_argument("--prefill-mode", choices=["full", "stream", "chunked"],
-                   help="attend the prompt whole then compress, token by token, or --chunk tokens at a time in "
-                        "memory bounded by the budget (default: the policy's)")
-    g.add_argument("--chunk", type=positive_int, help="prompt tokens per chunk with --prefill-mode chunked")
     g.add_argument("--recompress-every", type=positive_int,
                    help="prompt compressors (snapkv, slimkv, ...): re-score the cache every N generated tokens and "
                         "evict back to the budget (as kvpress's PrefillDecodingPress with both targets at the budget); the cache holds budget + N slots")
@@ -302,6 +196,62 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "streaming
     q.add_argument("--kv-residual", type=nonnegative_int,
                    help="the R most recent tokens also held in full precision; default 128 for 4 and 2 bits, 0 for 8")
     p.set_defaults(default_budget=budget)
+
+
+def policy_option_specs() -> dict:
+    """`{dest: (Option, {method: default})}` of every registered method (`kvjax.policies.options.all_options`)."""
+    from kvjax.policies.options import all_options
+
+    return all_options()
+
+
+def add_option(g, dest: str, spec, defaults: dict) -> None:
+    """One method option as a flag: its help with each method's default, its parser, choices or constant."""
+    from kvjax.policies.options import NO_CONST
+
+    by_value: dict[str, list[str]] = {}
+    for name, value in defaults.items():
+        by_value.setdefault(repr(value) if isinstance(value, str) else str(value), []).append(name)
+    shown = [v for v in by_value if v != "None"]
+    if len(shown) == 1 and len(by_value) == 1:
+        said = f"; default {shown[0]}"
+    elif shown:
+        said = "; default " + "; ".join(f"{v} ({', '.join(by_value[v])})" for v in shown)
+    else:
+        said = ""
+    kw = dict(dest=dest, help=spec.help + said)
+    if spec.const is not NO_CONST:
+        kw |= dict(action="store_const", const=spec.const)
+    else:
+        kw |= dict(type=spec.type) if spec.type is not None else {}
+        kw |= dict(choices=list(spec.choices)) if spec.choices else {}
+    g.add_argument(spec.flag, **kw)
+
+
+def _own_methods_on_parse(p: argparse.ArgumentParser, g) -> None:
+    """Before `p` parses, the methods of a user's own classes named in `--policy` / `--compare` (`module:Class`) are
+    registered and their fields' options added as flags."""
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        import sys
+
+        argv = list(sys.argv[1:] if args is None else args)
+        names = [v for i, a in enumerate(argv) for v in
+                 (argv[i + 1].split(",") if a in ("--policy", "--compare") and i + 1 < len(argv) else
+                  a.split("=", 1)[1].split(",") if a.startswith(("--policy=", "--compare=")) else [])]
+        known = {a.dest for a in p._actions}
+        for name in (n for n in names if ":" in n):
+            from kvjax.policies.registry import method
+
+            m = method(name)  # imported and registered: an error names the class
+            for dest, spec in m.options.items():
+                if dest not in known:
+                    add_option(g, dest, spec, {m.name: m.defaults[dest]})
+                    known.add(dest)
+        return parse(argv, namespace)
+
+    p.parse_known_args = parse_known_args
 
 
 def quantizer(args: argparse.Namespace):
@@ -451,8 +401,13 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
 
 
 def given_options(args: argparse.Namespace) -> dict:
-    """The policy options given on the command line."""
-    return {k: getattr(args, k) for k in POLICY_OPTIONS if getattr(args, k, None) is not None}
+    """The policy options given on the command line (those of a user's own method too)."""
+    dests = set(POLICY_OPTIONS) | {d for n in _names_of(args) if ":" in n for d in REGISTRY[n].options}
+    return {k: getattr(args, k) for k in sorted(dests) if getattr(args, k, None) is not None}
+
+
+def _names_of(args: argparse.Namespace) -> list[str]:
+    return [n for v in (getattr(args, "compare", None), getattr(args, "policy", None)) if v for n in v.split(",")]
 
 
 def refuse_unused(args: argparse.Namespace, names: list[str], options: dict) -> list[dict]:
@@ -474,7 +429,7 @@ def check_modes(args: argparse.Namespace, names: list[str], options) -> None:
     for k in MODE_OPTIONS:
         if k not in options:
             continue
-        missing = [n for n in names if k not in inspect.signature(REGISTRY[n]).parameters]
+        missing = [n for n in names if k not in REGISTRY[n].parameters]
         if missing:
             raise InvalidInput(f"{flag_given(args, k)} {getattr(args, k)} applies to every policy compared, and "
                                f"{', '.join(missing)} cannot take it; leave {', '.join(missing)} out of this run")
@@ -491,7 +446,7 @@ def policies_at_ratios(args: argparse.Namespace, names: list[str], num_layers: i
     check_modes(args, names, given_options(args))
     out = []
     for n in names:
-        params = inspect.signature(REGISTRY[n]).parameters
+        params = REGISTRY[n].parameters
         own = argparse.Namespace(**vars(args))
         for k in POLICY_OPTIONS:  # each policy takes its own options (that none takes is checked below)
             if k not in params:

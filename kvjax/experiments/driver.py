@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -150,7 +149,7 @@ def attach_gates(lm, gate_params: str) -> None:
 
 def policy_options(names: Sequence[str], options: Mapping[str, Any]) -> tuple[list[dict], set[str]]:
     """Each policy's share of `options` (those its constructor takes), and the options none takes."""
-    params = [inspect.signature(REGISTRY[n]).parameters for n in names]
+    params = [REGISTRY[n].parameters for n in names]
     given = {k: v for k, v in options.items() if v is not None}
     return [{k: v for k, v in given.items() if k in ps} for ps in params], set(given) - {k for ps in params for k in ps}
 
@@ -172,7 +171,7 @@ def build_policy(name: str, budget: int | None, options: Mapping[str, Any], *, n
     """Policy `name` with `options` (its share, `policy_options`) and `budget` if it takes one;
     `num_layers` goes to the policies that need the depth (PyramidKV) and KVzip replays the prompts of
     the tokenizer at `model_dir` (`kvzip_replay`; `chat`: for prompts in its chat template)."""
-    params, kw = inspect.signature(REGISTRY[name]).parameters, dict(options)
+    params, kw = REGISTRY[name].parameters, dict(options)
     if num_layers is not None and "num_layers" in params:
         kw["num_layers"] = num_layers
     if "replay" in params and model_dir is not None:

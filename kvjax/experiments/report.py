@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import sys
@@ -325,7 +324,7 @@ def ruler_section(run: Run) -> tuple[list[str], list[str]]:
                     base = name.split("-", 1)[0]
                     pol = driver.resolve_policies(base, ratio=r, **MATCHED_POOLING[name])[base]
                 else:  # KVzip's family replays the prompts' format (`replay`); the others take no replay
-                    takes = "replay" in inspect.signature(REGISTRY[name]).parameters
+                    takes = "replay" in REGISTRY[name].parameters
                     pol = driver.resolve_policies(name, ratio=r, num_layers=depth,
                                                   **({"replay": replay} if takes else {}))[name]
                 pols[f"{name}@{r:g}"] = pol

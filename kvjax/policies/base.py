@@ -56,8 +56,10 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import cache as kvcache
+from kvjax import values
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
+from kvjax.policies.options import option
 from kvjax.stats import AttentionStats, RuleStats
 
 
@@ -348,9 +350,14 @@ def check_numbers(policy) -> None:
 class LayerPolicy(Policy, Rule):
     """A policy applying one rule to every layer, with its position and prefill modes."""
 
-    positions: PositionMode = "absolute"
-    prefill_mode: PrefillMode = "full"
-    chunk: int | None = None
+    positions: PositionMode = option("absolute", choices=POSITION_MODES,
+                                     help="keys cached at their absolute positions, or unrotated and rotated by "
+                                          "their rank in the cache (rolling, StreamingLLM's protocol past the window)")
+    prefill_mode: PrefillMode = option("full", choices=PREFILL_MODES,
+                                       help="attend the prompt whole then compress, token by token, or --chunk "
+                                            "tokens at a time in memory bounded by the budget")
+    chunk: int | None = option(None, type=values.positive_int, help="prompt tokens per chunk with --prefill-mode "
+                                                                    "chunked")
     # Why prefill_mode="chunked" is refused: a rule that is no `ChunkRule`, or one that is but refuses it.
     chunk_refusal: ClassVar[str] = "it has no rule to fold a chunk of the prompt into its cache"
 
@@ -383,6 +390,41 @@ def warn_chunked_method(policy: Policy, how: str) -> None:
     warnings.warn(f"{type(policy).__name__} with prefill_mode='chunked', chunk={policy.chunk}: {how} This is a different "
                   "method from the paper's; prefill_mode='full' (or 'stream') runs the paper's.", UserWarning,
                   stacklevel=4)
+
+
+# -- the options several methods share, declared once (`kvjax.policies.options`) ---------------------------------
+
+
+def ratio_option(default=None) -> float | None:
+    """The `ratio` field of a policy with a ratio budget: `--ratio` (`dataclasses.MISSING`: a required ratio)."""
+    return option(default, type=values.fraction_removed,
+                  help="fraction of each prompt removed, instead of --budget (kvpress's compression_ratio: each row "
+                       "keeps floor(n (1 - ratio)) of its n tokens); RazorAttention: the share its local heads drop")
+
+
+def sinks_option(default: int) -> int:
+    """The `sinks` field: `--sinks`, the first tokens always kept."""
+    return option(default, type=values.nonnegative_int, help="attention sinks: the first tokens, always kept")
+
+
+def recent_option(default: int | None) -> int | None:
+    """The `recent` field: `--recent`, the most recent tokens, never evicted."""
+    return option(default, type=values.nonnegative_int,
+                  help="the most recent tokens, never evicted (H2O: half the budget unless given; DuoAttention: its "
+                       "streaming heads' window)")
+
+
+def observation_window_option(default: int) -> int:
+    """The `observation_window` field of a prompt compressor: `--observation-window`."""
+    return option(default, type=values.nonnegative_int,
+                  help="the last prompt tokens, always kept and (SnapKV & co) the queries that score the others")
+
+
+def group_agg_option(default: str = "mean") -> str:
+    """The `group_agg` field: `--group-agg`, how a KV head's score combines its query heads."""
+    return option(default, choices=("mean", "max", "sum"),
+                  help="how a KV head's score combines its query heads (MAT: mean / max; SnapKV-style: mean / max / "
+                       "sum)")
 
 
 # -- ratio budgets (kvpress's compression ratio), shared by the policies that evict per row ------------

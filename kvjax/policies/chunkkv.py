@@ -29,7 +29,9 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, StepOnlyWrites, check_numbers
-from kvjax.policies.scored import AdaKV, ExpectedAttention, PyramidKV, ScoredPolicy
+from kvjax import values
+from kvjax.policies.options import given, option, register
+from kvjax.policies.scored import AdaKV, ExpectedAttention, PyramidKV, ScoredPolicy, SnapKV, snapkv_scorer
 
 # The scorers ChunkKV refuses by name, and why (any other `ScoredPolicy` is wrapped).
 REFUSED = {
@@ -52,7 +54,8 @@ class ChunkKV(LayerPolicy, StepOnlyWrites):
     chunked prefill is refused (the chunks' ranking is a ranking over the whole prompt)."""
 
     scorer: ScoredPolicy
-    chunk_length: int = 20
+    chunk_length: int = option(20, type=values.positive_int,
+                               help="ChunkKV: contiguous tokens per chunk, kept or evicted whole (kvpress's 20)")
     evicts_while_decoding = False  # compresses the prompt once, then appends
     chunk_refusal = ("its chunks are ranked over the whole prompt, which a chunked (or token-by-token) prefill has not "
                      "read when it evicts")
@@ -153,6 +156,18 @@ class ChunkKV(LayerPolicy, StepOnlyWrites):
 
     def describe(self):
         return f"ChunkKV(scorer={self.scorer.describe()}, chunk_length={self.chunk_length})"
+
+
+def _chunkkv(budget, ratio=None, observation_window=None, kernel=None, pool=None, group_agg=None,
+             chunk_length=None) -> ChunkKV:
+    # ChunkKV on SnapKV's score: whole chunks of chunk_length (kvpress's 20) contiguous tokens, ranked by their mean
+    # score summed over the KV heads
+    return ChunkKV(scorer=snapkv_scorer(budget, ratio, observation_window, kernel, pool, group_agg),
+                   **given(chunk_length=chunk_length))
+
+
+register("chunkkv", build=_chunkkv, classes=(SnapKV, ChunkKV), paper="Liu et al. 2025", docs="policies/chunkkv.md",
+         chunked="refused", kvpress="`ChunkKVPress`", memory="real (whole chunks of contiguous tokens)")
 
 
 __all__ = ["ChunkKV"]

@@ -28,7 +28,9 @@ from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
 from kvjax.policies.base import LayerPolicy, StepOnlyWrites, check_numbers
-from kvjax.policies.scored import AdaKV, ScoredPolicy
+from kvjax import values
+from kvjax.policies.options import given, option, register
+from kvjax.policies.scored import AdaKV, ScoredPolicy, SnapKV, snapkv_scorer
 from kvjax.stats import RuleStats, StatsRequest
 
 CHUNK_REFUSAL = ("its output-projection norms are computed at a whole prompt's pass, and kvpress's two stages rank "
@@ -64,8 +66,10 @@ class CriticalKV(LayerPolicy, StepOnlyWrites):
     scorer alone (kvpress gives it the top score: kept whenever stage 1's count covers it)."""
 
     scorer: ScoredPolicy
-    epsilon: float = 1e-4
-    first_stage_ratio: float = 0.5
+    epsilon: float = option(1e-4, type=values.positive_float,
+                            help="CriticalKV: added to each score before it is weighed by ||v W_o||_1 (kvpress's)")
+    first_stage_ratio: float = option(0.5, type=values.probability,
+                                      help="CriticalKV: the share of the count chosen by the score alone (kvpress's)")
     evicts_while_decoding = False
     chunk_refusal = CHUNK_REFUSAL
 
@@ -131,7 +135,7 @@ class CriticalAdaKV(AdaKV):
     score, stage 2 fills B_h by `(score + epsilon) * ‖v W_o‖_1`. The scorer's window enters with the layer's top score
     + 1, as in `AdaKV` and kvpress (not forced). Memory: AdaKV's pool (the heads' budgets sum to the layer's)."""
 
-    epsilon: float = 1e-4
+    epsilon: float = 1e-4  # the options CriticalKV declares (`register` below takes them from it)
     first_stage_ratio: float = 0.5
 
     def __post_init__(self):
@@ -156,6 +160,25 @@ class CriticalAdaKV(AdaKV):
     def describe(self):
         return (f"CriticalAdaKV(scorer={self.scorer.describe()}, alpha={self.alpha}, epsilon={self.epsilon}, "
                 f"first_stage_ratio={self.first_stage_ratio})")
+
+
+def _criticalkv(budget, ratio=None, observation_window=None, kernel=None, pool=None, group_agg=None, epsilon=None,
+                first_stage_ratio=None) -> CriticalKV:
+    # CriticalKV on SnapKV's score (the Python API wraps any scorer)
+    return CriticalKV(scorer=snapkv_scorer(budget, ratio, observation_window, kernel, pool, group_agg),
+                      **given(epsilon=epsilon, first_stage_ratio=first_stage_ratio))
+
+
+def _critical_adakv(budget, ratio=None, observation_window=None, kernel=None, pool=None, group_agg=None,
+                    adakv_alpha=None, epsilon=None, first_stage_ratio=None) -> CriticalAdaKV:
+    return CriticalAdaKV(scorer=snapkv_scorer(budget, ratio, observation_window, kernel, pool, group_agg),
+                         **given(alpha=adakv_alpha, epsilon=epsilon, first_stage_ratio=first_stage_ratio))
+
+
+register("criticalkv", build=_criticalkv, classes=(SnapKV, CriticalKV), paper="Feng et al. 2025",
+         docs="policies/criticalkv.md", chunked="refused", kvpress="`CriticalKVPress`")
+register("critical-adakv", build=_critical_adakv, classes=(SnapKV, CriticalKV, CriticalAdaKV), paper="Feng et al. 2025",
+         docs="policies/criticalkv.md", chunked="refused", kvpress="`CriticalAdaKVPress`", memory="real (AdaKV's pool)")
 
 
 __all__ = ["CriticalAdaKV", "CriticalKV"]

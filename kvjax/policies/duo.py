@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import InvalidInput, MissingFile
-from kvjax.policies.base import PrefillMode, check_numbers
+from kvjax import values
+from kvjax.policies.base import LayerPolicy, PrefillMode, check_numbers, recent_option, sinks_option
+from kvjax.policies.options import Option, given, register
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache, StreamingLLM
 
@@ -37,8 +39,8 @@ class DuoAttention(ByHead):
     head (the whole cache)."""
 
     streaming: tuple[tuple[bool, ...], ...]
-    sinks: int = 128
-    recent: int = 256
+    sinks: int = sinks_option(128)
+    recent: int = recent_option(256)
     prefill_mode: PrefillMode = "full"
     chunk: int | None = None
 
@@ -187,3 +189,42 @@ def duo_from_pattern(path, head_compression: float = 0.5, *, sinks: int | None =
     return kind(streaming=streaming_heads(scores, head_compression),
                         sinks=sink_size if sinks is None else sinks, recent=recent_size if recent is None else recent,
                         prefill_mode=prefill_mode, chunk=chunk)
+
+
+# ---- registration ------------------------------------------------------------------------------------------------
+
+DUO_OPTIONS = {
+    "duo_pattern": Option(help="DuoAttention: a pattern folder (full_attention_heads.tsv + config.json, as "
+                               "mit-han-lab/duo-attention ships them) or a heads file with duo_scores (python -m "
+                               "kvjax.experiments.find_heads --duo)"),
+    "head_compression": Option(type=values.fraction_removed,
+                               help="DuoAttention: the share of KV heads made streaming heads (the lowest-scored)"),
+}
+
+
+def _pattern(path, name: str):
+    if path is None:
+        raise InvalidInput(f"--policy {name} needs --duo-pattern")
+    return path
+
+
+def _duo(budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None, prefill_mode=None,
+         chunk=None) -> DuoAttention:
+    # a pattern (DuoAttention's attn_patterns folder, or a heads file with duo_scores from `kvjax.experiments.find_heads
+    # --duo`); --head-compression: the share of KV heads made streaming heads
+    return duo_from_pattern(_pattern(duo_pattern, "duo"), head_compression, sinks=sinks, recent=recent,
+                            **given(prefill_mode=prefill_mode, chunk=chunk))
+
+
+def _duo_kvpress(budget, duo_pattern=None, head_compression=0.5, sinks=None, recent=None) -> DuoAttention:
+    # as kvpress's DuoAttentionPress runs it: the streaming heads' sinks and window chosen once from the prompt, then
+    # every new token appended (`duo` slides them, as the paper does)
+    return duo_from_pattern(_pattern(duo_pattern, "duo-kvpress"), head_compression, sinks=sinks, recent=recent,
+                            kind=DuoAttentionOnce)
+
+
+register("duo", build=_duo, classes=(DuoAttention, LayerPolicy), options=DUO_OPTIONS, budget=False,
+         paper="Xiao et al. 2025", docs="policies/duo.md", chunked="exact", memory="real, head-wise arrays")
+register("duo-kvpress", build=_duo_kvpress, classes=(DuoAttention,), options=DUO_OPTIONS, budget=False,
+         paper="kvpress's DuoAttentionPress (streaming heads from the prompt, then appended)", docs="policies/duo.md",
+         chunked="refused", kvpress="`DuoAttentionPress`", memory="real, head-wise arrays")

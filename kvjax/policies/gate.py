@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
+from kvjax import values
 from kvjax.policies.base import LayerPolicy
+from kvjax.policies.options import given, option, register
 from kvjax.stats import RuleStats, StatsRequest
 
 
@@ -30,7 +32,8 @@ class GateEviction(LayerPolicy):
     `kept`: per-layer slots for the prompt, set by `shrink` after prefill (None: the whole prompt).
     """
 
-    bucket: int = 64
+    bucket: int = option(64, type=values.positive_int,
+                         help="Attention-Gate: kept slots are rounded up to a multiple of this (fewer shapes)")
     kept: tuple[int, ...] | None = None
     evicts_while_decoding = False  # a class attribute, not a field
 
@@ -75,3 +78,8 @@ class GateEviction(LayerPolicy):
         small = tuple(None if c is None else jax.tree.map(lambda x: x[:, :, : n + room], c) for c in cache)
         return dataclasses.replace(self, kept=kept), small
 
+# Attention-Gate: the trained gates decide (load them with --gate-params); no budget, and it decides over the whole
+# prompt at absolute positions (its prompt-mode options are not its own)
+register("gate", build=lambda budget, bucket=None: GateEviction(**given(bucket=bucket)), classes=(GateEviction,),
+         budget=False, paper="Attention-Gate (papers/)", docs="policies/gate.md", chunked="refused",
+         memory="real (cut to the most any head kept)")

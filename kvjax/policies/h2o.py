@@ -26,10 +26,21 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, RatioBudget, StepOnlyWrites, check_ratio, warn_chunked_method
+from kvjax.policies.base import (
+    ChunkRule,
+    LayerPolicy,
+    RatioBudget,
+    StepOnlyWrites,
+    check_ratio,
+    ratio_option,
+    recent_option,
+    warn_chunked_method,
+)
+from kvjax.policies.options import register
 from kvjax.stats import RuleStats, StatsRequest
 
 
+@register("h2o", paper="Zhang et al. 2023", docs="policies/h2o.md", chunked="the stream at chunk 1, other method above (warned)")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class H2O(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
     """`budget` slots per KV head, or `ratio`: the fraction of each row's prompt removed (a row of `n`
@@ -43,8 +54,8 @@ class H2O(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
     cache_state = {"mass": kvcache.SLOT}  # each slot's accumulated attention, the heavy-hitter score
 
     budget: int | None = None
-    recent: int | None = None
-    ratio: float | None = None
+    recent: int | None = recent_option(None)
+    ratio: float | None = ratio_option()
 
     def __post_init__(self):
         super().__post_init__()

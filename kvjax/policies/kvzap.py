@@ -33,7 +33,9 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import EMPTY, SLOT, LayerCache
 from kvjax.errors import InvalidInput
+from kvjax import values
 from kvjax.policies.base import LayerPolicy, StepOnlyWrites
+from kvjax.policies.options import Option, given, option, register
 from kvjax.stats import RuleStats, StatsRequest
 from kvjax.surrogate import Surrogate
 
@@ -44,9 +46,16 @@ class KVzap(LayerPolicy, StepOnlyWrites):
     tokens (DMSPress's `sliding_window_size`, 128); `decoding`: also while decoding. See the module."""
 
     surrogate: Surrogate
-    threshold: float
-    window: int = 128
-    decoding: bool = False
+    threshold: float = option(type=values.finite_float,
+                              help="KVzap: pairs the surrogate scores below this (a log KVzip+ score) are evicted once "
+                                   "they leave the sliding window; no default (the share evicted depends on it and on "
+                                   "the text)")
+    window: int = option(128, flag="--dms-window", type=values.nonnegative_int,
+                         help="KVzap: the most recent tokens, never evicted (DMSPress's sliding_window_size)")
+    decoding: bool = option(False, flag="--kvzap-decoding", const=True,
+                            help="KVzap: also evict while decoding (DMSPress's decoding=True; the question of the "
+                                 "question-agnostic protocol is read as decoded tokens): a different method from the "
+                                 "default, which compresses the prompt only")
     cache_state = MappingProxyType({"score": SLOT})  # each slot's surrogate score, judged when it leaves the window
     evicts_while_decoding = False  # fed token by token it would judge nothing of the prompt (a stream is refused)
     chunk_refusal = ("DMS's prefill here is dense: the whole prompt attends, then its pairs are judged (a chunked "
@@ -111,6 +120,31 @@ class KVzap(LayerPolicy, StepOnlyWrites):
     def describe(self) -> str:
         return (f"KVzap(surrogate={self.surrogate!r}, threshold={self.threshold!r}, window={self.window}, "
                 f"decoding={self.decoding})")
+
+
+# ---- registration: KVzap under DMS's threshold, a trained surrogate (--kvzap DIR, kvjax.surrogate) scoring each pair
+
+
+SURROGATE = Option(help="KVzap: its surrogate, a directory written by python -m kvjax.experiments.train_kvzap (kvjax "
+                        "ships SmolLM2's and kvjax-small's under kvjax/models/kvzap/)")
+
+
+def _kvzap(budget, kvzap=None, threshold=None, dms_window=None, kvzap_decoding=None) -> KVzap:
+    if kvzap is None:
+        raise InvalidInput("KVzap scores pairs with a trained surrogate: give its directory (--kvzap DIR, written by "
+                           "python -m kvjax.experiments.train_kvzap)")
+    if threshold is None:
+        raise InvalidInput("KVzap evicts the pairs its surrogate scores below a threshold: give it (--threshold)")
+    from kvjax.surrogate import load
+
+    surrogate = kvzap if isinstance(kvzap, Surrogate) else load(kvzap)[0]
+    return KVzap(surrogate=surrogate, threshold=threshold,
+                 **given(window=dms_window, decoding=None if kvzap_decoding is None else bool(kvzap_decoding)))
+
+
+register("kvzap", build=_kvzap, classes=(KVzap,), options={"kvzap": SURROGATE}, budget=False, paper="Jegou et al. 2026",
+         docs="policies/kvzap.md", chunked="refused", kvpress="`DMSPress(KVzapPress)`",
+         memory="**masked** (slots emptied, not freed)")
 
 
 __all__ = ["KVzap"]

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import AppendsWhileDecoding, LayerPolicy
+from kvjax import values
+from kvjax.policies.base import AppendsWhileDecoding, LayerPolicy, ratio_option, sinks_option
+from kvjax.policies.options import given, option, register
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,13 +45,16 @@ class KVzip(LayerPolicy, AppendsWhileDecoding):
     token ids (`kvjax.kvzip.replay_prompts(tokenizer)`) and the chat template's `prefix` length; `plus`: KVzip+'s
     scores. See the module."""
 
-    ratio: float
+    ratio: float = ratio_option(dataclasses.MISSING)
     repeat_ids: tuple[int, ...]
     continue_ids: tuple[int, ...]
     suffix_ids: tuple[int, ...]
-    sinks: int = 4
-    chunk_size: int = 2048
-    layerwise: bool = False
+    sinks: int = sinks_option(4)
+    chunk_size: int = option(2048, flag="--kvzip-chunk", type=values.positive_int,
+                             help="KVzip: context tokens per replay (kvpress's chunk_size)")
+    layerwise: bool = option(False, flag="--kvzip-layerwise", const=True,
+                             help="KVzip: evict --ratio of each layer's slots instead of a share of all layers' "
+                                  "together")
     prefix: int = 0
     plus: bool = False  # KVzip+'s normalisation (see the module)
     evicts_while_decoding = False
@@ -114,6 +119,35 @@ class KVgrad(KVzip):
 
     def describe(self) -> str:
         return "KVgrad" + super().describe()[len("KVzip"):]
+
+
+# ---- registration: --ratio of all layers' slots evicted together; the replay prompts are the model's tokenizer's ids
+# (`replay`, given by the suites from the model's tokenizer: kvjax.kvzip.replay_prompts)
+
+
+def _builder(kind: type, plus: bool = False):
+    def build(budget, ratio=None, sinks=None, kvzip_chunk=None, kvzip_layerwise=None, replay=None) -> KVzip:
+        if ratio is None:
+            raise InvalidInput("KVzip evicts a share of all layers' slots together: give ratio (--ratio)")
+        if replay is None:
+            raise InvalidInput("KVzip's replay prompts are token ids of the model's tokenizer, and this model has "
+                               "none (or give replay=kvjax.kvzip.replay_prompts(tokenizer))")
+        return kind(ratio=ratio, **replay, **given(sinks=sinks, chunk_size=kvzip_chunk, layerwise=kvzip_layerwise),
+                    **({"plus": True} if plus else {}))
+
+    return build
+
+
+MASKED = "**masked** (slots emptied, not freed)"
+register("kvzip", build=_builder(KVzip), classes=(KVzip,), budget=False, paper="Kim et al. 2025",
+         docs="policies/kvzip.md", chunked="refused", kvpress="`KVzipPress`", memory=MASKED)
+# KVzip+: KVzip's replay scores divided by each replay query's input norm and multiplied by the pair's ‖v W_o‖_2
+register("kvzip-plus", build=_builder(KVzip, plus=True), classes=(KVzip,), budget=False, paper="KVzap, 2026",
+         docs="policies/kvzip-plus.md", chunked="refused", kvpress="`KVzipPress(kvzip_plus_normalization=True)`",
+         memory=MASKED)
+# KVgrad: --kvzip-chunk defaults to 512 (kvpress's KVgradPress)
+register("kvgrad", build=_builder(KVgrad), classes=(KVgrad,), budget=False, paper="KVgrad (OpenReview)",
+         docs="policies/kvgrad.md", chunked="refused", kvpress="`KVgradPress`", memory=MASKED)
 
 
 __all__ = ["KVgrad", "KVzip"]

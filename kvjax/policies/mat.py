@@ -35,8 +35,19 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, Policy, PrefillMode, RatioBudget, check_ratio
+from kvjax import values
+from kvjax.policies.base import (
+    ChunkRule,
+    LayerPolicy,
+    Policy,
+    PrefillMode,
+    RatioBudget,
+    check_ratio,
+    group_agg_option,
+    ratio_option,
+)
 from kvjax.policies.compose import EVERY_LAYER, ByLayer
+from kvjax.policies.options import Option, given, option, register
 from kvjax.policies.ring import StreamingLLM
 from kvjax.stats import RuleStats, StatsRequest
 
@@ -57,9 +68,11 @@ class AnchorCache(RatioBudget, LayerPolicy, ChunkRule):
     cache_state = {"pi": kvcache.SLOT}  # each slot's anchor score pi = q.k_0 / sqrt(d), eq. 3
 
     budget: int | None = None
-    anchor_slots: int  # β: the slots of anchor tokens (position 0 + the lowest π)
-    group_agg: str = "mean"
-    ratio: float | None = None
+    anchor_slots: int = option(type=values.positive_int,  # β: the slots of anchor tokens (position 0 + the lowest π)
+                               help="MAT's β: the slots of anchor tokens (the first token and the lowest π); default "
+                                    "--budget / 4 (MAT's Fig. 5 is flat from 32 to 96 at c = 256)")
+    group_agg: str = group_agg_option("mean")
+    ratio: float | None = ratio_option()
     prefill_mode: PrefillMode = "stream"
 
     def __post_init__(self):
@@ -234,3 +247,60 @@ def grid_search_anchors(
     results = {b: float(evaluate(mat(budget, b, **mat_kwargs))) for b in (grid or default_anchor_grid(budget))}
     pick = min if minimize else max
     return pick(results, key=results.get), results
+
+
+# ---- registration: MAT as its paper defines it, and its two ablations --------------------------------------------
+
+
+def default_shallow_layers(num_layers: int | None) -> int:
+    """MAT's L_s: the paper's 2 of 32 layers scaled to `num_layers` (at least 1 and below the depth, 0 for a
+    1-layer model); 2 when the depth is not known."""
+    if num_layers is None:
+        return 2
+    return min(max(1, round(2 * num_layers / 32)), num_layers - 1)
+
+
+def _anchor_slots(budget, anchor_slots, ratio=None):
+    # Default β = c/4: inside the range [32, 96] the paper found flat at c = 256 (Fig. 5). Under a ratio each row has
+    # its own c, while β is one count: it must be chosen (the paper grid-searches it per budget).
+    if anchor_slots is not None:
+        return anchor_slots
+    if ratio is not None:
+        raise InvalidInput(f"MAT: ratio={ratio} sizes each row's c as a share of its prompt, but anchor_slots=None: "
+                           "beta is a token count to choose (the paper grid-searches it per budget)")
+    return max(1, budget // 4)
+
+
+SHALLOW_LAYERS = Option(type=values.nonnegative_int, help="MAT's L_s: layers 0..L_s-1 keep sinks (eq. 5), the others "
+                                                           "anchors (eq. 4); default the paper's 2 of 32 layers scaled "
+                                                           "to the model's depth")
+
+
+def _mat(budget, anchor_slots=None, shallow_layers=None, sinks=None, group_agg=None, ratio=None, positions=None,
+         prefill_mode=None, chunk=None, num_layers=None) -> ByLayer:
+    # --shallow-layers defaults to the paper's 2 of 32 layers scaled to the model's depth (at least 1, and below it,
+    # so that some layer is deep: MAT with L_s = L would be StreamingLLM)
+    return mat(None if ratio is not None else budget, _anchor_slots(budget, anchor_slots, ratio),
+               shallow_layers if shallow_layers is not None else default_shallow_layers(num_layers),
+               **given(sinks=sinks, group_agg=group_agg, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
+                       chunk=chunk))
+
+
+def _mat_sink(budget, sinks=None, ratio=None, positions=None, prefill_mode=None, chunk=None) -> ByLayer:
+    return mat_with_sink(None if ratio is not None else budget,
+                         **given(sinks=sinks, ratio=ratio, positions=positions, prefill_mode=prefill_mode, chunk=chunk))
+
+
+def _mat_anchor(budget, anchor_slots=None, group_agg=None, ratio=None, positions=None, prefill_mode=None,
+                chunk=None) -> ByLayer:
+    return mat_with_anchor(None if ratio is not None else budget, _anchor_slots(budget, anchor_slots, ratio),
+                           **given(group_agg=group_agg, ratio=ratio, positions=positions, prefill_mode=prefill_mode,
+                                   chunk=chunk))
+
+
+register("mat", build=_mat, classes=(AnchorCache, StreamingLLM), options={"shallow_layers": SHALLOW_LAYERS},
+         paper="MAT anchor tokens (papers/)", docs="policies/mat.md", chunked="exact (stream mode)")
+register("mat-sink", build=_mat_sink, classes=(AnchorCache, StreamingLLM), paper="MAT's ablation: eq. 5 in every layer",
+         docs="policies/mat.md", chunked="exact (stream mode)")
+register("mat-anchor", build=_mat_anchor, classes=(AnchorCache,), paper="MAT's ablation: eq. 4 in every layer",
+         docs="policies/mat.md", chunked="exact (stream mode)")

@@ -33,7 +33,18 @@ import jax.numpy as jnp
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import ChunkRule, LayerPolicy, PrefillMode, RatioBudget, check_numbers, check_ratio
+from kvjax import values
+from kvjax.policies.base import (
+    ChunkRule,
+    LayerPolicy,
+    PrefillMode,
+    RatioBudget,
+    check_numbers,
+    check_ratio,
+    ratio_option,
+    sinks_option,
+)
+from kvjax.policies.options import Option, given, option, register
 from kvjax.policies.compose import ByHead
 from kvjax.policies.ring import FullCache
 
@@ -289,13 +300,21 @@ class RazorAttention(ByHead):
 
     retrieval: tuple[tuple[bool, ...], ...] | None = None
     scopes: tuple[tuple[int, ...], ...] | None = None
-    compression: float | None = None  # C; Table 2: buffer max(4000, N / 5); default 5 without a ratio
-    buffer: int | None = None  # S0; default 4000 without a ratio
+    compression: float | None = option(None, type=values.positive_float,  # C; Table 2: buffer max(4000, N / 5)
+                                       help="RazorAttention: C, local heads keep max(S0, N / C); 5 unless a ratio "
+                                            "is given")
+    buffer: int | None = option(None, type=values.positive_int,  # S0; 4000 without a ratio
+                                help="RazorAttention: S0, the least window of a local head; 4000 unless a ratio is "
+                                     "given")
     # Instead of C and S0: a local head keeps this share of each row's prompt (`CompensatedWindow`).
-    ratio: float | None = None
-    sinks: int = 4  # N0
-    compensate: bool = True
-    fold: Literal["decode", "prefill"] = "decode"
+    ratio: float | None = ratio_option()
+    sinks: int = sinks_option(4)  # N0
+    compensate: bool = option(True, flag="--no-compensation", dest="compensate", const=False,
+                              help="RazorAttention: drop tokens without the compensation token")
+    fold: Literal["decode", "prefill"] = option("decode", choices=("decode", "prefill"),
+                                                help="RazorAttention: fold tokens leaving the window while decoding, "
+                                                     "or compress the prompt only and append generated tokens (the "
+                                                     "paper's Algorithm 1)")
     # The model's sliding window (`on_sliding_window`): its retrieval heads then keep a ring of that many
     # slots, all such a model can still attend to, instead of the whole context.
     sliding_window: int | None = None
@@ -428,3 +447,32 @@ def razor_from_heads(
     if alibi:
         return RazorAttention(scopes=tuple(tuple(int(x) for x in r) for r in table), **common)
     return RazorAttention(retrieval=tuple(tuple(bool(x) for x in r) for r in table), **common)
+
+
+# ---- registration ------------------------------------------------------------------------------------------------
+
+HEADS = Option(help="RazorAttention: the heads file from python -m kvjax.experiments.find_heads (kvjax-small ships its "
+                    "own)")
+
+
+def _razor(budget, heads=None, compression=None, buffer=None, ratio=None, sinks=None, compensate=None, fold=None,
+           prefill_mode=None, chunk=None) -> RazorAttention:
+    # No token budget: --compression C and --buffer S0 set the local heads' window (default 5 and 4000), or --ratio
+    # the share of each prompt a local head keeps
+    return razor_from_heads(heads, compression=compression, buffer=buffer, ratio=ratio, sinks=sinks,
+                            compensate=compensate, **given(fold=fold, prefill_mode=prefill_mode, chunk=chunk))
+
+
+def _razor_table1(budget, heads=None, buffer=None, prefill_mode=None, chunk=None) -> RazorAttention:
+    # Table 1's protocol: the heads of the table kept whole, every other head "only the recent 4K tokens" (--buffer
+    # S0, default 4000): no sinks, no compensation token, no N / C
+    return razor_from_heads(heads, compression=math.inf, buffer=buffer if buffer is not None else 4000, sinks=0,
+                            compensate=False, **given(prefill_mode=prefill_mode, chunk=chunk))
+
+
+register("razor", build=_razor, classes=(RazorAttention, LayerPolicy), options={"heads": HEADS}, budget=False,
+         paper="RazorAttention (papers/)", docs="policies/razor.md", chunked="window max(S0, N/C) in every mode",
+         memory="real, head-wise arrays")
+register("razor-table1", build=_razor_table1, classes=(RazorAttention, LayerPolicy), options={"heads": HEADS},
+         budget=False, paper="RazorAttention Table 1's protocol", docs="policies/razor.md",
+         chunked="window max(S0, N/C) in every mode", memory="real, head-wise arrays")

@@ -25,7 +25,10 @@ from kvjax.policies.base import (
     RatioBudget,
     StepOnlyWrites,
     check_ratio,
+    ratio_option,
+    sinks_option,
 )
+from kvjax.policies.options import given, register
 
 
 def ring_slot(pos: Int[Array, "..."], sinks: int, capacity: int) -> Int[Array, "..."]:
@@ -131,6 +134,7 @@ class RingPolicy(RatioBudget, LayerPolicy, ChunkRule, StepOnlyWrites):
         return 0
 
 
+@register("full", paper="—", docs="policies/ring.md", chunked="exact", kvpress="no press (the reference)", budget=False)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FullCache(RingPolicy, KeepsEveryToken, AppendsWhileDecoding):
     """Keeps every token: capacity = the longest sequence, slot = position (free until that token is written)."""
@@ -148,7 +152,7 @@ class LocalWindow(RingPolicy):
     """Keeps the `size` most recent tokens (the current one included)."""
 
     size: int | None = 256
-    ratio: float | None = None
+    ratio: float | None = ratio_option()
 
     def __post_init__(self):
         super().__post_init__()
@@ -160,6 +164,7 @@ class LocalWindow(RingPolicy):
         return 0, min(self.size, max_len)
 
 
+@register("streaming", paper="Xiao et al. 2024", docs="policies/ring.md", chunked="exact")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamingLLM(RingPolicy):
     """StreamingLLM (Xiao et al. 2024): `sinks` initial tokens + the `budget - sinks` most recent.
@@ -169,8 +174,8 @@ class StreamingLLM(RingPolicy):
     """
 
     budget: int | None = 256
-    sinks: int = 4
-    ratio: float | None = None
+    sinks: int = sinks_option(4)
+    ratio: float | None = ratio_option()
 
     def __post_init__(self):
         super().__post_init__()
@@ -189,3 +194,12 @@ class StreamingLLM(RingPolicy):
     def _layout(self, max_len):
         # A budget larger than the sequence never evicts: don't allocate the unused slots.
         return self.sinks, min(self.budget, max_len)
+
+
+def _local(budget, ratio=None, positions=None, prefill_mode=None, chunk=None) -> LocalWindow:
+    # --ratio replaces the window's size: each row keeps floor(n * (1 - ratio)) of its n prompt tokens
+    return LocalWindow(**given(size=None if ratio is not None else budget, ratio=ratio, positions=positions,
+                               prefill_mode=prefill_mode, chunk=chunk))
+
+
+register("local", build=_local, classes=(LocalWindow,), paper="—", docs="policies/ring.md", chunked="exact")

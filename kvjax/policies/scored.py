@@ -47,6 +47,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax.cache import LayerCache, PooledLayerCache
 from kvjax.errors import InvalidInput
+from kvjax import values
 from kvjax.policies.base import (
     AppendsWhileDecoding,
     ChunkRule,
@@ -54,8 +55,13 @@ from kvjax.policies.base import (
     PooledRule,
     StepOnlyWrites,
     check_numbers,
+    group_agg_option,
+    observation_window_option,
+    ratio_option,
+    sinks_option,
     warn_chunked_method,
 )
+from kvjax.policies.options import WARNED, class_builder, given, option, register
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -85,8 +91,8 @@ class ScoredPolicy(LayerPolicy, ChunkRule, AppendsWhileDecoding):
     """Shared budget, selection and decode-append for the prefill compressors."""
 
     budget: int | None = None
-    ratio: float | None = None
-    observation_window: int = 32  # the last prompt tokens: always kept, and (SnapKV) the scoring queries
+    ratio: float | None = ratio_option()
+    observation_window: int = observation_window_option(32)  # always kept, and (SnapKV) the scoring queries
     evicts_while_decoding = False  # class attribute, not a field: compression happens at prefill only
 
     def __post_init__(self):
@@ -190,9 +196,9 @@ class SnapKV(ScoredPolicy):
     group combined by `group_agg`; the window plus the top-scored prefix tokens are kept. Paper defaults
     (window 32, kernel 7, max-pool); kvpress's `SnapKVPress` is `observation_window=64, kernel=5, pool="avg"`."""
 
-    kernel: int = 7
-    pool: str = "max"
-    group_agg: str = "mean"
+    kernel: int = option(7, type=values.odd_positive_int, help="pooling kernel over positions, odd (kvpress: 5)")
+    pool: str = option("max", choices=("max", "avg", "none"), help="pooling of the scores over positions")
+    group_agg: str = group_agg_option("mean")
 
     def __post_init__(self):
         super().__post_init__()
@@ -217,7 +223,7 @@ class PyramidKV(SnapKV):
     layer keeps (M - window)/beta, the bottom 2(M - window) - top, capped at L - window; falls back
     to SnapKV's budget when the pyramid does not fit."""
 
-    beta: int = 20
+    beta: int = option(20, type=values.positive_int, help="PyramidKV: the steepness of the pyramid")
     num_layers: int = 32
 
     def __post_init__(self):
@@ -274,10 +280,11 @@ class SlimKV(ScoredPolicy):
     token's largest absolute value channel (eq. 4; `combine`:
     "product" is the paper's eq. 5, "sum" its Listing 1, "s1" / "s2" Table 3's ablations), pooled as SnapKV."""
 
-    kernel: int = 7
-    pool: str = "avg"
+    kernel: int = option(7, type=values.odd_positive_int, help="pooling kernel over positions, odd (kvpress: 5)")
+    pool: str = option("avg", choices=("max", "avg", "none"), help="pooling of the scores over positions")
     # eq. 5; "sum" is Listing 1's S1 + S2; "s1" / "s2" prune by one of them alone (Table 3's ablations)
-    combine: str = "product"
+    combine: str = option("product", choices=("product", "sum", "s1", "s2"),
+                          help="SlimKV: S1 * S2 (eq. 5), S1 + S2 (Listing 1), or S1 / S2 alone (Table 3's ablations)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -308,9 +315,9 @@ class ObservedAttention(ScoredPolicy):
         # attention is summed at once, and nothing is kept
         return {"mass": kvcache.SLOT} if self.prefill_mode == "chunked" else {}
 
-    observation_window: int = 0
+    observation_window: int = observation_window_option(0)
     normalize: bool = False
-    group_agg: str = "mean"
+    group_agg: str = group_agg_option("mean")
 
     def __post_init__(self):
         super().__post_init__()
@@ -340,7 +347,7 @@ class TOVA(ScoredPolicy):
     """TOVA (Oren et al. 2024): keeps the tokens the last query attends most, its probabilities averaged over
     every head of the layer, so all KV heads of a layer keep the same positions."""
 
-    observation_window: int = 1
+    observation_window: int = observation_window_option(1)
 
     def stats(self, layer):
         return RuleStats(prefill=StatsRequest.last(1))
@@ -355,7 +362,7 @@ class TOVA(ScoredPolicy):
 class KNorm(ScoredPolicy):
     """KNorm (Devoto et al. 2024): keeps the keys of smallest L2 norm; needs no attention statistics."""
 
-    observation_window: int = 0
+    observation_window: int = observation_window_option(0)
 
     def score(self, layer, k, v, pos, stats):
         return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
@@ -369,8 +376,8 @@ class PromptStreamingLLM(ScoredPolicy):
     question and the answer (the paper's: a constant cache while decoding). Of the kept count (a budget, or a share
     of each prompt), the first `sinks` positions, then the latest."""
 
-    sinks: int = 4
-    observation_window: int = 0  # the latest tokens are kept by their score; no separate window
+    sinks: int = sinks_option(4)
+    observation_window: int = observation_window_option(0)  # the latest tokens are kept by their score
 
     def __post_init__(self):
         check_numbers(self)
@@ -401,8 +408,8 @@ class ExpectedAttention(ScoredPolicy):
     and times |v| (`vnorm`, plus `epsilon` first). The first `sinks` tokens are always kept.
     The query statistics are the whole prompt's, so a chunked prefill is refused."""
 
-    observation_window: int = 0
-    sinks: int = 4
+    observation_window: int = observation_window_option(0)
+    sinks: int = sinks_option(4)
     future: int = 512
     covariance: bool = True
     vnorm: bool = True
@@ -443,7 +450,7 @@ class KeyDiff(ScoredPolicy):
     the average are evicted and the distinctive ones kept (kvpress's `KeyDiffPress`; the paper's block-wise
     iteration is a chunked prefill here, `prefill_mode="chunked"`)."""
 
-    observation_window: int = 0
+    observation_window: int = observation_window_option(0)
 
     def score(self, layer, k, v, pos, stats):
         p = pos if pos.ndim == 3 else pos[:, None, :]
@@ -473,7 +480,8 @@ class AdaKV(LayerPolicy, PooledRule, StepOnlyWrites):
     is the pool's times the KV heads (no kernel yet that reads only a head's slots)."""
 
     scorer: ScoredPolicy
-    alpha: float = 0.2
+    alpha: float = option(0.2, flag="--adakv-alpha", type=values.probability,
+                          help="AdaKV: the share of its count each head keeps before the top-k over the layer")
     evicts_while_decoding = False
 
     def __post_init__(self):
@@ -557,6 +565,57 @@ def _check(policy, pool=None, group_agg=None, kernel=None):
         raise InvalidInput(f"{name}: pool={pool!r}; expected one of {POOLS}")
     if group_agg is not None and group_agg not in GROUP_AGGREGATIONS:
         raise InvalidInput(f"{name}: group_agg={group_agg!r}; expected one of {GROUP_AGGREGATIONS}")
+
+
+# ---- registration: one method per class, each built from its fields' options ----------------------------------
+
+register("snapkv", paper="Li et al. 2024", docs="policies/scored.md#snapkv", chunked=WARNED,
+         kvpress="`SnapKVPress`")(SnapKV)
+register("slimkv", paper="SlimKV, large activations (papers/)", docs="policies/scored.md#slimkv",
+         chunked=WARNED)(SlimKV)
+register("h2o-prefill", paper="Zhang et al. 2023 (H2O's score, at the prompt)",
+         docs="policies/scored.md#observed-attention", chunked=WARNED, kvpress="`ObservedAttentionPress`")(
+    ObservedAttention)
+register("tova", paper="Oren et al. 2024", docs="policies/scored.md#tova", chunked=WARNED, kvpress="`TOVAPress`")(TOVA)
+register("knorm", paper="Devoto et al. 2024", docs="policies/scored.md#knorm", chunked=WARNED,
+         kvpress="`KnormPress`")(KNorm)
+register("keydiff", paper="Park et al. 2025", docs="policies/scored.md#keydiff", chunked=WARNED,
+         kvpress="`KeyDiffPress`")(KeyDiff)
+register("expected-attention", paper="Devoto et al. 2025 (kvpress)", docs="policies/scored.md#expectedattention",
+         chunked="refused", kvpress="`ExpectedAttentionPress`")(ExpectedAttention)
+
+
+def _pyramidkv(budget, num_layers, **options) -> PyramidKV:
+    return class_builder(PyramidKV)(budget, num_layers=num_layers, **options)
+
+
+def snapkv_scorer(budget, ratio=None, observation_window=None, kernel=None, pool=None, group_agg=None) -> SnapKV:
+    """SnapKV's score, sized by `budget` or `ratio`: the scorer the command line's wrappers (AdaKV, ChunkKV,
+    CriticalKV) take."""
+    return class_builder(SnapKV)(budget, **given(ratio=ratio, observation_window=observation_window, kernel=kernel,
+                                                 pool=pool, group_agg=group_agg))
+
+
+def _adakv(budget, ratio=None, observation_window=None, kernel=None, pool=None, group_agg=None,
+           adakv_alpha=None) -> AdaKV:
+    # AdaKV on SnapKV's score: one top-k over a layer's heads, each head at least --adakv-alpha of the count
+    return AdaKV(scorer=snapkv_scorer(budget, ratio, observation_window, kernel, pool, group_agg),
+                 **given(alpha=adakv_alpha))
+
+
+def _prompt_streaming(budget, ratio=None, sinks=None) -> PromptStreamingLLM:
+    # StreamingLLM as kvpress's StreamingLLMPress runs it: sinks and window chosen once from the prompt, then every
+    # new token appended (`streaming` slides its window through the question and the answer, as the paper does)
+    return class_builder(PromptStreamingLLM)(budget, **given(ratio=ratio, sinks=sinks))
+
+
+register("pyramidkv", build=_pyramidkv, classes=(PyramidKV,), paper="Cai et al. 2024",
+         docs="policies/scored.md#pyramidkv", chunked=WARNED, kvpress="`PyramidKVPress`")
+register("adakv", build=_adakv, classes=(SnapKV, AdaKV), paper="Feng et al. 2024", docs="policies/scored.md#adakv",
+         chunked="refused", kvpress="`AdaKVPress`", memory="real (one pool per layer shared by its heads)")
+register("streaming-kvpress", build=_prompt_streaming, classes=(PromptStreamingLLM,),
+         paper="kvpress's StreamingLLMPress (window from the prompt, then appended)", docs="policies/ring.md",
+         chunked="refused", kvpress="`StreamingLLMPress`")
 
 
 __all__ = ["AdaKV", "ExpectedAttention", "KNorm", "KeyDiff", "ObservedAttention", "PyramidKV", "ScoredPolicy", "SlimKV", "SnapKV", "TOVA"]
