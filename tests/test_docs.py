@@ -127,3 +127,27 @@ def test_guide_snippets_run(page, monkeypatch, tmp_path):
             continue
         # compiled as a file of its own: not under this module's `from __future__ import annotations`
         exec(compile(block, f"{page.name}:snippet", "exec", dont_inherit=True), namespace)
+
+
+def test_the_menu_has_five_sections_and_the_results_page_links_every_table():
+    """The site's menu: Home and five sections (Use, Methods, Reproduce, Results, Reference), at most 40 pages; the
+    benchmark tables are reached from the Results page, which links every one of them."""
+    yaml = pytest.importorskip("yaml")
+
+    class Loader(yaml.SafeLoader):  # mkdocs.yml's !!python/name tags are the theme's, not the menu's
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    nav = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)["nav"]
+    sections = [next(iter(entry)) for entry in nav]
+    assert sections == ["Home", "Use", "Methods", "Reproduce", "Results", "Reference"]
+
+    def leaves(entry):
+        value = next(iter(entry.values()))
+        return [value] if isinstance(value, str) else [leaf for e in value for leaf in leaves(e)]
+
+    pages = [leaf for entry in nav for leaf in leaves(entry)]
+    assert len(pages) <= 40, len(pages)
+    linked = set(re.findall(r"\]\((benchmarks/results/[^)]+\.md)\)", (ROOT / "docs" / "results.md").read_text()))
+    tables = {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").glob("*.md")}
+    assert tables == linked, (tables - linked, linked - tables)

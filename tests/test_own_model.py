@@ -324,3 +324,44 @@ def test_own_model_runs_the_passkey_suite(tiny_dir, tiny, tmp_path):
     theirs = passkey.run(tiny.model, *args, ResultLog(tmp_path / "llama.jsonl"), progress=False, label="s")
     assert len(ours) == 4
     assert [(r["id"], r["output"]) for r in ours] == [(r["id"], r["output"]) for r in theirs]
+
+
+def test_own_model_runs_a_suite_with_records_and_resume(tiny_dir, tiny, tmp_path, capsys):
+    """The suite runner itself (`passkey.suite`: an identity, a lock, records, resume, tables) on the pure-pytree own
+    model with no checkpoint path and no Llama config (`LoadedModel(model, tokenizer)`): the same outputs as kvjax's
+    Llama on the same weights, an identity naming the own class, a rerun that resumes with every record reused, and
+    a model of another class refused on that --out."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kvjax.errors import InvalidInput
+    from kvjax.experiments import passkey
+    from kvjax.models.loading import LoadedModel
+    from kvjax.policies import StreamingLLM
+
+    c = tiny.model.cfg
+    own = own_model(load_file(str(tiny_dir / "model.safetensors")),
+                    Config(vocab_size=c.vocab_size, num_layers=c.num_layers, num_heads=c.num_heads,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope.theta, eps=c.rms_norm_eps,
+                           max_position_embeddings=c.max_position_embeddings, eos_token_ids=c.eos_token_ids,
+                           pad_token_id=c.pad_token_id))
+    lm = LoadedModel(own, tiny.tokenizer)
+
+    def run(model, out, progress=False):
+        return passkey.suite(model, [StreamingLLM(budget=64, sinks=4)], out, lengths=[300], depths=[0.0, 1.0],
+                             samples=1, progress=progress)
+
+    ours = run(lm, tmp_path / "own")
+    theirs = run(tiny, tmp_path / "llama")
+    assert ours.summary == theirs.summary
+    identity = json.loads((tmp_path / "own" / "identity.json").read_text())
+    assert identity["model class"] == f"{OwnLlama.__module__}.{OwnLlama.__qualname__}" and identity["model"] is None
+    records = (tmp_path / "own" / "samples.jsonl").read_text()
+    assert records.count("\n") == 2
+    capsys.readouterr()
+    assert run(lm, tmp_path / "own", progress=True).summary == ours.summary
+    assert "2 records of this identity reused, 0 to compute" in capsys.readouterr().err
+    assert (tmp_path / "own" / "samples.jsonl").read_text() == records
+    with pytest.raises(InvalidInput, match="holds results of another configuration"):
+        run(tiny, tmp_path / "own")

@@ -85,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    sys.exit(cli.run(main, compile_cache=None))  # compiles nothing

@@ -162,7 +162,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
     mean share of the full cache's KV bytes held, None for records from before the field}, ...}}`.
     `lengths` default to five up to the model's window; `haystack` is a directory of .txt files
     (default: the standard-library reference documentation)."""
-    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    tok, n = lm.tokenizer, lm.model.cfg.max_position_embeddings
     top = n - MAX_NEW_TOKENS
     lengths = list(lengths or sorted({int(top * f) for f in (0.25, 0.4, 0.55, 0.75, 1.0)}))
     if not all(0 <= d <= 100 for d in depths):

@@ -223,7 +223,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     mean share of the full cache's KV bytes held, None for records from before the field}}`."""
     driver.positive(samples, "samples")
     driver.positive(batch, "batch")
-    tok, n = lm.tokenizer, lm.config.max_position_embeddings
+    tok, n = lm.tokenizer, lm.model.cfg.max_position_embeddings  # the contract's: any model
     if not all(0 <= d <= 1 for d in depths):
         raise driver.ArgumentError(f"depths={list(depths)} must each be in [0, 1]")
     lengths = list(lengths or default_lengths(tok, n))

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import InvalidInput, MissingFile, MissingKey, NonFiniteWeights
+from kvjax.model import CachedLM
 from kvjax.models import baichuan, gemma, mistral, phi3, qwen2, qwen3
 from kvjax.models.llama import Llama, LlamaConfig
 
@@ -63,12 +64,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclasses.dataclass
 class LoadedModel:
     """What `kvjax.models.load` returns: the model, its tokenizer (or None), its config, where it came from, and
-    how it was loaded."""
+    how it was loaded. A suite takes one; for a model of your own (any `kvjax.model.CachedLM`, not only an NNX
+    module), `LoadedModel(model, tokenizer)`: the suites read the model's `cfg`, and the run's identity comes from
+    the model itself (`kvjax.experiments.identity.model_identity`), not from a path."""
 
-    model: nnx.Module
+    model: nnx.Module | CachedLM
     tokenizer: object | None  # a transformers tokenizer, or None if the directory has none
-    config: LlamaConfig
-    path: Path
+    config: LlamaConfig | None = None  # the checkpoint's (kvjax's Llama); None for a model of your own
+    path: Path | None = None
     # How it was loaded (dtype, attention_impl, allow_nonfinite; gate_params once gates are attached):
     # part of the identity of every result computed with it (kvjax.experiments.driver.open_records).
     load_options: dict = dataclasses.field(default_factory=dict)

@@ -161,11 +161,11 @@ def predict_many(lm, policies, data_dir: Path, dataset: str, out: Path, opts: Op
         raise InvalidInput(f"samples={opts.samples!r} must be a positive integer (or None: every sample)")
     rows = load_rows(data_dir, dataset, opts.e)[: opts.samples]
     max_new = cfg["max_new_tokens"][dataset]
-    max_length = opts.max_length or lm.config.max_position_embeddings - max_new
+    max_length = opts.max_length or lm.model.cfg.max_position_embeddings - max_new
     logs = [ResultLog(out / "preds" / policy_slug(p) / f"{dataset}{'_e' if opts.e else ''}.jsonl", key="_id")
             for p in policies]
     todo = [r for r in rows if any(r["_id"] not in log for log in logs)]
-    eos = list(lm.config.eos_token_ids)
+    eos = list(lm.model.cfg.eos_token_ids)
     if dataset in cfg["stop_at_newline"]:
         eos.append(tok.encode("\n", add_special_tokens=False)[-1])
     total = len(rows) * len(policies)
