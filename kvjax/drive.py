@@ -231,17 +231,6 @@ def grad_replay(model: CachedLM, tokens: Int[Array, "b t"], positions: Int[Array
     return tuple(out)
 
 
-def shrink(model: CachedLM, plan: Plan, cache: Cache, max_len: int, prompt_len: int) -> tuple[Plan, Cache]:
-    """After a prompt of `prompt_len` (padded) tokens under `plan` (sized for `max_len`): a policy that sizes its cache
-    from what the prompt kept (the Attention-Gate) cuts the cache on the host. Returns the plan of the cut cache
-    (`plan` itself when nothing was cut) and the cache."""
-    policy, cache = plan.policy.shrink(cache, max_len - prompt_len)
-    if policy == plan.policy:
-        return plan, cache
-    # `plan.policy` is already fitted to the model's windows: resolved as it is
-    return resolve(policy, model.cfg.num_layers, model.cfg.num_kv_heads).sized(max_len, prompt_len), cache
-
-
 def equal_bytes_budget(model: CachedLM, policy: Policy, prompt_len: int, new_tokens: int) -> int:
     """The token budget per (layer, KV head) at which a one-array-per-layer policy (StreamingLLM, H2O,
     SnapKV, ...) holds as many slots as `policy` does for one `prompt_len`-token prompt and
@@ -254,4 +243,4 @@ def equal_bytes_budget(model: CachedLM, policy: Policy, prompt_len: int, new_tok
 
 
 __all__ = ["chunk", "decode", "empty_cache", "equal_bytes_budget", "extend", "follow", "forward", "grad_replay", "logits", "plan", "probe", "prompt", "replay", "shared",
-           "shrink", "size_rows", "stream"]
+           "size_rows", "stream"]

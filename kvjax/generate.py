@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from kvjax import drive, engine, kvzip, sharding
+from kvjax import drive, engine, sharding
+from kvjax.after_prompt import PromptPass
 from kvjax import cache as kvcache
 from kvjax.cache import Cache
 from kvjax.cache import tree_nbytes as kvcache_bytes
@@ -28,7 +29,6 @@ from kvjax.engine import MIN_BUCKET, bucket_length, compiled
 from kvjax.errors import InvalidInput, NonFiniteError, PromptTooLong
 from kvjax.model import CachedLM
 from kvjax.policies.base import Policy
-from kvjax.policies.kvzip import KVzip
 from kvjax.policies.plan import Plan
 
 
@@ -537,7 +537,7 @@ def generate_many(
     captured = None
     prefilled: dict[int, tuple] = {}
     out = [None] * len(policies)
-    replays: dict = {}  # KVzip's replay scores per row, shared by KVzip policies that evict differently
+    replays: dict = {}  # the hooks' memo (KVzip's replay scores per row, shared by KVzip policies)
     order = sorted(range(len(policies)), key=lambda i: (group_of[i][0] if i in group_of else i, i))
     for i in order:
         policy = policies[i]
@@ -601,9 +601,8 @@ def _continue(model, graphdef, state, mesh, plan, cache, first, first_finite, pr
               k_decode, eos, pad, max_new_tokens, sampling, buffer, bucket, room, q_bucket, progress, t0,
               shared_s, replays) -> Generation:
     """After a policy's prompt pass: its questions (agnostic protocol), then the decode loop."""
-    if isinstance(plan.policy, KVzip):  # its scores come from replaying the context through the model
-        cache = kvzip.compress(model, cache, plan, prompts, replays)
-    plan, cache = drive.shrink(model, plan, cache, bucket + room, bucket)  # Attention-Gate: cut to what was kept
+    # the method's own hook (KVzip replays the context; the Attention-Gate cuts its cache to what it kept)
+    plan, cache = plan.policy.after_prompt(PromptPass(model, plan, cache, prompts, bucket + room, bucket, replays))
     ends = np.asarray([len(p) for p in prompts], np.int32)
     held, full = kvcache.held_bytes(cache), kvcache.full_bytes(cache, ends)
     if questions is not None and len(questions) > len(prompts):  # one compression, one copy per question

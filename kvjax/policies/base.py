@@ -312,6 +312,14 @@ class Policy(abc.ABC):
         del room
         return self, cache
 
+    def after_prompt(self, run) -> tuple[object, object]:
+        """The method's hook once its prompt is cached, before any question or decoding: `(plan, cache)` decoding
+        goes on with. `run` (a `kvjax.after_prompt.PromptPass`) holds the model, the plan, the cache, the prompts
+        and the forwards a method may run over the cached context (KVzip replays it). Default: `shrink` (the
+        Attention-Gate's cut to what it kept), the plan sized again when the policy changed."""
+        policy, cache = self.shrink(run.cache, run.max_len - run.prompt_len)
+        return (run.plan if policy == self else run.resized(policy)), cache
+
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
         fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode", "chunk"))

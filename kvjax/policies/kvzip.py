@@ -7,8 +7,9 @@ being repeated and the replay tokens themselves), and the lowest-scored pairs ov
 evicted together (`layerwise=False`: layers keep different shares), the first `sinks` positions never. As
 kvpress 0.5.5's `KVzipPress`, whose conventions these are (its tests: `tests/test_kvpress.py`).
 
-The rule here only caches the prompt whole (like `AdaKV`'s, sized to the prompt); the replay needs the model,
-so `kvjax.kvzip.compress` runs it after the prompt pass (`kvjax.generate` does so for this policy). Evicted
+The rule here only caches the prompt whole (like `AdaKV`'s, sized to the prompt); the replay needs the model, so
+it runs in the policy's hook after the prompt pass (`KVzip.after_prompt`: `scores`, `evicted` and `compress` below,
+the model's replays run by the driver's `kvjax.after_prompt.PromptPass`). Evicted
 slots are emptied, not freed: a layer's cache stays `[b, kvh, prompt + new tokens]` (kvpress masks them).
 
 The replay prompts are token ids of the model's tokenizer (`kvjax.kvzip.replay_prompts`), part of the policy
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import cache as kvcache
-from kvjax.cache import LayerCache
-from kvjax.errors import InvalidInput
 from kvjax import values
+from kvjax.cache import Cache, LayerCache
+from kvjax.errors import InvalidInput, NonFiniteError
 from kvjax.policies.base import AppendsWhileDecoding, LayerPolicy, ratio_option, sinks_option
 from kvjax.policies.options import given, option, register
 
@@ -58,6 +61,10 @@ class KVzip(LayerPolicy, AppendsWhileDecoding):
     prefix: int = 0
     plus: bool = False  # KVzip+'s normalisation (see the module)
     evicts_while_decoding = False
+
+    def after_prompt(self, run):
+        # the replay needs the model: the context cached whole, its slots scored by replaying it, the lowest emptied
+        return run.plan, compress(run, self)
     replays_prompt = True
     chunk_refusal = ("its replay attends every context token once the whole context is cached, which a chunked "
                      "prefill (a cache bounded while the prompt is read) never holds")
@@ -121,6 +128,102 @@ class KVgrad(KVzip):
         return "KVgrad" + super().describe()[len("KVzip"):]
 
 
+# ---- the replay: KVzip's scores of a cached context and the eviction over all layers (after the prompt pass) ----
+
+POSTFIX = 8  # a later chunk's replay starts with the previous chunk's last tokens (kvpress: prev_postfix_size)
+# Replays are padded to a multiple of this many tokens: a power-of-two bucket would double a 2048-token chunk's
+# replay (2048 + its prompt), and a context's replays are all one length but the last, so few programs compile.
+REPLAY_ROUND = 256
+
+
+def replays(context: list[int], policy: KVzip) -> list[tuple[int, int, list[int]]]:
+    """`(start, end, replay tokens)` per chunk of `context[prefix:]`: the chunk covers positions start..end-1."""
+    body = context[policy.prefix:]
+    out = []
+    for i in range(0, len(body), policy.chunk_size):
+        chunk = body[i:i + policy.chunk_size]
+        head = list(policy.repeat_ids) if i == 0 else (  # the previous chunk's last POSTFIX tokens
+            list(policy.continue_ids) + body[max(i - policy.chunk_size, i - POSTFIX):i])
+        start = policy.prefix + i
+        out.append((start, start + len(chunk), head + list(policy.suffix_ids) + chunk))
+    return out
+
+
+def scores(run, context: list[int], policy: KVzip, row: int = 0) -> np.ndarray:
+    """`[layers, kv_heads, len(context)]`: the KVzip score of each context position of batch row `row` of `run.cache`
+    (a `kvjax.after_prompt.PromptPass`), after all replays (sinks not yet raised). The cache is read only."""
+    layers = _row_cache(run.cache, row)
+    total = None
+    for start, end, ids in replays(context, policy):
+        n = len(ids)
+        t = -(-n // REPLAY_ROUND) * REPLAY_ROUND
+        tokens = np.zeros((1, t), np.int32)
+        positions = np.full((1, t), -1, np.int32)
+        tokens[0, :n] = ids
+        positions[0, :n] = len(context) + np.arange(n)  # right padded, as `extend` takes a chunk
+        span = np.asarray([[min(policy.sinks, start), start, end]], np.int32)
+        # KVgrad: one forward and one backward pass
+        got = run.replay(tokens, positions, layers, span, plus=policy.plus, grad=isinstance(policy, KVgrad))
+        got = np.stack([np.asarray(x[0], np.float32) for x in got])  # [L, kvh, c] by slot
+        if not np.all(np.isfinite(got)):  # a NaN would sort anywhere and evict silently
+            raise NonFiniteError(f"{type(policy).__name__}: non-finite reconstruction scores in the replay of positions "
+                                 f"{start}-{end - 1}")
+        total = got if total is None else total + got  # a slot belongs to one chunk: 0 elsewhere
+    out = np.zeros((len(layers), layers[0].pos.shape[1], len(context)), np.float32)
+    if total is None:
+        return out
+    for i, lc in enumerate(layers):
+        pos = np.asarray(lc.pos[0])
+        h, c = np.nonzero((pos >= 0) & (pos < len(context)))
+        out[i, h, pos[h, c]] = total[i, h, c]
+    return out
+
+
+def evicted(score: np.ndarray, policy: KVzip) -> np.ndarray:
+    """Bool `[layers, kv_heads, t]`: the positions KVzip evicts given `scores`: the sinks raised above every
+    score, then the `ratio` share with the lowest scores over all layers and heads (`layerwise`: per layer,
+    over its heads). Ties go to the earlier (layer, head, position), which kvpress's `topk` leaves open."""
+    score = score.copy()
+    score[..., :policy.sinks] = score.max() + 1.0
+    n_layers, kvh, t = score.shape
+    gone = np.zeros(score.shape, bool)
+    if policy.layerwise:
+        n = int(kvh * t * policy.ratio)
+        for i in range(n_layers):
+            gone[i].reshape(-1)[np.argsort(score[i].reshape(-1), kind="stable")[:n]] = True
+    else:
+        n = int(score.size * policy.ratio)
+        gone.reshape(-1)[np.argsort(score.reshape(-1), kind="stable")[:n]] = True
+    return gone
+
+
+def compress(run, policy: KVzip) -> Cache:
+    """`run.cache` (the prompts cached whole under `run.plan`, one row per prompt) with KVzip's evicted slots emptied;
+    the layers' shapes are unchanged. Policies that differ only in how much they evict (ratio, layerwise) share each
+    row's replay scores through `run.memo` instead of replaying again."""
+    if any(not isinstance(lc, LayerCache) for lc in run.cache):
+        raise InvalidInput("KVzip: every layer must hold one cache array (no head groups, no quantized cache)")
+    # what the scores depend on (the sinks are in each replay's softmax)
+    replay = (type(policy), policy.sinks, policy.chunk_size, policy.prefix, policy.repeat_ids, policy.continue_ids,
+              policy.suffix_ids, policy.plus)
+    pos = [np.array(lc.pos) for lc in run.cache]
+    for row, context in enumerate(run.prompts):
+        key = (replay, row, tuple(context))
+        if key not in run.memo:
+            run.memo[key] = scores(run, list(context), policy, row)
+        gone = evicted(run.memo[key], policy)
+        for i, p in enumerate(pos):
+            r = p[row]
+            h, c = np.nonzero((r >= 0) & (r < len(context)))
+            drop = gone[i, h, r[h, c]]
+            r[h[drop], c[drop]] = -1
+    return tuple(dataclasses.replace(lc, pos=jnp.asarray(p)) for lc, p in zip(run.cache, pos))
+
+
+def _row_cache(cache: Cache, row: int) -> Cache:
+    return jax.tree.map(lambda x: x[row:row + 1], cache)
+
+
 # ---- registration: --ratio of all layers' slots evicted together; the replay prompts are the model's tokenizer's ids
 # (`replay`, given by the suites from the model's tokenizer: kvjax.kvzip.replay_prompts)
 
@@ -150,4 +253,4 @@ register("kvgrad", build=_builder(KVgrad), classes=(KVgrad,), budget=False, pape
          docs="policies/kvgrad.md", chunked="refused", kvpress="`KVgradPress`", memory=MASKED)
 
 
-__all__ = ["KVgrad", "KVzip"]
+__all__ = ["KVgrad", "KVzip", "POSTFIX", "REPLAY_ROUND", "compress", "evicted", "replays", "scores"]
