@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import math
 from pathlib import Path
 
@@ -83,12 +84,21 @@ def split_question(prompts: list[list[int]], question_lengths: list[int], protoc
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 
 
-def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+def add_chat_template_arg(p: argparse.ArgumentParser, default: str = "auto", help: str | None = None) -> None:
     """--chat-template auto|on|off: the model's prompt format, for every suite that builds prompts."""
-    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
-                   help="wrap each context in the tokenizer's chat template as kvpress's pipeline does (context in "
-                        "the user turn; question, end of turn, assistant header, answer prefix after it): on, off "
-                        "(raw text), or auto (on iff the tokenizer has a template, as kvpress). Default auto")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default=default,
+                   help=help or "wrap each context in the tokenizer's chat template as kvpress's pipeline does (context "
+                                "in the user turn; question, end of turn, assistant header, answer prefix after it): "
+                                "on, off (raw text), or auto (on iff the tokenizer has a template, as kvpress). "
+                                f"Default {default}")
+
+
+def hint_raw(tok, on: bool, suite: str) -> None:
+    """One line on stderr where a suite reads raw text with a model whose tokenizer has a chat template (an instruct
+    model, which may answer nothing to raw text): what --chat-template does."""
+    if not on and getattr(tok, "chat_template", None) is not None:
+        print(f"note: {suite} reads raw text (the papers' protocol) and this tokenizer has a chat template; "
+              "--chat-template auto (or on) wraps each prompt in it", file=sys.stderr)
 
 
 def chat_template_on(tok, mode: str) -> bool:

@@ -26,11 +26,15 @@ import numpy as np
 
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import (
+    add_chat_template_arg,
     add_compare_args,
     add_protocol_arg,
     add_run_args,
+    chat_parts,
+    chat_template_on,
     compared,
     float_list,
+    hint_raw,
     int_list,
     model_help,
     positive_int,
@@ -64,15 +68,27 @@ def _ends_sentence(tok, token_id: int) -> bool:
     return tok.convert_ids_to_tokens(int(token_id)).rstrip().endswith((".", "!", "?"))
 
 
-def needle_prompt(tok, haystack_ids: list[int], length: int, depth: float, needle: str, question: str
-                  ) -> tuple[list[int], int]:
-    """(prompt of exactly `length` tokens, index of the needle's first token) for `depth` in [0, 100]."""
+def _frame(tok, question: str, chat: bool) -> tuple[list[int], list[int]]:
+    """(the ids before the haystack, the question's ids): raw text, BOS and the question; with the chat template
+    (`chat`), as kvpress's pipeline builds a prompt, the user turn's opening, and the question + the end of the turn
+    + the assistant header."""
+    if not chat:
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        return bos, tok(question, add_special_tokens=False)["input_ids"]
+    head, suffix = chat_parts(tok, True)
+    return (tok(head, add_special_tokens=False)["input_ids"],
+            tok(question + suffix, add_special_tokens=False)["input_ids"])
+
+
+def needle_prompt(tok, haystack_ids: list[int], length: int, depth: float, needle: str, question: str,
+                  chat: bool = False) -> tuple[list[int], int]:
+    """(prompt of exactly `length` tokens, index of the needle's first token) for `depth` in [0, 100]; `chat`: in
+    the chat template."""
     if not 0 <= depth <= 100:
         raise InvalidInput(f"depth={depth} must be a percentage in [0, 100]")
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    opening, q_ids = _frame(tok, question, chat)
     n_ids = tok(needle, add_special_tokens=False)["input_ids"]
-    q_ids = tok(question, add_special_tokens=False)["input_ids"]
-    room = length - len(bos) - len(n_ids) - len(q_ids)
+    room = length - len(opening) - len(n_ids) - len(q_ids)
     if room < 1:
         raise InvalidInput(f"length={length} leaves no room for the haystack (needle + question take "
                          f"{length - room} tokens)")
@@ -82,7 +98,7 @@ def needle_prompt(tok, haystack_ids: list[int], length: int, depth: float, needl
     at = int(room * depth / 100)
     while at > 0 and not _ends_sentence(tok, context[at - 1]):  # back to a sentence boundary
         at -= 1
-    return bos + context[:at] + n_ids + context[at:] + q_ids, len(bos) + at
+    return opening + context[:at] + n_ids + context[at:] + q_ids, len(opening) + at
 
 
 def rouge1_recall(answer: str, reference: str) -> float:
@@ -156,7 +172,7 @@ def write_report(out: Path, records: list[dict], labels: list[str]) -> tuple[str
 
 def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 25.0, 50.0, 75.0, 100.0),
           haystack: str | None = None, needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER,
-          batch: int = 5, protocol: str = "aware", progress: bool = True) -> driver.SuiteResult:
+          batch: int = 5, protocol: str = "aware", progress: bool = True, chat: bool = False) -> driver.SuiteResult:
     """Needle in a haystack for each policy (`{label: policy}`, a list or one) over lengths x depths
     (percentages), into `out`; summary `{label: {"exact_match", "rouge1_recall", grids, "kv_held": {length: the
     mean share of the full cache's KV bytes held, None for records from before the field}, ...}}`.
@@ -170,13 +186,13 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
     hay = tok(haystack_text(haystack), add_special_tokens=False)["input_ids"]
     policies = driver.labelled(policies)
     setting = f"{needle}|{question}"
-    q_ids = tok(question, add_special_tokens=False)["input_ids"]  # needle_prompt's question tokens
+    q_ids = _frame(tok, question, chat)[1]  # needle_prompt's question tokens
     rid = lambda cell: f"{policies[cell[0]].describe()}|{setting}|{cell[1]}|{cell[2]}"  # (label, L, d)
 
     def run(chunk: list) -> list[dict]:
         lab, L = chunk[0][:2]
         pol = policies[lab]
-        prompts = [needle_prompt(tok, hay, L, d, needle, question) for _, _, d in chunk]
+        prompts = [needle_prompt(tok, hay, L, d, needle, question, chat) for _, _, d in chunk]
         contexts, questions = split_question([pr for pr, _ in prompts], [len(q_ids)] * len(prompts), protocol)
         gen = generate(lm.model, contexts, pol, questions=questions, max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling())
         records = []
@@ -197,7 +213,8 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 2
     suite = driver.Suite("needle", "cells.jsonl", cells, rid, run, report,
                          lambda todo: driver.batches(todo, batch, group=lambda cell: cell[:2]))
     return driver.run_suite(suite, out, lm, {"haystack": haystack, "needle": needle, "question": question,
-                                             "answer": answer, "batch": batch, "protocol": protocol}, policies,
+                                             "answer": answer, "batch": batch, "protocol": protocol}
+                            | ({"chat_template": "on"} if chat else {}), policies,  # on only: raw runs keep theirs
                             progress=progress, files=("haystack",))
 
 
@@ -216,15 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=5, help="prompts generated together (depths of one length)")
     p.add_argument("--out", default="results/needle",
                    help="where the results go (a folder; a rerun with the same options resumes there)")
+    add_chat_template_arg(p, default="off", help="the tokenizer's chat template around each prompt (the haystack in "
+                          "the user turn; the question, the end of the turn and the assistant header after it): off "
+                          "(raw text, the default), on, or auto (on iff the tokenizer has one)")
     add_protocol_arg(p)
     add_compare_args(p, default="full,streaming")
     add_run_args(p)
     args = p.parse_args(argv)
 
     lm = suite_model(args)
-    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths, depths=args.depths,
-                      haystack=args.haystack, needle=args.needle, question=args.question, answer=args.answer,
-                      batch=args.batch, protocol=args.protocol)
+    chat = chat_template_on(lm.tokenizer, args.chat_template)  # on without a template: refused
+    hint_raw(lm.tokenizer, chat, "needle")
+    res = driver.call(p, suite, lm, compared(p, args, lm.config.num_layers, lm.path), args.out, lengths=args.lengths,
+                      depths=args.depths, haystack=args.haystack, needle=args.needle, question=args.question,
+                      answer=args.answer, batch=args.batch, protocol=args.protocol, chat=chat)
     print(res.table)
     print(f"wrote {res.out}/results.{{md,json}} and heatmap_*.png")
     return 0

@@ -22,11 +22,15 @@ import numpy as np
 
 from kvjax.experiments import cli, driver
 from kvjax.experiments.common import (
+    add_chat_template_arg,
     add_compare_args,
     add_protocol_arg,
     add_run_args,
+    chat_parts,
+    chat_template_on,
     compared,
     float_list,
+    hint_raw,
     int_list,
     model_help,
     nonnegative_int,
@@ -36,7 +40,8 @@ from kvjax.experiments.common import (
 )
 from kvjax.experiments.held import kv_held, mean_held, shown_held
 from kvjax.experiments.records import ResultLog
-from kvjax.experiments.tasks import PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION, passkey_needle
+from kvjax.experiments.tasks import (PASSKEY_ANSWER, PASSKEY_ASK, PASSKEY_GARBAGE, PASSKEY_INTRO, PASSKEY_QUESTION,
+                                    passkey_needle)
 from kvjax import Sampling, generate_many
 from kvjax.errors import InvalidInput
 from kvjax.cli import HelpFormatter
@@ -48,12 +53,23 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def passkey_prompt(tok, length: int, depth: float, key: int | str) -> tuple[list[int], int]:
-    """(prompt ids of exactly `length` tokens, index of the needle's first token)."""
+def _frame(tok, chat: bool) -> tuple[list[int], list[int]]:
+    """(the ids before the description, the question's ids). Raw text: BOS, and the question with the answer's start.
+    With the chat template (`chat`), as kvpress's pipeline builds a prompt (`common.prompt_ids`): the user turn's
+    opening, and the question + the end of the turn + the assistant header + the answer's start."""
+    if not chat:
+        return [tok.bos_token_id], _encode(tok, PASSKEY_QUESTION)
+    head, suffix = chat_parts(tok, True)
+    return _encode(tok, head), _encode(tok, PASSKEY_ASK + suffix + PASSKEY_ANSWER)
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int | str, chat: bool = False) -> tuple[list[int], int]:
+    """(prompt ids of exactly `length` tokens, index of the needle's first token); `chat`: in the chat template."""
     if not 0.0 <= depth <= 1.0:
         raise InvalidInput(f"depth={depth} must be in [0, 1]")
-    head = [tok.bos_token_id] + _encode(tok, PASSKEY_INTRO)
-    needle, question = _encode(tok, passkey_needle(key)), _encode(tok, PASSKEY_QUESTION)
+    opening, question = _frame(tok, chat)
+    head = opening + _encode(tok, PASSKEY_INTRO)
+    needle = _encode(tok, passkey_needle(key))
     room = length - len(head) - len(needle) - len(question)
     if room < 0:
         raise InvalidInput(f"length={length} is shorter than the passkey prompt without garbage "
@@ -67,10 +83,10 @@ def passkey_prompt(tok, length: int, depth: float, key: int | str) -> tuple[list
     return head + filler[:cut] + needle + filler[cut:] + question, len(head) + cut
 
 
-def min_length(tok, key: int | str = 10000) -> int:
-    """Tokens of the passkey prompt without garbage (BOS, description, needle, question)."""
-    fixed = [tok.bos_token_id] + _encode(tok, PASSKEY_INTRO) + _encode(tok, passkey_needle(key))
-    return len(fixed) + len(_encode(tok, PASSKEY_QUESTION))
+def min_length(tok, key: int | str = 10000, chat: bool = False) -> int:
+    """Tokens of the passkey prompt without garbage (BOS or the chat's opening, description, needle, question)."""
+    opening, question = _frame(tok, chat)
+    return len(opening) + len(_encode(tok, PASSKEY_INTRO)) + len(_encode(tok, passkey_needle(key))) + len(question)
 
 
 def default_lengths(tok, max_position: int) -> list[int]:
@@ -106,7 +122,7 @@ def run_many(model, tok, policies: dict, lengths, depths, samples: int, log: Res
 
 
 def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: int = 0, batch: int = 8,
-          protocol: str = "aware", report=None) -> driver.Suite:
+          protocol: str = "aware", report=None, chat: bool = False) -> driver.Suite:
     """The passkey suite: a cell per (length, depth, sample, policy label), its record `label|length|depth|sample`;
     a batch is up to `batch` prompts of one length (one compilation per length), run by the policies still
     missing one of their records together (`generate_many`)."""
@@ -123,9 +139,8 @@ def cells(model, tok, policies: dict, lengths, depths, samples: int, *, seed: in
         wanted = {lab: policies[lab] for lab in dict.fromkeys(lab for lab, _ in todo)}
         asked = set(todo)
         length = chunk[0][0]
-        made = [passkey_prompt(tok, length, d, k) for _, d, _, k in chunk]
-        contexts, questions = split_question([p for p, _ in made], [len(_encode(tok, PASSKEY_QUESTION))] * len(made),
-                                             protocol)
+        made = [passkey_prompt(tok, length, d, k, chat) for _, d, _, k in chunk]
+        contexts, questions = split_question([p for p, _ in made], [len(_frame(tok, chat)[1])] * len(made), protocol)
         outs = generate_many(model, contexts, list(wanted.values()), questions=questions,
                              max_new_tokens=MAX_NEW_TOKENS, sampling=Sampling(), keep_caches=False,
                              pad_rows=batch)
@@ -214,8 +229,8 @@ def write_report(out: Path, tables: dict[str, dict], held: dict[str, dict] | Non
 
 
 def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-          samples: int = 5, batch: int = 8, seed: int = 0, protocol: str = "aware", progress: bool = True
-          ) -> driver.SuiteResult:
+          samples: int = 5, batch: int = 8, seed: int = 0, protocol: str = "aware", progress: bool = True,
+          chat: bool = False) -> driver.SuiteResult:
     """Passkey accuracy of each policy (`{label: policy}`, a list or one) per length and depth, into
     `out`. `lengths` default to max/4, max/2 and max - 8 (those the prompt fits in). The table holds
     every policy recorded in `out`, so runs of one policy at a time add up to one table; its summary is
@@ -231,10 +246,10 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     if too_long:
         raise driver.ArgumentError(f"lengths={too_long} + {MAX_NEW_TOKENS} generated tokens exceed the model's "
                                    f"max_position_embeddings={n}")
-    too_short = [L for L in lengths if L < min_length(tok)]
+    too_short = [L for L in lengths if L < min_length(tok, chat=chat)]
     if too_short:
         raise driver.ArgumentError(f"lengths={too_short} are shorter than the passkey prompt without garbage "
-                                   f"({min_length(tok)} tokens with this tokenizer)")
+                                   f"({min_length(tok, chat=chat)} tokens with this tokenizer)")
     policies = driver.labelled(policies)
 
     def report(log):
@@ -244,9 +259,10 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
         return write_report(Path(out), tables, held)
 
     run = cells(lm.model, tok, {pol.describe(): pol for pol in policies.values()}, lengths, list(depths), samples,
-                seed=seed, batch=batch, protocol=protocol, report=report)
-    return driver.run_suite(run, out, lm, {"seed": seed, "batch": batch, "protocol": protocol}, policies,
-                            progress=progress)
+                seed=seed, batch=batch, protocol=protocol, report=report, chat=chat)
+    # the chat template joins the identity only when on: runs in raw text keep the identity they always had
+    options = {"seed": seed, "batch": batch, "protocol": protocol} | ({"chat_template": "on"} if chat else {})
+    return driver.run_suite(run, out, lm, options, policies, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,15 +278,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=nonnegative_int, default=0, help="the random seed of the five-digit pass keys")
     p.add_argument("--out", default="results/passkey",
                    help="where the results go (a folder; a rerun with the same options resumes there)")
+    add_chat_template_arg(p, default="off", help="the tokenizer's chat template around each prompt (the description, "
+                          "garbage and needle in the user turn; the question, the end of the turn and the assistant "
+                          "header, then 'The pass key is'): off (raw text, the papers' protocol and the default), on, "
+                          "or auto (on iff the tokenizer has one)")
     add_protocol_arg(p)
     add_compare_args(p, default="full")
     add_run_args(p)
     args = p.parse_args(argv)
 
     lm = suite_model(args)
+    chat = chat_template_on(lm.tokenizer, args.chat_template)  # on without a template: refused
+    hint_raw(lm.tokenizer, chat, "passkey")
     policies = list(compared(p, args, lm.config.num_layers, lm.path).values())
     res = driver.call(p, suite, lm, policies, args.out, lengths=args.lengths, depths=args.depths,
-                      samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol)
+                      samples=args.samples, batch=args.batch, seed=args.seed, protocol=args.protocol, chat=chat)
     print(res.table)
     for policy in policies:
         records = [r for r in ResultLog(res.out / "samples.jsonl") if r["policy"] == policy.describe()]

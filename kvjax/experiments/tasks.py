@@ -22,7 +22,9 @@ SPECIAL_IDS = range(4)  # <unk> <s> </s> <pad>: never drawn as random tokens
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
                  "I will quiz you about the important information there.")
 PASSKEY_GARBAGE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_QUESTION = " What is the pass key? The pass key is"
+PASSKEY_ASK = " What is the pass key?"
+PASSKEY_ANSWER = "The pass key is"  # the answer's start: after the question raw, after the assistant header in a chat
+PASSKEY_QUESTION = PASSKEY_ASK + " " + PASSKEY_ANSWER
 
 
 def passkey_needle(key: int | str) -> str:
