@@ -304,20 +304,24 @@ def test_own_model_perplexity_through_scoring(models):
         assert np.abs(ours - whole).max() > 1e-2
 
 
+def own_from_checkpoint(directory, c) -> OwnLlama:
+    """The own model built from a kvjax checkpoint's weights and its Llama config `c`."""
+    from safetensors.numpy import load_file
+
+    return own_model(load_file(str(directory / "model.safetensors")),
+                     Config(vocab_size=c.vocab_size, num_layers=c.num_layers, num_heads=c.num_heads,
+                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope.theta, eps=c.rms_norm_eps,
+                            max_position_embeddings=c.max_position_embeddings, eos_token_ids=c.eos_token_ids,
+                            pad_token_id=c.pad_token_id))
+
+
 def test_own_model_runs_the_passkey_suite(tiny_dir, tiny, tmp_path):
     """`kvjax.experiments.passkey` (its Python API) on the own model built from a kvjax checkpoint's weights, with that
     checkpoint's tokenizer: the same records (outputs) as kvjax's Llama."""
-    from safetensors.numpy import load_file
-
     from kvjax.experiments import passkey
     from kvjax.experiments.records import ResultLog
 
-    c = tiny.model.cfg
-    own = own_model(load_file(str(tiny_dir / "model.safetensors")),
-                    Config(vocab_size=c.vocab_size, num_layers=c.num_layers, num_heads=c.num_heads,
-                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope.theta, eps=c.rms_norm_eps,
-                           max_position_embeddings=c.max_position_embeddings, eos_token_ids=c.eos_token_ids,
-                           pad_token_id=c.pad_token_id))
+    own = own_from_checkpoint(tiny_dir, tiny.model.cfg)
     policy = SnapKV(budget=64, observation_window=8)
     args = (tiny.tokenizer, policy, [300], [0.0, 1.0], 2)
     ours = passkey.run(own, *args, ResultLog(tmp_path / "own.jsonl"), progress=False, label="s")
@@ -333,19 +337,12 @@ def test_own_model_runs_a_suite_with_records_and_resume(tiny_dir, tiny, tmp_path
     a model of another class refused on that --out."""
     import json
 
-    from safetensors.numpy import load_file
-
     from kvjax.errors import InvalidInput
     from kvjax.experiments import passkey
     from kvjax.models.loading import LoadedModel
     from kvjax.policies import StreamingLLM
 
-    c = tiny.model.cfg
-    own = own_model(load_file(str(tiny_dir / "model.safetensors")),
-                    Config(vocab_size=c.vocab_size, num_layers=c.num_layers, num_heads=c.num_heads,
-                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope.theta, eps=c.rms_norm_eps,
-                           max_position_embeddings=c.max_position_embeddings, eos_token_ids=c.eos_token_ids,
-                           pad_token_id=c.pad_token_id))
+    own = own_from_checkpoint(tiny_dir, tiny.model.cfg)
     lm = LoadedModel(own, tiny.tokenizer)
 
     def run(model, out, progress=False):
