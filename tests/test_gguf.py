@@ -251,8 +251,8 @@ def test_gguf_tokenizer_from_metadata(tmp_path):
 
 def test_gguf_unknown_type_is_refused_by_name(tmp_path):
     pt = hf_model("llama")
-    f = write_gguf(tmp_path / "q5.gguf", pt, "llama", {"model.layers.0.mlp.down_proj.weight": Q.Q5_0})
-    with pytest.raises(InvalidInput, match=r"blk\.0\.ffn_down\.weight.*Q5_0.*supported: F32"):
+    f = write_gguf(tmp_path / "mxfp4.gguf", pt, "llama", {"model.layers.0.mlp.down_proj.weight": Q.MXFP4})
+    with pytest.raises(InvalidInput, match=r"blk\.0\.ffn_down\.weight.*MXFP4.*supported: F32"):
         load(f)
 
 
@@ -265,7 +265,7 @@ def test_gguf_unknown_architecture_is_refused_by_name(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(InvalidInput, match=r"architecture 'gpt2' is not supported; kvjax reads \['llama', "):
+    with pytest.raises(InvalidInput, match=r"architecture 'gpt2' is not supported; kvjax reads \['gemma3', 'llama', "):
         load(f)
 
 

@@ -17,7 +17,9 @@ llama.cpp's conventions that differ from Hugging Face's, undone here:
 * no `output.weight`: the head is tied to the embeddings.
 
 A "mistral" file is read like transformers reads one (rows as stored): llama.cpp writes Mistral
-checkpoints as "llama" files, which get the llama treatment.
+checkpoints as "llama" files, which get the llama treatment. A "gemma3" file (Gemma 3's text model) names its four
+norms per layer its own way (`ffn_norm` is the one before the MLP) and stores every norm weight as 1 + w, which is
+undone (as transformers' `Gemma2TensorProcessor` does); the rest of its config is transformers' Gemma 3 default.
 """
 
 from __future__ import annotations
@@ -36,20 +38,30 @@ from kvjax.errors import InvalidInput, MissingFile
 log = logging.getLogger(__name__)
 
 # Dequantized with llama.cpp's reference code (`gguf.quants`); anything else is refused by name.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Arch:
     hf_config: str  # the transformers config class its metadata becomes
     permuted_qk: bool  # llama.cpp permuted q/k rows for its interleaved RoPE
+    layer_names: tuple = ()  # (GGUF name, HF name) of a layer's tensors where they differ from Llama's
+    model_type: str | None = None  # transformers' model_type of its config, where it is not the architecture's name
+    norm_shift: float = 0.0  # llama.cpp's converter added this to every norm weight (Gemma's `(1 + w)` stored)
 
+
+# Gemma 3 (llama.cpp's `Gemma3Model`): four norms per layer, `ffn_norm` the one before the MLP, not after attention
+_GEMMA3_LAYER = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+                 ("post_ffw_norm", "post_feedforward_layernorm"))
 
 ARCHITECTURES = {
     "llama": _Arch("LlamaConfig", True),
     "mistral": _Arch("MistralConfig", False),
     "qwen2": _Arch("Qwen2Config", False),
     "qwen3": _Arch("Qwen3Config", False),
+    # the rest of its config (query_pre_attn_scalar, the local RoPE base, the 5:1 pattern of sliding layers) is not
+    # in the file: transformers' Gemma3TextConfig defaults, as transformers reads the file
+    "gemma3": _Arch("Gemma3TextConfig", False, _GEMMA3_LAYER, norm_shift=1.0, model_type="gemma3_text"),
 }
 
 _LAYER = {
@@ -77,11 +89,11 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor name, or None for one kvjax does not know."""
+def hf_name(gguf_name: str, arch: _Arch = ARCHITECTURES["llama"]) -> str | None:
+    """The HF tensor name of a GGUF tensor name in a file of `arch`, or None for one kvjax does not know."""
     stem, _, kind = gguf_name.rpartition(".")
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", stem):
-        part = _LAYER.get(m.group(2))
+        part = {**_LAYER, **dict(arch.layer_names)}.get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{kind}"
     return f"{_GLOBAL[stem]}.{kind}" if stem in _GLOBAL else None
 
@@ -120,7 +132,7 @@ class GGUFFile:
         self._tensors = {}
         unknown = []
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             if name is None:
                 unknown.append(t.name)
                 continue
@@ -135,6 +147,11 @@ class GGUFFile:
                                f"{' ...' if len(unknown) > 6 else ''}{hint}")
 
     # ---- metadata ----
+
+    @property
+    def hf_model_type(self) -> str:
+        """The transformers model_type its config is read as (`kvjax.models.loading.ARCHITECTURES`' key)."""
+        return self.arch.model_type or self.arch_name
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -197,8 +214,13 @@ class GGUFFile:
         )
         if self.arch_name == "llama":
             kw["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
-        if self.arch_name == "mistral":
+        if self.arch_name in ("mistral", "gemma3"):
             kw["sliding_window"] = self.hp("attention.sliding_window")
+        if self.arch_name == "gemma3":  # its config takes the global RoPE base by name (the local one: its default)
+            if rope["rope_type"] != "default":
+                raise InvalidInput(f"{self.path}: RoPE scaling in a gemma3 GGUF file is not supported")
+            kw.pop("rope_parameters")
+            kw["rope_theta"] = rope["rope_theta"]
         return getattr(transformers, self.arch.hf_config)(**kw)
 
     def _need(self, key: str):
@@ -241,6 +263,8 @@ class GGUFFile:
             if ".k_proj." in name:
                 heads = self.hp("attention.head_count_kv", heads)
             w = unpermute(w, int(heads))
+        if self.arch.norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(self.arch.norm_shift)  # as transformers' Gemma2TensorProcessor undoes it
         return w
 
     # ---- tokenizer ----
@@ -331,4 +355,5 @@ class GGUFFile:
 _TOKENIZER_FORMAT = 2
 # transformers has no GGUF tokenizer converter for "mistral" (KeyError); Mistral's vocabulary is Llama's
 # SentencePiece one, which llama's converter reads (it branches on tokenizer.ggml.model, not the architecture).
-_TOKENIZER_CONVERTER = {"mistral": "llama"}
+# Gemma 3's is registered under its text model's name.
+_TOKENIZER_CONVERTER = {"mistral": "llama", "gemma3": "gemma3_text"}

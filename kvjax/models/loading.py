@@ -331,7 +331,7 @@ def load(
         from kvjax.models.gguf import GGUFFile
 
         tensors = GGUFFile(path)
-        arch = ARCHITECTURES[tensors.arch_name]
+        arch = ARCHITECTURES[tensors.hf_model_type]
         try:
             cfg = arch.from_hf(tensors.hf_config())
         except (KeyError, TypeError, ValueError) as err:
