@@ -162,3 +162,55 @@ def test_a_method_registered_twice_is_refused(own):
     with pytest.raises(InvalidInput, match="value-norm"):
         options.register("value-norm", paper="", docs=None)(
             dataclasses.make_dataclass("Other", [], bases=(my_rules.ValueNorm,), frozen=True))
+
+
+def test_a_subclass_of_a_registered_method_is_its_own(tmp_path, monkeypatch):
+    """`--policy mod:Sub` for a subclass of a registered class builds the subclass (its own method, its own name),
+    never the registered base; a class of one's own sized by its own fields is refused --budget in one line."""
+    from kvjax.errors import InvalidInput
+    from kvjax.policies import make_policy
+
+    (tmp_path / "my_subs.py").write_text(textwrap.dedent('''
+        import dataclasses
+        from kvjax.policies import FullCache, SnapKV
+
+        @dataclasses.dataclass(frozen=True, kw_only=True)
+        class MySnap(SnapKV):
+            pass
+
+        @dataclasses.dataclass(frozen=True, kw_only=True)
+        class MyFull(FullCache):
+            pass
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert type(make_policy("my_subs:MySnap", 64)).__name__ == "MySnap"
+        assert type(make_policy("my_subs:MyFull")).__name__ == "MyFull"
+        assert cli.run(generate_cli.main, ["--policy", "my_subs:MyFull", "--budget", "64", "a b c"]) == 2
+        with pytest.raises(InvalidInput, match="does not take"):
+            make_policy("tova", 64, observation_window=16)  # TOVA's window is its last query: no option
+    finally:
+        sys.modules.pop("my_subs", None)
+        for name in [n for n in options.methods() if n.startswith("my_subs:")]:
+            options._METHODS.pop(name)
+
+
+def test_a_method_with_its_own_hook_is_not_a_silent_member():
+    """A combinator or a quantized cache runs only its own policy's `after_prompt`: a member with a hook of its own
+    (KVzip's replay) is refused by name instead of keeping every token."""
+    from kvjax.errors import InvalidInput
+    from kvjax.policies import KVzip, Quantized, StreamingLLM, by_head, by_layer
+    from kvjax.policies.ring import FullCache as Full
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Hooked(Full):
+        def after_prompt(self, run):
+            return run.plan, run.cache
+
+    zip_ = KVzip(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=(3,))
+    with pytest.raises(InvalidInput, match="ByLayer: KVzip runs a hook after its prompt"):
+        by_layer(StreamingLLM(budget=16), zip_, split=1)
+    with pytest.raises(InvalidInput, match="Hooked runs a hook after its prompt"):
+        by_head([[True, False]], Full(), Hooked()).check(1, 2)
+    with pytest.raises(InvalidInput, match="quantized cache .*Hooked|Hooked.*quantized"):
+        Quantized(Hooked(), bits=8)

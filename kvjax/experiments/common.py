@@ -222,7 +222,7 @@ def add_option(g, dest: str, spec, defaults: dict) -> None:
     by_value: dict[str, list[str]] = {}
     for name, value in defaults.items():
         by_value.setdefault(repr(value) if isinstance(value, str) else str(value), []).append(name)
-    shown = [v for v in by_value if v != "None"]
+    shown = [v for v in by_value if v != "None"] if spec.const is NO_CONST else []  # a switch has no default to say
     if len(shown) == 1 and len(by_value) == 1:
         said = f"; default {shown[0]}"
     elif shown:
@@ -244,8 +244,6 @@ def _own_methods_on_parse(p: argparse.ArgumentParser, g) -> None:
     parse = p.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
-        import sys
-
         argv = list(sys.argv[1:] if args is None else args)
         names = [v for i, a in enumerate(argv) for v in
                  (argv[i + 1].split(",") if a in ("--policy", "--compare") and i + 1 < len(argv) else
@@ -289,7 +287,7 @@ def _budget(args: argparse.Namespace, names: list[str]) -> int | None:
     if args.budget is not None:
         if not budgeted:
             raise InvalidInput(f"--budget {args.budget} does not apply to --policy {','.join(names)}: "
-                               + "; ".join(NO_BUDGET_WHY[n] for n in names))
+                               + "; ".join(NO_BUDGET_WHY.get(n, f"{n} is sized by its own options") for n in names))
         if args.ratio is not None:
             raise InvalidInput(f"--budget {args.budget} and --ratio {args.ratio} both size the cache: give one")
         return args.budget

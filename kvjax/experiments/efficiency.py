@@ -112,7 +112,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, new: int = 32,
     """Prefill seconds, decode tokens/s and cache bytes of each policy (`{label: policy}`, a list or
     one) at each context length (default max/4, max/2, max - new), into `out`; summary
     `{"meta": ..., "rows": [one per policy x length]}`."""
-    cfg = lm.config
+    cfg = lm.model.cfg  # the contract's: any model
     if new < 2:
         raise driver.ArgumentError(f"new={new} must be >= 2 (one prefill token, then decoded ones)")
     n = cfg.max_position_embeddings

@@ -89,13 +89,14 @@ def min_length(tok, key: int | str = 10000, chat: bool = False) -> int:
     return len(opening) + len(_encode(tok, PASSKEY_INTRO)) + len(_encode(tok, passkey_needle(key))) + len(question)
 
 
-def default_lengths(tok, max_position: int) -> list[int]:
+def default_lengths(tok, max_position: int, chat: bool = False) -> list[int]:
     """max/4, max/2 and max - MAX_NEW_TOKENS, those the prompt fits in (at least 16 tokens of garbage)."""
     top = max_position - MAX_NEW_TOKENS
-    lengths = sorted({n for n in (max_position // 4, max_position // 2, top) if n >= min_length(tok) + 16})
+    shortest = min_length(tok, chat=chat)
+    lengths = sorted({n for n in (max_position // 4, max_position // 2, top) if n >= shortest + 16})
     if not lengths:
         raise InvalidInput(f"max_position_embeddings={max_position} is too short for the passkey prompt "
-                         f"({min_length(tok)} tokens without garbage)")
+                         f"({shortest} tokens without garbage)")
     return lengths
 
 
@@ -241,7 +242,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, depths=(0.0, 0
     tok, n = lm.tokenizer, lm.model.cfg.max_position_embeddings  # the contract's: any model
     if not all(0 <= d <= 1 for d in depths):
         raise driver.ArgumentError(f"depths={list(depths)} must each be in [0, 1]")
-    lengths = list(lengths or default_lengths(tok, n))
+    lengths = list(lengths or default_lengths(tok, n, chat))
     too_long = [L for L in lengths if L + MAX_NEW_TOKENS > n]
     if too_long:
         raise driver.ArgumentError(f"lengths={too_long} + {MAX_NEW_TOKENS} generated tokens exceed the model's "

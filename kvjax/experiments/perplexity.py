@@ -163,7 +163,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, sequences: int
     scored nll}}}}`; or "leave-one-out", each scored window at the β with the lowest mean NLL on the other
     windows (no extra window; "chosen" is then one β per window). The windows of one policy and length are
     read `batch` at a time, one row each (`kvjax.scoring.logprobs_rows`)."""
-    cfg = lm.config
+    cfg = lm.model.cfg  # the contract's: any model
     n = cfg.max_position_embeddings
     lengths = list(lengths or [n // 2, n, 2 * n])
     if min(lengths) < 2:

@@ -64,9 +64,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclasses.dataclass
 class LoadedModel:
     """What `kvjax.models.load` returns: the model, its tokenizer (or None), its config, where it came from, and
-    how it was loaded. A suite takes one; for a model of your own (any `kvjax.model.CachedLM`, not only an NNX
-    module), `LoadedModel(model, tokenizer)`: the suites read the model's `cfg`, and the run's identity comes from
-    the model itself (`kvjax.experiments.identity.model_identity`), not from a path."""
+    how it was loaded. A suite's Python API takes one (`passkey.suite`, `needle.suite`, ...); for a model of your
+    own (any `kvjax.model.CachedLM`, not only an NNX module), `LoadedModel(model, tokenizer)`: the suites read the
+    model's `cfg`, and the run's identity comes from the model itself (`kvjax.experiments.identity.model_identity`),
+    not from a path. `tests/test_own_model.py` runs passkey's so."""
 
     model: nnx.Module | CachedLM
     tokenizer: object | None  # a transformers tokenizer, or None if the directory has none

@@ -320,6 +320,12 @@ class Policy(abc.ABC):
         policy, cache = self.shrink(run.cache, run.max_len - run.prompt_len)
         return (run.plan if policy == self else run.resized(policy)), cache
 
+    @property
+    def has_own_hook(self) -> bool:
+        """Whether the method overrides `after_prompt` (KVzip's replay): a hook that a combinator or a quantized
+        cache would not run, so they refuse such a member (`refuse_hooked`) rather than drop it silently."""
+        return type(self).after_prompt is not Policy.after_prompt
+
     def describe(self) -> str:
         """`Name(own fields..., positions=..., prefill_mode=...)`: the method's parameters first."""
         fields = sorted(dataclasses.fields(self), key=lambda f: f.name in ("positions", "prefill_mode", "chunk"))
@@ -500,3 +506,14 @@ class RatioBudget:
     def describe(self) -> str:
         # A token budget's description stays what it was before ratios existed (records are keyed by it).
         return super().describe().replace(", ratio=None", "").replace("(ratio=None, ", "(")
+
+
+def refuse_hooked(owner: str, members) -> None:
+    """A member with its own `after_prompt` (`Policy.has_own_hook`) inside `owner` (a combinator, a quantized cache),
+    which runs only its own policy's hook, is refused by name."""
+    hooked = [m for m in members if m.has_own_hook]
+    if hooked:
+        name = type(hooked[0]).__name__
+        raise InvalidInput(f"{owner}: {name} runs a hook after its prompt (after_prompt: it needs the model, as "
+                           f"KVzip's replay does), which {owner} does not run for a member; run {name} as a policy of "
+                           "its own")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy, PromptMasking, check_numbers
+from kvjax.policies.base import Policy, PromptMasking, check_numbers, refuse_hooked
 from kvjax.policies.plan import resolve
 from kvjax.policies.quantized import Quantized
 from kvjax.policies.ring import FullCache
@@ -29,6 +29,7 @@ class LayerDispatch(Policy):
         raise NotImplementedError
 
     def _check_modes(self, name: str) -> None:
+        refuse_hooked(name, self.members())
         modes = {(m.prefill_mode, m.chunk) for m in self.members()}
         if len(modes) > 1:
             raise InvalidInput(f"{name}: its policies process prompts differently ((prefill_mode, chunk) "
@@ -185,6 +186,7 @@ class ByHead(Policy):
     def check(self, num_layers, num_kv_heads=None):
         for layer in range(num_layers):
             split = self.head_split(layer)
+            refuse_hooked(type(self).__name__, [sub for _, sub in split])
             heads = sorted(h for hs, _ in split for h in hs)
             if num_kv_heads is not None and heads != list(range(num_kv_heads)):
                 raise InvalidInput(

@@ -223,8 +223,10 @@ def _duo_kvpress(budget, duo_pattern=None, head_compression=0.5, sinks=None, rec
                             kind=DuoAttentionOnce)
 
 
+PATTERNS = {"sinks": "the pattern's", "recent": "the pattern's"}  # not given: the pattern's sizes
 register("duo", build=_duo, classes=(DuoAttention, LayerPolicy), options=DUO_OPTIONS, budget=False,
-         paper="Xiao et al. 2025", docs="policies/duo.md", chunked="exact", memory="real, head-wise arrays")
+         paper="Xiao et al. 2025", docs="policies/duo.md", chunked="exact", memory="real, head-wise arrays",
+         defaults=PATTERNS)
 register("duo-kvpress", build=_duo_kvpress, classes=(DuoAttention,), options=DUO_OPTIONS, budget=False,
-         paper="kvpress's DuoAttentionPress (streaming heads from the prompt, then appended)", docs="policies/duo.md",
+         defaults=PATTERNS, paper="kvpress's DuoAttentionPress (streaming heads from the prompt, then appended)", docs="policies/duo.md",
          chunked="refused", kvpress="`DuoAttentionPress`", memory="real, head-wise arrays")

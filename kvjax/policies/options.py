@@ -65,14 +65,20 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     return dataclasses.field(default=default, metadata={KEY: spec}, **field_kwargs)
 
 
+def fixed(default: Any) -> Any:
+    """A field that a base class declares as an option and this method fixes: no flag sets it here (TOVA scores by
+    the last query only, so its `observation_window` is 1)."""
+    return dataclasses.field(default=default, metadata={KEY: None})
+
+
 def _spec(cls, name: str) -> Option | None:
     """The option declared on field `name` of `cls`, or of the base that declared it (a subclass that only changes
-    its default, as MAT's anchor cache does for `prefill_mode`, keeps the declaration)."""
+    its default, as MAT's anchor cache does for `prefill_mode`, keeps the declaration; one that `fixed` it has none)."""
     for base in cls.__mro__:
         if dataclasses.is_dataclass(base):
             for f in dataclasses.fields(base):
                 if f.name == name and KEY in f.metadata:
-                    return f.metadata[KEY].named(name)
+                    return None if f.metadata[KEY] is None else f.metadata[KEY].named(name)
     return None
 
 
@@ -160,10 +166,12 @@ def class_builder(cls) -> Callable[..., Any]:
 
 def register(name: str, *, paper: str, docs: str | None, memory: str = "real", budget: bool = True,
              build: Callable[..., Any] | None = None, classes: tuple = (),
-             options: Mapping[str, Option] | None = None, kvpress: str = "—", chunked: str = ""):
+             options: Mapping[str, Option] | None = None, kvpress: str = "—", chunked: str = "",
+             defaults: Mapping[str, Any] | None = None):
     """Registers a method under its `--policy` name (see the module). With `build`, its parameters (but `budget`
     and `INTERNAL`) are the options it takes, each declared on a field of `classes` or in `options`; without,
-    returns a class decorator. A name registered twice is refused."""
+    returns a class decorator. `defaults`: what the help says of an option whose default the builder decides
+    (DuoAttention's sinks and window: the pattern's). A name registered twice is refused."""
 
     def add(builder, declared: dict[str, tuple[Option, Any]], source: str):
         if name in _METHODS and _METHODS[name].source != source:
@@ -176,10 +184,11 @@ def register(name: str, *, paper: str, docs: str | None, memory: str = "real", b
         takes_all = "options" in params  # a class builder: every declared option
         dests = list(declared) if takes_all else wanted
         signature = inspect.signature(builder).parameters
-        defaults = {d: signature[d].default if d in signature and signature[d].default is not inspect.Parameter.empty
-                    and signature[d].default is not None else declared[d][1] for d in dests}
+        said = {d: signature[d].default if d in signature and signature[d].default is not inspect.Parameter.empty
+                and signature[d].default is not None else declared[d][1] for d in dests}
         _METHODS[name] = Method(name, builder, paper, docs, memory, budget, {d: declared[d][0] for d in dests},
-                                defaults, frozenset(p for p in params if p in INTERNAL), source, kvpress, chunked)
+                                {**said, **(defaults or {})}, frozenset(p for p in params if p in INTERNAL), source,
+                                kvpress, chunked)
 
     extra = {d: (spec.named(d), None) for d, spec in (options or {}).items()}
     if build is not None:
@@ -278,5 +287,5 @@ def pages_table(docs_root: str, title: Callable[[str], str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Live", "Method", "Option", "all_options", "class_builder", "field_options", "given", "methods",
+__all__ = ["Live", "Method", "Option", "all_options", "class_builder", "field_options", "fixed", "given", "methods",
            "methods_table", "no_budget", "option", "pages_table", "register"]

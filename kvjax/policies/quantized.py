@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.errors import InvalidInput
-from kvjax.policies.base import Policy, PooledRule, check_numbers
+from kvjax.policies.base import Policy, PooledRule, check_numbers, refuse_hooked
 from kvjax.quant import KVQuant
 
 
@@ -43,6 +43,7 @@ class Quantized(Policy):
                                "the model over the full-precision cache, which a quantized cache does not keep; a "
                                "quantized KVzip-family cache is not supported (quantize SnapKV, StreamingLLM, ... "
                                "or run KVzip unquantized)")
+        refuse_hooked("a quantized cache (--kv-bits)", [p for p in _members(self.policy) if not p.replays_prompt])
         shrinking = [p for p in _members(self.policy) if type(p).shrink is not Policy.shrink]
         if shrinking:
             raise InvalidInput(f"{shrinking[0].describe()} moves its cache on the host after the prompt (shrink); it "

@@ -29,7 +29,8 @@ def method(name: str) -> options.Method:
         if not (inspect.isclass(cls) and issubclass(cls, Policy) and dataclasses.is_dataclass(cls)):
             raise InvalidInput(f"--policy {name}: {attr} is not a policy class (a frozen dataclass subclassing "
                                "kvjax.policies.LayerPolicy)")
-        registered = getattr(cls, "registered_as", None)  # the class registered itself when its module was imported
+        # the class itself registered when its module was imported (not a registered base: a subclass is its own)
+        registered = cls.__dict__.get("registered_as")
         if registered in options.methods():
             return options.methods()[registered]
         options.register(name, paper="(your own)", docs=None,

@@ -61,7 +61,7 @@ from kvjax.policies.base import (
     sinks_option,
     warn_chunked_method,
 )
-from kvjax.policies.options import WARNED, class_builder, given, option, register
+from kvjax.policies.options import WARNED, class_builder, fixed, given, option, register
 from kvjax.stats import RuleStats, StatsRequest
 
 POOLS = ("max", "avg", "none")
@@ -347,7 +347,7 @@ class TOVA(ScoredPolicy):
     """TOVA (Oren et al. 2024): keeps the tokens the last query attends most, its probabilities averaged over
     every head of the layer, so all KV heads of a layer keep the same positions."""
 
-    observation_window: int = observation_window_option(1)
+    observation_window: int = fixed(1)  # the last query scores, and is kept: not an option (as kvpress's TOVAPress)
 
     def stats(self, layer):
         return RuleStats(prefill=StatsRequest.last(1))

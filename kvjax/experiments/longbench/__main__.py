@@ -123,7 +123,7 @@ def chosen_datasets(lm, data_dir: str | None, datasets: list[str] | None, e: boo
     """(data directory, dataset names): the offline suite for the model's window unless given, every
     dataset in it unless named; an unknown name is an error."""
     if data_dir is None:
-        data_dir = str(SMALL_DATA_DIR if lm.config.max_position_embeddings >= 2048 else DATA_DIR)
+        data_dir = str(SMALL_DATA_DIR if lm.model.cfg.max_position_embeddings >= 2048 else DATA_DIR)
     names = list(datasets) if datasets else harness.dataset_names(Path(data_dir), e)
     for n in names:
         harness.check_dataset(n)

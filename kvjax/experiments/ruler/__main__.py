@@ -308,7 +308,7 @@ def suite(lm, policies, out, *, lengths: list[int] | None = None, tasks: list[st
         chat = "on" if chat_template_on(lm.tokenizer, chat_template) else "off"
     except InvalidInput as err:
         raise driver.ArgumentError(str(err).replace("--chat-template", "chat_template=")) from None
-    n_pos = lm.config.max_position_embeddings
+    n_pos = lm.model.cfg.max_position_embeddings
     lengths = list(lengths or [n_pos])
     too_long = [n for n in lengths if n > n_pos]
     if too_long:
