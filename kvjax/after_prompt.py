@@ -10,6 +10,7 @@ are the methods' own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,11 +53,16 @@ class PromptPass:
         """Per layer, each slot's reconstruction score under a teacher-forced extension of the read-only `cache`
         (`kvjax.drive.replay`; `grad`: input x gradient, `kvjax.drive.grad_replay`). One compiled program per
         replay length."""
-        graphdef, state = engine.split(self.model)
+        graphdef, state = self._halves
         args = (graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(span))
         if grad:
             return grad_replay_fn.pure(*args, plan=self.plan)
         return replay_fn.pure(*args, plan=self.plan, plus=plus)
+
+    @functools.cached_property
+    def _halves(self):
+        # the model split once per prompt pass, not once per replay (a context of 4K tokens is several replays)
+        return engine.split(self.model)
 
     def resized(self, policy: Policy) -> Plan:
         """The plan of `policy` (the plan's policy changed by its hook: the gate cut to what it kept), sized as this
