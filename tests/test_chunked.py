@@ -22,7 +22,7 @@ from kvjax.policies import (
     ObservedAttention,
     PyramidKV,
     RazorAttention,
-    Recompress,
+    recompress,
     SlimKV,
     SnapKV,
     StreamingLLM,
@@ -404,15 +404,15 @@ def test_chunked_refusals():
     assert "chunk" not in make_policy("streaming", 16).describe()
 
 
-def test_recompress_keeps_the_reference_top_every_n_steps():
-    """`Recompress(SnapKV(budget=B, observation_window=W), every=N)` while decoding, against NumPy: the cache has
-    B + N slots; each time it fills (every N tokens once the first B are in), the kept set is the
+def test_decoding_keeps_the_reference_top_every_n_steps():
+    """`recompress(SnapKV(budget=B, observation_window=W), every=N)` while decoding, against NumPy: the cache has
+    B + N slots; every N decode steps (kvpress's compression interval), a cache of more than B tokens keeps the
     latest W tokens plus the B - W best by SnapKV's score, computed from the last W queries'
     attention over the slots they saw (summed over the group's heads, max-pooled over time)."""
     rng = np.random.default_rng(5)
     b, kvh, g, d, steps = 1, 2, 2, 8, 70
     B, W, N, kernel = 12, 3, 5, 3
-    policy = Recompress(scorer=SnapKV(budget=B, observation_window=W, kernel=kernel), every=N)
+    policy = recompress(SnapKV(budget=B, observation_window=W, kernel=kernel), N)
     assert policy.capacity(0, 1000) == B + N
     q = rng.normal(size=(steps, kvh * g, d)).astype(np.float32) * 2
     k = rng.normal(size=(steps, kvh, d)).astype(np.float32)
@@ -438,11 +438,11 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
             logits = np.stack([q[t, j * g + i] @ k[kept[j], j].T for i in range(g)]) * d**-0.5
             probs = np.exp(logits - logits.max(axis=1, keepdims=True))
             probs = (probs / probs.sum(axis=1, keepdims=True)).sum(axis=0)
-            if B + N - len(kept[j]) < W:
+            if (t + 1) % N > N - W or (t + 1) % N == 0:  # the last W steps of each interval of N
                 for pos_, pr in zip(kept[j], probs):
                     acc[j][pos_] = acc[j].get(pos_, 0.0) + pr
-            if len(kept[j]) == B + N:
-                full = True
+            if (t + 1) % N == 0:  # a compression: nothing to evict until the cache holds more than B
+                full |= len(kept[j]) > B
                 s = np.array([acc[j].get(x, 0.0) if x <= t - W else 0.0 for x in kept[j]])
                 pooled = [s[max(0, i - kernel // 2): i + kernel // 2 + 1].max() for i in range(len(s))]
                 window = [x for x in kept[j] if x > t - W]
@@ -452,7 +452,7 @@ def test_recompress_keeps_the_reference_top_every_n_steps():
         ours = kvcache.kept_sets((cache,))[0]
         assert ours == kept, f"step {t}"
         checked += full
-    assert checked == (steps - B) // N  # re-compressions at B + N, B + 2N, ... tokens
+    assert checked == steps // N - B // N  # compressions that evict: at 15, 20, ... tokens
 
 
 def test_agnostic_protocol_compresses_the_context_once_whatever_the_question(sharp):

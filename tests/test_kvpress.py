@@ -219,24 +219,31 @@ def distinct_pair(tmp_path_factory):
     return pt, load(path).model
 
 
-@pytest.mark.parametrize("scorer", ["knorm", pytest.param("keydiff", marks=pytest.mark.slow)])
-def test_recompress_kept_positions_match_kvpress_prefill_decoding_press(distinct_pair, scorer):
-    """`Recompress(scorer(budget=B), every=N)` against kvpress's `PrefillDecodingPress` (the scorer compresses the
-    prompt to B, then `DecodingPress(scorer, compression_interval=N, target_size=B)`): 20 tokens decoded one by one,
-    two re-compressions, the same kept positions per layer and KV head (scorers that read keys only, where the
-    two frameworks' group aggregations cannot differ)."""
+@pytest.mark.parametrize("scorer,prompt", [("knorm", "scorer"), ("knorm", "whole"),
+                                           pytest.param("keydiff", "scorer", marks=pytest.mark.slow),
+                                           pytest.param("keydiff", "whole", marks=pytest.mark.slow)])
+def test_decoding_kept_positions_match_kvpress_decoding_press(distinct_pair, scorer, prompt):
+    """`Decoding(scorer(budget=B), every=N)` against kvpress's `DecodingPress(scorer, compression_interval=N,
+    target_size=B)` (the prompt kept whole, then the whole cache compressed every N steps) and, with
+    `prompt=scorer` (`recompress`), against `PrefillDecodingPress` (the scorer compresses the prompt to B first):
+    20 tokens decoded one by one, two compressions, the same kept positions per layer and KV head (scorers that
+    read keys only, where the two frameworks' group aggregations cannot differ)."""
     from transformers import DynamicCache
 
-    from kvjax.policies import Recompress
+    from kvjax.policies import Decoding, recompress
 
     pt, model = distinct_pair
     every, steps = 8, 20
     budget = int(T * (1 - RATIO))
     press_of = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress}[scorer]
-    ours = Recompress(scorer={"knorm": KNorm, "keydiff": KeyDiff}[scorer](budget=budget), every=every)
-    press = kvpress.PrefillDecodingPress(
-        prefilling_press=press_of(compression_ratio=RATIO),
-        decoding_press=kvpress.DecodingPress(base_press=press_of(), compression_interval=every, target_size=budget))
+    ranker = {"knorm": KNorm, "keydiff": KeyDiff}[scorer](budget=budget)
+    decoding = kvpress.DecodingPress(base_press=press_of(), compression_interval=every, target_size=budget)
+    if prompt == "scorer":
+        ours = recompress(ranker, every)
+        press = kvpress.PrefillDecodingPress(prefilling_press=press_of(compression_ratio=RATIO),
+                                             decoding_press=decoding)
+    else:
+        ours, press = Decoding(scorer=ranker, every=every), decoding
     ids = np.random.RandomState(11).permutation(257)[:T + steps]  # distinct ids: no ties
 
     class Recorded(DynamicCache):
@@ -258,6 +265,7 @@ def test_recompress_kept_positions_match_kvpress_prefill_decoding_press(distinct
 
     prefill, decode = stepper(model, ours, 128 + steps)
     _, cache = prefill(*left_pad(ids[:T].tolist(), 128))
+    assert cache[0].capacity == (128 if prompt == "whole" else budget) + every  # the padded prompt or B, + N
     for t in range(T, T + steps):
         _, cache = decode(jnp.asarray([ids[t]]), jnp.asarray([t]), cache)
     our_kept = kept_sets(cache)
@@ -266,5 +274,5 @@ def test_recompress_kept_positions_match_kvpress_prefill_decoding_press(distinct
         assert fk.shape[1] == T + steps
         for h in range(fk.shape[0]):
             theirs = sorted(int(torch.where((fk[h] == row).all(-1))[0][0]) for row in ck[h])
-            assert len(theirs) == budget + steps - 2 * every  # two re-compressions, then 4 appended
-            assert our_kept[layer][h] == theirs, (scorer, layer, h)
+            assert len(theirs) == budget + steps - 2 * every  # two compressions, then 4 appended
+            assert our_kept[layer][h] == theirs, (scorer, prompt, layer, h)

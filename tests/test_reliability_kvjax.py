@@ -100,7 +100,7 @@ def _one_of_each_policy():
     """A valid instance of every policy class of kvjax.policies (the test below fails on a class missing here)."""
     from kvjax.policies import (
         H2O, KNorm, KVzip, PyramidKV, RazorAttention, SlimKV, SnapKV, TOVA, AdaKV, AnchorCache, ExpectedAttention,
-        GateEviction, KeyDiff, LocalWindow, ObservedAttention, Recompress)
+        GateEviction, KeyDiff, LocalWindow, ObservedAttention, RKV, recompress)
     from kvjax.policies.anllm import AnchorReduction
     from kvjax.policies.chunkkv import ChunkKV
     from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
@@ -120,13 +120,13 @@ def _one_of_each_policy():
             PromptStreamingLLM(budget=16), GateEviction(), H2O(budget=16, recent=4),
             KVzip(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()), AnchorCache(budget=16, anchor_slots=4),
             Quantized(FullCache(), bits=2, group=8, residual=4), CompensatedWindow(),
-            RazorAttention(retrieval=((True, False),)), Recompress(scorer=snap, every=32), FullCache(),
+            RazorAttention(retrieval=((True, False),)), recompress(snap, 32), FullCache(),
             LocalWindow(size=16), StreamingLLM(budget=16), snap,
             PyramidKV(budget=64, observation_window=4, beta=2, num_layers=2), SlimKV(budget=64),
             ObservedAttention(budget=16), TOVA(budget=16), KNorm(budget=16), ExpectedAttention(budget=16),
             KeyDiff(budget=16), AdaKV(scorer=snap), CriticalKV(scorer=snap), CriticalAdaKV(scorer=snap),
             ChunkKV(scorer=snap), KVgrad(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()),
-            KVzap(surrogate=surrogate, threshold=-4.0)]
+            KVzap(surrogate=surrogate, threshold=-4.0), RKV(budget=16)]
 
 
 def test_reliability_every_numeric_policy_option_is_finite_and_in_range():

@@ -26,7 +26,7 @@ from kvjax.policies import (
     Policy,
     PooledRule,
     Quantized,
-    Recompress,
+    recompress,
     SnapKV,
     StepOnlyWrites,
     StreamingLLM,
@@ -96,7 +96,7 @@ def test_which_rules_read_no_cached_key_in_their_step_is_their_class():
     snap = SnapKV(budget=16, observation_window=4)
     marked = [FullCache(), StreamingLLM(budget=8), LocalWindow(size=8), H2O(budget=8), snap, TOVA(budget=8),
               KVzip(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()), AdaKV(scorer=snap)]
-    unmarked = [CompensatedWindow(buffer=4, compression=2.0), Recompress(scorer=snap, every=8), GateEviction(),
+    unmarked = [CompensatedWindow(buffer=4, compression=2.0), recompress(snap, 8), GateEviction(),
                 AnchorCache(budget=16, anchor_slots=4)]
     assert [type(r).__name__ for r in marked if not isinstance(r, StepOnlyWrites)] == []
     assert [type(r).__name__ for r in unmarked if isinstance(r, StepOnlyWrites)] == []

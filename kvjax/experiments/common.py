@@ -23,7 +23,7 @@ from kvjax.policies import (
     REGISTRY,
     Policy,
     Quantized,
-    Recompress,
+    recompress,
 )
 from kvjax.policies.scored import ScoredPolicy
 from kvjax.values import (  # noqa: F401  (re-exported: the option types every suite's flags use)
@@ -388,21 +388,22 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
     per_policy = refuse_unused(args, names, options)
     check_modes(args, names, options)
     quantize = quantizer(args)
-    out = []
+    out, wrapped = [], False
     for n, kw in zip(names, per_policy):
         where = f"--policy {n}"
         try:
             policy = driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
                                          chat=getattr(args, "replay_chat", False))
             if getattr(args, "recompress_every", None) and isinstance(policy, ScoredPolicy):
-                policy = Recompress(scorer=policy, every=args.recompress_every)
+                policy = recompress(policy, args.recompress_every)
+                wrapped = True
             if getattr(args, "kv_bits", None) is not None:
                 where += f" with --kv-bits {args.kv_bits}"  # a refusal of the quantized cache names its flag
             out.append(quantize(policy))
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
             raise InvalidInput(f"{where}: {_as_flags(str(err))}") from None
-    if getattr(args, "recompress_every", None) and not any(isinstance(p, Recompress) for p in out):
+    if getattr(args, "recompress_every", None) and not wrapped:
         raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
                            "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
     return out

@@ -180,6 +180,13 @@ class ScoredPolicy(LayerPolicy, ChunkRule, AppendsWhileDecoding):
         pos = ctx.pos
         return kvcache.append(cache, k, v, pos)  # capacity() reserved a slot per new token
 
+    def count_query(self, probs, real, past):
+        """What one decode query adds to each slot's count when `Decoding` ranks the cache by this rule (`probs`:
+        its probabilities over the slots, summed over the KV group; `real`: the slots holding a token; `past`: the
+        slots older than the window the next compression keeps): its probabilities, as a prompt's query gives them."""
+        del real, past
+        return probs
+
     def _prefix_only(self, s, pos):
         """Zeroes scores of padding and of the window before pooling (kvpress scores the prefix only).
         `pos`: `[b, t]` (a prompt) or `[b, kvh, t]` (a chunked prefill's slots)."""
