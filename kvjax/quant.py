@@ -32,7 +32,7 @@ from the view. A slot's codes are the same when its group's members are unchange
 values is exact: the group's minimum and maximum are codes 0 and 2^bits - 1), so a prefill-then-append
 policy (SnapKV & co, the full cache) sees KIVI's codes: a key group fills while its tokens are in the
 residual (R >= G) and is quantized from full precision. A policy that writes a token into a slot of an
-older key group (a ring buffer, H2O, TOVA, MAT), or moves slots (Recompress), requantizes that group from
+older key group (a ring buffer, H2O, TOVA, MAT), or moves slots (Decoding), requantizes that group from
 its members' dequantized values: if the new token widens the group's range, the older members are rounded
 a second time. With R = 0 a key group is quantized as it fills, each new member rounding the others again.
 The prompt's own attention (prefill_mode "full") is in full precision, as in KIVI; a streamed prompt attends

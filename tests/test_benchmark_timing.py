@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import quant, timing
 from kvjax import cli
+from kvjax import machine as machine_module
 
 
 def test_a_spread_is_its_median_and_range_and_a_rate_inverts_it():
@@ -125,11 +126,11 @@ BogoMIPS\t: 2000.00
 def test_a_timing_names_the_machine_it_ran_on(monkeypatch):
     """Compile seconds and timings compare only on one machine (kvjax's tables have come from VMs whose matmuls
     differ 2x), so every table names it: the model name with its family and model numbers, and the cores."""
-    monkeypatch.setattr(timing, "cores", lambda: 2)
+    monkeypatch.setattr("kvjax.machine.cores", lambda: 2)
     assert timing.machine(CPUINFO) == "AMD EPYC 9B14 (family 25, model 17), 2 cores"
     # Arm's cpuinfo has no model name: the architecture's name with the implementer and part codes
-    monkeypatch.setattr(timing.platform, "processor", lambda: "")
-    monkeypatch.setattr(timing.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(machine_module.platform, "processor", lambda: "")
+    monkeypatch.setattr(machine_module.platform, "machine", lambda: "aarch64")
     assert timing.machine(ARM_CPUINFO) == "aarch64 (implementer 0x41, part 0xd4f), 2 cores"
     assert timing.machine("") == "aarch64, 2 cores"  # no cpuinfo (not Linux): Python's name for the processor
 

@@ -91,7 +91,7 @@ def test_a_pooled_rule_is_one_by_its_class():
 
 def test_which_rules_read_no_cached_key_in_their_step_is_their_class():
     """`StepOnlyWrites` marks the rules whose `step` only writes the new token, which a quantized cache decodes
-    from its codes; RazorAttention's compensation token (it averages evicted keys), Recompress, MAT and the gate
+    from its codes; RazorAttention's compensation token (it averages evicted keys), Decoding, MAT and the gate
     read or keep what the rule computes from the cache, and are not marked."""
     snap = SnapKV(budget=16, observation_window=4)
     marked = [FullCache(), StreamingLLM(budget=8), LocalWindow(size=8), H2O(budget=8), snap, TOVA(budget=8),

@@ -23,6 +23,7 @@ from kvjax.policies import (
     REGISTRY,
     Policy,
     Quantized,
+    Decoding,
     recompress,
 )
 from kvjax.policies.scored import ScoredPolicy
@@ -394,6 +395,9 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
         try:
             policy = driver.build_policy(n, budget, kw, num_layers=num_layers, model_dir=model_dir,
                                          chat=getattr(args, "replay_chat", False))
+            if getattr(args, "recompress_every", None) and isinstance(policy, Decoding):
+                raise InvalidInput(f"--recompress-every {args.recompress_every}: it compresses while decoding on its "
+                                   "own schedule (--decode-slots)")
             if getattr(args, "recompress_every", None) and isinstance(policy, ScoredPolicy):
                 policy = recompress(policy, args.recompress_every)
                 wrapped = True
@@ -402,7 +406,7 @@ def policies_from_args(args: argparse.Namespace, names: list[str], num_layers: i
             out.append(quantize(policy))
         except InvalidInput as err:
             # The policy names its parameters (budget=8); on the command line they are flags (--budget 8).
-            raise InvalidInput(f"{where}: {_as_flags(str(err))}") from None
+            raise InvalidInput(f"{where}: {_as_flags(str(err), n)}") from None
     if getattr(args, "recompress_every", None) and not wrapped:
         raise InvalidInput(f"--recompress-every {args.recompress_every}: no policy of {','.join(names)} compresses a "
                            "prompt by scores (snapkv, pyramidkv, slimkv, tova, knorm, h2o-prefill)")
@@ -486,9 +490,12 @@ def parse_ratios(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--ratios sets each policy's size: leave out --budget and --ratio")
 
 
-def _as_flags(message: str) -> str:
-    """A policy's parameters in `message` as the command line's flags (`every=` is --recompress-every)."""
-    return driver.as_flags(message, {*POLICY_OPTIONS, "budget", "recompress_every"}, {"every": "recompress_every"})
+def _as_flags(message: str, name: str | None = None) -> str:
+    """A policy's parameters in `message` as the command line's flags (`every=` is --recompress-every, or
+    --decode-slots for a method that compresses while decoding on its own schedule, R-KV and TriAttention)."""
+    own = name is not None and "decode_slots" in REGISTRY[name].options
+    every = "decode_slots" if own else "recompress_every"
+    return driver.as_flags(message, {*POLICY_OPTIONS, "budget", "recompress_every"}, {"every": every})
 
 
 def attach_gate_params(args: argparse.Namespace, lm) -> None:

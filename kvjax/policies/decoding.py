@@ -43,17 +43,20 @@ from kvjax.policies.options import Option
 from kvjax.policies.scored import ScoredPolicy
 from kvjax.stats import AttentionStats, RuleStats, StatsRequest
 
-WHEN = ("interval", "full")
-DECODE_SLOTS = Option(help="decode slots beyond the budget: when the cache holds budget + buffer tokens it is "
-                           "compressed back to the budget (R-KV's buffer, TriAttention's divide_length)",
+WHEN = ("interval", "full", "length")
+DECODE_SLOTS = Option(help="decode slots beyond the budget: the cache holds at most budget + this many tokens and is "
+                           "compressed back to the budget as it reaches them (R-KV's and TriAttention's "
+                           "divide_length)",
                       type=values.positive_int)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Decoding(Policy, ChunkRule):
-    """`scorer` ranks the cache every `every` decode steps and keeps its budget; `prompt` compresses the prompt
-    first (None: kept whole); `when` says what `every` counts (the module docstring says how, and where it differs
-    from kvpress)."""
+    """`scorer` ranks the cache and keeps its budget B; `prompt` compresses the prompt first (None: kept whole).
+    `every` is N in `when`'s trigger: `"interval"`, every N decode steps since the last compression (kvpress);
+    `"full"`, when the cache holds B + N tokens (N is slack in slots, TriAttention's); `"length"`, when the sequence
+    length is a multiple of N and the cache holds at least B (R-KV's reference). The module docstring says how, and
+    where it differs from kvpress."""
 
     scorer: ScoredPolicy
     every: int
@@ -73,6 +76,10 @@ class Decoding(Policy, ChunkRule):
             raise InvalidInput(f"Decoding: when={self.when!r}; expected one of {WHEN}")
         if self.every < 1:
             raise InvalidInput(f"Decoding: every={self.every} must be >= 1")
+        wanted = self.scorer.stats(0).prefill
+        if wanted.query_moments or wanted.out_norms or wanted.hidden:
+            raise InvalidInput(f"Decoding: scorer={self.scorer.describe()} reads statistics of a whole prompt (its "
+                               "queries' moments, output norms or hidden states) that decoding does not hand over")
         if self.every < self.scorer.observation_window:
             raise InvalidInput(f"Decoding: every={self.every} is shorter than the scorer's observation_window="
                                f"{self.scorer.observation_window}: the scorer's last queries are the last ones "
@@ -133,6 +140,10 @@ class Decoding(Policy, ChunkRule):
         return RuleStats(prefill=prefill, decode=StatsRequest(probs=True))
 
     def prefill(self, layer, cache, k, v, ctx, stats):
+        room = 1 if self.when == "full" else self.every
+        if self.prompt is None and k.shape[2] + room > cache.capacity:  # a plan sized for a shorter prompt
+            raise InvalidInput(f"Decoding: a prompt of {k.shape[2]} tokens (padded) in {cache.capacity} slots; it is "
+                               f"kept whole, so the plan must be sized for it (Plan.sized(max_len, prompt_len))")
         if self.prompt is not None:
             return self.prompt.prefill(layer, cache, k, v, ctx, stats)
         real = jnp.broadcast_to(ctx.pos[:, None, :] >= 0, k.shape[:3])
@@ -150,9 +161,14 @@ class Decoding(Policy, ChunkRule):
         """`[b, kvh, 1]`: decode steps left before the next compression, this one's token appended."""
         if self.when == "full":
             held = jnp.sum(cache.pos >= 0, axis=-1, keepdims=True)
-            target = int(self.scorer.keep_count(layer, np.asarray(2**30)))  # a long sequence's (PyramidKV's per layer)
-            return jnp.maximum(target + self.every - held, 0)
+            return jnp.maximum(self._keeps(layer, pos) + self.every - held, 0)
+        if self.when == "length":
+            return (-pos[:, None, None]) % self.every  # the current token's position is a multiple of N
         return jnp.maximum(self.every - cache.state["steps"][..., None].astype(jnp.int32), 0)
+
+    def _keeps(self, layer, pos):
+        """`[b, 1, 1]`: what a compression keeps now (the scorer's budget; PyramidKV's per layer and length)."""
+        return self.scorer.keep_count(layer, (pos + 1)[:, None, None])
 
     def _counted(self, layer) -> int | None:
         """How many decode queries before a compression have their attention counted (the scorer's observation
@@ -170,6 +186,8 @@ class Decoding(Policy, ChunkRule):
         counts = live & (cache.pos >= 0) & (True if counted is None else left < counted)
         cache = kvcache.with_state(cache, attention=cache.state["attention"] + jnp.where(counts, add, 0.0))
         due = (left == 0) & live
+        if self.when == "length":  # the reference compresses a cache that holds at least its budget
+            due &= jnp.sum(cache.pos >= 0, axis=-1, keepdims=True) >= self._keeps(layer, pos)
         # The ranking runs only on the steps where some row is due (one in `every`), not on every step.
         return jax.lax.cond(jnp.any(due), lambda c: kvcache.select(due, self._compress(layer, c, pos), c),
                             lambda c: c, cache)
@@ -183,7 +201,7 @@ class Decoding(Policy, ChunkRule):
         stats = AttentionStats(colsum=acc[:, :, :, 0], last_probs={w: acc, 1: acc} if w else {1: acc})
         score = self.scorer.score(layer, c.k, c.v, c.pos, stats)
         latest = real & (c.pos > (pos - w)[:, None, None])  # always kept
-        keep = kvcache.keep_top(score, real, latest, self.scorer.keep_count(layer, (pos + 1)[:, None, None]))
+        keep = kvcache.keep_top(score, real, latest, self._keeps(layer, pos))
         kept = kvcache.take_slots(c, kvcache.compact(keep, cache.capacity))
         return kvcache.with_state(kept, attention=0.0, steps=0.0)  # the next count starts afresh
 

@@ -12,8 +12,11 @@ Zefan-Cai/R-KV `rkv/compression/r1_kv.py` and `rkv/utils.py`):
   key's redundancy is its column's mean over the L keys, then a softmax over the L keys.
 
 The w latest tokens are always kept, then the `budget - w` best scores per KV head. The prompt is compressed the same
-way when it is longer than the budget; while decoding the cache holds `budget + decode_slots` tokens (the reference's
-buffer) and is compressed back to the budget when full (`Decoding(when="full")`; the reference's serving path).
+way when it is longer than the budget; while decoding, the cache is compressed back to the budget whenever the
+sequence's length is a multiple of `decode_slots` (the reference's `divide_length`, 128) and it holds at least the
+budget (`Decoding(when="length")`: the reference's `modeling.py` with `divide_method="step_length"`), so it never
+holds more than `budget + decode_slots` tokens. `mix_lambda` is 0.07, the reference's `R1KV` default (its newer
+serving scripts pass 0.1).
 
 Where kvjax differs from the reference: the KV group's query heads. The reference takes the max of the group's
 logits before the softmax; kvjax's attention hands a rule each query's probabilities summed over the group (the
@@ -44,7 +47,7 @@ class RKV(ScoredPolicy):
 
     observation_window: int = observation_window_option(8)
     kernel: int = option(7, type=values.odd_positive_int, help="pooling kernel over positions, odd (kvpress: 5)")
-    mix_lambda: float = option(0.1, type=values.probability,
+    mix_lambda: float = option(0.07, type=values.probability,
                                help="R-KV: the weight of importance against redundancy (the reference's mix_lambda)")
     threshold: float = 0.5  # the reference's similarity above which a later key is a key's duplicate (hard-coded)
     chunk_refusal = "its redundancy compares every pair of the cache's keys, a whole prompt's"
@@ -52,6 +55,8 @@ class RKV(ScoredPolicy):
     def __post_init__(self):
         if self.prefill_mode == "chunked":
             raise InvalidInput(f"RKV cannot run prefill_mode='chunked': {self.chunk_refusal}")
+        if self.positions != "absolute":
+            raise InvalidInput("RKV: positions must be 'absolute': its similarities are of keys after RoPE, as cached")
         super().__post_init__()
 
     def stats(self, layer):
@@ -99,11 +104,11 @@ class RKV(ScoredPolicy):
 
 
 def rkv(budget, observation_window=None, kernel=None, mix_lambda=None, decode_slots=128) -> Decoding:
-    """R-KV as its reference runs it: the prompt compressed to `budget` when longer, then `budget + decode_slots` slots
-    compressed back to the budget when full."""
+    """R-KV as its reference runs it: the prompt compressed to `budget` when longer, then the cache compressed back to
+    the budget whenever the length is a multiple of `decode_slots` (at most `budget + decode_slots` slots)."""
     scorer = class_builder(RKV)(budget, **given(observation_window=observation_window, kernel=kernel,
                                                 mix_lambda=mix_lambda))
-    return Decoding(scorer=scorer, every=decode_slots, prompt=scorer, when="full")
+    return Decoding(scorer=scorer, every=decode_slots, prompt=scorer, when="length")
 
 
 register("rkv", build=rkv, classes=(RKV,), options={"decode_slots": DECODE_SLOTS}, paper="Cai et al. 2025 (R-KV)",
