@@ -100,7 +100,7 @@ def _one_of_each_policy():
     """A valid instance of every policy class of kvjax.policies (the test below fails on a class missing here)."""
     from kvjax.policies import (
         H2O, KNorm, KVzip, PyramidKV, RazorAttention, SlimKV, SnapKV, TOVA, AdaKV, AnchorCache, ExpectedAttention,
-        GateEviction, KeyDiff, LocalWindow, ObservedAttention, RKV, recompress)
+        GateEviction, KeyDiff, LocalWindow, ObservedAttention, RKV, DMS, recompress)
     from kvjax.policies.anllm import AnchorReduction
     from kvjax.policies.chunkkv import ChunkKV
     from kvjax.policies.compose import ByLayer, HeadSplit, PerLayer
@@ -112,7 +112,12 @@ def _one_of_each_policy():
     from kvjax.policies.razor import CompensatedWindow
     from kvjax.surrogate import Surrogate
 
+    from kvjax.policies.triattention import QueryCentres, TriAttention
+
     snap = SnapKV(budget=64)
+    z = np.zeros((2, 2, 4), np.float32)
+    centres = QueryCentres(mean_re=z, mean_im=z, abs_mean=z, omega=np.ones((2, 4), np.float32),
+                           scale=np.ones(2, np.float32))
     surrogate = Surrogate("linear", ({"w": np.zeros((4, 1)), "b": np.zeros(1)},))
     return [AnchorReduction(anchor_ids=(5,)), ByLayer(split=1, shallow=StreamingLLM(budget=16), deep=FullCache()),
             PerLayer(layers=(FullCache(), FullCache())), HeadSplit(layers=((((0,), FullCache()), ((1,), snap)),)),
@@ -126,7 +131,8 @@ def _one_of_each_policy():
             ObservedAttention(budget=16), TOVA(budget=16), KNorm(budget=16), ExpectedAttention(budget=16),
             KeyDiff(budget=16), AdaKV(scorer=snap), CriticalKV(scorer=snap), CriticalAdaKV(scorer=snap),
             ChunkKV(scorer=snap), KVgrad(ratio=0.5, repeat_ids=(1,), continue_ids=(2,), suffix_ids=()),
-            KVzap(surrogate=surrogate, threshold=-4.0), RKV(budget=16)]
+            KVzap(surrogate=surrogate, threshold=-4.0), RKV(budget=16),
+            DMS(scorer=KNorm(ratio=0.0), threshold=-1.0), TriAttention(budget=256, centres=centres)]
 
 
 def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
@@ -153,7 +159,7 @@ def test_reliability_every_numeric_policy_option_is_finite_and_in_range():
         f"kvjax.policies.{m.name}")).values() if inspect.isclass(c) and issubclass(c, Policy)
         and dataclasses.is_dataclass(c) and c.__module__.startswith("kvjax.policies.")}
     abstract = {c for c in classes if not any(isinstance(s, c) for s in samples)}
-    assert {c.__name__ for c in abstract} <= {"RingPolicy", "ScoredPolicy"}, abstract  # base classes only
+    assert {c.__name__ for c in abstract} <= {"RingPolicy", "ScoredPolicy", "DelayedEviction"}, abstract  # bases
     checked = 0
     for policy in samples:
         for field in dataclasses.fields(policy):

@@ -1,6 +1,6 @@
 """TriAttention's query centres of a model, written to a file for `--policy triattention --centres FILE`.
 
-    python -m kvjax.experiments.calibrate_triattention [--model DIR] --out centres.npz [--text FILE] [--tokens 4096]
+    python -m kvjax.experiments.calibrate_triattention [--model DIR] --out centres.npz [--text FILE] [--tokens N]
 
 One forward pass over a calibration text (default: the training half of the English documentation every Python
 installation has, `kvjax.experiments.corpus`, never a suite's held-out prompts) records, per layer and query head, the
@@ -55,13 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help=model_help("the embedded default model"))
     p.add_argument("--out", required=True, help="the centres file to write (.npz)")
     p.add_argument("--text", help="a UTF-8 text file to calibrate on (default: the corpus' training documentation)")
-    p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (the text's first)")
+    p.add_argument("--tokens", type=positive_int,
+                   help="calibration tokens (the text's first); default 4096, or the model's context if shorter")
     add_run_args(p)
     args = p.parse_args(argv)
     lm = suite_model(args)
-    if args.tokens > lm.model.cfg.max_position_embeddings:
-        p.error(f"--tokens {args.tokens} exceeds the model's max_position_embeddings="
-                f"{lm.model.cfg.max_position_embeddings}")
+    context = lm.model.cfg.max_position_embeddings
+    args.tokens = args.tokens or min(4096, context)
+    if args.tokens > context:
+        p.error(f"--tokens {args.tokens} exceeds the model's max_position_embeddings={context}")
     ids = driver.call(p, calibration_ids, lm.tokenizer, args.text, args.tokens)
     centres = driver.call(p, write, lm.model, ids, args.out)
     print(f"wrote {args.out}: {centres!r}, {len(ids)} calibration tokens, {centres.mean_re.shape[0]} layers x "

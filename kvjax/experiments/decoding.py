@@ -36,9 +36,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 
+from kvjax import cache as kvcache
 from kvjax import fidelity, generate
 from kvjax.cli import HelpFormatter
 from kvjax.errors import InvalidInput
@@ -99,9 +99,14 @@ def policy_at(name: str, slots: int, decode_slots: int, centres: QueryCentres | 
 
 
 def nbytes(cache) -> tuple[int, int]:
-    """(K and V bytes, all bytes) of a cache's arrays: what it holds, by `nbytes`."""
-    kv = sum(x.nbytes for layer in cache for x in (layer.k, layer.v))
-    return int(kv), int(sum(x.nbytes for x in jax.tree.leaves(cache)))
+    """(K and V bytes, all bytes) of a cache's arrays (`kvjax.cache.nbytes`): what it allocates, not only its slots
+    holding a token. A head-wise or quantized cache (no `k` / `v` of its own) counts its groups' or codes' arrays."""
+    total = kvcache.nbytes(cache)
+    try:
+        kv = sum(x.nbytes for layer in cache for x in (layer.k, layer.v))
+    except AttributeError:
+        kv = total
+    return int(kv), int(total)
 
 
 def measure(lm, prompt, reference, policy, new: int) -> dict:

@@ -26,51 +26,27 @@ DMS's sparse prefill is another method.
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
 
 import jax.numpy as jnp
 
-from kvjax import cache as kvcache
-from kvjax.cache import EMPTY, SLOT, LayerCache
 from kvjax.errors import InvalidInput
-from kvjax import values
-from kvjax.policies.base import LayerPolicy, StepOnlyWrites
-from kvjax.policies.options import Option, given, option, register
+from kvjax.policies.delayed import DelayedEviction
+from kvjax.policies.options import Option, given, register
 from kvjax.stats import RuleStats, StatsRequest
 from kvjax.surrogate import Surrogate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVzap(LayerPolicy, StepOnlyWrites):
+class KVzap(DelayedEviction):
     """Evicts each pair the `surrogate` scores below `threshold` once it is older than the `window` most recent
     tokens (DMSPress's `sliding_window_size`, 128); `decoding`: also while decoding. See the module."""
 
     surrogate: Surrogate
-    threshold: float = option(type=values.finite_float,
-                              help="KVzap: pairs the surrogate scores below this (a log KVzip+ score) are evicted once "
-                                   "they leave the sliding window; no default (the share evicted depends on it and on "
-                                   "the text)")
-    window: int = option(128, flag="--dms-window", type=values.nonnegative_int,
-                         help="KVzap: the most recent tokens, never evicted (DMSPress's sliding_window_size)")
-    decoding: bool = option(False, flag="--kvzap-decoding", const=True,
-                            help="KVzap: also evict while decoding (DMSPress's decoding=True; the question of the "
-                                 "question-agnostic protocol is read as decoded tokens): a different method from the "
-                                 "default, which compresses the prompt only")
-    cache_state = MappingProxyType({"score": SLOT})  # each slot's surrogate score, judged when it leaves the window
-    evicts_while_decoding = False  # fed token by token it would judge nothing of the prompt (a stream is refused)
-    chunk_refusal = ("DMS's prefill here is dense: the whole prompt attends, then its pairs are judged (a chunked "
-                     "prefill would be DMS's sparse prefill, another method)")
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.surrogate, Surrogate):
             raise InvalidInput(f"KVzap: surrogate must be a kvjax.surrogate.Surrogate, not {type(self.surrogate)}")
-        if self.window < 0:
-            raise InvalidInput(f"KVzap: window={self.window} must be >= 0")
-        if self.prefill_mode != "full":
-            raise InvalidInput(f"KVzap cannot run prefill_mode={self.prefill_mode!r}: {self.chunk_refusal}")
-        if self.positions != "absolute":
-            raise InvalidInput("KVzap: positions must be 'absolute' (its slots are judged by position)")
 
     def check(self, num_layers, num_kv_heads=None):
         s = self.surrogate
@@ -78,44 +54,20 @@ class KVzap(LayerPolicy, StepOnlyWrites):
             raise InvalidInput(f"KVzap: the surrogate has {s.num_layers} layers of {s.kv_heads} KV heads; the model "
                                f"has {num_layers}" + ("" if num_kv_heads is None else f" of {num_kv_heads}"))
 
-    def capacity(self, layer, max_len, prompt_len=0):
-        return max_len  # a slot for every token: evictions empty slots (see the module)
-
     def layer_key(self, layer):
         return layer  # each layer has its own surrogate weights
 
-    def _scores(self, layer, ctx):
+    def token_scores(self, layer, k, v, ctx):
         if ctx.hidden is None:
             raise InvalidInput(f"{self.describe()} scores each pair from the layer's attention input, and this model "
                                "gives none: pass hidden (the attention's input) to kvjax.layer.attend")
         if ctx.hidden.shape[-1] != self.surrogate.input_dim:
             raise InvalidInput(f"KVzap: the surrogate reads inputs of {self.surrogate.input_dim}; the model's "
                                f"attention input has {ctx.hidden.shape[-1]}")
-        return self.surrogate.scores(layer, ctx.hidden)
-
-    def prefill(self, layer, cache: LayerCache, k, v, ctx, stats) -> LayerCache:
-        score = jnp.moveaxis(self._scores(layer, ctx), -1, 1)  # [b, kvh, t]
-        pos = ctx.pos
-        last = jnp.max(pos, axis=1, keepdims=True)  # [b, 1]: each row's newest position
-        judged = (pos >= 0) & (pos <= last - self.window)  # left the window
-        keep = (pos >= 0)[:, None, :] & ~(judged[:, None, :] & (score < self.threshold))
-        return kvcache.gather_prompt(cache, k, v, pos, kvcache.compact(keep, cache.capacity), state={"score": score})
-
-    def step(self, layer, cache: LayerCache, k, v, ctx) -> LayerCache:
-        if not self.decoding:
-            return kvcache.append(cache, k, v, ctx.pos)
-        slot = jnp.argmax(cache.pos == EMPTY, axis=-1)
-        return kvcache.write(cache, slot, k, v, ctx.pos, state={"score": self._scores(layer, ctx)})
+        return jnp.moveaxis(self.surrogate.scores(layer, ctx.hidden), -1, 1)  # [b, kvh, (t)]
 
     def stats(self, layer):
         return RuleStats(prefill=StatsRequest(hidden=True))  # the surrogate scores the prompt's attention input
-
-    def observe(self, layer, cache: LayerCache, ctx, stats) -> LayerCache:
-        if not self.decoding:
-            return cache
-        leaving = (ctx.pos - self.window)[:, None, None]  # [b, 1, 1]: the token this step moves out of the window
-        gone = (cache.pos == leaving) & (leaving >= 0) & (cache.state["score"] < self.threshold)
-        return dataclasses.replace(cache, pos=jnp.where(gone, EMPTY, cache.pos))
 
     def describe(self) -> str:
         return (f"KVzap(surrogate={self.surrogate!r}, threshold={self.threshold!r}, window={self.window}, "
@@ -129,7 +81,7 @@ SURROGATE = Option(help="KVzap: its surrogate, a directory written by python -m 
                         "ships SmolLM2's and kvjax-small's under kvjax/models/kvzap/)")
 
 
-def _kvzap(budget, kvzap=None, threshold=None, dms_window=None, kvzap_decoding=None) -> KVzap:
+def _kvzap(budget, kvzap=None, threshold=None, dms_window=None, dms_decoding=None) -> KVzap:
     if kvzap is None:
         raise InvalidInput("KVzap scores pairs with a trained surrogate: give its directory (--kvzap DIR, written by "
                            "python -m kvjax.experiments.train_kvzap)")
@@ -139,7 +91,7 @@ def _kvzap(budget, kvzap=None, threshold=None, dms_window=None, kvzap_decoding=N
 
     surrogate = kvzap if isinstance(kvzap, Surrogate) else load(kvzap)[0]
     return KVzap(surrogate=surrogate, threshold=threshold,
-                 **given(window=dms_window, decoding=None if kvzap_decoding is None else bool(kvzap_decoding)))
+                 **given(window=dms_window, decoding=None if dms_decoding is None else bool(dms_decoding)))
 
 
 register("kvzap", build=_kvzap, classes=(KVzap,), options={"kvzap": SURROGATE}, budget=False, paper="Jegou et al. 2026",
