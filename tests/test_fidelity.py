@@ -19,15 +19,10 @@ T, STEPS, BUDGET, EVERY = 60, 30, 40, 8
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.conftest import hf_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
-                      attn_implementation="eager")
-    pt = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("fidelity")
-    pt.save_pretrained(path)
+    pt, path = hf_llama(tmp_path_factory.mktemp("fidelity"), init_range=0.2, vocab_size=257,
+                        attn_implementation="eager")
     return pt, load(path).model
 
 
