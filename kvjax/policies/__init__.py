@@ -45,8 +45,8 @@ from kvjax.policies.plan import Group, LayerPlan, Plan, resolve
 from kvjax.policies.quantized import Quantized
 from kvjax.policies.razor import CompensatedWindow, RazorAttention, razor_from_heads
 from kvjax.policies.decoding import Decoding, recompress
-from kvjax.policies.rkv import RKV, rkv
-from kvjax.policies.triattention import QueryCentres, TriAttention, triattention
+from kvjax.policies.rkv import RKV
+from kvjax.policies.triattention import QueryCentres, TriAttention
 from kvjax.policies.ring import FullCache, LocalWindow, StreamingLLM
 from kvjax.policies.scored import (
     TOVA,
@@ -97,7 +97,7 @@ def make_policy(name: str, budget: int | None = None, **given) -> Policy:
 __all__ = [
     "AdaKV", "AnchorCache", "AppendsWhileDecoding", "ByHead", "ByLayer", "ChunkKV", "ChunkRule", "CompensatedWindow", "Context", "DuoAttention", "DuoAttentionOnce", "ExpectedAttention", "GateEviction", "HeadSplit", "PromptStreamingLLM", "KeepsEveryToken", "RazorAttention", "ReadsTokens", "by_head",
     "razor_from_heads", "EVERY_LAYER", "FullCache", "H2O", "KNorm", "KVgrad", "KVzip", "KeyDiff", "LayerPolicy", "LocalWindow",
-    "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Decoding", "recompress", "RKV", "rkv", "DMS", "QueryCentres", "TriAttention", "triattention", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
+    "ObservedAttention", "PerLayer", "Plan", "LayerPlan", "Group", "resolve", "Policy", "PooledRule", "PromptMasking", "PyramidKV", "Quantized", "REGISTRY", "Decoding", "recompress", "RKV", "DMS", "QueryCentres", "TriAttention", "Rule", "SlimKV", "SnapKV", "StepOnlyWrites", "StreamingLLM", "TOVA",
     "by_layer", "default_shallow_layers", "duo_from_pattern", "streaming_heads", "grid_search_anchors", "make_policy", "mat", "mat_with_anchor", "on_windows",
     "mat_with_sink", "reduces_to",
     "CriticalAdaKV", "CriticalKV", "KVzap",
