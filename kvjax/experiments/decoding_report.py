@@ -40,6 +40,20 @@ def _verdict(label: str, rows: dict[int, dict], base: dict[int, dict] | None, fu
     return f"**{verdicts.verdict(diff, se, n)}** ({verdicts.evidence(diff, se, paired=True, n=n, of='prompts', digits=4)})"
 
 
+def _small_sample(records: list[dict]) -> str:
+    """What the verdicts' cut means at this many prompts: the rule's 2 s.e. against Student's t with n - 1 degrees of
+    freedom, which a paired mean over n prompts strictly calls for."""
+    from scipy import stats
+
+    n = min((len(rows) for rows in _by(records).values()), default=0)
+    if n < 2:
+        return "One prompt per policy: no standard error, every verdict inconclusive."
+    return (f"Verdicts: the project's rule (beyond {verdicts.SE_MULTIPLE} s.e., paired over {n} prompts, each prompt's "
+            f"steps one cluster). With {n} prompts Student's t ({n - 1} degrees of freedom) would need "
+            f"{stats.t.ppf(0.975, n - 1):.2f} s.e. for the same 5 % two-sided: read a verdict between the two as "
+            "inconclusive.")
+
+
 def table(records: list[dict]) -> tuple[str, dict]:
     """(markdown, summary): per ratio, each policy's mean KL and NLL over its prompts (± their standard error), the
     tokens its greedy output agrees with the full cache's (median), KV bytes held, decode tok/s and the verdict of
@@ -51,7 +65,9 @@ def table(records: list[dict]) -> tuple[str, dict]:
     lines = [f"Timings (tok/s) on {', '.join(machines)}. KL(p_full || p_policy) per step, teacher-forced on the full "
              "cache's greedy continuation; NLL gap = the policy's NLL of that continuation minus the full cache's; "
              "agree = tokens the policy's own greedy output matches before it first differs (median over prompts); "
-             "KV held = the cache's K and V bytes over the full cache's.", ""]
+             "KV held = the cache's K and V bytes over the full cache's. tok/s: one generation per prompt (the median "
+             "of the prompts'), no repeats and no ceilings beside it: a rough figure, not a benchmark (`benchmarks/`).",
+             "", _small_sample(records), ""]
     summary: dict = {}
     for ratio in [None, *ratios]:
         labels = [lab for lab in by if by[lab][next(iter(by[lab]))]["ratio"] == ratio]
